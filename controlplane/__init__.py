@@ -1,0 +1,1 @@
+"""Better Compute control plane: admits and places GPU reservations in PostgreSQL."""

@@ -1,0 +1,1 @@
+"""The tenant gRPC API: interceptor, conversions and thin servicers."""

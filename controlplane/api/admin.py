@@ -1,0 +1,80 @@
+"""Servicer for the Admin service: root only; each method calls one domain function."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from bettercompute.v1 import admin_pb2 as pb
+from bettercompute.v1 import admin_pb2_grpc as rpc
+from controlplane import admin
+from controlplane.api import convert
+from controlplane.api.interceptor import caller
+from controlplane.runtime import Runtime
+
+Ctx = grpc.aio.ServicerContext
+
+
+def _root() -> None:
+    caller().require_root()
+
+
+def _plain(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True)
+
+
+class AdminServicer(rpc.AdminServicer):
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    async def CreateTenant(self, request: pb.CreateTenantRequest, context: Ctx) -> pb.Tenant:
+        _root()
+        row = await admin.create_tenant(self.rt, request.id, request.name)
+        return pb.Tenant(id=row["id"], name=row["name"])
+
+    async def CreateIdentity(self, request: pb.CreateIdentityRequest, context: Ctx) -> pb.Identity:
+        _root()
+        return convert.identity(await admin.create_identity(self.rt, _plain(request)))
+
+    async def CreateToken(self, request: pb.CreateTokenRequest, context: Ctx) -> pb.Token:
+        _root()
+        return pb.Token(**await admin.create_token(self.rt, request.identity_id))
+
+    async def CreatePool(self, request: pb.CreatePoolRequest, context: Ctx) -> pb.Pool:
+        _root()
+        return convert.pool(await admin.create_pool(self.rt, _plain(request)))
+
+    async def OfferPool(self, request: pb.OfferPoolRequest, context: Ctx) -> pb.Pool:
+        _root()
+        return convert.pool(await admin.offer_pool(self.rt, request.pool_id, request.tenant_id))
+
+    async def ListPools(self, request: pb.ListPoolsRequest, context: Ctx) -> pb.ListPoolsResponse:
+        _root()
+        return pb.ListPoolsResponse(
+            items=[convert.pool(r) for r in await admin.list_pools(self.rt, request.owner_tenant_id)]
+        )
+
+    async def RegisterNode(self, request: pb.RegisterNodeRequest, context: Ctx) -> pb.Node:
+        _root()
+        return convert.node(await admin.register_node(self.rt, _plain(request)))
+
+    async def SetNodeState(self, request: pb.SetNodeStateRequest, context: Ctx) -> pb.Node:
+        _root()
+        return convert.node(await admin.set_node_state(self.rt, request.node_id, request.state))
+
+    async def ListNodes(self, request: pb.ListNodesRequest, context: Ctx) -> pb.ListNodesResponse:
+        _root()
+        return pb.ListNodesResponse(items=[convert.node(r) for r in await admin.list_nodes(self.rt, request.pool_id)])
+
+    async def SetQuota(self, request: pb.SetQuotaRequest, context: Ctx) -> pb.Quota:
+        _root()
+        return pb.Quota(**await admin.set_quota(self.rt, request.tenant_id, request.resource, request.limit))
+
+    async def GetQuotaUsage(self, request: pb.GetQuotaUsageRequest, context: Ctx) -> pb.QuotaUsage:
+        _root()
+        lines = await admin.quota_usage(self.rt, request.tenant_id)
+        return pb.QuotaUsage(tenant_id=request.tenant_id, lines=[pb.QuotaLine(**line) for line in lines])
+
+    async def PutPolicy(self, request: pb.PutPolicyRequest, context: Ctx) -> pb.Policy:
+        _root()
+        return pb.Policy(**await admin.put_policy(self.rt, request.tenant_id, request.cedar))

@@ -1,0 +1,148 @@
+"""Cross-cutting concerns of every RPC, in one interceptor: a request id, authentication, the
+unknown-field check, error mapping and one canonical log line per RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane import auth, errors
+from controlplane.api.status import to_status
+
+log = structlog.get_logger("rpc")
+
+_caller: contextvars.ContextVar[auth.Caller] = contextvars.ContextVar("caller")
+
+PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def caller() -> auth.Caller:
+    """The authenticated caller of the RPC being served."""
+    return _caller.get()
+
+
+def unknown_field_path(message: Message, prefix: str = "") -> str | None:
+    """The path of the first unknown field in `message` or its nested messages, if any."""
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        return f"{prefix}#{unknown[0].field_number}" if prefix else f"#{unknown[0].field_number}"
+    for fd, value in message.ListFields():
+        if fd.message_type is None:
+            continue
+        name = f"{prefix}.{fd.json_name}" if prefix else fd.json_name
+        if fd.message_type.GetOptions().map_entry:
+            values = value.values() if fd.message_type.fields_by_name["value"].message_type else []
+            items = [(f"{name}[{k!r}]", v) for k, v in zip(value.keys(), values)]
+        elif fd.is_repeated:
+            items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [(name, value)]
+        for path, nested in items:
+            found = unknown_field_path(nested, path)
+            if found:
+                return found
+    return None
+
+
+class ApiInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self._pool = pool
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method.startswith(PUBLIC_PREFIXES):
+            return handler
+        metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap(method, metadata, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, metadata, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    async def _prologue(self, method: str, metadata: dict[str, str], request: Any) -> None:
+        request_id = metadata.get("x-request-id") or uuid.uuid4().hex
+        tenant = getattr(request, "tenant_id", "") or ""
+        structlog.contextvars.bind_contextvars(request_id=request_id, method=method, tenant=tenant)
+        _caller.set(await auth.authenticate(self._pool, auth.bearer_secret(metadata)))
+        bad = unknown_field_path(request)
+        if bad:
+            raise errors.InvalidInput(bad, "unknown field")
+
+    def _wrap(self, method: str, metadata: dict[str, str], behavior: Any) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                await self._prologue(method, metadata, request)
+                context.set_trailing_metadata((("x-request-id", _request_id()),))
+                return await behavior(request, context)
+            except errors.DomainError as exc:
+                code = exc.code
+                await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+            except asyncio.CancelledError:
+                code = "CANCELLED"  # the client went away: the task (and any wait) stops here
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                code = errors.INTERNAL
+                log.exception("rpc failed")
+                await context.abort_with_status(
+                    to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
+                )
+            finally:
+                log.info("rpc", code=code, duration_ms=round((time.perf_counter() - started) * 1000, 2),
+                         identity=_identity())
+                structlog.contextvars.clear_contextvars()
+
+        return handle
+
+    def _wrap_stream(self, method: str, metadata: dict[str, str], behavior: Any) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                await self._prologue(method, metadata, request)
+                async for item in behavior(request, context):
+                    yield item
+            except errors.DomainError as exc:
+                code = exc.code
+                await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+            finally:
+                log.info("rpc", code=code, duration_ms=round((time.perf_counter() - started) * 1000, 2),
+                         identity=_identity())
+                structlog.contextvars.clear_contextvars()
+
+        return handle
+
+
+def _request_id() -> str:
+    return str(structlog.contextvars.get_contextvars().get("request_id", ""))
+
+
+def _identity() -> str:
+    found = _caller.get(None)
+    return found.identity_id if found else ""

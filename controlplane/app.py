@@ -1,0 +1,86 @@
+"""Assembling the control plane: the gRPC server (API, reflection, health) and the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from psycopg_pool import AsyncConnectionPool
+
+from bettercompute.v1 import admin_pb2, admin_pb2_grpc, reservations_pb2, reservations_pb2_grpc
+from controlplane import db
+from controlplane.api.admin import AdminServicer
+from controlplane.api.interceptor import ApiInterceptor
+from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
+from controlplane.config import Settings
+from controlplane.runtime import Runtime
+from controlplane.workers import pending
+
+log = structlog.get_logger(__name__)
+
+SERVICES = (
+    reservations_pb2.DESCRIPTOR.services_by_name["Reservations"].full_name,
+    reservations_pb2.DESCRIPTOR.services_by_name["Confirmations"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+@dataclass
+class App:
+    server: grpc.aio.Server
+    port: int
+    pool: AsyncConnectionPool
+    runtime: Runtime
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self.stopping.set()
+        await self.server.stop(grace)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.pool.close()
+
+
+async def start_app(
+    settings: Settings, conninfo: str, *, listen: str = "127.0.0.1:0", workers: bool = True
+) -> App:
+    pool = await db.open_pool(conninfo, size=settings.db_pool_size)
+    rt = Runtime(pool, settings)
+    server = grpc.aio.server(interceptors=[ApiInterceptor(pool)])
+    reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
+    reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {listen}")
+    await server.start()
+    for name in (*SERVICES, ""):
+        result = health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if asyncio.iscoroutine(result):
+            await result
+    app = App(server, port, pool, rt)
+    if workers:
+        app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
+    log.info("control plane serving", port=port, workers=workers)
+    return app
+
+
+async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
+    app = await start_app(settings, conninfo, listen=listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port}", flush=True)
+    await stop.wait()
+    await app.stop()

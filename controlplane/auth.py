@@ -1,0 +1,68 @@
+"""Who is calling: bearer tokens (stored as SHA-256) resolved to an identity and its tenants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane import errors
+from controlplane.bootstrap import ROOT_TENANT
+from controlplane.ids import token_hash
+
+
+@dataclass(frozen=True)
+class Caller:
+    identity_id: str
+    kind: str
+    tenant_ids: frozenset[str]
+    delegator_id: str | None = None
+    confirm_actions: tuple[str, ...] = ()
+
+    @property
+    def delegated(self) -> bool:
+        return self.delegator_id is not None
+
+    def require_member(self, tenant_id: str) -> None:
+        """A caller acts only in tenants it belongs to (ACCESS_DENIED, never a hint of existence)."""
+        if tenant_id not in self.tenant_ids:
+            raise errors.AccessDenied("the caller is not a member of this tenant", tenantId=tenant_id)
+
+    def require_root(self) -> None:
+        if ROOT_TENANT not in self.tenant_ids:
+            raise errors.AccessDenied("this call needs a member of the root tenant")
+
+
+_CALLER_SQL = """
+SELECT i.id, i.kind, i.delegator_id, i.confirm_actions,
+       coalesce(array_agg(m.tenant_id) FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids
+FROM api_tokens t
+JOIN identities i ON i.id = t.identity_id
+LEFT JOIN memberships m ON m.identity_id = i.id
+WHERE t.token_hash = %(hash)s AND t.revoked_at IS NULL
+GROUP BY i.id
+"""
+
+
+def bearer_secret(metadata: dict[str, str]) -> str:
+    header = metadata.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise errors.Unauthenticated("missing bearer token")
+    return secret.strip()
+
+
+async def authenticate(pool: AsyncConnectionPool, secret: str) -> Caller:
+    async with pool.connection() as conn:
+        cur = await conn.execute(_CALLER_SQL, {"hash": token_hash(secret)})
+        row = await cur.fetchone()
+        await conn.commit()
+    if row is None:
+        raise errors.Unauthenticated("invalid or revoked token")
+    return Caller(
+        identity_id=row["id"],
+        kind=row["kind"],
+        tenant_ids=frozenset(row["tenant_ids"]),
+        delegator_id=row["delegator_id"],
+        confirm_actions=tuple(row["confirm_actions"]),
+    )

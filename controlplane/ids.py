@@ -1,0 +1,55 @@
+"""Identifiers: a prefix, "_", and lowercase Crockford base32 (0-9a-hjkmnp-tv-z).
+
+Generated ids carry 26 characters of a ULID (time-ordered); the draft id carries 52 characters of
+a SHA-256 of the tenant, the caller's identity and the idempotency key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def b32(data: bytes) -> str:
+    """Crockford base32 of `data`, most significant bits first, padded with zero bits."""
+    bits = len(data) * 8
+    n = int.from_bytes(data, "big") << ((5 - bits % 5) % 5)
+    length = (bits + 4) // 5
+    return "".join(_ALPHABET[(n >> (5 * i)) & 31] for i in reversed(range(length)))
+
+
+def new_id(prefix: str) -> str:
+    """A ULID-style id: 48 bits of milliseconds then 80 random bits (26 characters)."""
+    ms = int(time.time() * 1000)
+    return f"{prefix}_{b32(ms.to_bytes(6, 'big') + os.urandom(10))}"
+
+
+def _length_prefixed(*parts: str) -> bytes:
+    out = bytearray()
+    for part in parts:
+        raw = part.encode()
+        out += len(raw).to_bytes(4, "big") + raw
+    return bytes(out)
+
+
+def draft_id(tenant_id: str, identity_id: str, idempotency_key: str) -> str:
+    """rsv_ + base32(SHA-256) of the three, length-prefixed so no two triples collide."""
+    digest = hashlib.sha256(_length_prefixed(tenant_id, identity_id, idempotency_key)).digest()
+    return "rsv_" + b32(digest)
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def request_hash(normalised_request: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(normalised_request).encode()).hexdigest()
+
+
+def token_hash(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()

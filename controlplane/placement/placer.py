@@ -1,0 +1,154 @@
+"""Placing one allocation: plan from a shortlist, commit under the pool lock, re-plan on a lost race.
+
+Lock order everywhere: pool advisory lock -> reservation row -> quota rows -> allocation rows.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from controlplane.ids import new_id
+from controlplane.placement import planner, queries
+
+log = structlog.get_logger(__name__)
+
+_rng = random.SystemRandom()
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one allocation needs, on one node, for one window (epoch ms)."""
+
+    pool_id: str
+    count: int
+    topology: str
+    model: str
+    selector: dict[str, str]
+    start_ms: int
+    end_ms: int
+
+    def params(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "pool_id": self.pool_id,
+            "count": self.count,
+            "topology": self.topology,
+            "model": self.model,
+            "selector": Jsonb({k: {"value": v} for k, v in self.selector.items()}),
+            "start": self.start_ms,
+            "end": self.end_ms,
+            **extra,
+        }
+
+
+@dataclass
+class Placement:
+    allocation_id: str
+    node_id: str
+    atom_ids: tuple[str, ...]
+    device_uuids: tuple[str, ...]
+
+
+@dataclass
+class Planned:
+    plan: planner.Plan | None
+    uuids: dict[str, str] = field(default_factory=dict)
+
+
+async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
+
+
+async def plan(
+    conn: AsyncConnection, ask: Ask, *, top_n: int, shortlist: int, exclude: frozenset[str] = frozenset()
+) -> Planned:
+    rows = await (
+        await conn.execute(queries.SHORTLIST, ask.params(exclude=list(exclude), limit=shortlist))
+    ).fetchall()
+    by_node: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_node[row["node_id"]].append(row)
+    candidates = [
+        planner.Candidate(
+            node_id=node_id,
+            node_name=atoms[0]["node_name"],
+            free=tuple(planner.FreeAtom(a["atom_id"], a["numa_node"], a["nvlink_domain"]) for a in atoms),
+        )
+        for node_id, atoms in by_node.items()
+    ]
+    chosen = planner.choose(candidates, ask.count, ask.topology, top_n=top_n, rng=_rng, exclude=exclude)
+    return Planned(chosen, {r["atom_id"]: r["device_uuid"] for r in rows})
+
+
+async def commit(
+    conn: AsyncConnection,
+    ask: Ask,
+    reservation_id: str,
+    planned: Planned,
+    *,
+    top_n: int,
+    shortlist: int,
+    max_attempts: int,
+) -> Placement | None:
+    """Insert the planned bookings (the pool lock must be held). A lost race rolls back to a
+    savepoint, excludes that node and plans again, at most `max_attempts` times."""
+    exclude: set[str] = set()
+    for attempt in range(max_attempts):
+        if planned.plan is None:
+            return None
+        chosen = planned.plan
+        allocation_id = new_id("alloc")
+        uuids = tuple(planned.uuids[a] for a in chosen.atom_ids)
+        try:
+            async with conn.transaction():  # a savepoint inside the caller's transaction
+                await conn.execute(
+                    queries.INSERT_ALLOCATION,
+                    {"id": allocation_id, "reservation_id": reservation_id,
+                     "node_id": chosen.node_id, "device_ids": list(uuids)},
+                )
+                cur = await conn.execute(
+                    queries.INSERT_BOOKINGS,
+                    ask.params(allocation_id=allocation_id, atom_ids=list(chosen.atom_ids)),
+                )
+                if cur.rowcount != len(chosen.atom_ids):
+                    raise _NodeChanged()
+            return Placement(allocation_id, chosen.node_id, chosen.atom_ids, uuids)
+        except (psycopg.errors.ExclusionViolation, _NodeChanged) as exc:
+            log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
+                     why=type(exc).__name__)
+            exclude.add(chosen.node_id)
+            planned = await plan(conn, ask, top_n=top_n, shortlist=shortlist, exclude=frozenset(exclude))
+    return None
+
+
+class _NodeChanged(Exception):
+    """The node or an atom stopped being schedulable between plan and commit."""
+
+
+async def explain(conn: AsyncConnection, ask: Ask) -> str:
+    """A human reason for an Unschedulable condition."""
+    facts = await (await conn.execute(queries.DIAGNOSE, ask.params())).fetchone()
+    shape = f"{ask.count} free healthy GPU{'s' if ask.count != 1 else ''}"
+    if ask.model:
+        shape += f" of model {ask.model}"
+    if ask.topology == planner.NVLINK_ALL:
+        shape += " in one NVLink domain"
+    elif ask.topology == planner.NUMA:
+        shape += " on one NUMA node"
+    parts = [f"no node has {shape} for the window"]
+    if facts["nodes"] == 0:
+        return "the pool has no nodes"
+    parts.append(f"{facts['nodes']} nodes in the pool")
+    for key, words in (("cordoned", "cordoned"), ("unreachable", "unreachable"),
+                       ("unlabelled", "without the selected labels")):
+        if facts[key]:
+            parts.append(f"{facts[key]} {words}")
+    parts.append(f"at most {facts['most_free']} free GPUs on one eligible node")
+    return "; ".join(parts)

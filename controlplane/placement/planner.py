@@ -1,0 +1,105 @@
+"""Per-node planning, in pure Python: atom pick by topology, a bin-pack score, a random top-N pick.
+
+Nothing here touches the database, so the rules are easy to test with hypothesis.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ANY = "any"
+NVLINK_ALL = "nvlink-all"
+NUMA = "numa"
+TOPOLOGIES = frozenset({ANY, NVLINK_ALL, NUMA})
+
+
+@dataclass(frozen=True)
+class FreeAtom:
+    id: str
+    numa_node: int
+    nvlink_domain: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    node_id: str
+    node_name: str
+    free: tuple[FreeAtom, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    node_id: str
+    atom_ids: tuple[str, ...]
+    score: float
+
+
+def _groups(free: Sequence[FreeAtom], topology: str) -> list[list[FreeAtom]]:
+    if topology == ANY:
+        return [list(free)]
+    grouped: dict[object, list[FreeAtom]] = defaultdict(list)
+    for atom in free:
+        if topology == NVLINK_ALL:
+            if atom.nvlink_domain:  # a GPU outside any NVLink domain never satisfies nvlink-all
+                grouped[atom.nvlink_domain].append(atom)
+        else:
+            grouped[atom.numa_node].append(atom)
+    return list(grouped.values())
+
+
+def _pick_in_group(group: list[FreeAtom], count: int) -> tuple[str, ...]:
+    """Take `count` atoms, filling from the NUMA node that holds the most free atoms first, so a
+    request lands on one NUMA node whenever one can hold it."""
+    by_numa: dict[int, list[FreeAtom]] = defaultdict(list)
+    for atom in group:
+        by_numa[atom.numa_node].append(atom)
+    fitting = [atoms for atoms in by_numa.values() if len(atoms) >= count]
+    if fitting:
+        # The tightest NUMA node that fits whole keeps larger NUMA nodes free for larger requests.
+        best = min(fitting, key=lambda atoms: (len(atoms), atoms[0].numa_node))
+        return tuple(a.id for a in sorted(best, key=lambda a: a.id)[:count])
+    ordered = sorted(by_numa.values(), key=lambda atoms: (-len(atoms), atoms[0].numa_node))
+    chosen = [a for atoms in ordered for a in sorted(atoms, key=lambda a: a.id)]
+    return tuple(a.id for a in chosen[:count])
+
+
+def plan_node(candidate: Candidate, count: int, topology: str) -> Plan | None:
+    """The atoms this node would give, or None when it cannot satisfy the request.
+
+    Bin-pack score: the fewer free atoms left on the node (and in the chosen group) afterwards,
+    the better, so large requests keep finding whole nodes.
+    """
+    groups = [g for g in _groups(candidate.free, topology) if len(g) >= count]
+    if not groups:
+        return None
+    group = min(groups, key=lambda g: (len(g), min(a.id for a in g)))
+    atoms = _pick_in_group(group, count)
+    left_on_node = len(candidate.free) - count
+    left_in_group = len(group) - count
+    return Plan(candidate.node_id, atoms, score=-(left_on_node * 1000 + left_in_group))
+
+
+def choose(
+    candidates: Iterable[Candidate],
+    count: int,
+    topology: str,
+    *,
+    top_n: int,
+    rng: random.Random,
+    exclude: frozenset[str] = frozenset(),
+) -> Plan | None:
+    """The plan picked at random among the best `top_n` nodes, or None when no node fits."""
+    plans = [
+        plan
+        for candidate in candidates
+        if candidate.node_id not in exclude
+        for plan in [plan_node(candidate, count, topology)]
+        if plan is not None
+    ]
+    if not plans:
+        return None
+    plans.sort(key=lambda p: (-p.score, p.node_id))
+    return rng.choice(plans[: max(1, top_n)])

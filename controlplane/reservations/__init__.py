@@ -1,0 +1,1 @@
+"""Reservations: admission, lifecycle, reads."""

@@ -1,0 +1,246 @@
+"""Admission of a create: the request-as-resource sequence (DESIGN.md section 8).
+
+1. validate and normalise; draft id and request hash;
+2. transaction 1 writes the draft (or finds the stored row) and resolves the IAM attributes;
+3. IAM decides outside any transaction;
+4. transaction 2 records a refusal, opens a confirmation, or charges quota and places;
+5. the answer waits while the operation runs, if asked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from controlplane import db, errors, events, iam, quota
+from controlplane.auth import Caller
+from controlplane.ids import draft_id, new_id, request_hash
+from controlplane.placement import placer
+from controlplane.reservations import placing, queries, states
+from controlplane.reservations.reads import load_view
+from controlplane.reservations.transitions import condition, move
+from controlplane.reservations.validate import CreateInput, validate_create
+from controlplane.reservations.wait import wait_for_operation
+from controlplane.runtime import Runtime
+
+CONFIRMATION_WINDOW_MS = 30 * 60 * 1000  # IAM's deadline is clamped to at most 30 minutes
+
+
+@dataclass
+class Draft:
+    """What transaction 1 found or wrote."""
+
+    row: dict[str, Any]
+    decide: bool = False
+    policy: str | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+    approved: bool = False
+    rejected: bool = False
+
+
+async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+    inp = validate_create(raw)
+    caller.require_member(inp.tenant_id)
+    rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
+    digest = request_hash(inp.request)
+
+    draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, caller, inp, rid, digest))
+    if draft.decide:
+        if draft.rejected:
+            decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
+        else:
+            decision = iam.decide(
+                draft.policy, caller, iam.CREATE, "Reservation", rid, draft.attributes,
+                tenant_id=inp.tenant_id, approved=draft.approved,
+            )
+        version = draft.row["version"]
+        outcome = await db.run_in_transaction(
+            rt.pool, lambda c: _transaction_2(c, rt, caller, rid, version, decision)
+        )
+        outcome.raise_if_refused()
+    if inp.wait_ms:
+        return await wait_for_operation(rt, inp.tenant_id, rid, inp.wait_ms)
+    async with db.read_only(rt.pool) as conn:
+        return await load_view(conn, rid)
+
+
+async def _transaction_1(
+    conn: AsyncConnection, caller: Caller, inp: CreateInput, rid: str, digest: str
+) -> Draft:
+    row = await _fetch(conn, rid)
+    if row is None:
+        pool = await (
+            await conn.execute(queries.VISIBLE_POOL, {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id})
+        ).fetchone()
+        if pool is None:
+            raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
+        await conn.execute(
+            queries.INSERT_DRAFT,
+            {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
+             "identity_id": caller.identity_id, "key": inp.idempotency_key,
+             "request": Jsonb(inp.request), "hash": digest},
+        )
+        row = await _fetch(conn, rid)  # ours, or a concurrent twin's
+        assert row is not None
+    if row["request_hash"] != digest:
+        raise errors.Conflict(
+            "this idempotency key was used with another request", reservationId=rid
+        )
+    state = row["state"]
+    if state == states.DENIED:
+        raise errors.AccessDenied("this request was refused", reservationId=rid)
+    draft = Draft(row)
+    if state == states.AWAITING_CONFIRMATION:
+        confirmation = await _latest_confirmation(conn, rid)
+        if confirmation is not None and confirmation["expired"]:
+            await _expire(conn, row, confirmation["id"])
+            return draft
+        draft.approved = confirmation is not None and confirmation["state"] == "approved"
+        draft.rejected = confirmation is not None and confirmation["state"] == "rejected"
+    elif state != states.DRAFT:
+        return draft  # past the draft stage: the stored reservation, no second decision
+
+    pool = await (
+        await conn.execute(queries.VISIBLE_POOL, {"pool_id": row["pool_id"], "tenant_id": row["tenant_id"]})
+    ).fetchone()
+    if pool is None:
+        raise errors.NotFound("no such pool", poolId=row["pool_id"])
+    draft.attributes = _attributes(row, pool)
+    await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
+    policy = await (await conn.execute(queries.POLICY, {"tenant_id": row["tenant_id"]})).fetchone()
+    draft.policy = policy["cedar"] if policy else None
+    draft.decide = True
+    return draft
+
+
+def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
+    """What IAM sees of the reservation: everything it asks for."""
+    request = row["request"]
+    device = request["devices"][0]
+    gang_size = 1
+    return {
+        "tenantId": row["tenant_id"],
+        "ownerIdentityId": row["owner_identity_id"],
+        "poolId": row["pool_id"],
+        "region": pool["region"],
+        "deviceClass": device["class"],
+        "deviceModel": device["model"] or pool["single_model"] or "",
+        "topology": device["topology"],
+        "gpuCount": device["count"] * gang_size,
+        "gpuEquivalent": float(device["count"] * gang_size),
+        "gangSize": gang_size,
+        "durationHours": math.ceil(request["durationMs"] / 3_600_000),
+        "durationMs": request["durationMs"],
+        "binding": request["binding"],
+        "spot": False,
+        "hasStart": request.get("start") is not None,
+        "start": request.get("start") or 0,
+        "leaseSeconds": request.get("leaseSeconds") or 0,
+        "vcpu": 0,
+        "memoryGiB": 0,
+    }
+
+
+@dataclass
+class Outcome:
+    error: errors.DomainError | None = None
+
+    def raise_if_refused(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+async def _transaction_2(
+    conn: AsyncConnection, rt: Runtime, caller: Caller, rid: str, version: int, decision: iam.Decision
+) -> Outcome:
+    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    row = await _fetch(conn, rid)
+    assert row is not None
+    ask = planned = None
+    if decision.allowed:
+        ask = placing.ask_for(row, now_ms)
+        planned = await placing.plan(conn, rt, ask)  # reads only, before any lock
+        await placer.pool_lock(conn, row["pool_id"])
+    row = await _fetch(conn, rid, for_update=True)
+    assert row is not None
+    if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:
+        return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
+    await conn.execute(queries.RECORD_DECISION, {"id": rid, "decision": decision.outcome})
+
+    if decision.outcome == iam.DENY:
+        await move(conn, row, states.DENIED, operation_state="failed")
+        return Outcome(errors.AccessDenied("IAM refused this request", reservationId=rid))
+    if decision.outcome == iam.CONFIRM:
+        return Outcome(await _require_confirmation(conn, caller, row, now_ms))
+
+    assert ask is not None and planned is not None
+    device = row["request"]["devices"][0]
+    await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
+    await placing.place_locked(conn, rt, row, ask, planned, now_ms)
+    return Outcome()
+
+
+async def _require_confirmation(
+    conn: AsyncConnection, caller: Caller, row: dict[str, Any], now_ms: int
+) -> errors.DomainError:
+    confirmation = await _latest_confirmation(conn, row["id"])
+    if confirmation is None or confirmation["state"] not in ("pending",):
+        confirmation_id = new_id("conf")
+        expires_at = now_ms + CONFIRMATION_WINDOW_MS
+        await conn.execute(
+            """
+            INSERT INTO confirmations (id, tenant_id, reservation_id, request_hash, action,
+                                       agent_identity_id, person_identity_id, expires_at)
+            VALUES (%s, %s, %s, %s, %s, %s, %s, from_epoch_ms(%s))
+            """,
+            (confirmation_id, row["tenant_id"], row["id"], row["request_hash"], iam.CREATE,
+             caller.identity_id, caller.delegator_id, expires_at),
+        )
+    else:
+        confirmation_id, expires_at = confirmation["id"], confirmation["expires_ms"]
+    if row["state"] == states.DRAFT:
+        await move(
+            conn, row, states.AWAITING_CONFIRMATION, operation_state="running",
+            conditions=[condition("ConfirmationRequired", "DelegatedConfirmation",
+                                  f"waiting for {caller.delegator_id} to confirm", now_ms)],
+        )
+        await events.emit_reservation(
+            conn, row, "reservation.awaiting-confirmation",
+            reason="confirmation-required", confirmationId=confirmation_id,
+        )
+    return errors.ConfirmationRequired(
+        "the person this agent acts for must confirm this request",
+        confirmationId=confirmation_id, expiresAt=expires_at, reservationId=row["id"],
+    )
+
+
+async def _latest_confirmation(conn: AsyncConnection, rid: str) -> dict[str, Any] | None:
+    return await (
+        await conn.execute(
+            """
+            SELECT id, state, epoch_ms(expires_at) AS expires_ms,
+                   (state = 'pending' AND expires_at <= compute_now()) AS expired
+            FROM confirmations WHERE reservation_id = %s AND action = %s
+            ORDER BY created_at DESC LIMIT 1
+            """,
+            (rid, iam.CREATE),
+        )
+    ).fetchone()
+
+
+async def _expire(conn: AsyncConnection, row: dict[str, Any], confirmation_id: str) -> None:
+    locked = await _fetch(conn, row["id"], for_update=True)
+    if locked is None or locked["state"] != states.AWAITING_CONFIRMATION:
+        return
+    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE id = %s", (confirmation_id,))
+    await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
+    await events.emit_reservation(conn, locked, "reservation.expired", reason="confirmation-expired")
+
+
+async def _fetch(conn: AsyncConnection, rid: str, *, for_update: bool = False) -> dict[str, Any] | None:
+    sql = queries.BY_ID_FOR_UPDATE if for_update else queries.BY_ID
+    return await (await conn.execute(sql, {"id": rid})).fetchone()

@@ -1,0 +1,104 @@
+"""Release, cancel, renew and extend of an existing reservation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from controlplane import db, errors, events, iam, quota
+from controlplane.auth import Caller
+from controlplane.reservations import queries, states
+from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
+from controlplane.reservations.transitions import move
+from controlplane.runtime import Runtime
+
+CANCELLABLE = frozenset({states.PENDING, states.QUEUED, states.PLACED})
+
+
+async def _authorized_row(rt: Runtime, caller: Caller, tenant_id: str, rid: str, action: str) -> None:
+    async with db.read_only(rt.pool) as conn:
+        row = await find_visible(conn, caller, tenant_id, rid)
+        await authorize_on(conn, caller, action, row)
+
+
+async def _locked(conn: AsyncConnection, rid: str) -> dict[str, Any]:
+    row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
+    assert row is not None  # reservations are never deleted while their tenant exists
+    return row
+
+
+async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """End the bookings now (future ones deleted, running ones truncated), refund the quota,
+    and wake the pool's pending reservations."""
+    params = {"id": row["id"]}
+    await conn.execute(queries.DELETE_FUTURE_BOOKINGS, params)
+    await conn.execute(queries.TRUNCATE_RUNNING_BOOKINGS, params)
+    await conn.execute(queries.END_ALLOCATIONS, params)
+    await conn.execute(queries.TRUNCATE_WINDOW, params)
+    await quota.refund(conn, row["id"])
+    await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
+
+
+async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
+    await free_capacity(conn, row)
+    await move(conn, row, states.CANCELLED, operation_state="failed" if row["operation_state"] == "running"
+               else row["operation_state"], end_reason=reason)
+    await events.emit_reservation(conn, row, "reservation.cancelled", reason=reason)
+
+
+async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
+    """End at compute_now(). Releasing a pending one cancels it; a terminal one is unchanged."""
+    await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        row = await _locked(conn, rid)
+        if row["state"] in states.BOOKED:
+            await free_capacity(conn, row)
+            await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason="release")
+            await events.emit_reservation(conn, row, "reservation.released", reason="release")
+        elif row["state"] in (states.PENDING, states.QUEUED, states.AWAITING_CONFIRMATION):
+            await _cancel_locked(conn, row, "release")
+        return await with_allocations(conn, await _locked(conn, rid))
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
+    """Withdraw a reservation that has not started: pending or placed. Else INVALID_STATE."""
+    await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        row = await _locked(conn, rid)
+        if row["state"] not in CANCELLABLE:
+            raise errors.InvalidState(
+                f"only a pending or placed reservation can be cancelled; this one is {row['state']}",
+                state=row["state"], reservationId=rid,
+            )
+        await _cancel_locked(conn, row, "cancel")
+        return await with_allocations(conn, await _locked(conn, rid))
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
+    """Move the lease deadline to now plus leaseSeconds, without touching the window."""
+    await _authorized_row(rt, caller, tenant_id, rid, iam.EXTEND)
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        row = await _locked(conn, rid)
+        if row["request"].get("leaseSeconds") is None:
+            raise errors.InvalidState("this reservation was created without leaseSeconds",
+                                      reservationId=rid, state=row["state"])
+        if row["state"] not in states.BOOKED:
+            raise errors.InvalidState(f"a {row['state']} reservation cannot be renewed",
+                                      reservationId=rid, state=row["state"])
+        await conn.execute(queries.RENEW, {"id": rid})
+        return await with_allocations(conn, await _locked(conn, rid))
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
+    await _authorized_row(rt, caller, tenant_id, rid, iam.EXTEND)
+    raise errors.Unsupported("reservations.extend is not served yet", reservationId=rid)

@@ -1,0 +1,85 @@
+"""Placing a reservation whose quota is charged: used by admission (transaction 2) and by the
+pending retry. The caller plans first (reads only), then takes the pool lock and the row lock,
+then calls `place_locked`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from controlplane import events
+from controlplane.placement import placer
+from controlplane.reservations import states
+from controlplane.reservations.transitions import condition, move
+from controlplane.runtime import Runtime
+
+
+def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
+    """The window: a start still ahead is kept; otherwise the window begins now, full length."""
+    request = row["request"]
+    device = request["devices"][0]
+    start = request.get("start")
+    begin = start if start is not None and start > now_ms else now_ms
+    return placer.Ask(
+        pool_id=row["pool_id"],
+        count=device["count"],
+        topology=device["topology"],
+        model=device.get("model") or "",
+        selector=request.get("nodeSelector") or {},
+        start_ms=begin,
+        end_ms=begin + request["durationMs"],
+    )
+
+
+async def plan(conn: AsyncConnection, rt: Runtime, ask: placer.Ask) -> placer.Planned:
+    s = rt.settings
+    return await placer.plan(conn, ask, top_n=s.placement_top_n, shortlist=s.placement_shortlist)
+
+
+async def place_locked(
+    conn: AsyncConnection,
+    rt: Runtime,
+    row: dict[str, Any],
+    ask: placer.Ask,
+    planned: placer.Planned,
+    now_ms: int,
+) -> bool:
+    """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
+    Unschedulable condition. Emits the event in the same transaction. True when placed."""
+    s = rt.settings
+    placement = await placer.commit(
+        conn, ask, row["id"], planned,
+        top_n=s.placement_top_n, shortlist=s.placement_shortlist, max_attempts=s.placement_max_attempts,
+    )
+    if placement is None:
+        reason = await placer.explain(conn, ask)
+        was_pending = row["state"] == states.PENDING
+        unchanged = was_pending and any(
+            c.get("type") == "Unschedulable" and c.get("message") == reason for c in row["conditions"]
+        )
+        if was_pending:
+            if not unchanged:
+                await conn.execute(
+                    "UPDATE reservations SET conditions = %s, version = version + 1,"
+                    " updated_at = clock_timestamp() WHERE id = %s",
+                    (Jsonb([condition("Unschedulable", "NoFit", reason, now_ms)]), row["id"]),
+                )
+            return False
+        await move(conn, row, states.PENDING, operation_state="succeeded",
+                   conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)
+        await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
+        return False
+    lease = row["request"].get("leaseSeconds")
+    await move(
+        conn, row, states.PLACED, operation_state="succeeded", conditions=[],
+        window=(ask.start_ms, ask.end_ms),
+        lease_deadline=now_ms + lease * 1000 if lease else None, attempt=True,
+    )
+    await events.emit_reservation(
+        conn, row, "reservation.placed",
+        nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
+    )
+    return True
+

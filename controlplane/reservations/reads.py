@@ -1,0 +1,101 @@
+"""Reading reservations: get and list. Drafts are internal: get answers NOT_FOUND, list skips them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from controlplane import db, errors, iam
+from controlplane.auth import Caller
+from controlplane.reservations import queries, states
+from controlplane.reservations.validate import RESERVATION_ID, TENANT_ID, match
+from controlplane.runtime import Runtime
+
+
+async def load_view(conn: AsyncConnection, rid: str) -> dict[str, Any]:
+    row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    if row is None:
+        raise errors.NotFound("no such reservation", reservationId=rid)
+    return await with_allocations(conn, row)
+
+
+async def with_allocations(conn: AsyncConnection, row: dict[str, Any]) -> dict[str, Any]:
+    row["allocations"] = await (await conn.execute(queries.ALLOCATIONS, {"id": row["id"]})).fetchall()
+    return row
+
+
+def resource_attributes(row: dict[str, Any]) -> dict[str, Any]:
+    return {"tenantId": row["tenant_id"], "ownerIdentityId": row["owner_identity_id"],
+            "poolId": row["pool_id"], "state": row["state"]}
+
+
+async def authorize_on(
+    conn: AsyncConnection, caller: Caller, action: str, row: dict[str, Any]
+) -> None:
+    """Decide `action` on an existing reservation. The policy read is the only I/O here; the
+    decision itself is pure and holds no lock (callers use a read-only transaction)."""
+    policy = await (await conn.execute(queries.POLICY, {"tenant_id": row["tenant_id"]})).fetchone()
+    decision = iam.decide(
+        policy["cedar"] if policy else None, caller, action, "Reservation", row["id"],
+        resource_attributes(row), tenant_id=row["tenant_id"],
+    )
+    if not decision.allowed:
+        raise errors.AccessDenied("IAM refused this call", reservationId=row["id"])
+
+
+async def find_visible(conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
+    match("tenantId", tenant_id, TENANT_ID)
+    match("reservationId", rid, RESERVATION_ID)
+    caller.require_member(tenant_id)
+    row = await (
+        await conn.execute(queries.BY_ID_IN_TENANT, {"id": rid, "tenant_id": tenant_id})
+    ).fetchone()
+    if row is None:
+        raise errors.NotFound("no such reservation", reservationId=rid)
+    return row
+
+
+async def get(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
+    async with db.read_only(rt.pool) as conn:
+        row = await find_visible(conn, caller, tenant_id, rid)
+        await authorize_on(conn, caller, iam.READ, row)
+        return await with_allocations(conn, row)
+
+
+async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
+    caller.require_member(tenant_id)
+    scope = raw.get("scope") or "mine"
+    if scope not in ("mine", "all"):
+        raise errors.InvalidInput("scope", "must be 'mine' or 'all'")
+    limit = raw.get("limit") or 50
+    if not 1 <= limit <= 200:
+        raise errors.InvalidInput("limit", "must be 1 to 200")
+    wanted = list(raw.get("states") or [])
+    for s in wanted:
+        if s not in states.TRANSITIONS or s in states.INTERNAL:
+            raise errors.InvalidInput("states", f"unknown state {s!r}")
+    cursor = raw.get("cursor") or None
+    if cursor is not None:
+        match("cursor", cursor, RESERVATION_ID)
+    async with db.read_only(rt.pool) as conn:
+        policy = await (await conn.execute(queries.POLICY, {"tenant_id": tenant_id})).fetchone()
+        decision = iam.decide(
+            policy["cedar"] if policy else None, caller, iam.LIST, "Tenant", tenant_id,
+            {"scope": scope}, tenant_id=tenant_id,
+        )
+        if not decision.allowed:
+            raise errors.AccessDenied("IAM refused this listing", tenantId=tenant_id)
+        rows = await (
+            await conn.execute(
+                queries.LIST,
+                {"tenant_id": tenant_id, "owner": caller.identity_id if scope == "mine" else None,
+                 "states": wanted, "pool_id": raw.get("pool_id") or "", "cursor": cursor,
+                 "limit": limit},
+            )
+        ).fetchall()
+        for row in rows:
+            await with_allocations(conn, row)
+    next_cursor = rows[-1]["id"] if len(rows) == limit else ""
+    return rows, next_cursor

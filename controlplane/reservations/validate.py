@@ -1,0 +1,120 @@
+"""Validation and normalisation of reservation requests. Every failure names its field.
+
+The normalised request is what is stored and hashed: durations in milliseconds, binding
+defaulted to hold, topology defaulted to any, every optional key present.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane import errors
+from controlplane.durations import parse_duration_ms
+from controlplane.placement.planner import ANY, TOPOLOGIES
+
+TENANT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+POOL_ID = re.compile(r"^pool_[0-9a-hjkmnp-tv-z]{26,52}$")
+RESERVATION_ID = re.compile(r"^rsv_[0-9a-hjkmnp-tv-z]{26,52}$")
+LABEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
+MODEL = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+
+MAX_DURATION_MS = 366 * 86_400_000
+MAX_GPUS = 64
+MAX_WAIT_MS = 30_000
+SERVED_CLASSES = {"gpu"}
+RESERVED_CLASSES = {"gpu.mig", "gpu.slot"}
+SERVED_BINDINGS = {"hold"}
+UNSERVED_BINDINGS = {"instance", "kubernetes", "node"}
+
+
+@dataclass(frozen=True)
+class CreateInput:
+    tenant_id: str
+    idempotency_key: str
+    wait_ms: int | None
+    request: dict[str, Any]  # normalised; hashed and stored
+
+
+def match(field: str, value: str, pattern: re.Pattern[str]) -> str:
+    if not isinstance(value, str) or not pattern.match(value):
+        raise errors.InvalidInput(field, f"must match {pattern.pattern}")
+    return value
+
+
+def _devices(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if len(raw) != 1:
+        raise errors.InvalidInput("devices", "exactly one device request is served per reservation")
+    out = []
+    for i, device in enumerate(raw):
+        field = f"devices[{i}]"
+        cls = device.get("class") or ""
+        if cls in RESERVED_CLASSES:
+            raise errors.Unsupported(f"{field}.class {cls!r} is not served yet", field=f"{field}.class")
+        if cls not in SERVED_CLASSES:
+            raise errors.InvalidInput(f"{field}.class", "must be 'gpu'")
+        count = device.get("count", 0)
+        if not isinstance(count, int) or not 1 <= count <= MAX_GPUS:
+            raise errors.InvalidInput(f"{field}.count", f"must be 1 to {MAX_GPUS}")
+        topology = device.get("topology") or ANY
+        if topology not in TOPOLOGIES:
+            raise errors.InvalidInput(f"{field}.topology", f"must be one of {sorted(TOPOLOGIES)}")
+        model = match(f"{field}.model", device.get("model") or "", MODEL)
+        out.append({"class": cls, "count": count, "topology": topology, "model": model})
+    return out
+
+
+def duration_ms(field: str, text: str | None, ms: int | None) -> int:
+    if text is not None:
+        try:
+            value = parse_duration_ms(text)
+        except ValueError as exc:
+            raise errors.InvalidInput(field, str(exc)) from None
+    elif ms is not None:
+        value = ms
+    else:
+        raise errors.InvalidInput(field, "is required")
+    if not 1 <= value <= MAX_DURATION_MS:
+        raise errors.InvalidInput(field, f"must be between 1 ms and {MAX_DURATION_MS} ms (366 days)")
+    return value
+
+
+def validate_create(raw: dict[str, Any]) -> CreateInput:
+    tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
+    pool_id = match("poolId", raw.get("pool_id", ""), POOL_ID)
+    key = match("idempotencyKey", raw.get("idempotency_key", ""), IDEMPOTENCY_KEY)
+    binding = raw.get("binding") or "hold"
+    if binding in UNSERVED_BINDINGS:
+        hint = " (VPS instances are created with instances.create)" if binding == "instance" else ""
+        raise errors.Unsupported(f"binding {binding!r} is not served{hint}", field="binding")
+    if binding not in SERVED_BINDINGS:
+        raise errors.InvalidInput("binding", "must be 'hold'")
+    devices = _devices(raw.get("devices") or [])
+    duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"))
+    start = raw.get("start")
+    if start is not None and start < 0:
+        raise errors.InvalidInput("start", "must be epoch milliseconds, at least 0")
+    lease = raw.get("lease_seconds")
+    if lease is not None and not 60 <= lease <= 30 * 86_400:
+        raise errors.InvalidInput("leaseSeconds", "must be 60 to 2592000")
+    selector = dict(raw.get("node_selector") or {})
+    for k, v in selector.items():
+        match(f"nodeSelector[{k!r}]", k, LABEL)
+        match(f"nodeSelector[{k!r}]", v, LABEL)
+    wait_ms = raw.get("wait_timeout_ms")
+    if wait_ms is not None:
+        if wait_ms < 0:
+            raise errors.InvalidInput("wait.timeoutMs", "must be at least 0")
+        wait_ms = min(wait_ms, MAX_WAIT_MS)
+    request = {
+        "poolId": pool_id,
+        "devices": devices,
+        "durationMs": duration,
+        "binding": binding,
+        "start": start,
+        "leaseSeconds": lease,
+        "nodeSelector": selector,
+    }
+    return CreateInput(tenant_id, key, wait_ms, request)

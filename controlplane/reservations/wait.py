@@ -1,0 +1,29 @@
+"""Async-with-wait: re-read in read-only transactions, backing off from 50 ms to 1 s, until the
+operation stops running or the timeout passes. A timeout is not an error: the answer is the last
+read. A client that goes away cancels the task, which ends the wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from controlplane import db
+from controlplane.reservations.reads import load_view
+from controlplane.runtime import Runtime
+
+FIRST_DELAY_S = 0.05
+MAX_DELAY_S = 1.0
+
+
+async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: int) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_ms / 1000
+    delay = FIRST_DELAY_S
+    while True:
+        async with db.read_only(rt.pool) as conn:
+            view = await load_view(conn, rid)
+        remaining = deadline - time.monotonic()
+        if view["operation_state"] != "running" or remaining <= 0:
+            return view
+        await asyncio.sleep(min(delay, remaining))
+        delay = min(delay * 2, MAX_DELAY_S)

@@ -1,0 +1,1 @@
+"""Background workers. Replicas coordinate only through PostgreSQL."""

@@ -1,0 +1,85 @@
+"""Pending reservations retry every 30 seconds, and at once when their pool frees capacity
+(release, cancel, a node made ready), woken by NOTIFY bc_pool_freed.
+
+Each retry is one transaction per reservation: plan (reads only), pool lock, row lock, re-check
+that it is still pending, place. Replicas may race on the same reservation: the row lock and the
+state check make the loser skip it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import structlog
+
+from controlplane import db
+from controlplane.placement import placer
+from controlplane.reservations import placing, queries, states
+from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+BATCH = 100
+
+
+async def retry_pool(rt: Runtime, pool_id: str) -> int:
+    """Try to place the pool's pending reservations, oldest first; the number placed."""
+    async with db.read_only(rt.pool) as conn:
+        ids = [r["id"] for r in await (
+            await conn.execute(queries.PENDING_IN_POOL, {"pool_id": pool_id, "limit": BATCH})
+        ).fetchall()]
+    placed = 0
+    for rid in ids:
+        if await db.run_in_transaction(rt.pool, lambda c, rid=rid: _retry_one(c, rt, rid)):
+            placed += 1
+    if ids:
+        log.info("pending retried", pool_id=pool_id, tried=len(ids), placed=placed)
+    return placed
+
+
+async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bool:
+    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    if row is None or row["state"] != states.PENDING:
+        return False
+    ask = placing.ask_for(row, now_ms)
+    planned = await placing.plan(conn, rt, ask)
+    await placer.pool_lock(conn, row["pool_id"])
+    row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
+    if row is None or row["state"] != states.PENDING:
+        return False
+    return await placing.place_locked(conn, rt, row, ask, planned, now_ms)
+
+
+async def retry_all(rt: Runtime) -> None:
+    async with db.read_only(rt.pool) as conn:
+        pools = [r["pool_id"] for r in await (await conn.execute(queries.POOLS_WITH_PENDING)).fetchall()]
+    for pool_id in pools:
+        await retry_pool(rt, pool_id)
+
+
+async def run(rt: Runtime, conninfo: str, stop: asyncio.Event) -> None:
+    """Listen for freed pools; retry everything every pending_retry_seconds as the safety net."""
+    while not stop.is_set():
+        try:
+            async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as listen:
+                await listen.execute("LISTEN bc_pool_freed")
+                await retry_all(rt)
+                while not stop.is_set():
+                    woken: set[str] = set()
+                    async for note in listen.notifies(timeout=rt.settings.pending_retry_seconds):
+                        woken.add(note.payload)
+                        break
+                    if woken:
+                        # Coalesce a burst of wake-ups for the same pools.
+                        async for note in listen.notifies(timeout=0.05):
+                            woken.add(note.payload)
+                        for pool_id in woken:
+                            await retry_pool(rt, pool_id)
+                    else:
+                        await retry_all(rt)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("pending worker failed; restarting")
+            await asyncio.sleep(1)

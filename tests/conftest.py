@@ -1,0 +1,57 @@
+"""Fixtures: one embedded PostgreSQL per session with a migrated template database; per module a
+database cloned from the template and a real control plane on a loopback port."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from controlplane import bootstrap, db
+from controlplane.logs import configure_logging
+from tests.support import Client, ServerThread, World, make_world
+
+TEMPLATE = "bc_template"
+
+
+@pytest.fixture(scope="session")
+def pg_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    configure_logging("console", level=30)
+    uri = db.start_embedded(tmp_path_factory.mktemp("pg"), fast=True)
+    with psycopg.connect(uri, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
+        conn.execute(f"CREATE DATABASE {TEMPLATE}")
+    db.migrate(db.with_database(uri, TEMPLATE))
+    return uri
+
+
+def clone_database(pg_uri: str) -> str:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_uri, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
+    return db.with_database(pg_uri, name)
+
+
+@pytest.fixture
+def database(pg_uri: str) -> str:
+    return clone_database(pg_uri)
+
+
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    conninfo = clone_database(pg_uri)
+    server = ServerThread(conninfo)
+    root = Client(server.endpoint, bootstrap.ensure_root(conninfo))
+    try:
+        yield server, root
+    finally:
+        root.close()
+        server.stop()
+
+
+@pytest.fixture
+def world(stack: tuple[ServerThread, Client]) -> World:
+    server, root = stack
+    return make_world(server.endpoint, root, server.conninfo)

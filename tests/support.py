@@ -1,0 +1,167 @@
+"""Test support: a control plane in a background thread on a loopback port, real gRPC clients,
+and a per-test world (tenant, identities, tokens, pool, nodes, quota, policy)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import psycopg
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import admin_pb2_grpc
+from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import reservations_pb2_grpc
+from controlplane.api.status import error_info
+from controlplane.config import Settings
+
+PERMISSIVE = "permit(principal, action, resource);"
+
+
+class ServerThread:
+    """The real control plane (grpc.aio + psycopg pool + workers) on its own event loop."""
+
+    def __init__(self, conninfo: str, settings: Settings | None = None, workers: bool = True) -> None:
+        self.conninfo = conninfo
+        self.settings = settings or Settings(database_url=conninfo, pending_retry_seconds=30)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        from controlplane.app import start_app
+
+        self.app = self.call(start_app(self.settings, conninfo, listen="127.0.0.1:0", workers=workers))
+        self.port = self.app.port
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.app.stop(0.2))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+class Client:
+    """Sync stubs with a bearer token."""
+
+    def __init__(self, endpoint: str, token: str) -> None:
+        self.channel = grpc.insecure_channel(endpoint)
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self._r = reservations_pb2_grpc.ReservationsStub(self.channel)
+        self._c = reservations_pb2_grpc.ConfirmationsStub(self.channel)
+        self._a = admin_pb2_grpc.AdminStub(self.channel)
+
+    def _call(self, stub: Any, method: str, request: Any, **kw: Any) -> Any:
+        return getattr(stub, method)(request, metadata=self.metadata, timeout=kw.pop("timeout", 60), **kw)
+
+    def res(self, method: str, request: Any, **kw: Any) -> Any:
+        return self._call(self._r, method, request, **kw)
+
+    def conf(self, method: str, request: Any, **kw: Any) -> Any:
+        return self._call(self._c, method, request, **kw)
+
+    def admin(self, method: str, request: Any, **kw: Any) -> Any:
+        return self._call(self._a, method, request, **kw)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def rpc_error(excinfo: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """(gRPC code, spec code, details) of a failed call."""
+    exc = excinfo.value
+    info = error_info(exc)
+    assert info is not None, f"no ErrorInfo on {exc}"
+    return exc.code(), info.reason, dict(info.metadata)
+
+
+_counter = itertools.count()
+
+
+def gpus(node: str, count: int = 8, model: str = "H100-SXM5-80GB", domains: int = 1) -> list[apb.Gpu]:
+    per_domain = max(1, count // domains)
+    return [
+        apb.Gpu(uuid=f"GPU-{node}-{i}", model=model, memory_mib=81559, numa_node=0 if i < count // 2 else 1,
+                nvlink_domain=f"{node}-nvl{i // per_domain}")
+        for i in range(count)
+    ]
+
+
+@dataclass
+class World:
+    """An isolated tenant with a pool of nodes, a quota, a policy and a user token."""
+
+    endpoint: str
+    root: Client
+    conninfo: str
+    tenant: str = ""
+    pool_id: str = ""
+    user: Client | None = None
+    user_id: str = ""
+    nodes: list[apb.Node] = field(default_factory=list)
+
+    def identity(self, kind: str = "user", tenants: list[str] | None = None, **delegation: Any) -> tuple[str, Client]:
+        ident = f"{kind}-{uuid.uuid4().hex[:10]}"
+        req = apb.CreateIdentityRequest(id=ident, kind=kind, name=ident, tenant_ids=tenants or [self.tenant])
+        if delegation:
+            req.delegation.CopyFrom(apb.Delegation(**delegation))
+        self.root.admin("CreateIdentity", req)
+        token = self.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret
+        return ident, Client(self.endpoint, token)
+
+    def add_node(self, gpu_list: list[apb.Gpu] | None = None, name: str | None = None, **kw: Any) -> apb.Node:
+        name = name or f"n{next(_counter):05d}"
+        node = self.root.admin("RegisterNode", apb.RegisterNodeRequest(
+            pool_id=self.pool_id, name=name, gpus=gpu_list if gpu_list is not None else gpus(name), **kw))
+        self.nodes.append(node)
+        return node
+
+    def quota(self, limit: int, resource: str = "gpu") -> None:
+        self.root.admin("SetQuota", apb.SetQuotaRequest(tenant_id=self.tenant, resource=resource, limit=limit))
+
+    def policy(self, cedar: str) -> None:
+        self.root.admin("PutPolicy", apb.PutPolicyRequest(tenant_id=self.tenant, cedar=cedar))
+
+    def create(self, client: Client | None = None, *, key: str | None = None, count: int = 1,
+               topology: str = "", duration: str = "1h", **kw: Any) -> pb.Reservation:
+        return (client or self.user).res("Create", self.create_request(key=key, count=count, topology=topology,
+                                                                        duration=duration, **kw))
+
+    def create_request(self, *, key: str | None = None, count: int = 1, topology: str = "",
+                       duration: str | None = "1h", **kw: Any) -> pb.CreateReservationRequest:
+        req = pb.CreateReservationRequest(
+            tenant_id=self.tenant, pool_id=kw.pop("pool_id", self.pool_id),
+            devices=[pb.DeviceRequest(device_class=kw.pop("device_class", "gpu"), count=count, topology=topology,
+                                      model=kw.pop("model", ""))],
+            idempotency_key=key or f"k-{uuid.uuid4().hex[:12]}", **kw)
+        if duration is not None and "duration_ms" not in kw:
+            req.duration = duration
+        return req
+
+    def sql(self, query: str, params: Any = None) -> list[tuple]:
+        with psycopg.connect(self.conninfo) as conn:
+            return conn.execute(query, params).fetchall()
+
+
+def make_world(endpoint: str, root: Client, conninfo: str, *, nodes: int = 2, quota: int = 64,
+               policy: str | None = PERMISSIVE) -> World:
+    w = World(endpoint, root, conninfo)
+    w.tenant = f"t{uuid.uuid4().hex[:10]}"
+    root.admin("CreateTenant", apb.CreateTenantRequest(id=w.tenant, name=w.tenant))
+    w.pool_id = root.admin("CreatePool", apb.CreatePoolRequest(owner_tenant_id=w.tenant, name="p", region="eu-1")).id
+    for _ in range(nodes):
+        w.add_node()
+    if quota:
+        w.quota(quota)
+    if policy:
+        w.policy(policy)
+    w.user_id, w.user = w.identity()
+    return w
