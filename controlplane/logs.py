@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(fmt: str = "console", level: int = logging.INFO) -> None:
+def configure_logging(fmt: str = "console", level: int = logging.INFO, stream: TextIO | None = None) -> None:
     shared = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -26,6 +27,6 @@ def configure_logging(fmt: str = "console", level: int = logging.INFO) -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )

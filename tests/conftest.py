@@ -18,7 +18,9 @@ TEMPLATE = "bc_template"
 
 @pytest.fixture(scope="session")
 def pg_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    configure_logging("console", level=30)
+    # INFO lines (one per RPC) go to a file, so tests can capture them and CI output stays short.
+    log_path = tmp_path_factory.mktemp("logs") / "controlplane.log"
+    configure_logging("json", stream=open(log_path, "a", buffering=1))  # noqa: SIM115 - lives for the session
     uri = db.start_embedded(tmp_path_factory.mktemp("pg"), fast=True)
     with psycopg.connect(uri, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")

@@ -148,7 +148,8 @@ class World:
 
     def sql(self, query: str, params: Any = None) -> list[tuple]:
         with psycopg.connect(self.conninfo) as conn:
-            return conn.execute(query, params).fetchall()
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description else []
 
 
 def make_world(endpoint: str, root: Client, conninfo: str, *, nodes: int = 2, quota: int = 64,

@@ -94,49 +94,52 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(self, method: str, metadata: dict[str, str], behavior: Any) -> Any:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
-            code = "OK"
             try:
                 await self._prologue(method, metadata, request)
                 context.set_trailing_metadata((("x-request-id", _request_id()),))
-                return await behavior(request, context)
+                response = await behavior(request, context)
             except errors.DomainError as exc:
-                code = exc.code
-                await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+                status = to_status(exc.code, exc.message, exc.details)
+                _log_rpc(exc.code, started)
             except asyncio.CancelledError:
-                code = "CANCELLED"  # the client went away: the task (and any wait) stops here
-                raise
-            except grpc.aio.AbortError:
+                _log_rpc("CANCELLED", started)  # the client went away: the task (and any wait) stops
                 raise
             except Exception:
-                code = errors.INTERNAL
                 log.exception("rpc failed")
-                await context.abort_with_status(
-                    to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
-                )
-            finally:
-                log.info("rpc", code=code, duration_ms=round((time.perf_counter() - started) * 1000, 2),
-                         identity=_identity())
-                structlog.contextvars.clear_contextvars()
+                status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
+                _log_rpc(errors.INTERNAL, started)
+            else:
+                _log_rpc("OK", started)
+                return response
+            await context.abort_with_status(status)
 
         return handle
 
     def _wrap_stream(self, method: str, metadata: dict[str, str], behavior: Any) -> Any:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
-            code = "OK"
             try:
                 await self._prologue(method, metadata, request)
                 async for item in behavior(request, context):
                     yield item
             except errors.DomainError as exc:
-                code = exc.code
+                _log_rpc(exc.code, started)
                 await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
-            finally:
-                log.info("rpc", code=code, duration_ms=round((time.perf_counter() - started) * 1000, 2),
-                         identity=_identity())
-                structlog.contextvars.clear_contextvars()
+            except asyncio.CancelledError:
+                _log_rpc("CANCELLED", started)
+                raise
+            else:
+                _log_rpc("OK", started)
 
         return handle
+
+
+def _log_rpc(code: str, started: float) -> None:
+    """The one canonical line per RPC; the request id, method and tenant come from contextvars."""
+    bound = structlog.contextvars.get_contextvars()
+    log.info("rpc", request_id=bound.get("request_id", ""), method=bound.get("method", ""),
+             tenant=bound.get("tenant", ""), identity=_identity(), code=code,
+             duration_ms=round((time.perf_counter() - started) * 1000, 2))
 
 
 def _request_id() -> str:

