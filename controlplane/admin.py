@@ -222,9 +222,43 @@ async def set_node_state(rt: Runtime, node_id: str, state: str) -> dict[str, Any
         cur = await conn.execute("UPDATE nodes SET state = %s WHERE id = %s", (state, node_id))
         if cur.rowcount == 0:
             raise errors.NotFound("no such node", nodeId=node_id)
+        await conn.execute("SELECT wake_node_reservations(%s)", (node_id,))
         if state == "ready":
             pool = await (await conn.execute("SELECT pool_id FROM nodes WHERE id = %s", (node_id,))).fetchone()
             await conn.execute("SELECT pg_notify('bc_pool_freed', %s)", (pool["pool_id"],))
+        return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def set_gpu_health(rt: Runtime, node_id: str, device_uuid: str, health: str) -> dict[str, Any]:
+    """Quarantine or restore a GPU (and its MIG instances and slots)."""
+    if health not in ("healthy", "unhealthy"):
+        raise errors.InvalidInput("health", "must be 'healthy' or 'unhealthy'")
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        cur = await conn.execute(
+            "UPDATE atoms SET health = %s WHERE node_id = %s AND device_uuid = %s", (health, node_id, device_uuid)
+        )
+        if cur.rowcount == 0:
+            raise errors.NotFound("no such GPU on that node", nodeId=node_id, deviceUuid=device_uuid)
+        await conn.execute("SELECT wake_node_reservations(%s)", (node_id,))
+        return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def set_node_connectivity(rt: Runtime, node_id: str, connectivity: str) -> dict[str, Any]:
+    if connectivity not in ("connected", "unreachable"):
+        raise errors.InvalidInput("connectivity", "must be 'connected' or 'unreachable'")
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        cur = await conn.execute(
+            "UPDATE nodes SET connectivity = %s, last_seen = CASE WHEN %s = 'connected' THEN compute_now()"
+            " ELSE last_seen END WHERE id = %s", (connectivity, connectivity, node_id))
+        if cur.rowcount == 0:
+            raise errors.NotFound("no such node", nodeId=node_id)
+        await conn.execute("SELECT wake_node_reservations(%s)", (node_id,))
         return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
 
     return await db.run_in_transaction(rt.pool, work)

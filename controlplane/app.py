@@ -19,7 +19,7 @@ from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
 from controlplane.runtime import Runtime
-from controlplane.workers import pending
+from controlplane.workers import pending, queue
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +71,7 @@ async def start_app(
     app = App(server, port, pool, rt)
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
+        app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping), name="work-queue"))
     log.info("control plane serving", port=port, workers=workers)
     return app
 

@@ -146,6 +146,10 @@ class World:
             req.duration = duration
         return req
 
+    def later(self, hours: float = 24) -> int:
+        """Epoch ms `hours` after compute_now(): a start that keeps a reservation placed."""
+        return self.sql("SELECT epoch_ms(compute_now())")[0][0] + int(hours * 3_600_000)
+
     def sql(self, query: str, params: Any = None) -> list[tuple]:
         with psycopg.connect(self.conninfo) as conn:
             cur = conn.execute(query, params)

@@ -39,7 +39,7 @@ def test_2h_and_7200000_are_the_same_request_with_or_without_binding_hold(world:
     first = world.create(key="same", duration="2h")
     again = world.user.res("Create", world.create_request(key="same", duration=None, duration_ms=7_200_000,
                                                           binding="hold"))
-    assert again.id == first.id and again.version == first.version
+    assert again.id == first.id and again.created_at == first.created_at
     as_text = world.user.res("Create", world.create_request(key="same", duration="7200000"))
     assert as_text.id == first.id
 
@@ -49,7 +49,8 @@ def test_repeat_past_the_draft_returns_the_stored_reservation_without_a_second_d
     decided = decided_at(world, first.id)
     world.policy(DENY_ALL)  # a second decision would now refuse
     again = world.create(key="once")
-    assert again.id == first.id and again.state == "placed" and again.version == first.version
+    # The stored reservation (the reconciler may have moved it on to binding at its start).
+    assert again.id == first.id and again.state in ("placed", "binding") and again.version >= first.version
     assert decided_at(world, first.id) == decided
     world.policy(PERMISSIVE)
 

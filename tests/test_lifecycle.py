@@ -67,7 +67,7 @@ def test_releasing_a_terminal_reservation_changes_nothing(world: World) -> None:
 
 
 def test_cancel_withdraws_pending_or_placed_and_refuses_anything_else(world: World) -> None:
-    placed = world.create(count=1)
+    placed = world.create(count=1, start=world.later())
     assert call(world, "Cancel", placed.id).state == "cancelled"
     pending = world.create(count=8, model="none-such")
     assert call(world, "Cancel", pending.id).state == "cancelled"
@@ -110,7 +110,7 @@ def test_extend_exists_and_answers_unsupported_until_served(world: World) -> Non
 
 def test_list_mine_by_default_all_on_request_newest_first_with_filters_and_paging(world: World) -> None:
     other_id, other = world.identity()
-    mine = [world.create(count=1) for _ in range(5)]
+    mine = [world.create(count=1, start=world.later()) for _ in range(5)]
     theirs = world.create(other, count=1)
     call(world, "Release", mine[0].id)
 

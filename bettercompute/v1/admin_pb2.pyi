@@ -610,6 +610,111 @@ class SetNodeStateRequest(_message.Message):
 Global___SetNodeStateRequest: _TypeAlias = SetNodeStateRequest  # noqa: Y015
 
 @_typing.final
+class SetGpuHealthRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    device_uuid: _builtins.str
+    health: _builtins.str
+    """"healthy" or "unhealthy"."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        device_uuid: _builtins.str = ...,
+        health: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "health", b"health", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetGpuHealthRequest: _TypeAlias = SetGpuHealthRequest  # noqa: Y015
+
+@_typing.final
+class SetNodeConnectivityRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    CONNECTIVITY_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    connectivity: _builtins.str
+    """"connected" or "unreachable"."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        connectivity: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connectivity", b"connectivity", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetNodeConnectivityRequest: _TypeAlias = SetNodeConnectivityRequest  # noqa: Y015
+
+@_typing.final
+class AdvanceClockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BY_MS_FIELD_NUMBER: _builtins.int
+    by_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        by_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["by_ms", b"by_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdvanceClockRequest: _TypeAlias = AdvanceClockRequest  # noqa: Y015
+
+@_typing.final
+class GetClockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClockRequest: _TypeAlias = GetClockRequest  # noqa: Y015
+
+@_typing.final
+class Clock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOW_FIELD_NUMBER: _builtins.int
+    OFFSET_MS_FIELD_NUMBER: _builtins.int
+    now: _builtins.int
+    offset_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        now: _builtins.int = ...,
+        offset_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["now", b"now", "offset_ms", b"offset_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Clock: _TypeAlias = Clock  # noqa: Y015
+
+@_typing.final
 class SetQuotaRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

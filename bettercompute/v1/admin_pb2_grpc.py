@@ -79,6 +79,26 @@ class AdminStub:
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_admin__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.SetGpuHealth = channel.unary_unary(
+                '/bettercompute.v1.Admin/SetGpuHealth',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.SetGpuHealthRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Node.FromString,
+                _registered_method=True)
+        self.SetNodeConnectivity = channel.unary_unary(
+                '/bettercompute.v1.Admin/SetNodeConnectivity',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.SetNodeConnectivityRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Node.FromString,
+                _registered_method=True)
+        self.AdvanceClock = channel.unary_unary(
+                '/bettercompute.v1.Admin/AdvanceClock',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.AdvanceClockRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Clock.FromString,
+                _registered_method=True)
+        self.GetClock = channel.unary_unary(
+                '/bettercompute.v1.Admin/GetClock',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.GetClockRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Clock.FromString,
+                _registered_method=True)
         self.SetQuota = channel.unary_unary(
                 '/bettercompute.v1.Admin/SetQuota',
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.SetQuotaRequest.SerializeToString,
@@ -156,6 +176,34 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetGpuHealth(self, request, context):
+        """Quarantine (unhealthy) or restore a GPU; wakes the reservations booked on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetNodeConnectivity(self, request, context):
+        """Mark a node reachable or not (the gateway does this from heartbeats for real nodes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdvanceClock(self, request, context):
+        """Dev and test only: moves compute_now() forward. Refused unless the server runs with
+        clock control (BC_CLOCK_CONTROL=1).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetClock(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetQuota(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -222,6 +270,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=bettercompute_dot_v1_dot_admin__pb2.ListNodesRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_admin__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'SetGpuHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetGpuHealth,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.SetGpuHealthRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.Node.SerializeToString,
+            ),
+            'SetNodeConnectivity': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNodeConnectivity,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.SetNodeConnectivityRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.Node.SerializeToString,
+            ),
+            'AdvanceClock': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdvanceClock,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.AdvanceClockRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.Clock.SerializeToString,
+            ),
+            'GetClock': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClock,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.GetClockRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.Clock.SerializeToString,
             ),
             'SetQuota': grpc.unary_unary_rpc_method_handler(
                     servicer.SetQuota,
@@ -482,6 +550,114 @@ class Admin:
             '/bettercompute.v1.Admin/ListNodes',
             bettercompute_dot_v1_dot_admin__pb2.ListNodesRequest.SerializeToString,
             bettercompute_dot_v1_dot_admin__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetGpuHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/SetGpuHealth',
+            bettercompute_dot_v1_dot_admin__pb2.SetGpuHealthRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.Node.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNodeConnectivity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/SetNodeConnectivity',
+            bettercompute_dot_v1_dot_admin__pb2.SetNodeConnectivityRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.Node.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdvanceClock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/AdvanceClock',
+            bettercompute_dot_v1_dot_admin__pb2.AdvanceClockRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.Clock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/GetClock',
+            bettercompute_dot_v1_dot_admin__pb2.GetClockRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.Clock.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bettercompute.v1 import admin_pb2 as pb
 from bettercompute.v1 import admin_pb2_grpc as rpc
-from controlplane import admin
+from controlplane import admin, clock
 from controlplane.api import convert
 from controlplane.api.interceptor import caller
 from controlplane.runtime import Runtime
@@ -65,6 +65,22 @@ class AdminServicer(rpc.AdminServicer):
     async def ListNodes(self, request: pb.ListNodesRequest, context: Ctx) -> pb.ListNodesResponse:
         _root()
         return pb.ListNodesResponse(items=[convert.node(r) for r in await admin.list_nodes(self.rt, request.pool_id)])
+
+    async def SetGpuHealth(self, request: pb.SetGpuHealthRequest, context: Ctx) -> pb.Node:
+        _root()
+        return convert.node(await admin.set_gpu_health(self.rt, request.node_id, request.device_uuid, request.health))
+
+    async def SetNodeConnectivity(self, request: pb.SetNodeConnectivityRequest, context: Ctx) -> pb.Node:
+        _root()
+        return convert.node(await admin.set_node_connectivity(self.rt, request.node_id, request.connectivity))
+
+    async def AdvanceClock(self, request: pb.AdvanceClockRequest, context: Ctx) -> pb.Clock:
+        _root()
+        return pb.Clock(**await clock.advance(self.rt, request.by_ms))
+
+    async def GetClock(self, request: pb.GetClockRequest, context: Ctx) -> pb.Clock:
+        _root()
+        return pb.Clock(**await clock.read(self.rt))
 
     async def SetQuota(self, request: pb.SetQuotaRequest, context: Ctx) -> pb.Quota:
         _root()

@@ -96,10 +96,11 @@ async def commit(
     top_n: int,
     shortlist: int,
     max_attempts: int,
+    exclude: frozenset[str] = frozenset(),
 ) -> Placement | None:
     """Insert the planned bookings (the pool lock must be held). A lost race rolls back to a
     savepoint, excludes that node and plans again, at most `max_attempts` times."""
-    exclude: set[str] = set()
+    excluded: set[str] = set(exclude)
     for attempt in range(max_attempts):
         if planned.plan is None:
             return None
@@ -123,8 +124,8 @@ async def commit(
         except (psycopg.errors.ExclusionViolation, _NodeChanged) as exc:
             log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
                      why=type(exc).__name__)
-            exclude.add(chosen.node_id)
-            planned = await plan(conn, ask, top_n=top_n, shortlist=shortlist, exclude=frozenset(exclude))
+            excluded.add(chosen.node_id)
+            planned = await plan(conn, ask, top_n=top_n, shortlist=shortlist, exclude=frozenset(excluded))
     return None
 
 

@@ -20,8 +20,9 @@ from controlplane import db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.placement import placer
-from controlplane.reservations import placing, queries, states
+from controlplane.reservations import placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
+from controlplane.reservations.reconciler import expire_confirmation
 from controlplane.reservations.transitions import condition, move
 from controlplane.reservations.validate import CreateInput, validate_create
 from controlplane.reservations.wait import wait_for_operation
@@ -97,7 +98,7 @@ async def _transaction_1(
     if state == states.AWAITING_CONFIRMATION:
         confirmation = await _latest_confirmation(conn, rid)
         if confirmation is not None and confirmation["expired"]:
-            await _expire(conn, row, confirmation["id"])
+            await expire_confirmation(conn, row)  # a late retry finds it expired
             return draft
         draft.approved = confirmation is not None and confirmation["state"] == "approved"
         draft.rejected = confirmation is not None and confirmation["state"] == "rejected"
@@ -200,6 +201,7 @@ async def _require_confirmation(
             (confirmation_id, row["tenant_id"], row["id"], row["request_hash"], iam.CREATE,
              caller.identity_id, caller.delegator_id, expires_at),
         )
+        await schedule.at(conn, row["id"], expires_at)  # the reconciler expires it at the deadline
     else:
         confirmation_id, expires_at = confirmation["id"], confirmation["expires_ms"]
     if row["state"] == states.DRAFT:
@@ -230,15 +232,6 @@ async def _latest_confirmation(conn: AsyncConnection, rid: str) -> dict[str, Any
             (rid, iam.CREATE),
         )
     ).fetchone()
-
-
-async def _expire(conn: AsyncConnection, row: dict[str, Any], confirmation_id: str) -> None:
-    locked = await _fetch(conn, row["id"], for_update=True)
-    if locked is None or locked["state"] != states.AWAITING_CONFIRMATION:
-        return
-    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE id = %s", (confirmation_id,))
-    await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
-    await events.emit_reservation(conn, locked, "reservation.expired", reason="confirmation-expired")
 
 
 async def _fetch(conn: AsyncConnection, rid: str, *, for_update: bool = False) -> dict[str, Any] | None:

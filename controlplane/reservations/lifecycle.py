@@ -28,14 +28,21 @@ async def _locked(conn: AsyncConnection, rid: str) -> dict[str, Any]:
     return row
 
 
-async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """End the bookings now (future ones deleted, running ones truncated), refund the quota,
-    and wake the pool's pending reservations."""
-    params = {"id": row["id"]}
+async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str = "released") -> None:
+    """End the live allocations now: future bookings deleted, running ones truncated, and the
+    nodes' desired state drops them."""
+    params = {"id": rid}
     await conn.execute(queries.DELETE_FUTURE_BOOKINGS, params)
     await conn.execute(queries.TRUNCATE_RUNNING_BOOKINGS, params)
-    await conn.execute(queries.END_ALLOCATIONS, params)
-    await conn.execute(queries.TRUNCATE_WINDOW, params)
+    await conn.execute(queries.BUMP_DESIRED_OF_LIVE, params)
+    await conn.execute(queries.END_ALLOCATIONS, {**params, "state": allocation_state})
+
+
+async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """End the bookings and the window now, refund the quota, and wake the pool's pending
+    reservations."""
+    await end_bookings(conn, row["id"])
+    await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"]})
     await quota.refund(conn, row["id"])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
 

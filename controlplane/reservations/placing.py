@@ -11,7 +11,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.placement import placer
-from controlplane.reservations import states
+from controlplane.reservations import schedule, states
 from controlplane.reservations.transitions import condition, move
 from controlplane.runtime import Runtime
 
@@ -33,9 +33,23 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
     )
 
 
-async def plan(conn: AsyncConnection, rt: Runtime, ask: placer.Ask) -> placer.Planned:
+async def plan(
+    conn: AsyncConnection, rt: Runtime, ask: placer.Ask, exclude: frozenset[str] = frozenset()
+) -> placer.Planned:
     s = rt.settings
-    return await placer.plan(conn, ask, top_n=s.placement_top_n, shortlist=s.placement_shortlist)
+    return await placer.plan(conn, ask, top_n=s.placement_top_n, shortlist=s.placement_shortlist,
+                             exclude=exclude)
+
+
+async def commit(
+    conn: AsyncConnection, rt: Runtime, rid: str, ask: placer.Ask, planned: placer.Planned,
+    exclude: frozenset[str] = frozenset(),
+) -> placer.Placement | None:
+    s = rt.settings
+    return await placer.commit(
+        conn, ask, rid, planned, top_n=s.placement_top_n, shortlist=s.placement_shortlist,
+        max_attempts=s.placement_max_attempts, exclude=exclude,
+    )
 
 
 async def place_locked(
@@ -48,11 +62,7 @@ async def place_locked(
 ) -> bool:
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
     Unschedulable condition. Emits the event in the same transaction. True when placed."""
-    s = rt.settings
-    placement = await placer.commit(
-        conn, ask, row["id"], planned,
-        top_n=s.placement_top_n, shortlist=s.placement_shortlist, max_attempts=s.placement_max_attempts,
-    )
+    placement = await commit(conn, rt, row["id"], ask, planned)
     if placement is None:
         reason = await placer.explain(conn, ask)
         was_pending = row["state"] == states.PENDING
@@ -72,11 +82,12 @@ async def place_locked(
         await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
         return False
     lease = row["request"].get("leaseSeconds")
+    lease_deadline = now_ms + lease * 1000 if lease else None
     await move(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
-        window=(ask.start_ms, ask.end_ms),
-        lease_deadline=now_ms + lease * 1000 if lease else None, attempt=True,
+        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline, attempt=True,
     )
+    await schedule.booked_moments(conn, row["id"], ask.start_ms, ask.end_ms, lease_deadline)
     await events.emit_reservation(
         conn, row, "reservation.placed",
         nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,

@@ -84,8 +84,13 @@ FROM allocations a
 WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND b.during @> compute_now()
 """
 END_ALLOCATIONS = """
-UPDATE allocations SET state = 'released'
+UPDATE allocations SET state = %(state)s
 WHERE reservation_id = %(id)s AND state IN ('placed', 'binding', 'bound')
+"""
+BUMP_DESIRED_OF_LIVE = """
+SELECT bump_desired(node_id) FROM (
+    SELECT DISTINCT node_id FROM allocations
+    WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')) live
 """
 TRUNCATE_WINDOW = """
 UPDATE reservations SET during = tstzrange(lower(during), compute_now(), '[)')

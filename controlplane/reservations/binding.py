@@ -1,0 +1,110 @@
+"""From placed to active: binding at the start, the bind deadline, node conditions while active.
+
+Failure handling (spec "Bindings"): no report within 5 minutes, or an AllocationFailed report:
+the bookings are released and the reservation is placed again, at most twice; the third failure
+fails it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from controlplane import events
+from controlplane.placement import placer
+from controlplane.reservations import placing, schedule, states
+from controlplane.reservations.lifecycle import end_bookings, free_capacity
+from controlplane.reservations.transitions import condition, move
+from controlplane.runtime import Runtime
+
+MAX_BIND_FAILURES = 3
+
+_START_BINDING = """
+UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
+WHERE reservation_id = %(id)s AND state = 'placed'
+RETURNING node_id
+"""
+_LIVE = """
+SELECT id, node_id, state, epoch_ms(bind_deadline) AS bind_deadline_ms
+FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound') ORDER BY id
+"""
+_NODE_FACTS = """
+SELECT n.id, n.name, n.connectivity FROM nodes n
+WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound'))
+ORDER BY n.id
+"""
+
+
+async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
+    """At the start: allocations move to binding and the nodes' desired state gains them."""
+    deadline = max(row["during_start"], now_ms) + schedule.BIND_TIMEOUT_MS
+    nodes = await (await conn.execute(_START_BINDING, {"id": row["id"], "deadline": deadline})).fetchall()
+    for node in nodes:
+        await conn.execute("SELECT bump_desired(%s)", (node["node_id"],))
+    await move(conn, row, states.BINDING, operation_state="succeeded")
+    await events.emit_reservation(conn, row, "reservation.binding")
+    await schedule.at(conn, row["id"], deadline)
+    await progress(conn, rt, row, now_ms)  # a report that arrived while placed is judged now
+
+
+async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
+    """Active once every allocation is bound; past the bind deadline, a binding failure."""
+    allocations = await (await conn.execute(_LIVE, {"id": row["id"]})).fetchall()
+    if allocations and all(a["state"] == "bound" for a in allocations):
+        await move(conn, row, states.ACTIVE, operation_state="succeeded")
+        await events.emit_reservation(conn, row, "reservation.active")
+        await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
+        return
+    late = [a for a in allocations if a["state"] == "binding" and a["bind_deadline_ms"] <= now_ms]
+    if late:
+        await bind_failed(conn, rt, row, now_ms, "bind-timeout", [a["node_id"] for a in late])
+
+
+async def bind_failed(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, reason: str, nodes: list[str]
+) -> None:
+    """Release the bookings and place again (same end, from now), at most twice; then fail."""
+    failures = (await (await conn.execute(
+        "UPDATE reservations SET bind_failures = bind_failures + 1 WHERE id = %s RETURNING bind_failures",
+        (row["id"],))).fetchone())["bind_failures"]
+    if failures >= MAX_BIND_FAILURES:
+        await free_capacity(conn, row)
+        await move(conn, row, states.FAILED, operation_state="failed", end_reason=reason)
+        await events.emit_reservation(conn, row, "reservation.failed", reason=reason, failures=failures)
+        return
+    await end_bookings(conn, row["id"], allocation_state="failed")
+    ask = placing.ask_for(row, now_ms)
+    ask = placer.Ask(**{**ask.__dict__, "start_ms": now_ms, "end_ms": row["during_end"]})
+    avoid = frozenset(nodes)
+    planned = await placing.plan(conn, rt, ask, exclude=avoid)
+    placement = await placing.commit(conn, rt, row["id"], ask, planned, exclude=avoid)
+    if placement is None:
+        message = f"binding failed on {', '.join(nodes)} ({reason}); " + await placer.explain(conn, ask)
+        await move(conn, row, states.PENDING, operation_state="succeeded",
+                   conditions=[condition("Unschedulable", "BindingFailed", message, now_ms)])
+        await events.emit_reservation(conn, row, "reservation.pending", reason="BindingFailed")
+        return
+    await move(conn, row, states.PLACED, operation_state="succeeded", conditions=[],
+               window=(ask.start_ms, ask.end_ms))
+    await events.emit_reservation(conn, row, "reservation.placed", nodeIds=[placement.node_id],
+                                  start=ask.start_ms, end=ask.end_ms, reason=reason)
+    await schedule.at(conn, row["id"], now_ms)  # binds again at once
+
+
+async def recheck_active(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> None:
+    """Set or clear node conditions; never release. Rechecked every 15 minutes."""
+    facts = await (await conn.execute(_NODE_FACTS, {"id": row["id"]})).fetchall()
+    unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
+    kept = [c for c in row["conditions"] if c.get("type") != "NodeUnreachable"]
+    if unreachable:
+        old = next((c for c in row["conditions"] if c.get("type") == "NodeUnreachable"), None)
+        message = f"unreachable: {', '.join(unreachable)}"
+        kept.append(old if old and old.get("message") == message
+                    else condition("NodeUnreachable", "NodeUnreachable", message, now_ms))
+    if kept != row["conditions"]:
+        await conn.execute(
+            "UPDATE reservations SET conditions = %s, version = version + 1, updated_at = clock_timestamp()"
+            " WHERE id = %s", (Jsonb(kept), row["id"]))
+    await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)

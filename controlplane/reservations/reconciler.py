@@ -1,0 +1,79 @@
+"""The capacity.reservations reconciler: drives one reservation at the moments that matter.
+
+Woken by work items (start - 15 min, start, bind deadline, end, lease deadline, confirmation
+deadline, node changes, node reports). It re-reads everything and does what is due at
+compute_now(), so a duplicate or late wake-up is harmless. An active reservation is never
+released for node trouble: the reconciler only sets and clears conditions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from controlplane import events
+from controlplane.placement import placer
+from controlplane.reservations import binding, queries, repair, schedule, states
+from controlplane.reservations.lifecycle import free_capacity
+from controlplane.reservations.transitions import move
+from controlplane.runtime import Runtime
+
+
+async def reconcile(conn: AsyncConnection, rt: Runtime, rid: str) -> None:
+    row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    if row is None:
+        return
+    if row["state"] == states.AWAITING_CONFIRMATION:
+        await expire_confirmation(conn, row)
+        return
+    if row["state"] not in states.BOOKED:
+        return
+    await placer.pool_lock(conn, row["pool_id"])  # lock order: pool, then reservation
+    row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
+    if row is None or row["state"] not in states.BOOKED:
+        return
+    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+
+    if row["lease_deadline_ms"] is not None and now_ms >= row["lease_deadline_ms"]:
+        await end(conn, row, "lease-lapsed")
+        return
+    if now_ms >= row["during_end"]:
+        await end(conn, row, "expired")
+        return
+    if row["state"] == states.PLACED:
+        if now_ms >= row["during_start"] - schedule.REPAIR_LEAD_MS:
+            bad = await repair.bad_nodes(conn, rid)
+            if bad and not await repair.repair(conn, rt, row, bad, now_ms):
+                return
+            row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+        if now_ms >= row["during_start"]:
+            await binding.start(conn, rt, row, now_ms)
+    elif row["state"] == states.BINDING:
+        await binding.progress(conn, rt, row, now_ms)
+    elif row["state"] == states.ACTIVE:
+        await binding.recheck_active(conn, row, now_ms)
+
+
+async def end(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
+    """Released at its end (expired) or when its lease lapsed: bookings end, quota refunds, the
+    nodes' desired state drops the assignment."""
+    await free_capacity(conn, row)
+    await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
+    await events.emit_reservation(conn, row, "reservation.released", reason=reason)
+
+
+async def expire_confirmation(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    due = await (
+        await conn.execute(
+            "SELECT id FROM confirmations WHERE reservation_id = %s AND state = 'pending'"
+            " AND expires_at <= compute_now() FOR UPDATE", (row["id"],))
+    ).fetchone()
+    if due is None:
+        return
+    locked = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": row["id"]})).fetchone()
+    if locked["state"] != states.AWAITING_CONFIRMATION:
+        return
+    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE id = %s", (due["id"],))
+    await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
+    await events.emit_reservation(conn, locked, "reservation.expired", reason="confirmation-expired")

@@ -1,0 +1,23 @@
+"""The moments that matter to a reservation, written as work items for the reconciler."""
+
+from __future__ import annotations
+
+from psycopg import AsyncConnection
+
+REPAIR_LEAD_MS = 15 * 60 * 1000     # BookingRepair checks 15 minutes before the start
+BIND_TIMEOUT_MS = 5 * 60 * 1000     # a node has 5 minutes to report its devices bound
+ACTIVE_RECHECK_MS = 15 * 60 * 1000  # an active reservation is rechecked every 15 minutes
+
+_AT = "SELECT schedule_work('reservation', %s, from_epoch_ms(%s))"
+
+
+async def at(conn: AsyncConnection, rid: str, *moments: int | None) -> None:
+    for moment in sorted({m for m in moments if m is not None}):
+        await conn.execute(_AT, (rid, moment))
+
+
+async def booked_moments(
+    conn: AsyncConnection, rid: str, start_ms: int, end_ms: int, lease_deadline_ms: int | None
+) -> None:
+    """start - 15 min, start, end and the lease deadline of a placed reservation."""
+    await at(conn, rid, start_ms - REPAIR_LEAD_MS, start_ms, end_ms, lease_deadline_ms)
