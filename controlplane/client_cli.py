@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as err:
         print(json.dumps(error_json(err), indent=2), file=sys.stderr)
         return 1
-    print(json.dumps(MessageToDict(answer, preserving_proto_field_name=False), indent=2))
+    out = MessageToDict(answer, preserving_proto_field_name=False)
+    if isinstance(answer, pb.ListReservationsResponse):
+        out.setdefault("items", [])  # an empty page is a list, not a missing field
+    print(json.dumps(out, indent=2))
     return 0
 
 

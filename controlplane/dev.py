@@ -20,15 +20,21 @@ import signal
 import sys
 import uuid
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-import structlog
+# gRPC's fork handlers are of no use here (the process forks only to run pg_ctl) and log a warning
+# when the database is stopped at exit; they must be turned off before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from bettercompute.v1 import admin_pb2, admin_pb2_grpc
-from controlplane import bootstrap, db
-from controlplane.config import Settings
+import grpc  # noqa: E402
+import structlog  # noqa: E402
+
+from bettercompute.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
+from controlplane import bootstrap, db  # noqa: E402
+from controlplane.config import Settings  # noqa: E402
 
 log = structlog.get_logger(__name__)
 
@@ -114,15 +120,38 @@ def _run(settings: Settings, listen: str) -> int:
     connection_path = data_dir / CONNECTION_FILE
     connection_path.unlink(missing_ok=True)  # a stale file would name a dead endpoint
 
-    if settings.database_url:
-        conninfo = settings.database_url
-        log.info("using the external database", source="DATABASE_URL")
-    else:
-        conninfo = db.start_embedded(data_dir)  # stops when this process exits
-        log.info("embedded database running", pgdata=str((data_dir / "pgdata").resolve()))
-    db.migrate(conninfo)
-    root_token = bootstrap.ensure_root(conninfo)
+    with _signals_deferred():
+        if settings.database_url:
+            conninfo = settings.database_url
+            log.info("using the external database", source="DATABASE_URL")
+        else:
+            conninfo = db.start_embedded(data_dir)  # stops when this process exits
+            log.info("embedded database running", pgdata=str((data_dir / "pgdata").resolve()))
+        db.migrate(conninfo)
+        root_token = bootstrap.ensure_root(conninfo)
     return asyncio.run(_serve(settings, conninfo, listen, root_token, connection_path))
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, then raise KeyboardInterrupt.
+
+    Interrupting initdb or pg_ctl half-way leaves a broken data directory or a server nobody
+    stops; letting the database start first means the exit handler stops it cleanly.
+    """
+    received: list[int] = []
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: received.append(signum))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 async def _serve(
@@ -277,7 +306,7 @@ Better Compute is running.
   database    {database}
   demo        tenant {demo.tenant_id}, user {USER}, pool {demo.pool_id} ({POOL}, region {REGION})
               {NODE_COUNT} nodes x {GPUS_PER_NODE} {GPU_MODEL} (one NVLink domain per node)
-              quota {GPU_QUOTA} GPUs, Cedar policy: permit all
+              seeded with a quota of {GPU_QUOTA} GPUs and a permit-all Cedar policy
   connection  {_relative(connection_path)}  (alice's token, the root token, tenant, pool)
 
 Try it from another terminal:
@@ -286,5 +315,5 @@ Try it from another terminal:
   {cli} get <rsv_... from above>
   {cli} release <rsv_... from above>
 
-Ctrl-C stops it; the data stays for the next run (`make clean` deletes it).
+Ctrl-C stops it. The data in {_relative(connection_path.parent)} stays for the next run.
 """

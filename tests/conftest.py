@@ -3,6 +3,9 @@ database cloned from the template and a real control plane on a loopback port.""
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 
@@ -18,10 +21,14 @@ TEMPLATE = "bc_template"
 
 @pytest.fixture(scope="session")
 def pg_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # The data directory is our own temp dir, not pytest's numbered ones: concurrent pytest runs
+    # prune each other's old numbered dirs, which would pull it from under a running server.
+    data_dir = tempfile.mkdtemp(prefix="bc-test-pg-")
+    atexit.register(shutil.rmtree, data_dir, True)  # registered first, so it runs after the stop
     # INFO lines (one per RPC) go to a file, so tests can capture them and CI output stays short.
     log_path = tmp_path_factory.mktemp("logs") / "controlplane.log"
     configure_logging("json", stream=open(log_path, "a", buffering=1))  # noqa: SIM115 - lives for the session
-    uri = db.start_embedded(tmp_path_factory.mktemp("pg"), fast=True)
+    uri = db.start_embedded(data_dir, fast=True)
     with psycopg.connect(uri, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
         conn.execute(f"CREATE DATABASE {TEMPLATE}")

@@ -9,7 +9,7 @@ from bettercompute.v1 import reservations_pb2_grpc as rpc
 from controlplane import confirmations
 from controlplane.api import convert
 from controlplane.api.interceptor import caller
-from controlplane.reservations import admission, lifecycle, reads
+from controlplane.reservations import admission, extend, lifecycle, reads
 from controlplane.runtime import Runtime
 
 Ctx = grpc.aio.ServicerContext
@@ -30,8 +30,12 @@ class ReservationsServicer(rpc.ReservationsServicer):
         return pb.ListReservationsResponse(items=[convert.reservation(r) for r in rows], next_cursor=next_cursor)
 
     async def Extend(self, request: pb.ExtendReservationRequest, context: Ctx) -> pb.ExtendReservationResponse:
-        row = await lifecycle.extend(self.rt, caller(), request.tenant_id, request.reservation_id)
-        return pb.ExtendReservationResponse(reservation=convert.reservation(row), extended=False)
+        which = request.WhichOneof("change")
+        raw = {"until": request.until if which == "until" else None, "by": request.by if which == "by" else None,
+               "idempotency_key": request.idempotency_key}
+        result = await extend.extend(self.rt, caller(), request.tenant_id, request.reservation_id, raw)
+        return pb.ExtendReservationResponse(reservation=convert.reservation(result["reservation"]),
+                                            extended=result["extended"], available_until=result.get("available_until"))
 
     async def Renew(self, request: pb.RenewReservationRequest, context: Ctx) -> pb.Reservation:
         return convert.reservation(await lifecycle.renew(self.rt, caller(), request.tenant_id, request.reservation_id))

@@ -50,6 +50,13 @@ def _groups(free: Sequence[FreeAtom], topology: str) -> list[list[FreeAtom]]:
     return list(grouped.values())
 
 
+def _fits_one_numa(group: list[FreeAtom], count: int) -> bool:
+    per_numa: dict[int, int] = defaultdict(int)
+    for atom in group:
+        per_numa[atom.numa_node] += 1
+    return max(per_numa.values(), default=0) >= count
+
+
 def _pick_in_group(group: list[FreeAtom], count: int) -> tuple[str, ...]:
     """Take `count` atoms, filling from the NUMA node that holds the most free atoms first, so a
     request lands on one NUMA node whenever one can hold it."""
@@ -75,7 +82,8 @@ def plan_node(candidate: Candidate, count: int, topology: str) -> Plan | None:
     groups = [g for g in _groups(candidate.free, topology) if len(g) >= count]
     if not groups:
         return None
-    group = min(groups, key=lambda g: (len(g), min(a.id for a in g)))
+    # Prefer a group that can hold the request on one NUMA node, then the tightest group.
+    group = min(groups, key=lambda g: (not _fits_one_numa(g, count), len(g), min(a.id for a in g)))
     atoms = _pick_in_group(group, count)
     left_on_node = len(candidate.free) - count
     left_in_group = len(group) - count

@@ -30,6 +30,7 @@ _LIVE = """
 SELECT id, node_id, state, epoch_ms(bind_deadline) AS bind_deadline_ms
 FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound') ORDER BY id
 """
+_FAILED_NODES = "SELECT DISTINCT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'failed'"
 _NODE_FACTS = """
 SELECT n.id, n.name, n.connectivity FROM nodes n
 WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound'))
@@ -39,7 +40,9 @@ ORDER BY n.id
 
 async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
     """At the start: allocations move to binding and the nodes' desired state gains them."""
-    deadline = max(row["during_start"], now_ms) + schedule.BIND_TIMEOUT_MS
+    deadline = row["during_start"] + schedule.BIND_TIMEOUT_MS
+    if deadline <= now_ms:  # the worker itself ran late: the node still gets its full five minutes
+        deadline = now_ms + schedule.BIND_TIMEOUT_MS
     nodes = await (await conn.execute(_START_BINDING, {"id": row["id"], "deadline": deadline})).fetchall()
     for node in nodes:
         await conn.execute("SELECT bump_desired(%s)", (node["node_id"],))
@@ -77,7 +80,8 @@ async def bind_failed(
     await end_bookings(conn, row["id"], allocation_state="failed")
     ask = placing.ask_for(row, now_ms)
     ask = placer.Ask(**{**ask.__dict__, "start_ms": now_ms, "end_ms": row["during_end"]})
-    avoid = frozenset(nodes)
+    failed_before = await (await conn.execute(_FAILED_NODES, {"id": row["id"]})).fetchall()
+    avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
     planned = await placing.plan(conn, rt, ask, exclude=avoid)
     placement = await placing.commit(conn, rt, row["id"], ask, planned, exclude=avoid)
     if placement is None:

@@ -8,7 +8,7 @@ from psycopg import AsyncConnection
 
 from controlplane import db, errors, events, iam, quota
 from controlplane.auth import Caller
-from controlplane.reservations import queries, states
+from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
 from controlplane.reservations.transitions import move
 from controlplane.runtime import Runtime
@@ -48,6 +48,9 @@ async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
 
 
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
+    # An open confirmation dies with the request, so nobody approves a withdrawn reservation.
+    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE reservation_id = %s"
+                       " AND state IN ('pending', 'approved')", (row["id"],))
     await free_capacity(conn, row)
     await move(conn, row, states.CANCELLED, operation_state="failed" if row["operation_state"] == "running"
                else row["operation_state"], end_reason=reason)
@@ -101,11 +104,8 @@ async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[s
             raise errors.InvalidState(f"a {row['state']} reservation cannot be renewed",
                                       reservationId=rid, state=row["state"])
         await conn.execute(queries.RENEW, {"id": rid})
-        return await with_allocations(conn, await _locked(conn, rid))
+        renewed = await _locked(conn, rid)
+        await schedule.at(conn, rid, renewed["lease_deadline_ms"])  # the reconciler checks the new deadline
+        return await with_allocations(conn, renewed)
 
     return await db.run_in_transaction(rt.pool, work)
-
-
-async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
-    await _authorized_row(rt, caller, tenant_id, rid, iam.EXTEND)
-    raise errors.Unsupported("reservations.extend is not served yet", reservationId=rid)

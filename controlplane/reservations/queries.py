@@ -22,7 +22,7 @@ INSERT_DRAFT = """
 INSERT INTO reservations
     (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash)
 VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s)
-ON CONFLICT (id) DO NOTHING
+ON CONFLICT DO NOTHING
 """
 
 VISIBLE_POOL = """

@@ -1,0 +1,69 @@
+"""capacity.timeline: booked and free whole GPUs of a pool per time bucket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane import db, errors, iam
+from controlplane.auth import Caller
+from controlplane.reservations import queries
+from controlplane.reservations.validate import POOL_ID, TENANT_ID, match
+from controlplane.runtime import Runtime
+
+HOUR_MS = 3_600_000
+MAX_SPAN_MS = 7 * 24 * HOUR_MS
+MAX_BUCKETS = 336
+
+# The pool's current rollup: whole GPUs that are healthy and bookable on ready, reachable nodes.
+_ALLOCATABLE = """
+SELECT count(*) AS n FROM atoms a JOIN nodes n ON n.id = a.node_id
+WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
+  AND n.state = 'ready' AND n.connectivity <> 'unreachable'
+"""
+# Distinct gpu atoms of the pool with any booking overlapping each bucket.
+_BUCKETS = """
+SELECT s AS start, s + %(step)s AS "end",
+       (SELECT count(DISTINCT b.atom_id) FROM bookings b
+        JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id
+        WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
+          AND b.during && tstzrange(from_epoch_ms(s), from_epoch_ms(s + %(step)s), '[)')) AS booked
+FROM generate_series(%(from)s::bigint, %(to)s::bigint - 1, %(step)s::bigint) AS s
+ORDER BY s
+"""
+
+
+async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+    tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
+    pool_id = match("poolId", raw.get("pool_id", ""), POOL_ID)
+    caller.require_member(tenant_id)
+    step_minutes = raw.get("step_minutes") if raw.get("step_minutes") is not None else 60
+    if not 5 <= step_minutes <= 1440:
+        raise errors.InvalidInput("stepMinutes", "must be 5 to 1440")
+    step = step_minutes * 60_000
+    async with db.read_only(rt.pool) as conn:
+        now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+        start = raw["from"] if raw.get("from") is not None else now_ms - now_ms % HOUR_MS
+        end = raw["to"] if raw.get("to") is not None else start + 24 * HOUR_MS
+        if start < 0:
+            raise errors.InvalidInput("from", "must be epoch milliseconds")
+        if end <= start:
+            raise errors.InvalidInput("to", "must be after from")
+        if end - start > MAX_SPAN_MS:
+            raise errors.InvalidInput("to", "a timeline spans at most 7 days")
+        if -(-(end - start) // step) > MAX_BUCKETS:
+            raise errors.InvalidInput("stepMinutes", "a timeline has at most 336 buckets")
+        pool = await (await conn.execute(queries.VISIBLE_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
+        if pool is None:
+            raise errors.NotFound("no such pool", poolId=pool_id)
+        policy = await (await conn.execute(queries.POLICY, {"tenant_id": tenant_id})).fetchone()
+        decision = iam.decide(policy["cedar"] if policy else None, caller, "compute:capacity:read", "Pool", pool_id,
+                              {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
+                              tenant_id=tenant_id)
+        if not decision.allowed:
+            raise errors.AccessDenied("IAM refused this read", poolId=pool_id)
+        allocatable = (await (await conn.execute(_ALLOCATABLE, {"pool_id": pool_id})).fetchone())["n"]
+        rows = await (await conn.execute(
+            _BUCKETS, {"pool_id": pool_id, "from": start, "to": end, "step": step})).fetchall()
+    buckets = [{"start": r["start"], "end": min(r["end"], end), "booked": r["booked"],
+                "free": max(0, allocatable - r["booked"])} for r in rows]
+    return {"pool_id": pool_id, "allocatable": allocatable, "buckets": buckets}

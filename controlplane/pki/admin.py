@@ -1,0 +1,86 @@
+"""The NodeAdmin domain: join tokens, revocation, certificate listing, the CA certificate.
+
+Callers must be members of the root tenant (checked by the servicer)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane import db, errors
+from controlplane.admin import NODE_NAME
+from controlplane.ids import token_hash
+from controlplane.pki import NODE, NODE_ROLES, store
+from controlplane.pki.config import PkiSettings
+from controlplane.reservations.validate import POOL_ID, match
+
+DEFAULT_TTL_SECONDS = 3600
+MAX_TTL_SECONDS = 7 * 24 * 3600
+SERIAL = re.compile(r"^[0-9a-f]{1,40}$")
+NODE_ID = re.compile(r"^node_[0-9a-hjkmnp-tv-z]{26}$")
+
+
+async def create_join_token(pool: AsyncConnectionPool, pool_id: str, node_name: str, role: str,
+                            ttl_seconds: int) -> dict[str, Any]:
+    match("poolId", pool_id, POOL_ID)
+    match("nodeName", node_name, NODE_NAME)
+    role = role or NODE
+    if role not in NODE_ROLES:
+        raise errors.InvalidInput("role", f"must be one of {sorted(NODE_ROLES)}")
+    ttl = ttl_seconds or DEFAULT_TTL_SECONDS
+    if not 1 <= ttl <= MAX_TTL_SECONDS:
+        raise errors.InvalidInput("ttlSeconds", f"must be between 1 and {MAX_TTL_SECONDS}")
+    secret = "bcj_" + secrets.token_urlsafe(32)
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        try:
+            row = await store.insert_join_token(conn, token_hash(secret), pool_id, node_name, role, ttl)
+        except psycopg.errors.ForeignKeyViolation:
+            raise errors.NotFound("no such pool", poolId=pool_id) from None
+        return {"secret": secret, **row}
+
+    return await db.run_in_transaction(pool, work)
+
+
+async def _require_node(conn: AsyncConnection, node_id: str) -> None:
+    if await (await conn.execute("SELECT 1 FROM nodes WHERE id = %s", (node_id,))).fetchone() is None:
+        raise errors.NotFound("no such node", nodeId=node_id)
+
+
+async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: str, reason: str) -> list[str]:
+    """Revoke one certificate or all of a node's; already revoked ones are left as they are."""
+    if bool(node_id) == bool(serial):
+        raise errors.InvalidInput("target", "name exactly one of nodeId or serial")
+    if node_id:
+        match("nodeId", node_id, NODE_ID)
+    else:
+        serial = match("serial", serial.lower(), SERIAL)
+    if len(reason) > 256:
+        raise errors.InvalidInput("reason", "at most 256 characters")
+
+    async def work(conn: AsyncConnection) -> list[str]:
+        if node_id:
+            await _require_node(conn, node_id)
+        elif await store.certificate_by_serial(conn, serial) is None:
+            raise errors.NotFound("no such certificate", serial=serial)
+        return await store.revoke(conn, node_id=node_id, serial=serial, reason=reason)
+
+    return await db.run_in_transaction(pool, work)
+
+
+async def list_node_certificates(pool: AsyncConnectionPool, node_id: str) -> list[dict[str, Any]]:
+    match("nodeId", node_id, NODE_ID)
+    async with db.read_only(pool) as conn:
+        await _require_node(conn, node_id)
+        return await store.node_certificates(conn, node_id)
+
+
+async def export_ca(pool: AsyncConnectionPool, settings: PkiSettings) -> store.Ca:
+    """The CA (created now if no process has needed it yet)."""
+    return await db.run_in_transaction(pool, lambda conn: store.load_ca(conn, settings.ca_passphrase,
+                                                                        settings.ca_years))

@@ -1,0 +1,80 @@
+"""Attested bindings: the check the reservation worker runs on a stored AllocationBound report.
+
+The gateway stores body, key id and signature exactly as the node sent them; this decides. A
+report counts only when (spec "Attested bindings"):
+- it is signed by a certificate of that node: current, or expired within the offline grace,
+  never revoked;
+- the certificate's role runs workloads (`node`, `node-tenant`; BC_ATTEST_ROLES changes it);
+- the signed body reports exactly this allocation bound, on this node.
+The signature is Ed25519 over PURPOSE || body, by the certificate's report-signing key.
+Rejection reasons are stable strings (they go into reservation.binding-rejected events).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from google.protobuf.message import DecodeError
+from psycopg import AsyncConnection
+
+from bettercompute.node.v1 import node_pb2
+from controlplane.pki import NODE_ROLES, store
+
+PURPOSE = b"attested-report\x00"
+
+UNSIGNED = "unsigned report"
+UNKNOWN_KEY = "unknown signing key"
+OTHER_NODE = "certificate of another node"
+REVOKED = "certificate revoked"
+EXPIRED = "certificate expired"
+ROLE = "role does not run workloads"
+BAD_SIGNATURE = "bad signature"
+NOT_THIS_BOUND = "not this allocation bound"
+
+
+def signed_message(body: bytes) -> bytes:
+    """What the node's key signs: the purpose prefix, then the serialized Report."""
+    return PURPOSE + body
+
+
+async def verify_bound_report(
+    conn: AsyncConnection,
+    allocation_id: str,
+    node_id: str,
+    body: bytes | None,
+    key_id: str | None,
+    signature: bytes | None,
+    offline_grace: timedelta,
+    *,
+    roles: frozenset[str] = NODE_ROLES,
+) -> tuple[bool, str, node_pb2.Report | None]:
+    """(True, "", the report) when the report attests this allocation bound; else (False, reason, None)."""
+    if not body or not key_id or not signature:
+        return False, UNSIGNED, None
+    cert = await store.certificate_by_key_id(conn, key_id)
+    if cert is None:
+        return False, UNKNOWN_KEY, None
+    if cert["node_id"] != node_id:
+        return False, OTHER_NODE, None
+    if cert["revoked_at"] is not None:
+        return False, REVOKED, None
+    if cert["now"] > cert["not_after"] + offline_grace:
+        return False, EXPIRED, None
+    if cert["role"] not in roles:
+        return False, ROLE, None
+    try:
+        key = ed25519.Ed25519PublicKey.from_public_bytes(bytes(cert["signing_key"] or b""))
+        key.verify(bytes(signature), signed_message(bytes(body)))
+    except (InvalidSignature, ValueError):
+        return False, BAD_SIGNATURE, None
+    report = node_pb2.Report()
+    try:
+        report.ParseFromString(bytes(body))
+    except DecodeError:
+        return False, NOT_THIS_BOUND, None
+    if (report.node_id != node_id or report.WhichOneof("event") != "bound"
+            or report.bound.allocation_id != allocation_id):
+        return False, NOT_THIS_BOUND, None
+    return True, "", report

@@ -1,0 +1,139 @@
+"""Enrolment and renewal of node certificates, the gateways' server certificates, and who a
+TLS peer is. Each entry point runs one transaction."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane import db, errors
+from controlplane.ids import new_id, token_hash
+from controlplane.pki import GATEWAY, NODE_ROLES, certs, store
+from controlplane.pki.config import PkiSettings
+
+
+@dataclass(frozen=True)
+class Issued:
+    node_id: str
+    role: str
+    certificate_pem: bytes
+    not_after_ms: int
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A node as its client certificate names it (checked against the issued-certificate table)."""
+
+    node_id: str
+    role: str
+    serial: str
+    key_id: str
+    not_before: dt.datetime
+    not_after: dt.datetime
+
+
+async def load_ca(pool: AsyncConnectionPool, settings: PkiSettings) -> store.Ca:
+    return await db.run_in_transaction(pool, lambda conn: store.load_ca(conn, settings.ca_passphrase, settings.ca_years))
+
+
+def _ms(when: dt.datetime) -> int:
+    return int(when.timestamp() * 1000)
+
+
+async def _issue(conn: AsyncConnection, ca: store.Ca, settings: PkiSettings, csr: certs.CsrFacts,
+                 node_id: str, role: str) -> Issued:
+    now = await store.db_now(conn)
+    cert = certs.issue(ca.key, ca.cert, public_key=csr.public_key, role=role, common_name=node_id,
+                       not_before=now - certs.CLOCK_SKEW,
+                       not_after=now + dt.timedelta(hours=settings.node_cert_hours),
+                       signing_extension=csr.extension)
+    facts = await store.record_certificate(conn, cert, node_id)
+    return Issued(node_id, role, certs.pem(cert), _ms(facts.not_after))
+
+
+async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
+                join_token: str, csr_pem: bytes) -> Issued:
+    """Spend a join token (once) and certify the node it names, created on first enrolment and
+    reused when the same name enrols again."""
+    if not join_token:
+        raise errors.Unauthenticated("a join token is required")
+    csr = certs.parse_csr(csr_pem)  # a bad CSR does not spend the token
+    hashed = token_hash(join_token)
+
+    async def work(conn: AsyncConnection) -> Issued:
+        claim = await store.claim_join_token(conn, hashed)
+        if claim is None:
+            raise errors.Unauthenticated("invalid, used or expired join token")
+        node_id = await store.node_for_name(conn, new_id("node"), claim["pool_id"], claim["node_name"])
+        await store.spend_join_token(conn, hashed, node_id)
+        return await _issue(conn, ca, settings, csr, node_id, claim["role"])
+
+    return await db.run_in_transaction(pool, work)
+
+
+async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,
+                csr_pem: bytes) -> Issued:
+    """A new certificate for the same node and role (the node may bring new keys)."""
+    csr = certs.parse_csr(csr_pem)
+
+    async def work(conn: AsyncConnection) -> Issued:
+        await _check(await store.certificate_by_key_id(conn, peer.key_id))  # revoked since the call began?
+        return await _issue(conn, ca, settings, csr, peer.node_id, peer.role)
+
+    return await db.run_in_transaction(pool, work)
+
+
+async def identify(pool: AsyncConnectionPool, cert_pem: bytes | None) -> Peer:
+    """The node behind a verified TLS client certificate; UNAUTHENTICATED unless it is a node
+    certificate we issued, unrevoked and within its validity."""
+    if not cert_pem:
+        raise errors.Unauthenticated("a node client certificate is required")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        raise errors.Unauthenticated("unreadable client certificate") from None
+    async with db.read_only(pool) as conn:
+        row = await store.certificate_by_key_id(conn, certs.key_id(cert))
+    await _check(row)
+    return Peer(row["node_id"], row["role"], row["serial"], certs.key_id(cert), row["not_before"], row["not_after"])
+
+
+async def _check(row: dict | None) -> None:
+    if row is None or row["node_id"] is None or row["role"] not in NODE_ROLES:
+        raise errors.Unauthenticated("not a node certificate issued by this control plane")
+    if row["revoked_at"] is not None:
+        raise errors.Unauthenticated("certificate revoked", serial=row["serial"])
+    if not row["not_before"] <= row["now"] < row["not_after"]:
+        raise errors.Unauthenticated("certificate expired", serial=row["serial"])
+
+
+@dataclass(frozen=True)
+class ServerCertificate:
+    key_pem: bytes
+    certificate_pem: bytes
+    not_before: dt.datetime
+    not_after: dt.datetime
+
+
+async def gateway_certificate(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
+                              hosts: tuple[str, ...]) -> ServerCertificate:
+    """A fresh key and server certificate for a gateway (role `gateway`, SANs `hosts`)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+
+    async def work(conn: AsyncConnection) -> ServerCertificate:
+        now = await store.db_now(conn)
+        cert = certs.issue(ca.key, ca.cert, public_key=key.public_key(), role=GATEWAY, common_name=GATEWAY,
+                           not_before=now - certs.CLOCK_SKEW,
+                           not_after=now + dt.timedelta(hours=settings.gateway_cert_hours), hosts=hosts)
+        await store.record_certificate(conn, cert, None)
+        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+        return ServerCertificate(key_pem, certs.pem(cert), cert.not_valid_before_utc, cert.not_valid_after_utc)
+
+    return await db.run_in_transaction(pool, work)

@@ -1,0 +1,146 @@
+"""The PKI's SQL: the CA row, join tokens, issued certificates and revocations.
+
+Every function takes a connection inside the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from psycopg import AsyncConnection
+
+from controlplane.pki import certs
+
+# Sessions of a node re-check that they are still its newest, with a certificate not revoked.
+SESSION_CHANNEL = "bc_node_session"
+_CA_LOCK = "pki:ca"
+
+
+@dataclass(frozen=True)
+class Ca:
+    key: certs.PrivateKey
+    cert: x509.Certificate
+
+    @property
+    def pem(self) -> bytes:
+        return certs.pem(self.cert)
+
+    @property
+    def fingerprint(self) -> str:
+        return certs.key_id(self.cert)
+
+
+async def db_now(conn: AsyncConnection) -> dt.datetime:
+    return (await (await conn.execute("SELECT now() AS now")).fetchone())["now"]
+
+
+async def load_ca(conn: AsyncConnection, passphrase: str, years: int = 10) -> Ca:
+    """The CA, created by the first caller; replicas agree through an advisory lock."""
+    row = await (await conn.execute("SELECT key_pem, certificate_der FROM pki_ca")).fetchone()
+    if row is None:
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_CA_LOCK,))
+        row = await (await conn.execute("SELECT key_pem, certificate_der FROM pki_ca")).fetchone()
+    if row is None:
+        key, cert = certs.new_ca(await db_now(conn), years)
+        encryption = (serialization.BestAvailableEncryption(passphrase.encode()) if passphrase
+                      else serialization.NoEncryption())
+        row = {"key_pem": key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            encryption),
+               "certificate_der": cert.public_bytes(serialization.Encoding.DER)}
+        await conn.execute("INSERT INTO pki_ca (key_pem, certificate_der) VALUES (%(key_pem)s, %(certificate_der)s)",
+                           row)
+    key = serialization.load_pem_private_key(bytes(row["key_pem"]), passphrase.encode() or None)
+    return Ca(key, x509.load_der_x509_certificate(bytes(row["certificate_der"])))  # type: ignore[arg-type]
+
+
+async def ca_certificate(conn: AsyncConnection) -> x509.Certificate | None:
+    row = await (await conn.execute("SELECT certificate_der FROM pki_ca")).fetchone()
+    return x509.load_der_x509_certificate(bytes(row["certificate_der"])) if row else None
+
+
+# Join tokens --------------------------------------------------------------------------------
+
+async def insert_join_token(
+    conn: AsyncConnection, token_hash: bytes, pool_id: str, node_name: str, role: str, ttl_seconds: int
+) -> dict[str, Any]:
+    return await (await conn.execute(
+        "INSERT INTO join_tokens (token_hash, pool_id, node_name, role, expires_at)"
+        " VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))"
+        " RETURNING pool_id, node_name, role, epoch_ms(expires_at) AS expires_at",
+        (token_hash, pool_id, node_name, role, ttl_seconds))).fetchone()
+
+
+async def claim_join_token(conn: AsyncConnection, token_hash: bytes) -> dict[str, Any] | None:
+    """Lock an unused, unexpired token. A concurrent claim of the same token waits on the row
+    lock and then finds it used: a token enrols one node, once."""
+    return await (await conn.execute(
+        "SELECT pool_id, node_name, role FROM join_tokens"
+        " WHERE token_hash = %s AND used_at IS NULL AND expires_at > now() FOR UPDATE",
+        (token_hash,))).fetchone()
+
+
+async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: str) -> None:
+    await conn.execute("UPDATE join_tokens SET used_at = now(), node_id = %s WHERE token_hash = %s",
+                       (node_id, token_hash))
+
+
+async def node_for_name(conn: AsyncConnection, node_id: str, pool_id: str, name: str) -> str:
+    """The node of this name in the pool, created (with `node_id`) when absent."""
+    await conn.execute("INSERT INTO nodes (id, pool_id, name) VALUES (%s, %s, %s) ON CONFLICT (pool_id, name) DO NOTHING",
+                       (node_id, pool_id, name))
+    row = await (await conn.execute("SELECT id FROM nodes WHERE pool_id = %s AND name = %s",
+                                    (pool_id, name))).fetchone()
+    return row["id"]
+
+
+# Certificates -------------------------------------------------------------------------------
+
+async def record_certificate(conn: AsyncConnection, cert: x509.Certificate, node_id: str | None) -> certs.CertFacts:
+    facts = certs.facts(cert)
+    await conn.execute(
+        "INSERT INTO node_certs (serial, node_id, role, key_id, public_key, signing_key, certificate,"
+        " not_before, not_after) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (facts.serial, node_id, facts.role, facts.key_id, facts.public_key, facts.signing_key,
+         cert.public_bytes(serialization.Encoding.DER), facts.not_before, facts.not_after))
+    return facts
+
+
+_CERT = """
+SELECT c.serial, c.node_id, c.role, c.key_id, c.signing_key, c.certificate,
+       c.not_before, c.not_after, r.revoked_at, now() AS now
+FROM node_certs c LEFT JOIN revocations r USING (serial)
+"""
+
+
+async def certificate_by_key_id(conn: AsyncConnection, key_id: str) -> dict[str, Any] | None:
+    return await (await conn.execute(_CERT + " WHERE c.key_id = %s", (key_id,))).fetchone()
+
+
+async def certificate_by_serial(conn: AsyncConnection, serial: str) -> dict[str, Any] | None:
+    return await (await conn.execute(_CERT + " WHERE c.serial = %s", (serial,))).fetchone()
+
+
+async def node_certificates(conn: AsyncConnection, node_id: str) -> list[dict[str, Any]]:
+    return await (await conn.execute(
+        _CERT + " WHERE c.node_id = %s ORDER BY c.not_before DESC, c.serial", (node_id,))).fetchall()
+
+
+async def revoke(conn: AsyncConnection, *, node_id: str = "", serial: str = "", reason: str = "") -> list[str]:
+    """Revoke one certificate, or every certificate of a node (expired ones too: within the
+    offline grace they still sign reports). Wakes the node's sessions to re-check theirs."""
+    rows = await (await conn.execute(
+        "INSERT INTO revocations (serial, reason)"
+        " SELECT serial, %(reason)s FROM node_certs"
+        " WHERE node_id IS NOT NULL AND (node_id = %(node_id)s OR serial = %(serial)s)"
+        " ON CONFLICT (serial) DO NOTHING RETURNING serial",
+        {"node_id": node_id, "serial": serial, "reason": reason})).fetchall()
+    serials = sorted(r["serial"] for r in rows)
+    nodes = await (await conn.execute(
+        "SELECT DISTINCT node_id FROM node_certs WHERE serial = ANY(%s)", (serials,))).fetchall()
+    for node in nodes:
+        await conn.execute("SELECT pg_notify(%s, %s)", (SESSION_CHANNEL, node["node_id"]))
+    return serials

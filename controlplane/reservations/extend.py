@@ -1,0 +1,177 @@
+"""reservations.extend, admitted like a create against the existing reservation.
+
+Transaction 1 takes the reservation's extend slot (capacity_extend_holds: one extend at a time,
+a hold older than 60 s of compute_now() is taken over) with a server-minted nonce and writes the
+pending change into the authorization row, durationHours set to the total after the change. IAM
+decides outside any transaction. Transaction 2 takes the pool lock first, applies the change only
+while its hold still owns the slot, and moves every allocation's end or none: the EXCLUDE
+constraint decides, and a booking in the way answers extended: false with availableUntil. A
+refusal or an abandoned extend clears the pending change, but only when the hold is its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from controlplane import db, errors, events, iam
+from controlplane.auth import Caller
+from controlplane.ids import new_id
+from controlplane.placement import placer
+from controlplane.reservations import queries, schedule, states
+from controlplane.reservations.reads import find_visible, with_allocations
+from controlplane.reservations.validate import IDEMPOTENCY_KEY, duration_ms, match
+from controlplane.runtime import Runtime
+
+HOLD_TTL_S = 60
+EXTENDABLE = frozenset({states.PLACED, states.BINDING, states.ACTIVE})
+
+_TAKE_HOLD = """
+INSERT INTO extend_holds (reservation_id, hold, taken_at) VALUES (%(id)s, %(hold)s, compute_now())
+ON CONFLICT (reservation_id) DO UPDATE SET hold = EXCLUDED.hold, taken_at = EXCLUDED.taken_at
+WHERE extend_holds.taken_at < compute_now() - %(ttl)s * interval '1 second'
+RETURNING hold
+"""
+_OWNS_HOLD = "SELECT 1 FROM extend_holds WHERE reservation_id = %(id)s AND hold = %(hold)s FOR UPDATE"
+_DROP_HOLD = "DELETE FROM extend_holds WHERE reservation_id = %(id)s AND hold = %(hold)s"
+_SET_PENDING = """
+UPDATE authz_projection SET pending = %(pending)s WHERE reservation_id = %(id)s
+"""
+_CLEAR_PENDING = "UPDATE authz_projection SET pending = NULL WHERE reservation_id = %(id)s"
+_ATTRIBUTES = "SELECT attributes FROM authz_projection WHERE reservation_id = %(id)s"
+_MOVE_ENDS = """
+UPDATE bookings b SET during = tstzrange(lower(b.during), from_epoch_ms(%(to)s), '[)')
+FROM allocations a
+WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+  AND upper(b.during) = from_epoch_ms(%(from)s)
+"""
+# The earliest other booking on one of our atoms that starts at or after our end.
+_AVAILABLE_UNTIL = """
+SELECT epoch_ms(min(lower(o.during))) AS until
+FROM bookings b
+JOIN allocations a ON a.id = b.allocation_id
+JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
+WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+  AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)
+"""
+_SET_WINDOW = """
+UPDATE reservations SET during = tstzrange(lower(during), from_epoch_ms(%(to)s), '[)'),
+       version = version + 1, updated_at = clock_timestamp()
+WHERE id = %(id)s
+"""
+
+
+@dataclass(frozen=True)
+class Change:
+    until: int | None
+    by_ms: int | None
+    key: str
+
+
+@dataclass
+class Staged:
+    row: dict[str, Any]
+    hold: str = ""
+    new_end: int = 0
+    attributes: dict[str, Any] | None = None
+    policy: str | None = None
+    no_op: bool = False
+
+
+def parse(raw: dict[str, Any]) -> Change:
+    key = match("idempotencyKey", raw.get("idempotency_key", ""), IDEMPOTENCY_KEY)
+    until, by = raw.get("until"), raw.get("by")
+    if (until is None) == (by is None):
+        raise errors.InvalidInput("until", "give exactly one of until or by")
+    if until is not None:
+        if until <= 0:
+            raise errors.InvalidInput("until", "must be epoch milliseconds")
+        return Change(until, None, key)
+    return Change(None, duration_ms("by", by, None), key)
+
+
+async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dict[str, Any]) -> dict[str, Any]:
+    change = parse(raw)
+    staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change))
+    if staged.no_op:
+        return {"reservation": staged.row, "extended": False}
+    decision = iam.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
+                          tenant_id=tenant_id)
+    try:
+        result = await db.run_in_transaction(rt.pool, lambda c: _apply(c, rid, staged, decision))
+    except (errors.DomainError, psycopg.Error):
+        # The abandoned hook: a transaction of its own clears our pending change, and only ours.
+        await db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold))
+        raise
+    if "error" in result:
+        raise result["error"]  # the refusal committed (pending change cleared) before it is raised
+    return result
+
+
+async def _stage(conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str, change: Change) -> Staged:
+    row = await find_visible(conn, caller, tenant_id, rid)
+    if row["state"] not in EXTENDABLE:
+        raise errors.InvalidState(f"a {row['state']} reservation cannot be extended", state=row["state"],
+                                  reservationId=rid)
+    new_end = change.until if change.until is not None else row["during_end"] + (change.by_ms or 0)
+    if new_end <= row["during_end"]:
+        return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
+    hold = new_id("hold")
+    taken = await (await conn.execute(_TAKE_HOLD, {"id": rid, "hold": hold, "ttl": HOLD_TTL_S})).fetchone()
+    if taken is None:
+        raise errors.Conflict("another extend of this reservation is in flight", reason="extend-in-flight",
+                              retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
+    attributes = dict((await (await conn.execute(_ATTRIBUTES, {"id": rid})).fetchone())["attributes"])
+    total_ms = new_end - row["during_start"]
+    attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
+    await conn.execute(_SET_PENDING, {"id": rid, "pending": Jsonb(
+        {"hold": hold, "until": new_end, "durationHours": attributes["durationHours"], "key": change.key})})
+    policy = await (await conn.execute(queries.POLICY, {"tenant_id": tenant_id})).fetchone()
+    return Staged(row, hold, new_end, attributes, policy["cedar"] if policy else None)
+
+
+async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.Decision) -> dict[str, Any]:
+    await placer.pool_lock(conn, staged.row["pool_id"])
+    row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
+    ours = await (await conn.execute(_OWNS_HOLD, {"id": rid, "hold": staged.hold})).fetchone()
+    if ours is None:
+        raise errors.Conflict("another extend took over this one's slot", reason="extend-in-flight",
+                              retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
+    if not decision.allowed:
+        await _release_slot(conn, rid, staged.hold)
+        return {"error": errors.AccessDenied("IAM refused this extension", reservationId=rid)}
+    if row["state"] not in EXTENDABLE or row["during_end"] != staged.row["during_end"]:
+        raise errors.Conflict("the reservation changed while the extension was decided",
+                              reason="reservation-changed", reservationId=rid)
+    params = {"id": rid, "from": row["during_end"], "to": staged.new_end}
+    try:
+        async with conn.transaction():  # savepoint: all allocations move, or none
+            await conn.execute(_MOVE_ENDS, params)
+    except psycopg.errors.ExclusionViolation:
+        available = (await (await conn.execute(_AVAILABLE_UNTIL, params)).fetchone())["until"]
+        await _release_slot(conn, rid, staged.hold)
+        return {"reservation": await with_allocations(conn, row), "extended": False, "available_until": available}
+    await conn.execute(_SET_WINDOW, params)
+    await conn.execute(queries.BUMP_DESIRED_OF_LIVE, {"id": rid})
+    await _release_slot(conn, rid, staged.hold)
+    await schedule.at(conn, rid, staged.new_end)
+    fresh = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    await events.emit_reservation(conn, fresh, "reservation.extended", **{"from": row["during_end"], "to": staged.new_end})
+    return {"reservation": await with_allocations(conn, fresh), "extended": True}
+
+
+async def _release_slot(conn: AsyncConnection, rid: str, hold: str) -> None:
+    """Clear the pending change and free the slot, only when the hold is still ours."""
+    gone = await conn.execute(_DROP_HOLD, {"id": rid, "hold": hold})
+    if gone.rowcount:
+        await conn.execute(_CLEAR_PENDING, {"id": rid})
+
+
+async def _abandon(conn: AsyncConnection, rid: str, hold: str) -> None:
+    await conn.execute(_OWNS_HOLD, {"id": rid, "hold": hold})
+    await _release_slot(conn, rid, hold)

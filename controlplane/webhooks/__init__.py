@@ -1,0 +1,9 @@
+"""Webhooks: signed HTTP delivery of a tenant's events.
+
+- `manage`: create, get, list, delete and the deliveries listing (membership and IAM first).
+- `delivery`: the worker that claims due deliveries, POSTs them and records the outcome.
+- `signing`: the body and the X-BC-Signature HMAC, and its verification for receivers.
+- `sender`: one HTTP POST with the standard library, run in a thread.
+
+Deliveries are fanned out by a trigger in the event's own transaction (migration 0005).
+"""

@@ -1,0 +1,158 @@
+"""The webhook delivery worker: an asyncio task per process; replicas share the work only through
+PostgreSQL (FOR UPDATE SKIP LOCKED on webhook_deliveries).
+
+Each claimed delivery is POSTed in a thread (the standard library's HTTP client) with a timeout.
+A 2xx answer marks it delivered. Anything else is retried with exponential back-off and jitter
+until `max_attempts`, then the delivery is dead and the next event of its subject may go.
+Woken by NOTIFY bc_webhooks (the fan-out trigger) and by its own timer for retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import structlog
+
+from controlplane import db
+from controlplane.runtime import Runtime
+from controlplane.webhooks import queries, sender, signing
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 20  # about an hour of retries with the defaults below
+    base_seconds: float = 1.0  # the first retry waits 0.5 to 1 s; each later one doubles
+    cap_seconds: float = 300.0
+    timeout_seconds: float = 10.0  # per request
+    concurrency: int = 8  # attempts in flight per process
+    poll_seconds: float = 30.0  # the safety net when no NOTIFY comes
+
+    @property
+    def lease_seconds(self) -> float:
+        """How long a claimed attempt owns its row before another worker may try again."""
+        return 3 * self.timeout_seconds + 5
+
+    def backoff(self, attempts: int) -> float:
+        """The wait after `attempts` failed attempts: capped doubling, halved by up to half."""
+        delay = min(self.cap_seconds, self.base_seconds * 2 ** (attempts - 1))
+        return delay / 2 + random.uniform(0, delay / 2)
+
+
+# Read at every use, so a test (or an operator's embedding) can replace it.
+POLICY = RetryPolicy()
+
+
+async def claim(rt: Runtime, limit: int) -> list[dict[str, Any]]:
+    async def work(conn: psycopg.AsyncConnection) -> list[dict[str, Any]]:
+        cur = await conn.execute(queries.CLAIM, {"limit": limit, "lease_seconds": POLICY.lease_seconds})
+        return await cur.fetchall()
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
+    """POST one claimed delivery and record the outcome."""
+    policy = POLICY
+    payload = signing.body(row)
+    headers = signing.headers(row["secret"], row["event_id"], int(time.time()), payload)
+    outcome = await asyncio.to_thread(sender.post, row["url"], payload, headers, policy.timeout_seconds)
+    key = {"webhook_id": row["webhook_id"], "event_id": row["event_id"], "attempt": row["attempts"],
+           "status": outcome.status}
+    if outcome.delivered:
+        query, params = queries.DELIVERED, key
+    else:
+        dead = row["attempts"] >= policy.max_attempts
+        query, params = queries.FAILED, {**key, "error": outcome.error, "dead": dead,
+                                         "delay_seconds": 0.0 if dead else policy.backoff(row["attempts"])}
+        log.info("webhook attempt failed", webhook_id=row["webhook_id"], event_id=row["event_id"],
+                 attempt=row["attempts"], status=outcome.status, error=outcome.error, dead=dead)
+
+    async def work(conn: psycopg.AsyncConnection) -> None:
+        await conn.execute(query, params)
+
+    await db.run_in_transaction(rt.pool, work)
+    return outcome
+
+
+async def seconds_until_due(rt: Runtime) -> float | None:
+    async with db.read_only(rt.pool) as conn:
+        row = await (await conn.execute(queries.NEXT_DUE)).fetchone()
+    return None if row is None or row["seconds"] is None else max(0.0, row["seconds"])
+
+
+class Worker:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.wake = asyncio.Event()
+        self.in_flight: set[asyncio.Task] = set()
+
+    async def run(self, conninfo: str, stop: asyncio.Event) -> None:
+        listener = asyncio.create_task(self._listen(conninfo, stop), name="webhook-listen")
+        try:
+            while not stop.is_set():
+                try:
+                    await self._fill()
+                    await self._sleep()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("webhook worker failed; continuing")
+                    await asyncio.sleep(1)
+        finally:
+            listener.cancel()
+            for task in self.in_flight:
+                task.cancel()  # their rows are leased: another attempt follows when the lease ends
+            await asyncio.gather(listener, *self.in_flight, return_exceptions=True)
+
+    async def _fill(self) -> None:
+        """Claim as many due deliveries as there are free slots and start them."""
+        self.wake.clear()  # before claiming: a NOTIFY during the claim is kept
+        free = POLICY.concurrency - len(self.in_flight)
+        if free <= 0:
+            return
+        for row in await claim(self.rt, free):
+            task = asyncio.create_task(attempt(self.rt, row), name=f"webhook-{row['event_id']}")
+            self.in_flight.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.in_flight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("webhook attempt crashed", exc_info=task.exception())
+        self.wake.set()  # a free slot, and maybe the next event of that subject
+
+    async def _sleep(self) -> None:
+        if len(self.in_flight) >= POLICY.concurrency:
+            timeout: float | None = None  # only a finished attempt frees a slot
+        else:
+            due = await seconds_until_due(self.rt)
+            timeout = POLICY.poll_seconds if due is None else min(POLICY.poll_seconds, max(due, 0.02))
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _listen(self, conninfo: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+                    await conn.execute("LISTEN bc_webhooks")
+                    self.wake.set()  # anything fanned out while no one listened
+                    async for _ in conn.notifies():
+                        self.wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("webhook listener failed; reconnecting")
+                await asyncio.sleep(1)
+
+
+async def run(rt: Runtime, conninfo: str, stop: asyncio.Event) -> None:
+    await Worker(rt).run(conninfo, stop)

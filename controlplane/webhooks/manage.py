@@ -1,0 +1,120 @@
+"""Creating, reading and deleting webhooks, and listing their deliveries.
+
+Every call needs membership of the tenant and IAM's compute:webhooks:manage on it: a webhook's
+URL and deliveries are configuration, not events. Another tenant's webhook is NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from controlplane import db, errors
+from controlplane.auth import Caller
+from controlplane.ids import new_id
+from controlplane.runtime import Runtime
+from controlplane.watch import authorize_tenant, parse_types
+from controlplane.webhooks import queries
+
+WEBHOOKS_MANAGE = "compute:webhooks:manage"
+
+WEBHOOK_ID = re.compile(r"^whk_[0-9a-hjkmnp-tv-z]{26}$")
+MAX_URL = 2048
+SECRET_LENGTH = (16, 256)
+
+
+def _url(url: str) -> str:
+    if len(url) > MAX_URL or any(c.isspace() for c in url):
+        raise errors.InvalidInput("url", f"must be a URL of at most {MAX_URL} characters without spaces")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise errors.InvalidInput("url", "not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise errors.InvalidInput("url", "must be an http:// or https:// URL with a host")
+    return url
+
+
+def _limit(value: int) -> int:
+    limit = value or 50
+    if not 1 <= limit <= 200:
+        raise errors.InvalidInput("limit", "must be 1 to 200")
+    return limit
+
+
+def _webhook_id(value: str, field: str = "webhookId") -> str:
+    if not WEBHOOK_ID.match(value or ""):
+        raise errors.InvalidInput(field, "not a webhook id")
+    return value
+
+
+async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+    tenant_id = raw.get("tenant_id", "")
+    await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "create"})
+    secret = raw.get("secret", "")
+    if not SECRET_LENGTH[0] <= len(secret) <= SECRET_LENGTH[1]:
+        raise errors.InvalidInput("secret", f"must be {SECRET_LENGTH[0]} to {SECRET_LENGTH[1]} characters")
+    params = {
+        "id": new_id("whk"), "tenant_id": tenant_id, "url": _url(raw.get("url", "")), "secret": secret,
+        "event_types": parse_types("eventTypes", list(raw.get("event_types") or [])),
+        "created_by": caller.identity_id,
+    }
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        return await (await conn.execute(queries.CREATE, params)).fetchone()
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def get(rt: Runtime, caller: Caller, tenant_id: str, webhook_id: str) -> dict[str, Any]:
+    await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "get"})
+    async with db.read_only(rt.pool) as conn:
+        return await _find(conn, tenant_id, _webhook_id(webhook_id))
+
+
+async def list_(rt: Runtime, caller: Caller, tenant_id: str, limit: int, cursor: str) -> tuple[list[dict[str, Any]], str]:
+    await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "list"})
+    limit = _limit(limit)
+    params = {"tenant_id": tenant_id, "limit": limit, "cursor": _webhook_id(cursor, "cursor") if cursor else None}
+    async with db.read_only(rt.pool) as conn:
+        rows = await (await conn.execute(queries.LIST, params)).fetchall()
+    return rows, rows[-1]["id"] if len(rows) == limit else ""
+
+
+async def delete(rt: Runtime, caller: Caller, tenant_id: str, webhook_id: str) -> dict[str, Any]:
+    await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "delete"})
+    params = {"id": _webhook_id(webhook_id), "tenant_id": tenant_id}
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        row = await (await conn.execute(queries.DELETE, params)).fetchone()
+        if row is None:
+            raise errors.NotFound("no such webhook", webhookId=webhook_id)
+        return row
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def deliveries(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    tenant_id = raw.get("tenant_id", "")
+    await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "list-deliveries"})
+    webhook_id = _webhook_id(raw.get("webhook_id", ""))
+    limit = _limit(raw.get("limit") or 0)
+    before = raw.get("before_event_id") or 0
+    if before < 0:
+        raise errors.InvalidInput("beforeEventId", "must be 0 or an event id")
+    async with db.read_only(rt.pool) as conn:
+        await _find(conn, tenant_id, webhook_id)
+        rows = await (await conn.execute(queries.DELIVERIES, {
+            "webhook_id": webhook_id, "before": before, "limit": limit})).fetchall()
+    return rows, rows[-1]["event_id"] if len(rows) == limit else 0
+
+
+async def _find(conn: AsyncConnection, tenant_id: str, webhook_id: str) -> dict[str, Any]:
+    row = await (await conn.execute(queries.GET, {"id": webhook_id, "tenant_id": tenant_id})).fetchone()
+    if row is None:
+        raise errors.NotFound("no such webhook", webhookId=webhook_id)
+    return row
