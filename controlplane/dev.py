@@ -61,7 +61,7 @@ permit (principal, action, resource);
 //   principal,
 //   action in [Action::"compute:reservations:create", Action::"compute:reservations:extend"],
 //   resource
-// ) when { resource.gpuCount > 8 || resource.durationHours.greaterThan(decimal("72.0")) };
+// ) when { resource.gpuCount > 8 || resource.durationHours > 72 };
 """
 
 
@@ -164,7 +164,11 @@ async def _serve(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
 
-    app = await start_app(settings, conninfo, listen=listen)
+    try:
+        app = await start_app(settings, conninfo, listen=listen)
+    except RuntimeError as exc:  # grpc's bind failure, e.g. the port is taken
+        log.error("cannot start the control plane", listen=listen, error=str(exc))
+        return 1
     endpoint = f"{_client_host(listen)}:{app.port}"
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:
