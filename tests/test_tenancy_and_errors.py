@@ -129,3 +129,10 @@ def test_health_and_reflection_are_served(world: World) -> None:
     names = {s.name for s in responses[0].list_services_response.service}
     assert {"bettercompute.v1.Reservations", "bettercompute.v1.Admin"} <= names
     channel.close()
+
+
+def test_clock_control_is_refused_unless_enabled(world: World) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=60_000))
+    assert rpc_error(exc)[1] == "INVALID_STATE"
+    assert world.root.admin("GetClock", apb.GetClockRequest()).offset_ms == 0

@@ -348,3 +348,24 @@ def test_timeline_defaults_and_limits(world: World) -> None:
             timeline(world, **kw)
         assert rpc_error(exc)[1] == "INVALID_INPUT", kw
     assert len(timeline(world, **{"from": base, "to": base + 7 * 24 * HOUR, "step_minutes": 30}).buckets) == 336
+
+
+# Active reservations and node trouble -------------------------------------------------------
+
+def test_an_unreachable_node_only_raises_a_condition_on_an_active_reservation(world: World) -> None:
+    r = world.create(count=2, duration="8h")
+    eventually(world, r.id, state_is("binding"))
+    # Stand in for a verified AllocationBound report (the node side is the gateway's).
+    world.sql("UPDATE allocations SET state = 'bound' WHERE reservation_id = %s AND state = 'binding'", (r.id,))
+    world.sql("SELECT wake_reservation(%s)", (r.id,))
+    active = eventually(world, r.id, state_is("active"))
+    node = active.allocations[-1].node_id
+    world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=node, connectivity="unreachable"))
+    degraded = eventually(world, r.id, lambda x: any(c.type == "NodeUnreachable" for c in x.conditions))
+    assert degraded.state == "active" and used(world) == 2
+    advance(world, 20 * MIN)  # rechecks every 15 minutes never release it
+    time.sleep(0.5)
+    assert get(world, r.id).state == "active"
+    world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=node, connectivity="connected"))
+    healed = eventually(world, r.id, lambda x: not any(c.type == "NodeUnreachable" for c in x.conditions))
+    assert healed.state == "active"
