@@ -17,12 +17,15 @@ from bettercompute.v1 import (
     admin_pb2_grpc,
     capacity_pb2,
     capacity_pb2_grpc,
+    nodes_pb2,
+    nodes_pb2_grpc,
     reservations_pb2,
     reservations_pb2_grpc,
 )
 from controlplane import db
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
+from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
@@ -36,6 +39,7 @@ SERVICES = (
     reservations_pb2.DESCRIPTOR.services_by_name["Confirmations"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
     capacity_pb2.DESCRIPTOR.services_by_name["Capacity"].full_name,
+    nodes_pb2.DESCRIPTOR.services_by_name["NodeAdmin"].full_name,
 )
 
 
@@ -67,6 +71,7 @@ async def start_app(
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
     capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), server)
+    nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -23,7 +23,7 @@ def _ms(when: Any) -> int:
 
 def _certificate(row: dict[str, Any]) -> pb.NodeCertificate:
     return pb.NodeCertificate(
-        serial=row["serial"], node_id=row["node_id"], role=row["role"], key_id=row["key_id"],
+        serial=row["serial"], node_id=row["node_id"], role=row["role"], usage=row["usage"], key_id=row["key_id"],
         not_before=_ms(row["not_before"]), not_after=_ms(row["not_after"]),
         revoked=row["revoked_at"] is not None, revoked_at=_ms(row["revoked_at"]),
         certificate_pem=certs.pem(x509.load_der_x509_certificate(bytes(row["certificate"]))).decode(),

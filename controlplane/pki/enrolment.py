@@ -22,6 +22,7 @@ from controlplane.pki.config import PkiSettings
 class Issued:
     node_id: str
     role: str
+    # The signing certificate's PEM, then the TLS certificate's (what the node matches to its keys).
     certificate_pem: bytes
     not_after_ms: int
 
@@ -46,15 +47,17 @@ def _ms(when: dt.datetime) -> int:
     return int(when.timestamp() * 1000)
 
 
-async def _issue(conn: AsyncConnection, ca: store.Ca, settings: PkiSettings, csr: certs.CsrFacts,
+async def _issue(conn: AsyncConnection, ca: store.Ca, settings: PkiSettings, csr: certs.CsrBundle,
                  node_id: str, role: str) -> Issued:
     now = await store.db_now(conn)
-    cert = certs.issue(ca.key, ca.cert, public_key=csr.public_key, role=role, common_name=node_id,
-                       not_before=now - certs.CLOCK_SKEW,
-                       not_after=now + dt.timedelta(hours=settings.node_cert_hours),
-                       signing_extension=csr.extension)
-    facts = await store.record_certificate(conn, cert, node_id)
-    return Issued(node_id, role, certs.pem(cert), _ms(facts.not_after))
+    life = dt.timedelta(hours=settings.node_cert_hours)
+    pems, not_after = [], []
+    for usage, key in ((certs.SIGNING, csr.signing), (certs.TLS, csr.tls)):
+        cert = certs.issue(ca.key, ca.cert, public_key=key, usage=usage, role=role, common_name=node_id,
+                           now=now, life=life)
+        not_after.append((await store.record_certificate(conn, cert, node_id)).not_after)
+        pems.append(certs.pem(cert))
+    return Issued(node_id, role, b"".join(pems), _ms(min(not_after)))
 
 
 async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
@@ -63,7 +66,7 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
     reused when the same name enrols again."""
     if not join_token:
         raise errors.Unauthenticated("a join token is required")
-    csr = certs.parse_csr(csr_pem)  # a bad CSR does not spend the token
+    csr = certs.parse_csr_bundle(csr_pem)  # a bad CSR does not spend the token
     hashed = token_hash(join_token)
 
     async def work(conn: AsyncConnection) -> Issued:
@@ -79,11 +82,11 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
 
 async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,
                 csr_pem: bytes) -> Issued:
-    """A new certificate for the same node and role (the node may bring new keys)."""
-    csr = certs.parse_csr(csr_pem)
+    """New certificates for the same node and role (the node brings new keys)."""
+    csr = certs.parse_csr_bundle(csr_pem)
 
     async def work(conn: AsyncConnection) -> Issued:
-        await _check(await store.certificate_by_key_id(conn, peer.key_id))  # revoked since the call began?
+        _check(await store.certificate_by_key_id(conn, peer.key_id))  # revoked since the call began?
         return await _issue(conn, ca, settings, csr, peer.node_id, peer.role)
 
     return await db.run_in_transaction(pool, work)
@@ -100,13 +103,13 @@ async def identify(pool: AsyncConnectionPool, cert_pem: bytes | None) -> Peer:
         raise errors.Unauthenticated("unreadable client certificate") from None
     async with db.read_only(pool) as conn:
         row = await store.certificate_by_key_id(conn, certs.key_id(cert))
-    await _check(row)
+    _check(row)
     return Peer(row["node_id"], row["role"], row["serial"], certs.key_id(cert), row["not_before"], row["not_after"])
 
 
-async def _check(row: dict | None) -> None:
-    if row is None or row["node_id"] is None or row["role"] not in NODE_ROLES:
-        raise errors.Unauthenticated("not a node certificate issued by this control plane")
+def _check(row: dict | None) -> None:
+    if row is None or row["usage"] != certs.TLS or row["role"] not in NODE_ROLES:
+        raise errors.Unauthenticated("not a node TLS certificate issued by this control plane")
     if row["revoked_at"] is not None:
         raise errors.Unauthenticated("certificate revoked", serial=row["serial"])
     if not row["not_before"] <= row["now"] < row["not_after"]:
@@ -127,10 +130,9 @@ async def gateway_certificate(pool: AsyncConnectionPool, ca: store.Ca, settings:
     key = ec.generate_private_key(ec.SECP256R1())
 
     async def work(conn: AsyncConnection) -> ServerCertificate:
-        now = await store.db_now(conn)
-        cert = certs.issue(ca.key, ca.cert, public_key=key.public_key(), role=GATEWAY, common_name=GATEWAY,
-                           not_before=now - certs.CLOCK_SKEW,
-                           not_after=now + dt.timedelta(hours=settings.gateway_cert_hours), hosts=hosts)
+        cert = certs.issue(ca.key, ca.cert, public_key=key.public_key(), usage=certs.SERVER, role=GATEWAY,
+                           common_name=GATEWAY, now=await store.db_now(conn),
+                           life=dt.timedelta(hours=settings.gateway_cert_hours), hosts=hosts)
         await store.record_certificate(conn, cert, None)
         key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())

@@ -102,15 +102,15 @@ async def node_for_name(conn: AsyncConnection, node_id: str, pool_id: str, name:
 async def record_certificate(conn: AsyncConnection, cert: x509.Certificate, node_id: str | None) -> certs.CertFacts:
     facts = certs.facts(cert)
     await conn.execute(
-        "INSERT INTO node_certs (serial, node_id, role, key_id, public_key, signing_key, certificate,"
-        " not_before, not_after) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-        (facts.serial, node_id, facts.role, facts.key_id, facts.public_key, facts.signing_key,
+        "INSERT INTO node_certs (serial, node_id, usage, role, key_id, public_key, signing_key, certificate,"
+        " not_before, not_after) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (facts.serial, node_id, facts.usage, facts.role, facts.key_id, facts.public_key, facts.signing_key,
          cert.public_bytes(serialization.Encoding.DER), facts.not_before, facts.not_after))
     return facts
 
 
 _CERT = """
-SELECT c.serial, c.node_id, c.role, c.key_id, c.signing_key, c.certificate,
+SELECT c.serial, c.node_id, c.usage, c.role, c.key_id, c.signing_key, c.certificate,
        c.not_before, c.not_after, r.revoked_at, now() AS now
 FROM node_certs c LEFT JOIN revocations r USING (serial)
 """

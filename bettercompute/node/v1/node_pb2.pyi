@@ -3,9 +3,12 @@
 isort:skip_file
 The node protocol: node daemons (bcd, the FakeDaemon) talk to gateways.
 
-Enrol runs over server-authenticated TLS (the node has no certificate yet) with a one-time join
-token and a CSR. Session and Renew run over mutual TLS: the node id is taken from the client
-certificate, never from a message.
+Enrol runs over server-authenticated TLS (the node has no certificate yet; the gateway serves it
+on its own port) with a one-time join token and two CSRs. Session and Renew run over mutual TLS:
+the node id is taken from the client certificate, never from a message.
+
+A node holds two keys: an Ed25519 key that signs reports (BoringSSL's TLS stack in grpcio does
+not negotiate Ed25519) and an ECDSA P-256 key for its TLS client certificate.
 """
 
 from collections import abc as _abc
@@ -49,7 +52,9 @@ class EnrolRequest(_message.Message):
     CSR_PEM_FIELD_NUMBER: _builtins.int
     join_token: _builtins.str
     csr_pem: _builtins.bytes
-    """PEM PKCS#10 CSR over the node's Ed25519 key."""
+    """Two PEM PKCS#10 CSRs, concatenated: one over the node's Ed25519 signing key, one over its
+    ECDSA P-256 TLS key (either order).
+    """
     def __init__(
         self,
         *,
@@ -74,6 +79,7 @@ class EnrolResponse(_message.Message):
     NOT_AFTER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     certificate_pem: _builtins.bytes
+    """The signing certificate, then the TLS client certificate (PEM)."""
     ca_certificate_pem: _builtins.bytes
     not_after: _builtins.int
     def __init__(
@@ -508,7 +514,7 @@ class AttestedReport(_message.Message):
     SIGNATURE_FIELD_NUMBER: _builtins.int
     body: _builtins.bytes
     key_id: _builtins.str
-    """The SHA-256 (hex) of the signing certificate's DER."""
+    """The SHA-256 (hex) of the node's signing (Ed25519) certificate's DER."""
     signature: _builtins.bytes
     def __init__(
         self,

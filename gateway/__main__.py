@@ -1,0 +1,35 @@
+"""`gateway` / `python -m gateway`: run a node gateway against DATABASE_URL (or the embedded
+PostgreSQL under BC_DATA_DIR when it is unset)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gateway", description="Run a node gateway.")
+    parser.add_argument("--listen", help="host:port for node sessions, mutual TLS (default $BC_GATEWAY_LISTEN)")
+    parser.add_argument("--enrol-listen", help="host:port for enrolment, TLS (default $BC_GATEWAY_ENROL_LISTEN)")
+    parser.add_argument("--write-ca", metavar="PATH", help="write the CA certificate (PEM) that nodes trust here")
+    args = parser.parse_args(argv)
+
+    from controlplane import db
+    from controlplane.config import Settings
+    from controlplane.logs import configure_logging
+    from gateway.config import GatewaySettings
+    from gateway.server import run_forever
+
+    common = Settings()
+    configure_logging(common.log_format)
+    conninfo = common.database_url or db.start_embedded(common.data_dir)
+    db.migrate(conninfo)
+    settings = GatewaySettings()
+    asyncio.run(run_forever(settings, conninfo, args.listen or settings.listen,
+                            args.enrol_listen or settings.enrol_listen, args.write_ca))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Gateway settings, read once from the environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from controlplane.pki.config import PkiSettings
+
+
+def _hosts() -> tuple[str, ...]:
+    raw = os.environ.get("BC_GATEWAY_HOSTS", "127.0.0.1,localhost")
+    return tuple(h.strip() for h in raw.split(",") if h.strip())
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    # Mutual TLS: node sessions and certificate renewal.
+    listen: str = field(default_factory=lambda: os.environ.get("BC_GATEWAY_LISTEN", "127.0.0.1:50061"))
+    # Server-only TLS: enrolment with a join token (the node has no certificate yet).
+    enrol_listen: str = field(default_factory=lambda: os.environ.get("BC_GATEWAY_ENROL_LISTEN", "127.0.0.1:50062"))
+    # Names in the gateway's server certificate (what nodes dial).
+    hosts: tuple[str, ...] = field(default_factory=_hosts)
+    # A node not heard from for this long is unreachable (nodes heartbeat well within it).
+    node_grace_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_GRACE_SECONDS", "30")))
+    # How often the unreachable sweeper looks.
+    sweep_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_SWEEP_SECONDS", "5")))
+    db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_GATEWAY_DB_POOL_SIZE", "8")))
+    # Names this process in nodes.session_gateway.
+    gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    pki: PkiSettings = field(default_factory=PkiSettings)

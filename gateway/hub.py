@@ -1,0 +1,68 @@
+"""The sessions this gateway process holds, and the one LISTEN connection that wakes them.
+
+`bc_node_desired` (payload: node id; sent by bump_desired) makes the node's sessions push their
+desired state; `bc_node_session` (a newer session registered, or a certificate was revoked) makes
+them check they are still the node's newest session with a good certificate. No polling: when
+the LISTEN connection is lost, every session re-pushes and re-checks once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import psycopg
+import structlog
+
+from controlplane.pki.store import SESSION_CHANNEL
+from gateway.session_state import CHECK, DESIRED, NodeSession
+
+log = structlog.get_logger("gateway.hub")
+
+DESIRED_CHANNEL = "bc_node_desired"
+_CHANNELS = {DESIRED_CHANNEL: DESIRED, SESSION_CHANNEL: CHECK}
+
+
+class Hub:
+    def __init__(self) -> None:
+        self._by_node: dict[str, set[NodeSession]] = defaultdict(set)
+        self.listening = asyncio.Event()
+
+    def add(self, session: NodeSession) -> None:
+        self._by_node[session.node_id].add(session)
+
+    def remove(self, session: NodeSession) -> None:
+        sessions = self._by_node.get(session.node_id)
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self._by_node[session.node_id]
+
+    def sessions(self, node_id: str | None = None) -> list[NodeSession]:
+        if node_id is not None:
+            return list(self._by_node.get(node_id, ()))
+        return [s for group in self._by_node.values() for s in group]
+
+    def wake(self, node_id: str, kind: str) -> None:
+        for session in self._by_node.get(node_id, ()):
+            session.signal(kind)
+
+    async def listen(self, conninfo: str, stopping: asyncio.Event) -> None:
+        """Fan notifications out to the sessions; reconnect on failure."""
+        while not stopping.is_set():
+            try:
+                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+                    for channel in _CHANNELS:
+                        await conn.execute(f"LISTEN {channel}")
+                    if self.listening.is_set():  # a reconnect: notifications may have been missed
+                        for session in self.sessions():
+                            session.signal(DESIRED)
+                            session.signal(CHECK)
+                    self.listening.set()
+                    async for note in conn.notifies():
+                        self.wake(note.payload, _CHANNELS[note.channel])
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("gateway listen connection failed; reconnecting")
+                await asyncio.sleep(1)

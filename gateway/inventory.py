@@ -1,0 +1,161 @@
+"""What a node says about itself (Hello, Inventory) becomes its row, system labels, GPU atoms and
+host resources. The node is not trusted for more than its own facts: malformed entries are
+dropped, and only system labels the gateway owns are written (`bc.dev/cap.*`, `fabric.domain`).
+
+Lock order (DESIGN §17): the pool's advisory lock first, then the node row, so a placement that
+re-reads labels and atoms under the pool lock never sees them change before it commits.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import structlog
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from bettercompute.node.v1 import node_pb2
+from controlplane.ids import new_id
+from controlplane.placement.placer import pool_lock
+from controlplane.reservations.validate import LABEL, MODEL
+
+log = structlog.get_logger("gateway.inventory")
+
+CAPABILITY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+DEVICE_UUID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+CAP_PREFIX = "bc.dev/cap."
+FABRIC = "fabric.domain"
+SYSTEM = "system"
+MAX_CAPABILITIES = 64
+MAX_GPUS = 256
+MAX_CPULIST = 32 * 1024  # longer lists are read as empty (spec: host resources)
+GIB = 1 << 30
+
+
+def capabilities(hello: node_pb2.Hello) -> list[str]:
+    good = sorted({c for c in hello.capabilities if CAPABILITY.match(c)})
+    if len(good) != len(hello.capabilities):
+        log.info("capabilities dropped", advertised=len(hello.capabilities), kept=len(good))
+    return good[:MAX_CAPABILITIES]
+
+
+def gpus(inventory: node_pb2.Inventory) -> list[node_pb2.Gpu]:
+    kept: dict[str, node_pb2.Gpu] = {}
+    for gpu in inventory.gpus[:MAX_GPUS]:
+        if DEVICE_UUID.match(gpu.uuid) and MODEL.match(gpu.model) and gpu.uuid not in kept:
+            kept[gpu.uuid] = gpu
+    if len(kept) != len(inventory.gpus):
+        log.info("inventory gpus dropped", reported=len(inventory.gpus), kept=len(kept))
+    return list(kept.values())
+
+
+def nvlink_domain(gpu: node_pb2.Gpu) -> str:
+    domain = f"{gpu.nvlink_cluster}/{gpu.nvlink_clique}"
+    return domain if gpu.nvlink_cluster and gpu.nvlink_clique and LABEL.match(domain) else ""
+
+
+def cap_labels(labels: dict[str, Any], caps: list[str]) -> dict[str, Any]:
+    kept = {k: v for k, v in labels.items() if not (k.startswith(CAP_PREFIX) and v.get("source") == SYSTEM)}
+    kept.update({CAP_PREFIX + c: {"value": "true", "source": SYSTEM} for c in caps if LABEL.match(CAP_PREFIX + c)})
+    return kept
+
+
+def fabric_label(labels: dict[str, Any], gpu_list: list[node_pb2.Gpu]) -> dict[str, Any]:
+    """`fabric.domain` is the GPUs' NVLink domain when they all agree; otherwise absent."""
+    kept = {k: v for k, v in labels.items() if not (k == FABRIC and v.get("source") == SYSTEM)}
+    domains = {nvlink_domain(g) for g in gpu_list}
+    if len(domains) == 1 and "" not in domains:
+        kept[FABRIC] = {"value": domains.pop(), "source": SYSTEM}
+    return kept
+
+
+def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) -> dict[str, Any]:
+    def cpulist(value: str) -> str:
+        return value if len(value) <= MAX_CPULIST else ""
+
+    return {
+        "generation": inventory.generation,
+        "gpus": [{"uuid": g.uuid, "model": g.model, "memory_mib": g.memory_mib, "numa_node": max(0, g.numa_node),
+                  "nvlink_cluster": g.nvlink_cluster, "nvlink_clique": g.nvlink_clique,
+                  "nvlink_domain": nvlink_domain(g), "mig_mode": g.mig_mode,
+                  "mig_instances": [{"index": m.index, "profile": m.profile} for m in g.mig_instances]}
+                 for g in gpu_list],
+        "numa_nodes": [{"id": n.id, "cpulist": cpulist(n.cpulist), "memory_bytes": n.memory_bytes}
+                       for n in inventory.numa_nodes],
+        "isolated_cpus": cpulist(inventory.isolated_cpus),
+        "memory_bytes": inventory.memory_bytes,
+        "hugepages_2mi": inventory.hugepages_2mi,
+        "hugepages_1gi": inventory.hugepages_1gi,
+        "vcpus": inventory.vcpus,
+    }
+
+
+def host_resources(inventory: node_pb2.Inventory) -> dict[str, int]:
+    return {"vcpu": max(0, inventory.vcpus), "memoryGiB": max(0, inventory.memory_bytes) // GIB,
+            "hugepages2Mi": max(0, inventory.hugepages_2mi), "hugepages1Gi": max(0, inventory.hugepages_1gi)}
+
+
+_UPSERT_ATOM = """
+INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)
+VALUES (%s, %s, 'gpu', %s, %s, %s, %s)
+ON CONFLICT (node_id, device_uuid, kind) DO UPDATE
+SET model = EXCLUDED.model, numa_node = EXCLUDED.numa_node, nvlink_domain = EXCLUDED.nvlink_domain, bookable = true
+"""
+# GPUs gone from the inventory (and their MIG instances and slots) stop being bookable; they are
+# never deleted, so their bookings and history stay.
+_GONE = """
+UPDATE atoms SET bookable = false
+WHERE node_id = %(node_id)s AND bookable
+  AND (CASE WHEN kind = 'gpu' THEN id ELSE parent_id END) IN (
+      SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu' AND NOT (device_uuid = ANY(%(present)s)))
+"""
+_HOST = """
+INSERT INTO host_resources (node_id, resource, allocatable) VALUES (%s, %s, %s)
+ON CONFLICT (node_id, resource) DO UPDATE SET allocatable = EXCLUDED.allocatable
+"""
+
+
+async def _lock_node(conn: AsyncConnection, node_id: str) -> dict[str, Any]:
+    pool_id = (await (await conn.execute("SELECT pool_id FROM nodes WHERE id = %s", (node_id,))).fetchone())["pool_id"]
+    await pool_lock(conn, pool_id)
+    return await (await conn.execute(
+        "SELECT id, pool_id, labels FROM nodes WHERE id = %s FOR UPDATE", (node_id,))).fetchone()
+
+
+async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:
+    """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`."""
+    gpu_list = gpus(inventory)
+    async with conn.cursor() as cur:
+        await cur.executemany(_UPSERT_ATOM, [
+            (new_id("atom"), node["id"], g.uuid, g.model, max(0, g.numa_node), nvlink_domain(g)) for g in gpu_list])
+    gone = (await conn.execute(_GONE, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})).rowcount
+    existing = {r["resource"] for r in await (await conn.execute(
+        "SELECT resource FROM host_resources WHERE node_id = %s", (node["id"],))).fetchall()}
+    async with conn.cursor() as cur:  # a resource that dropped to 0 keeps its row, at 0
+        await cur.executemany(_HOST, [(node["id"], k, v) for k, v in host_resources(inventory).items()
+                                      if v > 0 or k in existing])
+    await conn.execute(
+        "UPDATE nodes SET inventory = %s, inventory_generation = %s WHERE id = %s",
+        (Jsonb(inventory_json(inventory, gpu_list)), inventory.generation, node["id"]))
+    if gone:  # reservations booked on a vanished GPU hear of it
+        await conn.execute("SELECT wake_node_reservations(%s)", (node["id"],))
+    if gpu_list:  # new or returning GPUs: the pool's pending reservations retry now
+        await conn.execute("SELECT pg_notify('bc_pool_freed', %s)", (node["pool_id"],))
+    return fabric_label(node["labels"], gpu_list)
+
+
+async def apply_hello(conn: AsyncConnection, node_id: str, hello: node_pb2.Hello) -> None:
+    node = await _lock_node(conn, node_id)
+    caps = capabilities(hello)
+    if hello.HasField("inventory"):
+        node["labels"] = await _apply_inventory(conn, node, hello.inventory)
+    await conn.execute(
+        "UPDATE nodes SET daemon_version = %s, capabilities = %s, labels = %s WHERE id = %s",
+        (hello.daemon_version[:128], caps, Jsonb(cap_labels(node["labels"], caps)), node_id))
+
+
+async def apply_inventory(conn: AsyncConnection, node_id: str, inventory: node_pb2.Inventory) -> None:
+    node = await _lock_node(conn, node_id)
+    labels = await _apply_inventory(conn, node, inventory)
+    await conn.execute("UPDATE nodes SET labels = %s WHERE id = %s", (Jsonb(labels), node_id))

@@ -1,0 +1,95 @@
+"""Assembling a gateway: the CA and a server certificate, the two TLS listeners, the LISTEN hub,
+the unreachable sweeper and the certificate renewal."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from psycopg_pool import AsyncConnectionPool
+
+from bettercompute.node.v1 import node_pb2_grpc
+from controlplane import db
+from controlplane.pki import enrolment, store
+from gateway import sweeper
+from gateway.config import GatewaySettings
+from gateway.hub import Hub
+from gateway.interceptor import GatewayInterceptor
+from gateway.servicer import NodeGatewayServicer
+from gateway.session import SessionRunner
+from gateway.tls import ServerTls
+
+log = structlog.get_logger("gateway")
+
+
+@dataclass
+class Gateway:
+    server: grpc.aio.Server
+    port: int  # mutual TLS: Session, Renew
+    enrol_port: int  # server-only TLS: Enrol
+    pool: AsyncConnectionPool
+    ca: store.Ca
+    hub: Hub
+    stopping: asyncio.Event
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self.stopping.set()
+        await self.server.stop(grace)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.pool.close()
+
+
+async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str | None = None,
+                        enrol_listen: str | None = None) -> Gateway:
+    pool = await db.open_pool(conninfo, size=settings.db_pool_size)
+    ca = await enrolment.load_ca(pool, settings.pki)
+    server_tls = ServerTls(pool, ca, settings.pki, settings.hosts)
+    await server_tls.refresh()
+    hub, stopping = Hub(), asyncio.Event()
+    tasks = [asyncio.create_task(hub.listen(conninfo, stopping), name="gateway-listen")]
+    await asyncio.wait_for(hub.listening.wait(), timeout=30)
+
+    server = grpc.aio.server(interceptors=[GatewayInterceptor()])
+    runner = SessionRunner(pool, hub, settings.gateway_id)
+    node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_secure_port(listen or settings.listen, server_tls.credentials(require_client_auth=True))
+    enrol_port = server.add_secure_port(enrol_listen or settings.enrol_listen,
+                                        server_tls.credentials(require_client_auth=False))
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    tasks.append(asyncio.create_task(
+        sweeper.run(pool, settings.node_grace_seconds, settings.sweep_seconds, stopping), name="gateway-sweeper"))
+    tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
+    log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
+             node_grace_seconds=settings.node_grace_seconds)
+    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, tasks)
+
+
+def _host(listen: str) -> str:
+    host = listen.rpartition(":")[0]
+    return "127.0.0.1" if host in {"", "0.0.0.0", "[::]", "::", "*"} else host
+
+
+async def run_forever(settings: GatewaySettings, conninfo: str, listen: str, enrol_listen: str,
+                      write_ca: str | None = None) -> None:
+    gateway = await start_gateway(settings, conninfo, listen=listen, enrol_listen=enrol_listen)
+    if write_ca:
+        pathlib.Path(write_ca).write_bytes(gateway.ca.pem)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"gateway listening on {_host(listen)}:{gateway.port} (sessions, mutual TLS);"
+          f" enrol on {_host(enrol_listen)}:{gateway.enrol_port} (TLS)", flush=True)
+    await stop.wait()
+    await gateway.stop()

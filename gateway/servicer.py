@@ -1,0 +1,53 @@
+"""The NodeGateway servicer: Enrol (a join token and a CSR), Renew and Session (mutual TLS: the
+node is who its client certificate says, never what a message says)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from psycopg_pool import AsyncConnectionPool
+
+from bettercompute.node.v1 import node_pb2 as pb
+from bettercompute.node.v1 import node_pb2_grpc as rpc
+from controlplane import errors
+from controlplane.api.status import to_status
+from controlplane.pki import enrolment, store
+from controlplane.pki.config import PkiSettings
+from gateway import tls
+from gateway.session import SessionRunner
+
+log = structlog.get_logger("gateway.session")
+
+Ctx = grpc.aio.ServicerContext
+
+
+class NodeGatewayServicer(rpc.NodeGatewayServicer):
+    def __init__(self, pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, sessions: SessionRunner) -> None:
+        self.pool, self.ca, self.settings, self.sessions = pool, ca, settings, sessions
+
+    async def _peer(self, context: Ctx) -> enrolment.Peer:
+        peer = await enrolment.identify(self.pool, tls.peer_certificate(context))
+        structlog.contextvars.bind_contextvars(node_id=peer.node_id)
+        return peer
+
+    async def Enrol(self, request: pb.EnrolRequest, context: Ctx) -> pb.EnrolResponse:
+        issued = await enrolment.enrol(self.pool, self.ca, self.settings, request.join_token, request.csr_pem)
+        structlog.contextvars.bind_contextvars(node_id=issued.node_id)
+        return pb.EnrolResponse(node_id=issued.node_id, certificate_pem=issued.certificate_pem,
+                                ca_certificate_pem=self.ca.pem, not_after=issued.not_after_ms)
+
+    async def Renew(self, request: pb.RenewRequest, context: Ctx) -> pb.RenewResponse:
+        peer = await self._peer(context)
+        issued = await enrolment.renew(self.pool, self.ca, self.settings, peer, request.csr_pem)
+        return pb.RenewResponse(certificate_pem=issued.certificate_pem, not_after=issued.not_after_ms)
+
+    async def Session(self, request_iterator: AsyncIterator[pb.NodeMessage], context: Ctx) -> None:
+        try:
+            peer = await self._peer(context)
+        except errors.DomainError as exc:
+            log.info("session refused", code=exc.code, reason=exc.message)
+            await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+            return
+        await self.sessions.run(peer, request_iterator, context)

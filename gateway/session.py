@@ -1,0 +1,175 @@
+"""One node session: register as the node's newest, push the desired state on start and on every
+wake-up, take in what the node sends, and close when the node leaves, a newer session of the node
+registers (ABORTED), or its certificate is revoked or runs out (UNAUTHENTICATED)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from psycopg_pool import AsyncConnectionPool
+
+from bettercompute.node.v1 import node_pb2
+from controlplane import db
+from controlplane.ids import new_id
+from controlplane.pki import store
+from controlplane.pki.enrolment import Peer
+from gateway import desired, inventory, reports
+from gateway.hub import Hub
+from gateway.session_state import CHECK, CLOSED, DESIRED, RENEW, NodeSession
+
+log = structlog.get_logger("gateway.session")
+
+_REGISTER = """
+UPDATE nodes SET session_id = %(session_id)s, session_gateway = %(gateway)s, session_started_at = now()
+WHERE id = %(node_id)s
+"""
+_UNREGISTER = """
+UPDATE nodes SET session_id = NULL, session_gateway = NULL
+WHERE id = %(node_id)s AND session_id = %(session_id)s
+"""
+_CURRENT = "SELECT session_id FROM nodes WHERE id = %(node_id)s"
+
+
+class SessionEnded(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class SessionRunner:
+    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str) -> None:
+        self.pool, self.hub, self.gateway_id = pool, hub, gateway_id
+
+    async def run(self, peer: Peer, requests: AsyncIterator[node_pb2.NodeMessage],
+                  context: grpc.aio.ServicerContext) -> None:
+        session = NodeSession(peer, new_id("sess"))
+        structlog.contextvars.bind_contextvars(node_id=peer.node_id, session_id=session.session_id)
+        started = time.perf_counter()
+        timers: list[asyncio.TimerHandle] = []
+        reader: asyncio.Task | None = None
+        outcome = "node closed the stream"
+        try:
+            # Listen first, then register: a newer session registering after us always wakes us.
+            self.hub.add(session)
+            await self._register(session)
+            log.info("session started", serial=peer.serial, role=peer.role, gateway=self.gateway_id)
+            timers = self._timers(session)
+            reader = asyncio.create_task(self._read(session, requests), name=f"session-{session.session_id}")
+            await self._serve(session, reader, context)
+        except SessionEnded as ended:
+            outcome = ended.message
+            await context.abort(ended.code, ended.message)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            outcome = f"failed: {type(exc).__name__}"
+            raise
+        finally:
+            if reader is not None:
+                reader.cancel()
+            for timer in timers:
+                timer.cancel()
+            self.hub.remove(session)
+            await self._unregister(session)
+            log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
+                     duration_s=round(time.perf_counter() - started, 3))
+
+    async def _serve(self, session: NodeSession, reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
+        session.signal(DESIRED)
+        while True:
+            kinds = await session.next_signals()
+            if CLOSED in kinds:  # the node closed its side (or reading failed): the session ends
+                await asyncio.wait([reader])
+                if not reader.cancelled() and reader.exception() is not None:
+                    log.error("session reader failed", exc_info=reader.exception())
+                    raise SessionEnded(grpc.StatusCode.INTERNAL, "internal error")
+                return
+            if CHECK in kinds:
+                await self._check(session)
+            if DESIRED in kinds:
+                state = await desired.read(self.pool, session.node_id)
+                await context.write(node_pb2.GatewayMessage(desired_state=state))
+                log.info("desired state sent", generation=state.generation, assignments=len(state.assignments))
+            if RENEW in kinds:
+                not_after = int(session.peer.not_after.timestamp() * 1000)
+                await context.write(node_pb2.GatewayMessage(renew_hint=node_pb2.RenewHint(not_after=not_after)))
+
+    async def _read(self, session: NodeSession, requests: AsyncIterator[node_pb2.NodeMessage]) -> None:
+        try:
+            async for message in requests:
+                await self._handle(session, message)
+        finally:
+            session.signal(CLOSED)
+
+    async def _handle(self, session: NodeSession, message: node_pb2.NodeMessage) -> None:
+        kind = message.WhichOneof("msg")
+        node_id = session.node_id
+        if kind == "hello":
+            await db.run_in_transaction(self.pool, lambda c: inventory.apply_hello(c, node_id, message.hello))
+            await self._seen(node_id, None)
+            log.info("hello", daemon_version=message.hello.daemon_version,
+                     capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
+        elif kind == "heartbeat":
+            await self._seen(node_id, message.heartbeat.applied_generation)
+        elif kind == "inventory":
+            await db.run_in_transaction(self.pool, lambda c: inventory.apply_inventory(c, node_id, message.inventory))
+            await self._seen(node_id, None)
+        elif kind == "report":
+            outcome = await reports.intake(self.pool, node_id, message.report)
+            if outcome == reports.IGNORED:
+                session.reports_ignored += 1
+            log.info("report " + outcome, key_id=message.report.key_id)
+
+    async def _seen(self, node_id: str, applied_generation: int | None) -> None:
+        async def work(conn) -> None:
+            changed = (await (await conn.execute("SELECT node_seen(%s) AS changed", (node_id,))).fetchone())["changed"]
+            if applied_generation is not None:
+                await conn.execute("UPDATE nodes SET applied_generation = %s WHERE id = %s",
+                                   (applied_generation, node_id))
+            if changed:
+                log.info("node connected")
+
+        await db.run_in_transaction(self.pool, work)
+
+    async def _register(self, session: NodeSession) -> None:
+        async def work(conn) -> None:
+            await conn.execute(_REGISTER, {"session_id": session.session_id, "gateway": self.gateway_id,
+                                           "node_id": session.node_id})
+            await conn.execute("SELECT pg_notify(%s, %s)", (store.SESSION_CHANNEL, session.node_id))
+
+        await db.run_in_transaction(self.pool, work)
+
+    async def _unregister(self, session: NodeSession) -> None:
+        try:
+            await db.run_in_transaction(self.pool, lambda c: c.execute(
+                _UNREGISTER, {"node_id": session.node_id, "session_id": session.session_id}))
+        except Exception:
+            log.exception("session unregister failed")  # a newer session overwrites it anyway
+
+    async def _check(self, session: NodeSession) -> None:
+        """Still the node's newest session, with a certificate neither revoked nor expired?"""
+        async with db.read_only(self.pool) as conn:
+            node = await (await conn.execute(_CURRENT, {"node_id": session.node_id})).fetchone()
+            cert = await store.certificate_by_key_id(conn, session.peer.key_id)
+        if node is None or node["session_id"] != session.session_id:
+            raise SessionEnded(grpc.StatusCode.ABORTED, "a newer session of this node took over")
+        if cert is None or cert["revoked_at"] is not None:
+            raise SessionEnded(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")
+        if cert["now"] >= cert["not_after"]:
+            raise SessionEnded(grpc.StatusCode.UNAUTHENTICATED, "certificate expired")
+
+    def _timers(self, session: NodeSession) -> list[asyncio.TimerHandle]:
+        """A renewal hint at half the certificate's life; a re-check when it runs out."""
+        loop = asyncio.get_running_loop()
+        peer = session.peer
+        now = dt.datetime.now(dt.UTC)
+        half = peer.not_before + (peer.not_after - peer.not_before) / 2
+        return [loop.call_later(max(0.0, (half - now).total_seconds()), session.signal, RENEW),
+                loop.call_later(max(0.0, (peer.not_after - now).total_seconds()) + 1, session.signal, CHECK)]
+

@@ -1,0 +1,37 @@
+"""One node session's identity and its wake-up signals (coalesced: ten desired-state bumps while
+a push is in flight make one more push, not ten)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from controlplane.pki.enrolment import Peer
+
+DESIRED = "desired"  # push the desired state
+CHECK = "check"  # re-check: still the node's newest session, certificate still good?
+RENEW = "renew"  # the certificate is past half its life: hint the node to renew
+CLOSED = "closed"  # the node's side of the stream ended
+
+
+@dataclass(eq=False)
+class NodeSession:
+    peer: Peer
+    session_id: str
+    _pending: set[str] = field(default_factory=set)
+    _event: asyncio.Event = field(default_factory=asyncio.Event)
+    reports_ignored: int = 0
+
+    @property
+    def node_id(self) -> str:
+        return self.peer.node_id
+
+    def signal(self, kind: str) -> None:
+        self._pending.add(kind)
+        self._event.set()
+
+    async def next_signals(self) -> set[str]:
+        await self._event.wait()
+        self._event.clear()
+        kinds, self._pending = self._pending, set()
+        return kinds

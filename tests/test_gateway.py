@@ -1,0 +1,605 @@
+"""The node gateway with a real database, real TLS, real keys and a minimal node client written
+here (the FakeDaemon is a separate program): enrolment, sessions, hello, desired state, reports,
+the unreachable sweeper, and `python -m gateway` as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import psycopg
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from structlog.testing import capture_logs
+
+from bettercompute.node.v1 import node_pb2 as pb
+from bettercompute.node.v1 import node_pb2_grpc
+from controlplane.ids import new_id
+from controlplane.pki import admin, attest, certs
+from controlplane.pki.config import PkiSettings
+from gateway.config import GatewaySettings
+from gateway.server import Gateway, start_gateway
+from tests.support import rpc_error
+from tests.test_pki import NodeKeys, arun, seed_pool, split, sql
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+class GatewayThread:
+    """A real gateway (grpc.aio, TLS, psycopg pool, LISTEN, sweeper) on its own event loop."""
+
+    def __init__(self, conninfo: str, settings: GatewaySettings | None = None) -> None:
+        self.conninfo = conninfo
+        self.settings = settings or GatewaySettings()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.gateway: Gateway = self.call(start_gateway(
+            self.settings, conninfo, listen="127.0.0.1:0", enrol_listen="127.0.0.1:0"))
+        self.endpoint = f"127.0.0.1:{self.gateway.port}"
+        self.enrol_endpoint = f"127.0.0.1:{self.gateway.enrol_port}"
+        self.ca_pem = self.gateway.ca.pem
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.gateway.stop(0.2))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+_OPEN: list[Session] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_sessions() -> Iterator[None]:
+    """Streams left open by a failing test would keep gRPC threads alive past the test."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+class Session:
+    """One Session stream: messages go out through a queue, answers come in on a thread."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.outbox: queue.Queue[pb.NodeMessage | None] = queue.Queue()
+        self.inbox: queue.Queue[pb.GatewayMessage | None] = queue.Queue()
+        self.error: grpc.RpcError | None = None
+        self.call = node_pb2_grpc.NodeGatewayStub(channel).Session(iter(self.outbox.get, None))
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
+        _OPEN.append(self)
+
+    def _pump(self) -> None:
+        try:
+            for message in self.call:
+                self.inbox.put(message)
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.inbox.put(None)
+
+    def send(self, message: pb.NodeMessage) -> None:
+        self.outbox.put(message)
+
+    def recv(self, kind: str = "desired_state", timeout: float = 5) -> Any:
+        """The next message of `kind` (others are skipped); None when the stream ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            if message is None:
+                self.inbox.put(None)
+                return None
+            if message.WhichOneof("msg") == kind:
+                return getattr(message, kind)
+
+    def ended(self, timeout: float = 5) -> grpc.RpcError | None:
+        deadline = time.monotonic() + timeout
+        while self.inbox.get(timeout=max(0.0, deadline - time.monotonic())) is not None:
+            pass
+        self.inbox.put(None)
+        return self.error
+
+    def close(self) -> None:
+        """Half-close, let the gateway end the session, then close the channel."""
+        self.outbox.put(None)
+        self.pump.join(5)
+        self.channel.close()
+
+
+class Node:
+    """A minimal node daemon: its own keys, enrolment, mutual TLS, signed reports."""
+
+    def __init__(self, gateway: GatewayThread) -> None:
+        self.gateway = gateway
+        self.keys = NodeKeys()
+        self.node_id = ""
+        self.cert_pem = b""  # the TLS client certificate
+        self.signing_pem = b""  # the report-signing certificate
+
+    def enrol(self, token: str) -> pb.EnrolResponse:
+        with grpc.secure_channel(self.gateway.enrol_endpoint, grpc.ssl_channel_credentials(self.gateway.ca_pem)) as ch:
+            response = node_pb2_grpc.NodeGatewayStub(ch).Enrol(
+                pb.EnrolRequest(join_token=token, csr_pem=self.keys.csr()), timeout=10)
+        self.node_id = response.node_id
+        self.certified(response.certificate_pem)
+        return response
+
+    def certified(self, certificate_pem: bytes) -> None:
+        signing, tls = split(certificate_pem)
+        self.signing_pem, self.cert_pem = certs.pem(signing), certs.pem(tls)
+
+    def key_pem(self) -> bytes:
+        return self.keys.tls.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption())
+
+    def channel(self) -> grpc.Channel:
+        creds = grpc.ssl_channel_credentials(self.gateway.ca_pem, self.key_pem(), self.cert_pem)
+        return grpc.secure_channel(self.gateway.endpoint, creds)
+
+    def session(self) -> Session:
+        return Session(self.channel())
+
+    @property
+    def key_id(self) -> str:
+        return certs.key_id(x509.load_pem_x509_certificate(self.signing_pem))
+
+    def report(self, body: bytes) -> pb.NodeMessage:
+        signature = self.keys.signing.sign(attest.signed_message(body))
+        return pb.NodeMessage(report=pb.AttestedReport(body=body, key_id=self.key_id, signature=signature))
+
+
+def join_token(conninfo: str, pool_id: str, name: str, role: str = "node") -> str:
+    return arun(conninfo, lambda pool: admin.create_join_token(pool, pool_id, name, role, 600))["secret"]
+
+
+def hello(gpus: int = 4, caps: tuple[str, ...] = ("devices.limits",), clique: str | list[str] = "7",
+          version: str = "bcd 0.5.0") -> pb.NodeMessage:
+    cliques = clique if isinstance(clique, list) else [clique] * gpus
+    inventory = pb.Inventory(
+        generation=1, vcpus=64, memory_bytes=512 * GIB, hugepages_2mi=0, hugepages_1gi=16, isolated_cpus="",
+        numa_nodes=[pb.NumaNode(id=0, cpulist="0-31", memory_bytes=256 * GIB),
+                    pb.NumaNode(id=1, cpulist="32-63", memory_bytes=256 * GIB)],
+        gpus=[pb.Gpu(uuid=f"GPU-{i}", model="H100-SXM5-80GB", memory_mib=81559, numa_node=i // 2,
+                     nvlink_cluster="fab-1", nvlink_clique=cliques[i]) for i in range(gpus)])
+    return pb.NodeMessage(hello=pb.Hello(daemon_version=version, capabilities=list(caps), inventory=inventory))
+
+
+def heartbeat(generation: int = 0) -> pb.NodeMessage:
+    return pb.NodeMessage(heartbeat=pb.Heartbeat(time=int(time.time() * 1000), applied_generation=generation))
+
+
+def eventually(check: Callable[[], Any], timeout: float = 5, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def node_row(conninfo: str, node_id: str) -> dict[str, Any]:
+    return sql(conninfo, "SELECT * FROM nodes WHERE id = %s", (node_id,))[0]
+
+
+_RESERVATION_STATE = {"placed": "placed", "binding": "binding", "bound": "active", "released": "released"}
+
+
+def book(conninfo: str, node_id: str, *, state: str = "binding", gpus: int = 2, minutes: int = 60,
+         limits: dict[str, Any] | None = None, device_uuids: list[str] | None = None) -> tuple[str, str]:
+    """A reservation with one allocation on the node, booked on its first GPUs (rows, no API)."""
+    rid, aid = "rsv_" + new_id("x")[2:], new_id("alloc")
+    with psycopg.connect(conninfo, row_factory=dict_row) as conn:
+        node = conn.execute("SELECT pool_id FROM nodes WHERE id = %s", (node_id,)).fetchone()
+        tenant = conn.execute("SELECT owner_tenant_id FROM pools WHERE id = %s", (node["pool_id"],)).fetchone()
+        conn.execute("INSERT INTO identities (id, kind, name) VALUES ('u', 'user', 'u') ON CONFLICT DO NOTHING")
+        conn.execute(
+            "INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,"
+            " request_hash, state, during) VALUES (%s, %s, %s, 'u', %s, %s, 'h', %s,"
+            " tstzrange(compute_now() - interval '1 minute', compute_now() + make_interval(mins => %s)))",
+            (rid, tenant["owner_tenant_id"], node["pool_id"], rid, Jsonb({"binding": "hold"}),
+             _RESERVATION_STATE[state], minutes))
+        atoms = conn.execute(
+            "SELECT id, device_uuid FROM atoms WHERE node_id = %s AND (%s::text[] IS NULL OR device_uuid = ANY(%s))"
+            " ORDER BY device_uuid LIMIT %s", (node_id, device_uuids, device_uuids, gpus)).fetchall()
+        conn.execute("INSERT INTO allocations (id, reservation_id, node_id, state, device_ids, limits)"
+                     " VALUES (%s, %s, %s, %s, %s, %s)",
+                     (aid, rid, node_id, state, [a["device_uuid"] for a in atoms], Jsonb(limits or {})))
+        for atom in atoms:
+            conn.execute("INSERT INTO bookings (atom_id, allocation_id, during)"
+                         " SELECT %s, %s, during FROM reservations WHERE id = %s", (atom["id"], aid, rid))
+    return rid, aid
+
+
+def wakes(conninfo: str, reservation_id: str) -> int:
+    return sql(conninfo, "SELECT count(*) AS n FROM work_items WHERE kind = 'reservation' AND subject = %s",
+               (reservation_id,))[0]["n"]
+
+
+@pytest.fixture
+def gateway(database: str) -> Iterator[GatewayThread]:
+    gw = GatewayThread(database)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture
+def pool_id(database: str) -> str:
+    return seed_pool(database)
+
+
+def enrolled(gateway: GatewayThread, pool_id: str, name: str, role: str = "node") -> Node:
+    node = Node(gateway)
+    node.enrol(join_token(gateway.conninfo, pool_id, name, role))
+    return node
+
+
+def connected(gateway: GatewayThread, pool_id: str, name: str, **hello_kw: Any) -> tuple[Node, Session]:
+    """An enrolled node with an open session that has said hello."""
+    node = enrolled(gateway, pool_id, name)
+    session = node.session()
+    assert session.recv() is not None
+    session.send(hello(**hello_kw))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["connectivity"] == "connected", what="hello")
+    return node, session
+
+
+# Enrolment ----------------------------------------------------------------------------------
+
+def test_enrolment_spends_a_join_token_once(gateway: GatewayThread, pool_id: str) -> None:
+    token = join_token(gateway.conninfo, pool_id, "gpu-01")
+    node = Node(gateway)
+    response = node.enrol(token)
+    cert = split(response.certificate_pem)[1]
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == response.node_id
+    assert response.ca_certificate_pem == gateway.ca_pem
+    assert response.not_after == int(cert.not_valid_after_utc.timestamp() * 1000)
+    assert node_row(gateway.conninfo, response.node_id)["name"] == "gpu-01"
+
+    expired = join_token(gateway.conninfo, pool_id, "gpu-02")
+    sql(gateway.conninfo, "UPDATE join_tokens SET expires_at = now() - interval '1 second'"
+                          " WHERE node_id IS NULL")
+    for secret in (token, expired, "bcj_wrong", ""):
+        with pytest.raises(grpc.RpcError) as refused:
+            Node(gateway).enrol(secret)
+        assert rpc_error(refused)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+
+    with pytest.raises(grpc.RpcError) as bad_csr, grpc.secure_channel(
+            gateway.enrol_endpoint, grpc.ssl_channel_credentials(gateway.ca_pem)) as ch:
+        node_pb2_grpc.NodeGatewayStub(ch).Enrol(pb.EnrolRequest(join_token=join_token(
+            gateway.conninfo, pool_id, "gpu-03"), csr_pem=b"not a csr"), timeout=10)
+    assert rpc_error(bad_csr)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT")
+
+
+# Mutual TLS: who the node is ---------------------------------------------------------------
+
+def test_session_and_renew_need_a_client_certificate(gateway: GatewayThread, pool_id: str) -> None:
+    # The enrolment port never asks for a client certificate: both refuse per call.
+    with grpc.secure_channel(gateway.enrol_endpoint, grpc.ssl_channel_credentials(gateway.ca_pem)) as ch:
+        stub = node_pb2_grpc.NodeGatewayStub(ch)
+        with pytest.raises(grpc.RpcError) as renew:
+            stub.Renew(pb.RenewRequest(csr_pem=NodeKeys().csr()), timeout=10)
+        assert rpc_error(renew)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+        session = Session(ch)
+        assert session.ended() is not None and session.error.code() == grpc.StatusCode.UNAUTHENTICATED
+    # The session port requires one in the handshake.
+    with grpc.secure_channel(gateway.endpoint, grpc.ssl_channel_credentials(gateway.ca_pem)) as ch:
+        session = Session(ch)
+        assert session.ended(10).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_node_is_the_one_its_certificate_names(gateway: GatewayThread, pool_id: str) -> None:
+    a, b = enrolled(gateway, pool_id, "a"), enrolled(gateway, pool_id, "b")
+    session = a.session()
+    session.send(hello(version="bcd-a"))
+    eventually(lambda: node_row(gateway.conninfo, a.node_id)["daemon_version"] == "bcd-a", what="hello")
+    assert node_row(gateway.conninfo, b.node_id)["daemon_version"] == ""
+
+    with a.channel() as ch:
+        renewed = node_pb2_grpc.NodeGatewayStub(ch).Renew(pb.RenewRequest(csr_pem=a.keys.csr()), timeout=10)
+    for cert in split(renewed.certificate_pem):
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == a.node_id
+        assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "node"
+    a.certified(renewed.certificate_pem)  # a new session with the renewed certificate is the same node
+    again = a.session()
+    again.send(hello(version="bcd-a2"))
+    eventually(lambda: node_row(gateway.conninfo, a.node_id)["daemon_version"] == "bcd-a2", what="hello")
+    session.close()
+    again.close()
+
+
+def test_a_revoked_certificate_is_refused_and_its_open_session_closed(gateway: GatewayThread, pool_id: str) -> None:
+    node, session = connected(gateway, pool_id, "gpu-01")
+    arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, node.node_id, "", "stolen"))
+    ended = session.ended()
+    assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in ended.details()
+    refused = node.session()
+    assert refused.ended().code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_newest_session_of_a_node_wins_across_gateways(gateway: GatewayThread, pool_id: str) -> None:
+    other = GatewayThread(gateway.conninfo)  # a second replica on the same database and CA
+    try:
+        node, first = connected(gateway, pool_id, "gpu-01")
+        node.gateway = other
+        second = node.session()
+        assert second.recv() is not None
+        ended = first.ended()
+        assert ended is not None and ended.code() == grpc.StatusCode.ABORTED
+        row = node_row(gateway.conninfo, node.node_id)
+        assert row["session_gateway"] == other.settings.gateway_id and row["session_id"]
+        sql(gateway.conninfo, "SELECT bump_desired(%s)", (node.node_id,))
+        assert second.recv().generation == 1  # the winner still gets its desired state
+        second.close()
+    finally:
+        other.stop()
+
+
+# Hello: labels, capabilities, atoms, host resources -----------------------------------------
+
+def test_hello_writes_labels_capabilities_atoms_and_host_resources(gateway: GatewayThread, pool_id: str) -> None:
+    node = enrolled(gateway, pool_id, "gpu-01")
+    operator = {"rack": {"value": "r1", "source": "operator"},
+                "bc.dev/cap.binding.kubernetes": {"value": "true", "source": "operator"}}
+    sql(gateway.conninfo, "UPDATE nodes SET labels = %s WHERE id = %s", (Jsonb(operator), node.node_id))
+    session = node.session()
+    session.send(hello(caps=("devices.limits", "binding.kubernetes", "Bad Cap!")))
+    row = eventually(lambda: (r := node_row(gateway.conninfo, node.node_id))["connectivity"] == "connected" and r)
+    assert row["daemon_version"] == "bcd 0.5.0" and row["last_seen"] is not None
+    assert row["capabilities"] == ["binding.kubernetes", "devices.limits"]
+    assert row["labels"] == {
+        "rack": {"value": "r1", "source": "operator"},
+        "bc.dev/cap.binding.kubernetes": {"value": "true", "source": "system"},
+        "bc.dev/cap.devices.limits": {"value": "true", "source": "system"},
+        "fabric.domain": {"value": "fab-1/7", "source": "system"},
+    }
+    assert row["inventory"]["vcpus"] == 64 and row["inventory"]["numa_nodes"][1]["cpulist"] == "32-63"
+    atoms = sql(gateway.conninfo, "SELECT device_uuid, kind, model, numa_node, nvlink_domain, bookable"
+                                  " FROM atoms WHERE node_id = %s ORDER BY device_uuid", (node.node_id,))
+    assert atoms == [{"device_uuid": f"GPU-{i}", "kind": "gpu", "model": "H100-SXM5-80GB", "numa_node": i // 2,
+                      "nvlink_domain": "fab-1/7", "bookable": True} for i in range(4)]
+    resources = sql(gateway.conninfo, "SELECT resource, allocatable FROM host_resources WHERE node_id = %s",
+                    (node.node_id,))
+    assert {r["resource"]: int(r["allocatable"]) for r in resources} == {
+        "vcpu": 64, "memoryGiB": 512, "hugepages1Gi": 16}
+
+    # A downgraded daemon on a changed host: the capability labels go (an operator label of the
+    # same name was replaced by the system one), a vanished GPU (booked) stays but is not
+    # bookable, the GPUs no longer agree on a fabric.
+    rid, aid = book(gateway.conninfo, node.node_id, device_uuids=["GPU-3"], gpus=1)
+    sql(gateway.conninfo, "DELETE FROM work_items")
+    session.send(hello(gpus=3, caps=(), clique=["7", "7", "8"]))
+    eventually(lambda: "bc.dev/cap.devices.limits" not in node_row(gateway.conninfo, node.node_id)["labels"])
+    labels = node_row(gateway.conninfo, node.node_id)["labels"]
+    assert labels == {"rack": {"value": "r1", "source": "operator"}}
+    gone = sql(gateway.conninfo, "SELECT bookable FROM atoms WHERE node_id = %s AND device_uuid = 'GPU-3'",
+               (node.node_id,))
+    assert gone == [{"bookable": False}]
+    assert wakes(gateway.conninfo, rid) >= 1  # the reservation booked on it hears of it
+    session.close()
+
+
+# Desired state ------------------------------------------------------------------------------
+
+def test_desired_state_is_pushed_on_connect_and_on_every_bump(gateway: GatewayThread, pool_id: str) -> None:
+    node, session = connected(gateway, pool_id, "gpu-01")
+    limits = {"cpu_millis": 16000, "memory_bytes": 64 * GIB, "hugepages_1gi": 2, "cpus": "2-17", "mems": "0"}
+    rid, aid = book(gateway.conninfo, node.node_id, limits=limits, minutes=90)
+    book(gateway.conninfo, node.node_id, state="placed", device_uuids=["GPU-2"])  # not yet binding
+    book(gateway.conninfo, node.node_id, state="binding", minutes=-0, device_uuids=["GPU-3"], gpus=1)
+    sql(gateway.conninfo, "UPDATE bookings SET during = tstzrange(compute_now() - interval '2 hours',"
+                          " compute_now() - interval '1 hour') WHERE atom_id IN (SELECT id FROM atoms"
+                          " WHERE device_uuid = 'GPU-3' AND node_id = %s)", (node.node_id,))
+    sql(gateway.conninfo, "SELECT bump_desired(%s)", (node.node_id,))
+    state = session.recv()
+    assert state.generation == 1
+    [assignment] = state.assignments  # the placed one and the one that ended are not held
+    until = sql(gateway.conninfo, "SELECT epoch_ms(upper(during)) AS ms FROM reservations WHERE id = %s", (rid,))
+    assert assignment == pb.DeviceAssignment(
+        allocation_id=aid, device_ids=["GPU-0", "GPU-1"], until=until[0]["ms"], binding=pb.BINDING_HOLD,
+        limits=pb.Limits(**limits), device_class="gpu")
+
+    # No polling: a bump reaches the session at once.
+    for generation in (2, 3, 4):
+        started = time.monotonic()
+        sql(gateway.conninfo, "SELECT bump_desired(%s)", (node.node_id,))
+        assert session.recv().generation == generation
+        assert time.monotonic() - started < 0.5
+    session.close()
+    fresh = node.session()  # and a new session gets it on connect
+    assert fresh.recv().generation == 4
+    fresh.close()
+
+
+# Reports ------------------------------------------------------------------------------------
+
+def _bound_body(node_id: str, allocation_id: str) -> bytes:
+    return pb.Report(node_id=node_id, sequence=7, time=1, bound=pb.AllocationBound(
+        allocation_id=allocation_id, cdi_devices=["bcd.dev/gpu=GPU-0"], env_file="/run/bcd/a.env")).SerializeToString()
+
+
+def test_a_report_about_another_nodes_allocation_is_ignored_like_an_unknown_one(
+        gateway: GatewayThread, pool_id: str) -> None:
+    a, session = connected(gateway, pool_id, "a")
+    b, b_session = connected(gateway, pool_id, "b")
+    theirs, their_alloc = book(gateway.conninfo, b.node_id)
+    mine, my_alloc = book(gateway.conninfo, a.node_id)
+    sql(gateway.conninfo, "DELETE FROM work_items")
+    session.send(a.report(_bound_body(a.node_id, their_alloc)))  # signed by a, about b's allocation
+    session.send(a.report(_bound_body(b.node_id, their_alloc)))  # claims to be b, on a's session
+    session.send(a.report(_bound_body(a.node_id, "alloc_unknown")))
+    session.send(pb.NodeMessage(report=pb.AttestedReport(body=b"\xff\x00junk", key_id=a.key_id)))
+    session.send(a.report(_bound_body(a.node_id, my_alloc)))  # processed in order: after the others
+    eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM node_reports WHERE allocation_id = %s", (my_alloc,)))
+    theirs_now = sql(gateway.conninfo, "SELECT bound_report FROM allocations WHERE id = %s", (their_alloc,))
+    assert theirs_now == [{"bound_report": None}]
+    assert sql(gateway.conninfo, "SELECT allocation_id FROM node_reports") == [{"allocation_id": my_alloc}]
+    assert wakes(gateway.conninfo, theirs) == 0 and wakes(gateway.conninfo, mine) == 1
+    session.close()
+    b_session.close()
+
+
+def test_a_bound_report_is_stored_byte_for_byte_and_wakes_the_reservation(
+        gateway: GatewayThread, pool_id: str) -> None:
+    node, session = connected(gateway, pool_id, "gpu-01")
+    rid, aid = book(gateway.conninfo, node.node_id)
+    sql(gateway.conninfo, "DELETE FROM work_items")
+    # Valid but not canonical (fields out of order): re-serializing would change the bytes.
+    body = (pb.Report(bound=pb.AllocationBound(allocation_id=aid, cdi_devices=["bcd.dev/gpu=GPU-0"]))
+            .SerializeToString() + pb.Report(node_id=node.node_id, sequence=1).SerializeToString())
+    message = node.report(body)
+    session.send(message)
+    row = eventually(lambda: sql(gateway.conninfo, "SELECT bound_report, bound_sig_kid, bound_sig FROM allocations"
+                                                   " WHERE id = %s AND bound_report IS NOT NULL", (aid,)))[0]
+    assert bytes(row["bound_report"]) == body and bytes(row["bound_sig"]) == message.report.signature
+    assert row["bound_sig_kid"] == node.key_id
+    [kept] = sql(gateway.conninfo, "SELECT node_id, kind, body, key_id, signature FROM node_reports")
+    assert (kept["node_id"], kept["kind"], bytes(kept["body"])) == (node.node_id, "bound", body)
+    assert wakes(gateway.conninfo, rid) == 1
+    assert sql(gateway.conninfo, "SELECT state FROM allocations WHERE id = %s", (aid,)) == [{"state": "binding"}]
+
+    async def check(pool: Any) -> tuple[bool, str, Any]:  # what the reservation worker will run
+        async with pool.connection() as conn:
+            return await attest.verify_bound_report(conn, aid, node.node_id, row["bound_report"],
+                                                    row["bound_sig_kid"], row["bound_sig"],
+                                                    PkiSettings().offline_grace)
+
+    ok, reason, report = arun(gateway.conninfo, check)
+    assert (ok, reason, report.bound.allocation_id) == (True, "", aid)
+    session.close()
+
+
+def test_failed_and_released_reports_are_kept_and_wake_the_reservation(gateway: GatewayThread, pool_id: str) -> None:
+    node, session = connected(gateway, pool_id, "gpu-01")
+    rid, aid = book(gateway.conninfo, node.node_id)
+    sql(gateway.conninfo, "DELETE FROM work_items")
+    failed = pb.Report(node_id=node.node_id, failed=pb.AllocationFailed(allocation_id=aid, reason="resources-exhausted"))
+    released = pb.Report(node_id=node.node_id, released=pb.AllocationReleased(allocation_id=aid, reason="ended"))
+    session.send(node.report(failed.SerializeToString()))
+    session.send(node.report(released.SerializeToString()))
+    kinds = eventually(lambda: [r["kind"] for r in sql(gateway.conninfo, "SELECT kind FROM node_reports ORDER BY id")]
+                       if len(sql(gateway.conninfo, "SELECT 1 FROM node_reports")) == 2 else None)
+    assert kinds == ["failed", "released"]
+    assert wakes(gateway.conninfo, rid) == 2
+    assert sql(gateway.conninfo, "SELECT bound_report, state FROM allocations WHERE id = %s", (aid,)) == [
+        {"bound_report": None, "state": "binding"}]
+    session.close()
+
+
+# Connectivity -------------------------------------------------------------------------------
+
+def test_the_unreachable_sweeper_flips_connectivity_and_wakes_reservations_once(database: str, pool_id: str) -> None:
+    settings = GatewaySettings(node_grace_seconds=1, sweep_seconds=0.1)
+    first, second = GatewayThread(database, settings), GatewayThread(database, settings)  # two sweepers
+    try:
+        node, session = connected(first, pool_id, "gpu-01")
+        rid, aid = book(database, node.node_id)
+        sql(database, "DELETE FROM work_items")
+        eventually(lambda: node_row(database, node.node_id)["connectivity"] == "unreachable", timeout=5,
+                   what="unreachable")
+        time.sleep(0.3)  # both sweepers have looked again
+        assert wakes(database, rid) == 1
+        session.send(heartbeat(generation=3))
+        eventually(lambda: node_row(database, node.node_id)["connectivity"] == "connected", what="connected")
+        assert node_row(database, node.node_id)["applied_generation"] == 3
+        assert wakes(database, rid) == 2
+        session.close()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_short_lived_certificate_gets_a_renewal_hint_and_its_session_ends_at_expiry(
+        database: str, pool_id: str) -> None:
+    gw = GatewayThread(database, GatewaySettings(pki=PkiSettings(node_cert_hours=3 / 3600)))
+    try:
+        node = enrolled(gw, pool_id, "gpu-01")
+        session = node.session()
+        hint = session.recv("renew_hint")
+        assert hint.not_after == x509.load_pem_x509_certificate(node.cert_pem).not_valid_after_utc.timestamp() * 1000
+        ended = session.ended(timeout=8)
+        assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        gw.stop()
+
+
+def test_the_gateway_renews_its_server_certificate_in_place(database: str, pool_id: str) -> None:
+    gw = GatewayThread(database, GatewaySettings(pki=PkiSettings(gateway_cert_hours=3 / 3600)))
+    try:
+        time.sleep(4)  # the first server certificate has expired; handshakes get the renewed one
+        enrolled(gw, pool_id, "gpu-01")
+        server_certs = sql(database, "SELECT not_after FROM node_certs WHERE usage = 'server'")
+        assert len(server_certs) >= 2
+    finally:
+        gw.stop()
+
+
+# Logs ---------------------------------------------------------------------------------------
+
+def test_one_log_line_per_rpc_and_per_session_start_and_end(gateway: GatewayThread, pool_id: str) -> None:
+    token = join_token(gateway.conninfo, pool_id, "gpu-01")
+    with capture_logs() as logs:
+        node = Node(gateway)
+        node.enrol(token)
+        session = node.session()
+        session.recv()
+        session.close()
+        eventually(lambda: any(e["event"] == "session ended" for e in logs), what="session end")
+    rpc = [e for e in logs if e["event"] == "rpc"]
+    assert [(e["method"], e["code"]) for e in rpc] == [("/bettercompute.node.v1.NodeGateway/Enrol", "OK")]
+    started = [e for e in logs if e["event"] == "session started"]
+    assert len(started) == 1 and [e["event"] for e in logs].count("session ended") == 1
+
+
+# The real process ---------------------------------------------------------------------------
+
+def test_python_m_gateway_serves_nodes_as_a_real_process(database: str, pool_id: str, tmp_path: pathlib.Path) -> None:
+    ca_file = tmp_path / "ca.pem"
+    env = {**os.environ, "DATABASE_URL": database, "BC_LOG_FORMAT": "json"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--listen", "127.0.0.1:0", "--enrol-listen", "127.0.0.1:0",
+         "--write-ca", str(ca_file)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("gateway listening on "), line
+        ports = [int(p.split()[0]) for p in line.split("127.0.0.1:")[1:]]
+
+        class Remote:  # what Node needs of a gateway
+            conninfo = database
+            endpoint = f"127.0.0.1:{ports[0]}"
+            enrol_endpoint = f"127.0.0.1:{ports[1]}"
+            ca_pem = ca_file.read_bytes()
+
+        node = Node(Remote)  # type: ignore[arg-type]
+        node.enrol(join_token(database, pool_id, "gpu-01"))
+        session = node.session()
+        assert session.recv() is not None
+        session.send(hello())
+        eventually(lambda: node_row(database, node.node_id)["connectivity"] == "connected", what="hello")
+        assert len(sql(database, "SELECT 1 FROM atoms WHERE node_id = %s", (node.node_id,))) == 4
+        session.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
