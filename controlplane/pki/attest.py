@@ -51,6 +51,25 @@ async def verify_bound_report(
     roles: frozenset[str] = NODE_ROLES,
 ) -> tuple[bool, str, node_pb2.Report | None]:
     """(True, "", the report) when the report attests this allocation bound; else (False, reason, None)."""
+    return await verify_report(conn, allocation_id, node_id, body, key_id, signature, offline_grace,
+                               kind="bound", roles=roles)
+
+
+async def verify_report(
+    conn: AsyncConnection,
+    allocation_id: str,
+    node_id: str,
+    body: bytes | None,
+    key_id: str | None,
+    signature: bytes | None,
+    offline_grace: timedelta,
+    *,
+    kind: str,
+    roles: frozenset[str] = NODE_ROLES,
+) -> tuple[bool, str, node_pb2.Report | None]:
+    """The same checks for any report kind ("bound", "failed", "released"): a forged failure or
+    release must not be able to move a booking either."""
+    not_this = NOT_THIS_BOUND if kind == "bound" else f"not this allocation {kind}"
     if not body or not key_id or not signature:
         return False, UNSIGNED, None
     cert = await store.certificate_by_key_id(conn, key_id)
@@ -73,8 +92,8 @@ async def verify_bound_report(
     try:
         report.ParseFromString(bytes(body))
     except DecodeError:
-        return False, NOT_THIS_BOUND, None
-    if (report.node_id != node_id or report.WhichOneof("event") != "bound"
-            or report.bound.allocation_id != allocation_id):
-        return False, NOT_THIS_BOUND, None
+        return False, not_this, None
+    if (report.node_id != node_id or report.WhichOneof("event") != kind
+            or getattr(report, kind).allocation_id != allocation_id):
+        return False, not_this, None
     return True, "", report

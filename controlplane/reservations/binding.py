@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.placement import placer
-from controlplane.reservations import placing, schedule, states
+from controlplane.reservations import placing, reports, schedule, states
 from controlplane.reservations.lifecycle import end_bookings, free_capacity
 from controlplane.reservations.transitions import condition, move
 from controlplane.runtime import Runtime
@@ -53,7 +53,12 @@ async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
 
 
 async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
-    """Active once every allocation is bound; past the bind deadline, a binding failure."""
+    """Judge the nodes' reports; active once every allocation is bound; a verified
+    AllocationFailed or the bind deadline passing is a binding failure."""
+    failed = await reports.judge(conn, rt, row, now_ms)
+    if failed:
+        await bind_failed(conn, rt, row, now_ms, failed[0][1], [node for node, _ in failed])
+        return
     allocations = await (await conn.execute(_LIVE, {"id": row["id"]})).fetchall()
     if allocations and all(a["state"] == "bound" for a in allocations):
         await move(conn, row, states.ACTIVE, operation_state="succeeded")
@@ -97,8 +102,11 @@ async def bind_failed(
     await schedule.at(conn, row["id"], now_ms)  # binds again at once
 
 
-async def recheck_active(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> None:
-    """Set or clear node conditions; never release. Rechecked every 15 minutes."""
+async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
+    """Judge reports (a lost binding is a condition) and set or clear node conditions; never
+    release: a failure reported for an active reservation is only recorded. Rechecked every 15
+    minutes."""
+    await reports.judge(conn, rt, row, now_ms)
     facts = await (await conn.execute(_NODE_FACTS, {"id": row["id"]})).fetchall()
     unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
     kept = [c for c in row["conditions"] if c.get("type") != "NodeUnreachable"]

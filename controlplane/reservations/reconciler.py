@@ -52,7 +52,7 @@ async def reconcile(conn: AsyncConnection, rt: Runtime, rid: str) -> None:
     elif row["state"] == states.BINDING:
         await binding.progress(conn, rt, row, now_ms)
     elif row["state"] == states.ACTIVE:
-        await binding.recheck_active(conn, row, now_ms)
+        await binding.recheck_active(conn, rt, row, now_ms)
 
 
 async def end(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:

@@ -1,0 +1,121 @@
+"""Judging node reports: the gateway stored them exactly as received; the reservation worker
+decides what they mean.
+
+- AllocationBound counts only when the attestation check passes (with attested bindings on, the
+  default): the binding then comes from the signed report, marked attested. A report that fails
+  the check never counts and publishes reservation.binding-rejected; a forged re-report of a
+  bound allocation marks the binding lost.
+- AllocationFailed (checked the same way) is a binding failure: re-placed, at most twice.
+- AllocationReleased of a bound allocation: Degraded with BindingLost until it is bound again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from bettercompute.node.v1 import node_pb2
+from controlplane import events
+from controlplane.pki import attest
+from controlplane.pki.config import PkiSettings
+from controlplane.reservations.transitions import condition
+from controlplane.runtime import Runtime
+
+_UNJUDGED = """
+SELECT nr.id, nr.kind, nr.body, nr.key_id, nr.signature, nr.node_id AS reporter,
+       a.id AS allocation_id, a.node_id, a.state AS allocation_state
+FROM node_reports nr
+JOIN allocations a ON a.id = nr.allocation_id
+WHERE a.reservation_id = %(id)s AND nr.judged_at IS NULL AND a.state IN ('binding', 'bound')
+ORDER BY nr.id
+FOR UPDATE OF nr
+"""
+_JUDGED = "UPDATE node_reports SET judged_at = compute_now(), verdict = %s WHERE id = %s"
+_BOUND = """
+UPDATE allocations SET state = 'bound', binding = %(binding)s,
+       bound_report = %(body)s, bound_sig_kid = %(kid)s, bound_sig = %(sig)s
+WHERE id = %(id)s
+"""
+_LOST = "UPDATE allocations SET state = 'binding' WHERE id = %s AND state = 'bound'"
+
+
+async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> list[tuple[str, str]]:
+    """Judge every unjudged report of the reservation's live allocations, oldest first. Returns
+    the (node id, reason) of each verified AllocationFailed, for the caller's failure path."""
+    failures: list[tuple[str, str]] = []
+    pki = PkiSettings()
+    for rep in await (await conn.execute(_UNJUDGED, {"id": row["id"]})).fetchall():
+        ok, reason, report = await _check(conn, rt, pki, rep)
+        await conn.execute(_JUDGED, ("accepted" if ok else f"rejected: {reason}", rep["id"]))
+        if not ok:
+            await events.emit_reservation(conn, row, "reservation.binding-rejected",
+                                          allocationId=rep["allocation_id"], nodeId=rep["node_id"], reason=reason)
+            if rep["kind"] == "bound" and rep["allocation_state"] == "bound":
+                await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
+            continue
+        if rep["kind"] == "bound":
+            await conn.execute(_BOUND, {"id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt)),
+                                        "body": rep["body"], "kid": rep["key_id"], "sig": rep["signature"]})
+            rep["allocation_state"] = "bound"
+        elif rep["kind"] == "failed":
+            failures.append((rep["node_id"], report.failed.reason or "allocation-failed"))
+        elif rep["kind"] == "released" and rep["allocation_state"] == "bound":
+            await _binding_lost(conn, row, rep, "the node released the devices", now_ms)
+    await _clear_binding_lost_when_all_bound(conn, row)
+    return failures
+
+
+async def _check(conn: AsyncConnection, rt: Runtime, pki: PkiSettings, rep: dict[str, Any]):
+    if rep["reporter"] != rep["node_id"]:  # the gateway already drops these; never trust it alone
+        return False, attest.OTHER_NODE, None
+    if rt.settings.attested_bindings or rep["kind"] != "bound":
+        return await attest.verify_report(
+            conn, rep["allocation_id"], rep["node_id"], rep["body"], rep["key_id"], rep["signature"],
+            pki.offline_grace, kind=rep["kind"], roles=pki.workload_roles)
+    report = node_pb2.Report()  # attested bindings off: the gateway's word, for this allocation only
+    try:
+        report.ParseFromString(bytes(rep["body"]))
+    except DecodeError:
+        return False, attest.NOT_THIS_BOUND, None
+    if report.WhichOneof("event") != "bound" or report.bound.allocation_id != rep["allocation_id"]:
+        return False, attest.NOT_THIS_BOUND, None
+    return True, "", report
+
+
+def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime) -> dict[str, Any]:
+    """The binding as the node signed it. A cgroup parent counts only when it is exactly this
+    allocation's slice, so a node cannot point a reservation at another allocation's slice."""
+    own_slice = f"bcd-alloc-{rep['allocation_id']}.slice"
+    return {
+        "cdiDevices": list(report.bound.cdi_devices),
+        "envFile": report.bound.env_file,
+        "cgroupParent": report.bound.cgroup_parent if report.bound.cgroup_parent == own_slice else "",
+        "attested": rt.settings.attested_bindings,
+    }
+
+
+async def _binding_lost(conn: AsyncConnection, row: dict[str, Any], rep: dict[str, Any], why: str, now_ms: int) -> None:
+    await conn.execute(_LOST, (rep["allocation_id"],))
+    kept = [c for c in row["conditions"] if c.get("type") != "Degraded"]
+    message = f"allocation {rep['allocation_id']} on {rep['node_id']}: {why}"
+    row["conditions"] = [*kept, condition("Degraded", "BindingLost", message, now_ms)]
+    await _save_conditions(conn, row)
+
+
+async def _clear_binding_lost_when_all_bound(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    if not any(c.get("type") == "Degraded" for c in row["conditions"]):
+        return
+    live = await (await conn.execute(
+        "SELECT bool_and(state = 'bound') AS all_bound FROM allocations"
+        " WHERE reservation_id = %s AND state IN ('binding', 'bound')", (row["id"],))).fetchone()
+    if live["all_bound"]:
+        row["conditions"] = [c for c in row["conditions"] if c.get("type") != "Degraded"]
+        await _save_conditions(conn, row)
+
+
+async def _save_conditions(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    await conn.execute("UPDATE reservations SET conditions = %s, version = version + 1,"
+                       " updated_at = clock_timestamp() WHERE id = %s", (Jsonb(row["conditions"]), row["id"]))
