@@ -17,19 +17,23 @@ from bettercompute.v1 import (
     admin_pb2_grpc,
     capacity_pb2,
     capacity_pb2_grpc,
+    events_pb2,
+    events_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
     reservations_pb2,
     reservations_pb2_grpc,
 )
-from controlplane import db
+from controlplane import db, watch
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
+from controlplane.api.events import EventsServicer, WebhooksServicer
 from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
 from controlplane.runtime import Runtime
+from controlplane.webhooks import delivery
 from controlplane.workers import pending, queue
 
 log = structlog.get_logger(__name__)
@@ -40,6 +44,8 @@ SERVICES = (
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
     capacity_pb2.DESCRIPTOR.services_by_name["Capacity"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["NodeAdmin"].full_name,
+    events_pb2.DESCRIPTOR.services_by_name["Events"].full_name,
+    events_pb2.DESCRIPTOR.services_by_name["Webhooks"].full_name,
 )
 
 
@@ -72,6 +78,9 @@ async def start_app(
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
     capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), server)
     nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), server)
+    hub = watch.EventHub(conninfo)
+    events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), server)
+    events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -88,9 +97,11 @@ async def start_app(
         if asyncio.iscoroutine(result):
             await result
     app = App(server, port, pool, rt)
+    app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping), name="work-queue"))
+        app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
     log.info("control plane serving", port=port, workers=workers)
     return app
 

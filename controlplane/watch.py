@@ -8,14 +8,16 @@ one already visible: streaming every visible id would skip it for good, and a re
 would never see it. The hub therefore streams only up to a *safe frontier*: an id such that
 every event at or below it has either committed or will never exist.
 
-It finds one from a single statement's snapshot S: `max(id)` of the visible events, M, and the
-transactions S sees in progress, X. A transaction holding an id below M took it before M's
-transaction did, and it held an xid by then (migration 0005 makes `next_event_id()` take the
-xid first), so at S it had either ended (its event is visible or rolled back) or is in X. Once
-none of X is in progress any more, every id <= M is final. So each wake-up records the candidate
-(M, X) and advances the frontier to M as soon as a later snapshot shows X all ended; candidates
-with an empty X are safe at once. The cost: the stream trails any write transaction open at the
-moment an event committed, by that transaction's remaining length.
+Every event writer holds a shared advisory lock from before it takes an id until it ends
+(`next_event_id()`, migration 0005), and releases it only after its commit is visible. One
+statement reads M = max(id) of the visible events and, after its snapshot was taken, W = the
+transactions holding that lock (pg_locks). A transaction holding an id below M took the lock
+before M's writer took its id, so it has either ended (its event is visible from now on, or
+rolled back) or is in W. Once none of W holds the lock any more, every id <= M is final. So
+each wake-up records the candidate (M, W) and the frontier moves to M as soon as a later read
+shows W all gone; a candidate with an empty W is safe at once. The cost: the stream trails an
+event writer still open when a later event committed, by that writer's remaining length;
+other transactions, however long, do not hold it back.
 """
 
 from __future__ import annotations
@@ -45,20 +47,24 @@ MAX_TYPE_FILTERS = 32
 SUBJECT = re.compile(r"^[A-Za-z0-9._:/-]{1,256}$")
 
 BATCH = 500
-# While a candidate frontier waits on running transactions, re-check at this pace (backing off);
+# While a candidate frontier waits on writers still open, re-check at this pace (backing off);
 # a transaction that wrote an event notifies on commit anyway.
 RECHECK_SECONDS = (0.02, 0.5)
 # The safety net for a lost notification (e.g. across a listener reconnect).
 POLL_SECONDS = 10.0
 # Candidates kept while a long transaction holds the frontier back; beyond this the newest two
-# are merged (their running sets united: stricter, so still safe).
+# are merged (their writer sets united: stricter, so still safe).
 MAX_CANDIDATES = 64
 
 _ALL = "*"  # wake every watcher
 
+# The lock of next_event_id(): (7311005, 1) in pg_advisory_xact_lock_shared's two-key form.
 _SNAPSHOT = """
 SELECT coalesce(max(id), 0) AS hi,
-       array(SELECT x::text FROM pg_snapshot_xip(pg_current_snapshot()) x) AS running
+       array(SELECT l.virtualtransaction FROM pg_locks l
+             WHERE l.locktype = 'advisory' AND l.classid = 7311005 AND l.objid = 1 AND l.objsubid = 2
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       ) AS writers
 FROM events
 """
 
@@ -101,7 +107,7 @@ async def authorize_tenant(rt: Runtime, caller: Caller, tenant_id: str, action: 
 @dataclass
 class _Candidate:
     hi: int
-    running: frozenset[str]
+    writers: frozenset[str]  # virtual transaction ids of the event writers open at the time
     tenants: set[str]
 
 
@@ -173,20 +179,20 @@ class EventHub:
         """
         row = await (await conn.execute(_SNAPSHOT)).fetchone()
         assert row is not None
-        hi, running = int(row[0]), frozenset(row[1])
+        hi, writers = int(row[0]), frozenset(row[1])
         last = self._candidates[-1] if self._candidates else None
         if last is not None and last.hi >= hi:
-            last.tenants |= tenants  # same events: the older, smaller running set decides
+            last.tenants |= tenants  # same events: the older, smaller writer set decides
         elif hi > self.safe_id:
-            self._candidates.append(_Candidate(hi, running, set(tenants)))
+            self._candidates.append(_Candidate(hi, writers, set(tenants)))
             if len(self._candidates) > MAX_CANDIDATES:
                 newest = self._candidates.pop()
                 kept = self._candidates[-1]
-                self._candidates[-1] = _Candidate(newest.hi, kept.running | newest.running,
+                self._candidates[-1] = _Candidate(newest.hi, kept.writers | newest.writers,
                                                   kept.tenants | newest.tenants)
         else:
             self._wake(tenants)
-        resolved = [c.hi for c in self._candidates if not (c.running & running)]
+        resolved = [c.hi for c in self._candidates if not (c.writers & writers)]
         if resolved:
             self.safe_id = max(self.safe_id, *resolved)
             done = [c for c in self._candidates if c.hi <= self.safe_id]

@@ -100,14 +100,6 @@ def test_renew_moves_the_lease_and_needs_lease_seconds(world: World) -> None:
     assert rpc_error(exc)[1] == "INVALID_STATE"
 
 
-def test_extend_exists_and_answers_unsupported_until_served(world: World) -> None:
-    r = world.create(count=1)
-    with pytest.raises(grpc.RpcError) as exc:
-        world.user.res("Extend", pb.ExtendReservationRequest(tenant_id=world.tenant, reservation_id=r.id,
-                                                             by="1h", idempotency_key="x"))
-    assert rpc_error(exc)[1] == "UNSUPPORTED"
-
-
 def test_list_mine_by_default_all_on_request_newest_first_with_filters_and_paging(world: World) -> None:
     other_id, other = world.identity()
     mine = [world.create(count=1, start=world.later()) for _ in range(5)]

@@ -1,14 +1,13 @@
 -- Watch's event frontier, webhooks and their deliveries.
 
--- An event id is taken only by a transaction that already holds an xid, so every transaction
--- that holds an event id shows up in other sessions' snapshots as in progress until it ends.
--- Events.Watch relies on this to never stream past an id a running transaction may still
--- commit (see controlplane/watch.py). The outbox always writes another row first, so this
--- only closes the window between nextval() and the first tuple's xid.
+-- Watch's frontier (see controlplane/watch.py): a transaction holds this shared advisory lock
+-- from before it takes an event id until it ends, so another session can list, in pg_locks, the
+-- transactions that may still commit an id it has not seen. Shared holders never wait on each
+-- other; nothing takes the lock exclusively.
 CREATE FUNCTION next_event_id() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    PERFORM pg_current_xact_id();
+    PERFORM pg_advisory_xact_lock_shared(7311005, 1);
     RETURN nextval('events_id_seq');
 END $$;
 ALTER TABLE events ALTER COLUMN id SET DEFAULT next_event_id();

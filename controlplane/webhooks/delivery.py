@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 20  # about an hour of retries with the defaults below
+    max_attempts: int = 20  # 45 to 60 minutes of retries with the defaults below
     base_seconds: float = 1.0  # the first retry waits 0.5 to 1 s; each later one doubles
     cap_seconds: float = 300.0
     timeout_seconds: float = 10.0  # per request
@@ -40,7 +40,7 @@ class RetryPolicy:
         return 3 * self.timeout_seconds + 5
 
     def backoff(self, attempts: int) -> float:
-        """The wait after `attempts` failed attempts: capped doubling, halved by up to half."""
+        """The wait after `attempts` failed attempts: capped doubling, jittered within its upper half."""
         delay = min(self.cap_seconds, self.base_seconds * 2 ** (attempts - 1))
         return delay / 2 + random.uniform(0, delay / 2)
 
