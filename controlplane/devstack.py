@@ -1,0 +1,127 @@
+"""Running the system as real processes on loopback: control plane, gateway, nodesim.
+
+Used by `make dev`, the end-to-end tests and the benchmarks, so every one of them starts the
+processes the same way. Each process prints one readiness line naming its ports; a Process
+waits for it, keeps the log in a file, and is stopped with SIGTERM (then SIGKILL) or killed -9.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from bettercompute.v1 import nodes_pb2, nodes_pb2_grpc
+
+CONTROLPLANE_READY = re.compile(r"control plane listening on (\S+)")
+GATEWAY_READY = re.compile(r"gateway listening on (\S+) .* enrol on (\S+) ")
+
+
+class Process:
+    """A child process that announces readiness on stdout; its stderr goes to a log file."""
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str], log_path: pathlib.Path,
+                 ready: re.Pattern[str] | None = None, timeout: float = 60) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
+        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=self._log,
+                                     env={**os.environ, **env}, start_new_session=True)
+        self.match: re.Match[str] | None = self._wait_ready(ready, timeout) if ready else None
+
+    def _wait_ready(self, ready: re.Pattern[str], timeout: float) -> re.Match[str]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if readable:
+                line = self.proc.stdout.readline().decode(errors="replace")
+                found = ready.search(line)
+                if found:
+                    return found
+            if self.proc.poll() is not None:
+                break
+        self.stop()
+        tail = self.log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{self.proc.args[:4]} did not become ready; log tail:\n{tail}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+def controlplane(conninfo: str, log_path: pathlib.Path, *, listen: str = "127.0.0.1:0",
+                 env: dict[str, str] | None = None) -> tuple[Process, str]:
+    proc = Process(_python("controlplane.cli", "serve", "--listen", listen),
+                   env={"DATABASE_URL": conninfo, "BC_LOG_FORMAT": "json", **(env or {})},
+                   log_path=log_path, ready=CONTROLPLANE_READY)
+    assert proc.match is not None
+    return proc, proc.match.group(1)
+
+
+def gateway(conninfo: str, log_path: pathlib.Path, ca_path: pathlib.Path, *,
+            listen: str = "127.0.0.1:0", enrol_listen: str = "127.0.0.1:0",
+            env: dict[str, str] | None = None) -> tuple[Process, str, str]:
+    """The gateway; returns (process, session endpoint, enrol endpoint) and writes its CA file."""
+    proc = Process(_python("gateway", "--listen", listen, "--enrol-listen", enrol_listen, "--write-ca", str(ca_path)),
+                   env={"DATABASE_URL": conninfo, "BC_LOG_FORMAT": "json", **(env or {})},
+                   log_path=log_path, ready=GATEWAY_READY)
+    assert proc.match is not None
+    return proc, proc.match.group(1), proc.match.group(2)
+
+
+def issue_join_tokens(endpoint: str, root_token: str, pool_id: str, names: Sequence[str],
+                      tokens_path: pathlib.Path, *, role: str = "node", ttl_seconds: int = 3600) -> None:
+    """One-time join tokens through NodeAdmin, written where nodesim reads them."""
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeAdminStub(channel)
+        metadata = (("authorization", f"Bearer {root_token}"),)
+        tokens = [
+            {"name": name, "joinToken": stub.CreateJoinToken(
+                nodes_pb2.CreateJoinTokenRequest(pool_id=pool_id, node_name=name, role=role,
+                                                 ttl_seconds=ttl_seconds),
+                metadata=metadata, timeout=30).secret}
+            for name in names
+        ]
+    tokens_path.parent.mkdir(parents=True, exist_ok=True)
+    tokens_path.write_text(json.dumps(tokens))
+    tokens_path.chmod(0o600)
+
+
+def nodesim(count: int, session: str, enrol: str, sandbox: pathlib.Path, tokens_path: pathlib.Path,
+            ca_path: pathlib.Path, log_path: pathlib.Path, *, extra: Sequence[str] = ()) -> Process:
+    return Process(
+        _python("nodesim", "--sim", str(count), "--gateway", session, "--enrol-gateway", enrol,
+                "--sandbox", str(sandbox), "--tokens", str(tokens_path), "--ca", str(ca_path),
+                "--log-format", "json", *extra),
+        env={}, log_path=log_path)

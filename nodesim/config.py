@@ -1,0 +1,250 @@
+"""What a simulated fleet is told: the command line, parsed into frozen dataclasses.
+
+`parse_args` is the one place flags become configuration, so tests drive the exact flags an operator
+types (`Fleet(parse_args([...]))`) without starting a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+FORGE_MODES = ("unsigned", "foreign-key", "other-allocation", "other-node")
+
+
+@dataclass(frozen=True)
+class InventorySpec:
+    """The hardware every simulated node reports (one shape for the whole fleet)."""
+
+    gpus: int = 8
+    gpu_model: str = "H100-SXM5-80GB"
+    gpu_memory_mib: int = 81559
+    numa_nodes: int = 2
+    vcpus: int = 192
+    memory_gib: int = 2048
+    hugepages_1gi: int = 256
+    hugepages_2mi: int = 0
+    isolated_cpus: str = ""
+    # Nodes per NVLink fabric cluster (consecutive nodes of the fleet share one); 0: no fabric.
+    fabric_size: int = 1
+    # The last `mig_gpus` GPUs of each node are in MIG mode with `mig_instances` instances.
+    mig_gpus: int = 0
+    mig_profile: str = "1g.10gb"
+    mig_instances: int = 7
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Injected misbehaviour; `nodes` None means every node of the fleet."""
+
+    nodes: frozenset[str] | None = None
+    fail_binds: float = 0.0
+    fail_allocations: frozenset[str] = frozenset()
+    never_answer: bool = False
+    unreachable_after: float | None = None
+    restart_after: float | None = None
+    no_capabilities: bool = False
+    forge: str | None = None
+
+    def for_node(self, name: str) -> Faults:
+        """The faults that apply to one node: these, or none when the node is not selected."""
+        if self.nodes is None or name in self.nodes:
+            return replace(self, nodes=None)
+        return NO_FAULTS
+
+
+NO_FAULTS = Faults()
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    sim: int
+    gateway: str
+    sandbox: Path
+    # (node name, join token) in the order of the tokens file.
+    tokens: tuple[tuple[str, str], ...] = ()
+    ca_pem: bytes | None = None
+    # Where Enrol is served when it is not the session endpoint (server-auth TLS only).
+    enrol_gateway: str | None = None
+    # TLS server name to expect instead of the endpoint's host (grpc.ssl_target_name_override).
+    server_name: str | None = None
+    heartbeat: float = 5.0
+    # Nodes started per second (enrolment and first connection are staggered at this rate).
+    connect_rate: float = 100.0
+    inventory: InventorySpec = field(default_factory=InventorySpec)
+    faults: Faults = NO_FAULTS
+    log_format: str = "console"
+    log_level: str = "info"
+
+    def node_names(self) -> list[str]:
+        """The first `sim` names of the tokens file, then sim-NNN names for nodes enrolled before."""
+        names = [name for name, _ in self.tokens[: self.sim]]
+        width = max(3, len(str(self.sim - 1)))
+        taken = set(names)
+        i = 0
+        while len(names) < self.sim:
+            candidate = f"sim-{i:0{width}d}"
+            if candidate not in taken:
+                names.append(candidate)
+                taken.add(candidate)
+            i += 1
+        return names
+
+    def join_token(self, name: str) -> str | None:
+        return next((token for n, token in self.tokens if n == name), None)
+
+
+def read_tokens(path: Path) -> tuple[tuple[str, str], ...]:
+    """The tokens file: JSON `[{"name": "sim-000", "joinToken": "..."}, ...]`."""
+    entries = json.loads(path.read_text())
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a JSON list of {{name, joinToken}}")
+    out: list[tuple[str, str]] = []
+    for entry in entries:
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("name"), str)
+            or not isinstance(entry.get("joinToken"), str)
+        ):
+            raise ValueError(f"{path}: each entry needs string name and joinToken: {entry!r}")
+        out.append((entry["name"], entry["joinToken"]))
+    return tuple(out)
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if not 0.0 <= rate <= 1.0:
+        raise argparse.ArgumentTypeError("a rate between 0 and 1")
+    return rate
+
+
+def _positive(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError("a positive number")
+    return number
+
+
+def _names(value: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nodesim",
+        description="The FakeDaemon: N simulated GPU nodes, each a gRPC client of the gateway's NodeGateway.",
+    )
+    p.add_argument("--sim", type=int, required=True, metavar="N", help="number of simulated nodes")
+    p.add_argument("--gateway", required=True, metavar="HOST:PORT", help="the gateway's session endpoint (mTLS)")
+    p.add_argument(
+        "--enrol-gateway",
+        metavar="HOST:PORT",
+        help="the gateway's enrolment endpoint (server-auth TLS); default: --gateway",
+    )
+    p.add_argument("--sandbox", type=Path, required=True, metavar="DIR", help="root of the nodes' file systems")
+    p.add_argument("--tokens", type=Path, metavar="FILE", help='JSON [{"name": ..., "joinToken": ...}]')
+    p.add_argument("--ca", type=Path, metavar="FILE", help="PEM of the CA that signed the gateway's certificate")
+    p.add_argument("--server-name", help="TLS name to verify in the gateway certificate (default: the host)")
+    p.add_argument("--heartbeat", type=_positive, default=5.0, metavar="SECONDS")
+    p.add_argument("--connect-rate", type=_positive, default=100.0, metavar="PER_SECOND")
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
+    inv = p.add_argument_group("inventory (every node)")
+    d = InventorySpec()
+    inv.add_argument("--gpus", type=int, default=d.gpus, help="GPUs per node")
+    inv.add_argument("--gpu-model", default=d.gpu_model)
+    inv.add_argument("--gpu-memory-mib", type=int, default=d.gpu_memory_mib)
+    inv.add_argument("--numa-nodes", type=int, default=d.numa_nodes)
+    inv.add_argument("--vcpus", type=int, default=d.vcpus)
+    inv.add_argument("--memory-gib", type=int, default=d.memory_gib)
+    inv.add_argument("--hugepages-1gi", type=int, default=d.hugepages_1gi)
+    inv.add_argument("--hugepages-2mi", type=int, default=d.hugepages_2mi)
+    inv.add_argument("--isolated-cpus", default=d.isolated_cpus, metavar="CPULIST")
+    inv.add_argument("--fabric-size", type=int, default=d.fabric_size, help="nodes per NVLink cluster; 0: none")
+    inv.add_argument("--mig-gpus", type=int, default=d.mig_gpus, help="GPUs per node in MIG mode (the last ones)")
+    inv.add_argument("--mig-profile", default=d.mig_profile)
+    inv.add_argument("--mig-instances", type=int, default=d.mig_instances)
+
+    f = p.add_argument_group("fault injection")
+    f.add_argument("--fault-nodes", type=_names, metavar="NAME,NAME", help="apply faults to these nodes only")
+    f.add_argument("--fail-binds", type=_rate, default=0.0, metavar="RATE", help="fail this share of binds")
+    f.add_argument("--fail-allocations", type=_names, default=frozenset(), metavar="ID,ID")
+    f.add_argument("--never-answer", action="store_true", help="accept desired state, never bind or report")
+    f.add_argument("--unreachable-after", type=_positive, metavar="SECONDS")
+    f.add_argument("--restart-after", type=_positive, metavar="SECONDS")
+    f.add_argument("--no-capabilities", action="store_true", help="an older daemon: no capabilities")
+    f.add_argument("--forge", choices=FORGE_MODES, help="send forged bind reports")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> FleetConfig:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.sim < 1:
+        parser.error("--sim must be at least 1")
+    inventory = InventorySpec(
+        gpus=a.gpus,
+        gpu_model=a.gpu_model,
+        gpu_memory_mib=a.gpu_memory_mib,
+        numa_nodes=a.numa_nodes,
+        vcpus=a.vcpus,
+        memory_gib=a.memory_gib,
+        hugepages_1gi=a.hugepages_1gi,
+        hugepages_2mi=a.hugepages_2mi,
+        isolated_cpus=a.isolated_cpus,
+        fabric_size=a.fabric_size,
+        mig_gpus=a.mig_gpus,
+        mig_profile=a.mig_profile,
+        mig_instances=a.mig_instances,
+    )
+    problem = check_inventory(inventory)
+    if problem:
+        parser.error(problem)
+    faults = Faults(
+        nodes=a.fault_nodes,
+        fail_binds=a.fail_binds,
+        fail_allocations=a.fail_allocations,
+        never_answer=a.never_answer,
+        unreachable_after=a.unreachable_after,
+        restart_after=a.restart_after,
+        no_capabilities=a.no_capabilities,
+        forge=a.forge,
+    )
+    try:
+        tokens = read_tokens(a.tokens) if a.tokens else ()
+    except (OSError, ValueError) as exc:
+        parser.error(f"--tokens: {exc}")
+    try:
+        ca_pem = a.ca.read_bytes() if a.ca else None
+    except OSError as exc:
+        parser.error(f"--ca: {exc}")
+    return FleetConfig(
+        sim=a.sim,
+        gateway=a.gateway,
+        sandbox=a.sandbox,
+        tokens=tokens,
+        ca_pem=ca_pem,
+        enrol_gateway=a.enrol_gateway,
+        server_name=a.server_name,
+        heartbeat=a.heartbeat,
+        connect_rate=a.connect_rate,
+        inventory=inventory,
+        faults=faults,
+        log_format=a.log_format,
+        log_level=a.log_level,
+    )
+
+
+def check_inventory(spec: InventorySpec) -> str | None:
+    if spec.gpus < 0 or spec.numa_nodes < 1 or spec.vcpus < spec.numa_nodes * 2 or spec.vcpus % (2 * spec.numa_nodes):
+        return "--vcpus must be a positive multiple of 2 x --numa-nodes (two threads per core), --gpus >= 0"
+    if not 0 <= spec.mig_gpus <= spec.gpus or spec.mig_instances < 0:
+        return "--mig-gpus must be between 0 and --gpus"
+    if spec.fabric_size < 0 or spec.memory_gib < 1 or spec.hugepages_1gi < 0 or spec.hugepages_2mi < 0:
+        return "--fabric-size, --hugepages-* must be >= 0 and --memory-gib >= 1"
+    if spec.hugepages_1gi + spec.hugepages_2mi * 2 / 1024 > spec.memory_gib:
+        return "huge pages exceed --memory-gib"
+    return None

@@ -1,0 +1,186 @@
+"""Convergence: from the gateway's desired state to holds on disk, and the events to report.
+
+The node never drops a hold on its own: a hold ends only when its assignment leaves the desired
+state or its `until` passes. A new assignment is admitted against the node's devices and memory
+(beside its other holds) before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import structlog
+
+from bettercompute.node.v1 import node_pb2 as pb
+from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_names
+from nodesim.config import Faults
+from nodesim.inventory import Hardware
+
+REASON_EXHAUSTED = "resources-exhausted"
+REASON_MISSING = "device-missing"
+REASON_INVALID = "invalid-assignment"
+RELEASE_UNASSIGNED = "unassigned"
+RELEASE_EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class Bound:
+    hold: Hold
+
+
+@dataclass(frozen=True)
+class Failed:
+    allocation_id: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Released:
+    allocation_id: str
+    reason: str
+
+
+Event = Bound | Failed | Released
+
+
+def _conflicts(a: str, b: str) -> bool:
+    """Device ids clash when equal, or when one is a whole GPU and the other that GPU or a part of
+    it (slots of one GPU are shared by design; MIG instances are distinct ids)."""
+    if a == b:
+        return True
+    ga, _, pa = a.partition(":")
+    gb, _, pb_ = b.partition(":")
+    return ga == gb and (not pa or not pb_)
+
+
+class Converger:
+    def __init__(self, sandbox: Sandbox, hardware: Hardware, faults: Faults, node_name: str) -> None:
+        self.sandbox = sandbox
+        self.hardware = hardware
+        self.faults = faults
+        self.node_name = node_name
+        # An older daemon (no capabilities) drops limits and BINDING_KUBERNETES: plain holds.
+        self.legacy = faults.no_capabilities
+        self.holds: dict[str, Hold] = {}
+        # allocation id -> the assignment bytes that failed; not retried until the assignment changes.
+        self._failed: dict[str, bytes] = {}
+        self.log = structlog.get_logger("nodesim.converge").bind(node=node_name)
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def recover(self, now_ms: int) -> list[Event]:
+        """Adopt the holds on disk; those whose `until` passed while the daemon was down are released."""
+        for hold in self.sandbox.recover():
+            self.holds[hold.allocation_id] = hold
+        if self.holds:
+            self.log.info("recovered holds", count=len(self.holds))
+        return self.expire(now_ms)
+
+    def apply(self, desired: pb.DesiredState, now_ms: int) -> list[Event]:
+        events = self.expire(now_ms)
+        wanted = {a.allocation_id: a for a in desired.assignments}
+        for alloc in [a for a in self.holds if a not in wanted]:
+            events.append(self._release(alloc, RELEASE_UNASSIGNED))
+        self._failed = {k: v for k, v in self._failed.items() if k in wanted}
+        for assignment in desired.assignments:
+            event = self._converge_one(assignment, now_ms)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def expire(self, now_ms: int) -> list[Event]:
+        return [self._release(a, RELEASE_EXPIRED) for a, h in list(self.holds.items()) if h.until <= now_ms]
+
+    def next_expiry(self) -> int | None:
+        return min((h.until for h in self.holds.values()), default=None)
+
+    # -- one assignment ----------------------------------------------------------------------
+
+    def _normalise(self, a: pb.DeviceAssignment) -> Hold:
+        limits = None if self.legacy or not a.HasField("limits") else Limits.from_proto(a.limits)
+        return Hold(
+            allocation_id=a.allocation_id,
+            device_class=a.device_class or "gpu",
+            device_ids=tuple(a.device_ids),
+            until=a.until,
+            kubernetes=a.binding == pb.BINDING_KUBERNETES and not self.legacy,
+            limits=limits,
+        )
+
+    def _converge_one(self, a: pb.DeviceAssignment, now_ms: int) -> Event | None:
+        fingerprint = a.SerializeToString(deterministic=True)
+        if self._failed.get(a.allocation_id) == fingerprint:
+            return None
+        hold = self._normalise(a)
+        held = self.holds.get(a.allocation_id)
+        if held == hold:
+            return None
+        if hold.until <= now_ms:
+            self.log.debug("assignment already past its end; not bound", allocation=a.allocation_id)
+            return None
+        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids))
+        reason = REASON_INVALID
+        if problem is None:
+            reason, problem = self._admit(hold)
+        if problem is not None:
+            self._failed[a.allocation_id] = fingerprint
+            self.log.info("bind failed", allocation=a.allocation_id, reason=reason, message=problem)
+            return Failed(a.allocation_id, reason, problem)
+        self.sandbox.write(hold, self.hardware.gpu_index)
+        self.holds[hold.allocation_id] = hold
+        self.log.debug("bound", allocation=hold.allocation_id, devices=list(hold.device_ids))
+        return Bound(hold)
+
+    def _admit(self, hold: Hold) -> tuple[str, str | None]:
+        missing = self._missing_devices(hold)
+        if missing:
+            return REASON_MISSING, missing
+        if self._fault_fails(hold.allocation_id):
+            return REASON_EXHAUSTED, "injected fault: bind refused"
+        others = [h for h in self.holds.values() if h.allocation_id != hold.allocation_id]
+        for other in others:
+            for mine in hold.device_ids:
+                clash = next((d for d in other.device_ids if _conflicts(mine, d)), None)
+                if clash is not None:
+                    return REASON_EXHAUSTED, f"device {mine} is held by {other.allocation_id} ({clash})"
+        limits = [h.limits for h in [*others, hold] if h.limits is not None]
+        inv = self.hardware.inventory
+        hugepages = sum(lim.hugepages_1gi for lim in limits)
+        if hugepages > inv.hugepages_1gi:
+            return REASON_EXHAUSTED, f"1 GiB huge pages: {hugepages} asked of {inv.hugepages_1gi}"
+        memory = sum(lim.memory_bytes + lim.hugepages_1gi * GIB for lim in limits)
+        if memory > inv.memory_bytes:
+            return REASON_EXHAUSTED, f"memory: {memory} bytes asked of {inv.memory_bytes}"
+        return "", None
+
+    def _missing_devices(self, hold: Hold) -> str | None:
+        gpus = self.hardware.gpu_index
+        mig = self.hardware.mig_instances
+        for device in hold.device_ids:
+            uuid, sep, part = device.partition(":")
+            if uuid not in gpus:
+                return f"no GPU {uuid}"
+            if hold.device_class == "gpu" and (sep or uuid in mig):
+                return f"{device} is not a whole GPU on this node"
+            if hold.device_class == "gpu.mig" and (not part.isdigit() or int(part) not in mig.get(uuid, ())):
+                return f"no MIG instance {device}"
+            if hold.device_class == "gpu.slot" and (not part.isdigit() or uuid in mig):
+                return f"no slot {device}"
+        return None
+
+    def _fault_fails(self, allocation_id: str) -> bool:
+        if allocation_id in self.faults.fail_allocations:
+            return True
+        if self.faults.fail_binds <= 0:
+            return False
+        # Deterministic per allocation, so a repeated desired state gets the same answer.
+        digest = hashlib.sha256(f"{self.node_name}/{allocation_id}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < self.faults.fail_binds
+
+    def _release(self, allocation_id: str, reason: str) -> Released:
+        self.sandbox.remove(allocation_id)
+        del self.holds[allocation_id]
+        self.log.debug("released", allocation=allocation_id, reason=reason)
+        return Released(allocation_id, reason)

@@ -1,0 +1,830 @@
+"""nodesim (the FakeDaemon) against a real NodeGateway peer over real TLS on loopback.
+
+The gateway proper lives in `gateway/`; these tests pin the node side of the protocol with the
+peer in tests/nodesim_peer.py: enrolment, the mutual-TLS session, Hello, convergence to the
+files of DESIGN.md §11, node-signed reports, recovery and every fault flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+
+import jsonschema
+import pytest
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT7
+
+from bettercompute.node.v1 import node_pb2 as pb
+from nodesim.config import parse_args
+from nodesim.fleet import Fleet
+from nodesim.inventory import gpu_uuid
+from tests.nodesim_peer import PURPOSE, Peer, PeerNode, assignment, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+HOUR_MS = 3_600_000
+# CDI naming (container-device-interface pkg/parser): kind is vendor/class.
+CDI_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]/[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]$")
+CDI_DEVICE_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$")
+
+
+def cdi_dir() -> Path:
+    """The CDI schema and examples from shared/ (beside the repository, locally and in CI)."""
+    for candidate in (REPO.parent / "shared" / "cdi", Path("/work/shared/cdi")):
+        if (candidate / "schema.json").is_file():
+            return candidate
+    raise AssertionError("shared/cdi/schema.json not found beside the repository")
+
+
+def cdi_validator() -> jsonschema.Draft7Validator:
+    d = cdi_dir()
+    defs = Resource.from_contents(json.loads((d / "defs.json").read_text()), default_specification=DRAFT7)
+    registry = Registry().with_resources([("defs.json", defs)])
+    return jsonschema.Draft7Validator(json.loads((d / "schema.json").read_text()), registry=registry)
+
+
+def cdi_problems(text: str) -> list[str]:
+    """Why a CDI spec file is invalid: not JSON, or the schema's errors; [] when valid."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return [f"not JSON: {exc}"]
+    return [e.message for e in cdi_validator().iter_errors(document)]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def simulated(
+    tmp: Path, names: list[str], *flags: str, peer: Peer | None = None, connect: bool = True
+) -> AsyncIterator[tuple[Peer, Fleet]]:
+    """A peer (unless given) and a fleet of `names` with `flags`; both stopped on the way out."""
+    own_peer = peer is None
+    if peer is None:
+        peer = Peer()
+        await peer.start()
+    fleet = Fleet(parse_args([*peer.args(tmp, names, tmp / "sandbox"), "--heartbeat", "0.2", *flags]))
+    try:
+        await fleet.start()
+        if connect:
+            await fleet.wait_connected(timeout=15)
+            await eventually(lambda: all(peer.by_name(n).hellos for n in names if _known(peer, n)), 10)
+        yield peer, fleet
+    finally:
+        await fleet.stop()
+        if own_peer:
+            await peer.stop()
+
+
+def _known(peer: Peer, name: str) -> bool:
+    return any(n.name == name for n in peer.nodes.values())
+
+
+def gpus(node: PeerNode) -> list[str]:
+    return [g.uuid for g in node.hellos[-1].inventory.gpus]
+
+
+def sandbox(tmp: Path, name: str) -> Path:
+    return tmp / "sandbox" / name
+
+
+def artefact_paths(root: Path, alloc: str) -> tuple[Path, Path, Path]:
+    return (
+        root / "etc" / "cdi" / f"bcd-{alloc}.json",
+        root / "run" / "bcd" / "allocations" / f"{alloc}.env",
+        root / "sys" / "fs" / "cgroup" / "bcd.slice" / f"bcd-alloc-{alloc}.slice",
+    )
+
+
+def env_lines(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def bound_ids(node: PeerNode, verdict: str | None = "ok") -> list[str]:
+    return [r.bound.allocation_id for r in node.events("bound", verdict)]
+
+
+# -- enrolment, session, Hello ----------------------------------------------------------------
+
+
+def test_enrols_with_a_csr_then_opens_a_mutual_tls_session_and_says_hello(tmp_path: Path) -> None:
+    names = ["sim-000", "sim-001", "sim-002"]
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, names, "--fabric-size", "2") as (peer, fleet):
+            inventories = {}
+            for position, name in enumerate(names):
+                node = peer.by_name(name)
+                assert node.sessions == 1 and fleet.node(name).node_id == node.node_id
+                hello = node.hellos[0]
+                assert hello.daemon_version == "nodesim-1.0.0"
+                assert list(hello.capabilities) == ["devices.limits", "binding.kubernetes"]
+                inv = hello.inventory
+                assert [g.uuid for g in inv.gpus] == [gpu_uuid(name, i) for i in range(8)]
+                assert all(re.fullmatch(r"GPU-[0-9a-f-]{36}", g.uuid) for g in inv.gpus)
+                assert {(g.model, g.memory_mib, g.mig_mode) for g in inv.gpus} == {("H100-SXM5-80GB", 81559, False)}
+                assert [g.numa_node for g in inv.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+                assert [(n.id, n.cpulist) for n in inv.numa_nodes] == [(0, "0-47,96-143"), (1, "48-95,144-191")]
+                assert inv.vcpus == 192 and inv.memory_bytes == 2048 * GIB and inv.isolated_cpus == ""
+                assert sum(n.memory_bytes for n in inv.numa_nodes) == inv.memory_bytes
+                assert inv.hugepages_1gi > 0
+                assert len({(g.nvlink_cluster, g.nvlink_clique) for g in inv.gpus}) == 1 and inv.gpus[0].nvlink_clique
+                inventories[position] = inv
+
+                # Keys and certificates on disk: keys 0600; the client certificate names the node id.
+                bcd = sandbox(tmp_path, name) / "var" / "lib" / "bcd"
+                for key in ("node.key", "tls.key"):
+                    assert stat.S_IMODE((bcd / key).stat().st_mode) == 0o600
+                cert = x509.load_pem_x509_certificate((bcd / "node.crt").read_bytes())
+                assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == node.node_id
+                assert (bcd / "node-id").read_text().strip() == node.node_id
+                assert (bcd / "ca.crt").read_bytes() == peer.ca.pem
+            # One NVLink cluster per two nodes of the fleet.
+            cluster = [inventories[p].gpus[0].nvlink_cluster for p in range(3)]
+            assert cluster[0] == cluster[1] != cluster[2]
+            # Heartbeats flow at the configured period.
+            await eventually(lambda: all(len(peer.by_name(n).heartbeats) >= 3 for n in names))
+
+    run(scenario())
+
+
+def test_a_restarted_fleet_reuses_its_keys_and_certificates(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        await peer.start()
+        try:
+            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
+                key_id = fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
+            # A fresh token file, but the peer refuses every token: only the stored identity can work.
+            fleet = Fleet(parse_args([*peer.args(tmp_path, ["sim-000"], tmp_path / "sandbox"), "--heartbeat", "0.2"]))
+            peer.tokens.clear()
+            await fleet.start()
+            try:
+                await fleet.wait_connected(timeout=10)
+                assert fleet.node("sim-000").identity.key_id == key_id  # type: ignore[union-attr]
+                assert len(peer.nodes) == 1 and peer.by_name("sim-000").sessions == 2
+            finally:
+                await fleet.stop()
+        finally:
+            await peer.stop()
+
+    run(scenario())
+
+
+# -- convergence ------------------------------------------------------------------------------
+
+
+def test_a_limited_hold_writes_the_cdi_spec_env_file_and_cgroup_slice_at_their_paths(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            devices = gpus(node)[4:6]
+            until = now_ms() + HOUR_MS
+            limits = pb.Limits(cpu_millis=2500, memory_bytes=64 * GIB, hugepages_1gi=2, cpus="48-59,144-155", mems="1")
+            peer.set_desired(node.node_id, [assignment("alloc_01limited", devices, until, limits=limits)])
+            await eventually(lambda: bound_ids(node) == ["alloc_01limited"])
+
+            root = sandbox(tmp_path, "sim-000")
+            spec_path, env_path, slice_dir = artefact_paths(root, "alloc_01limited")
+            spec = json.loads(spec_path.read_text())
+            assert spec["cdiVersion"] == "0.6.0" and spec["kind"] == "bcd.dev/gpu"
+            assert [d["name"] for d in spec["devices"]] == devices
+            assert [d["containerEdits"]["deviceNodes"] for d in spec["devices"]] == [
+                [{"path": "/dev/nvidia4"}],
+                [{"path": "/dev/nvidia5"}],
+            ]
+            assert {"path": "/dev/nvidiactl"} in spec["containerEdits"]["deviceNodes"]
+            assert spec["annotations"]["bcd.dev/cgroup-parent"] == "bcd-alloc-alloc_01limited.slice"
+            assert spec["annotations"]["bcd.dev/binding"] == "hold"
+            spec_env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
+            assert spec_env["NVIDIA_VISIBLE_DEVICES"] == ",".join(devices)
+
+            env = env_lines(env_path)
+            assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(devices)
+            assert env["BCD_ALLOCATION_ID"] == "alloc_01limited"
+            assert env["BCD_UNTIL"] == str(until)
+            assert env["BCD_CGROUP_PARENT"] == "bcd-alloc-alloc_01limited.slice"
+
+            files = {p.name: p.read_text() for p in slice_dir.iterdir()}
+            assert files == {
+                "cpu.max": "250000 100000\n",
+                "memory.max": f"{64 * GIB}\n",
+                "cpuset.cpus": "48-59,144-155\n",
+                "cpuset.mems": "1\n",
+                "hugetlb.1GB.max": f"{2 * GIB}\n",
+            }
+            # Written atomically: no temporary file is left anywhere.
+            assert not [p for p in root.rglob("*") if ".tmp-" in p.name]
+
+            bound = node.events("bound")[0].bound
+            assert list(bound.cdi_devices) == [f"bcd.dev/gpu={d}" for d in devices]
+            assert bound.env_file == "/run/bcd/allocations/alloc_01limited.env"
+            assert bound.cgroup_parent == "bcd-alloc-alloc_01limited.slice"
+            # The heartbeat says the node converged to that generation.
+            await eventually(
+                lambda: node.heartbeats[-1].applied_generation == node.desired.generation if node.heartbeats else False
+            )
+
+    run(scenario())
+
+
+def test_unlimited_mig_slot_and_kubernetes_holds(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--mig-gpus", "2") as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            assert [x.mig_mode for x in node.hellos[0].inventory.gpus] == [False] * 6 + [True] * 2
+            limits = pb.Limits(cpu_millis=8000, memory_bytes=32 * GIB)
+            peer.set_desired(
+                node.node_id,
+                [
+                    assignment("alloc_plain", [g[0]]),
+                    assignment("alloc_mig", [f"{g[6]}:0", f"{g[7]}:3"], device_class="gpu.mig"),
+                    assignment("alloc_slot", [f"{g[1]}:0", f"{g[1]}:1"], device_class="gpu.slot"),
+                    assignment("alloc_kube", [g[2]], binding=pb.BINDING_KUBERNETES, limits=limits),
+                ],
+            )
+            await eventually(lambda: len(bound_ids(node)) == 4)
+            root = sandbox(tmp_path, "sim-000")
+            by_alloc = {r.bound.allocation_id: r.bound for r in node.events("bound")}
+
+            spec, env, slice_dir = artefact_paths(root, "alloc_plain")
+            plain = json.loads(spec.read_text())
+            assert "bcd.dev/cgroup-parent" not in plain["annotations"] and not slice_dir.exists()
+            assert "BCD_CGROUP_PARENT" not in env_lines(env) and by_alloc["alloc_plain"].cgroup_parent == ""
+
+            mig = json.loads(artefact_paths(root, "alloc_mig")[0].read_text())
+            assert mig["kind"] == "bcd.dev/gpu.mig"
+            assert list(by_alloc["alloc_mig"].cdi_devices) == [f"bcd.dev/gpu.mig={g[6]}:0", f"bcd.dev/gpu.mig={g[7]}:3"]
+            assert [d["containerEdits"]["deviceNodes"][0]["path"] for d in mig["devices"]] == [
+                "/dev/nvidia6",
+                "/dev/nvidia7",
+            ]
+
+            slot = json.loads(artefact_paths(root, "alloc_slot")[0].read_text())
+            assert slot["kind"] == "bcd.dev/gpu.slot"
+            assert list(by_alloc["alloc_slot"].cdi_devices) == [
+                f"bcd.dev/gpu.slot={g[1]}:0",
+                f"bcd.dev/gpu.slot={g[1]}:1",
+            ]
+            assert env_lines(artefact_paths(root, "alloc_slot")[1])["NVIDIA_VISIBLE_DEVICES"] == g[1]
+
+            # Kubernetes: marked for the device plugin; no slice (the kubelet's cgroups hold its pods).
+            kube_spec, kube_env, kube_slice = artefact_paths(root, "alloc_kube")
+            kube = json.loads(kube_spec.read_text())
+            assert kube["annotations"]["bcd.dev/binding"] == "kubernetes"
+            assert "bcd.dev/cgroup-parent" not in kube["annotations"] and not kube_slice.exists()
+            assert by_alloc["alloc_kube"].cgroup_parent == "" and "BCD_CGROUP_PARENT" not in env_lines(kube_env)
+
+            validator = cdi_validator()
+            for alloc in by_alloc:
+                document = json.loads(artefact_paths(root, alloc)[0].read_text())
+                assert list(validator.iter_errors(document)) == []
+                assert CDI_KIND.match(document["kind"])
+                assert all(CDI_DEVICE_NAME.match(d["name"]) for d in document["devices"])
+
+    run(scenario())
+
+
+def test_written_cdi_specs_validate_like_the_schema_examples(tmp_path: Path) -> None:
+    d = cdi_dir()
+    for good in sorted(d.glob("good-*.json")):
+        assert cdi_problems(good.read_text()) == [], good.name
+    assert cdi_problems((d / "bad-empty.json").read_text()) != []
+    # The validator does look into the definitions (defs.json) and the required fields.
+    assert cdi_problems("{}") != []
+    missing_path = {
+        "cdiVersion": "0.6.0",
+        "kind": "a.b/c",
+        "devices": [{"name": "x", "containerEdits": {"deviceNodes": [{}]}}],
+    }
+    assert cdi_problems(json.dumps(missing_path)) == ["'path' is a required property"]
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            limits = pb.Limits(cpu_millis=1000, memory_bytes=GIB)
+            peer.set_desired(node.node_id, [assignment("alloc_schema", gpus(node)[:4], limits=limits)])
+            await eventually(lambda: bound_ids(node) == ["alloc_schema"])
+            text = artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_schema")[0].read_text()
+            assert cdi_problems(text) == []
+            document = json.loads(text)
+            assert CDI_KIND.match(document["kind"])
+            assert all(CDI_DEVICE_NAME.match(dev["name"]) for dev in document["devices"])
+            assert all(isinstance(v, str) for v in document["annotations"].values())
+
+    run(scenario())
+
+
+def test_admission_refuses_missing_devices_clashes_and_memory_beyond_the_host(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            peer.set_desired(
+                node.node_id,
+                [
+                    assignment("alloc_ok", [g[0]]),
+                    assignment("alloc_clash", [g[0]]),
+                    assignment("alloc_part", [f"{g[0]}:1"], device_class="gpu.slot"),
+                    assignment("alloc_missing", ["GPU-00000000-0000-0000-0000-000000000000"]),
+                    assignment("alloc_big", [g[1]], limits=pb.Limits(memory_bytes=4096 * GIB)),
+                    assignment("alloc_pages", [g[2]], limits=pb.Limits(hugepages_1gi=100_000)),
+                    assignment("../escape", [g[3]]),
+                ],
+            )
+            await eventually(lambda: len(node.events("failed")) == 6)
+            assert bound_ids(node) == ["alloc_ok"]
+            failed = {r.failed.allocation_id: r.failed.reason for r in node.events("failed")}
+            assert failed == {
+                "alloc_clash": "resources-exhausted",
+                "alloc_part": "resources-exhausted",
+                "alloc_missing": "device-missing",
+                "alloc_big": "resources-exhausted",
+                "alloc_pages": "resources-exhausted",
+                "../escape": "invalid-assignment",
+            }
+            root = sandbox(tmp_path, "sim-000")
+            assert sorted(p.name for p in (root / "etc" / "cdi").iterdir()) == ["bcd-alloc_ok.json"]
+            assert not (root / "etc" / "escape.json").exists() and not (tmp_path / "sandbox" / "escape.env").exists()
+            # The same desired state again is not reported again.
+            peer.set_desired(node.node_id, list(node.desired.assignments))
+            await asyncio.sleep(0.5)
+            assert len(node.events("failed")) == 6 and len(node.events("bound")) == 1
+
+    run(scenario())
+
+
+# -- reports ----------------------------------------------------------------------------------
+
+
+def test_reports_are_signed_by_the_node_key_over_the_purpose_prefix(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, fleet):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            a, b = assignment("alloc_a", [g[0]]), assignment("alloc_b", [g[1]])
+            peer.set_desired(node.node_id, [a, b])
+            await eventually(lambda: len(bound_ids(node)) == 2)
+            peer.set_desired(node.node_id, [a])
+            await eventually(lambda: node.events("released"))
+
+            bcd = sandbox(tmp_path, "sim-000") / "var" / "lib" / "bcd"
+            cert = x509.load_pem_x509_certificate((bcd / "node.crt").read_bytes())
+            key_id = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+            assert key_id == fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
+            sequences = []
+            for received in node.reports:
+                attested = received.attested
+                assert attested.key_id == key_id
+                cert.public_key().verify(attested.signature, PURPOSE + attested.body)  # raises if not
+                report = pb.Report.FromString(attested.body)
+                assert report.node_id == node.node_id
+                assert abs(report.time - now_ms()) < 60_000
+                sequences.append(report.sequence)
+            assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences) == 3
+            # Not over the body alone: the purpose prefix is part of what is signed.
+            with pytest.raises(InvalidSignature):
+                cert.public_key().verify(node.reports[0].attested.signature, node.reports[0].attested.body)
+
+    run(scenario())
+
+
+def test_removal_from_desired_state_and_the_end_of_until_release_the_hold(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            limits = pb.Limits(cpu_millis=1000, memory_bytes=GIB)
+            peer.set_desired(
+                node.node_id,
+                [
+                    assignment("alloc_gone", [g[0]], limits=limits),
+                    assignment("alloc_ends", [g[1]], now_ms() + 1500),
+                ],
+            )
+            await eventually(lambda: len(bound_ids(node)) == 2)
+            root = sandbox(tmp_path, "sim-000")
+            assert all(p.exists() for p in artefact_paths(root, "alloc_gone"))
+
+            peer.set_desired(node.node_id, [assignment("alloc_ends", [g[1]], node.desired.assignments[1].until)])
+            await eventually(lambda: [r.released.allocation_id for r in node.events("released")] == ["alloc_gone"])
+            assert node.events("released")[0].released.reason == "unassigned"
+            assert not any(p.exists() for p in artefact_paths(root, "alloc_gone"))
+            assert artefact_paths(root, "alloc_ends")[0].exists()  # never dropped on its own before until
+
+            # `until` passes while the assignment is still desired: the node drops the hold itself.
+            await eventually(lambda: len(node.events("released")) == 2, timeout=5)
+            ended = node.events("released")[1].released
+            assert (ended.allocation_id, ended.reason) == ("alloc_ends", "expired")
+            assert not any(p.exists() for p in artefact_paths(root, "alloc_ends"))
+            # ...and does not bind it again from the stale desired state.
+            peer.set_desired(node.node_id, list(node.desired.assignments))
+            await asyncio.sleep(0.4)
+            assert len(node.events("bound")) == 2
+
+    run(scenario())
+
+
+def test_a_restarted_daemon_recovers_its_holds_from_the_sandbox_and_re_reports_them(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        peer = Peer()
+        await peer.start()
+        try:
+            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
+                node = peer.by_name("sim-000")
+                g = gpus(node)
+                limits = pb.Limits(cpu_millis=3000, memory_bytes=8 * GIB, cpus="0-2", mems="0")
+                peer.set_desired(node.node_id, [assignment("alloc_keep", g[:2], limits=limits)])
+                await eventually(lambda: bound_ids(node) == ["alloc_keep"])
+                first = node.events("bound")[0]
+            root = sandbox(tmp_path, "sim-000")
+            before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "var" not in p.parts}
+
+            # A new process: nothing in memory; files and identity from the sandbox.
+            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
+                await eventually(lambda: len(node.events("bound")) == 2)
+                again = node.events("bound")[1]
+                assert again.bound == first.bound and again.sequence > first.sequence
+                assert list(fleet.node("sim-000").converger.holds) == ["alloc_keep"]
+                await asyncio.sleep(0.4)  # the desired state (unchanged) rewrites and re-reports nothing
+                assert len(node.events("bound")) == 2
+                after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "var" not in p.parts}
+                assert after == before
+        finally:
+            await peer.stop()
+
+    run(scenario())
+
+
+def test_a_broken_stream_reconnects_and_re_reports_what_it_holds(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, fleet):
+            node = peer.by_name("sim-000")
+            peer.set_desired(node.node_id, [assignment("alloc_r", gpus(node)[:1])])
+            await eventually(lambda: bound_ids(node) == ["alloc_r"])
+            node.active.put_nowait(None)  # type: ignore[union-attr]  # the gateway ends the stream
+            await eventually(lambda: node.sessions == 2 and node.active is not None)
+            await eventually(lambda: bound_ids(node) == ["alloc_r", "alloc_r"])
+            await fleet.wait_connected(timeout=5)
+
+    run(scenario())
+
+
+def test_certificates_are_renewed_past_half_their_life_and_on_a_hint(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        peer = Peer(cert_lifetime=3.0)
+        await peer.start()
+        try:
+            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
+                sim = fleet.node("sim-000")
+                node = peer.by_name("sim-000")
+                first = next(iter(node.signing_certs))  # the enrolment's attestation certificate
+                # Past half of 3 s: renewed over mTLS, a new session with the new certificate.
+                await eventually(lambda: node.renewals >= 1 and node.sessions >= 2, timeout=5)
+                current = sim.identity.key_id  # type: ignore[union-attr]
+                assert current != first and current in node.signing_certs
+                stored = x509.load_pem_x509_certificate((sim.store.dir / "node.crt").read_bytes())
+                assert hashlib.sha256(stored.public_bytes(serialization.Encoding.DER)).hexdigest() == current
+                # Reports go on verifying (verdict "ok") across renewals and the sessions they rotate.
+                peer.set_desired(node.node_id, [assignment("alloc_new", gpus(node)[:1])])
+                await eventually(lambda: "alloc_new" in bound_ids(node))
+                assert {r.verdict for r in node.reports} == {"ok"}
+                assert node.reports[-1].attested.key_id in node.signing_certs
+        finally:
+            await peer.stop()
+
+        peer = Peer(cert_lifetime=3600.0)
+        await peer.start()
+        try:
+            async with simulated(tmp_path / "hint", ["sim-000"], peer=peer) as (_, fleet):
+                node = peer.by_name("sim-000")
+                peer.renew_hint(node.node_id)
+                await eventually(lambda: node.renewals == 1 and node.sessions == 2)
+        finally:
+            await peer.stop()
+
+    run(scenario())
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+
+def test_fail_allocations_and_fail_binds_report_resources_exhausted(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        names = ["sim-000", "sim-001"]
+        async with simulated(tmp_path, names, "--fail-allocations", "alloc_x", "--fault-nodes", "sim-000") as (peer, _):
+            for name in names:
+                node = peer.by_name(name)
+                peer.set_desired(
+                    node.node_id, [assignment("alloc_x", gpus(node)[:1]), assignment("alloc_y", gpus(node)[1:2])]
+                )
+            faulty, healthy = peer.by_name("sim-000"), peer.by_name("sim-001")
+            await eventually(lambda: faulty.events("failed") and len(bound_ids(healthy)) == 2 and bound_ids(faulty))
+            failure = faulty.events("failed")[0].failed
+            assert (failure.allocation_id, failure.reason) == ("alloc_x", "resources-exhausted")
+            assert bound_ids(faulty) == ["alloc_y"]
+            assert not artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_x")[0].exists()
+
+        async with simulated(tmp_path / "all", ["sim-000"], "--fail-binds", "1") as (peer, _):
+            node = peer.by_name("sim-000")
+            peer.set_desired(node.node_id, [assignment(f"alloc_{i}", [g]) for i, g in enumerate(gpus(node))])
+            await eventually(lambda: len(node.events("failed")) == 8)
+            assert {r.failed.reason for r in node.events("failed")} == {"resources-exhausted"} and not bound_ids(node)
+
+        async with simulated(
+            tmp_path / "half", ["sim-000"], "--fail-binds", "0.5", "--gpus", "64", "--numa-nodes", "1"
+        ) as (peer, _):
+            node = peer.by_name("sim-000")
+            peer.set_desired(node.node_id, [assignment(f"alloc_{i}", [g]) for i, g in enumerate(gpus(node))])
+            await eventually(lambda: len(node.events("failed")) + len(bound_ids(node)) == 64)
+            assert 16 <= len(node.events("failed")) <= 48
+
+    run(scenario())
+
+
+def test_never_answer_accepts_desired_state_but_never_reports(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--never-answer") as (peer, _):
+            node = peer.by_name("sim-000")
+            generation = peer.set_desired(node.node_id, [assignment("alloc_silent", gpus(node)[:1])])
+            await eventually(lambda: node.heartbeats and node.heartbeats[-1].applied_generation == generation)
+            await asyncio.sleep(0.5)
+            assert node.reports == []
+            assert not artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_silent")[0].exists()
+
+    run(scenario())
+
+
+def test_unreachable_after_stops_the_session_and_heartbeats_but_keeps_the_holds(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(
+            tmp_path, ["sim-000", "sim-001"], "--unreachable-after", "2.5", "--fault-nodes", "sim-000"
+        ) as (peer, fleet):
+            node = peer.by_name("sim-000")
+            peer.set_desired(node.node_id, [assignment("alloc_u", gpus(node)[:1])])
+            await eventually(lambda: bound_ids(node) == ["alloc_u"])
+            await eventually(lambda: node.active is None, timeout=5)
+            beats = len(node.heartbeats)
+            await asyncio.sleep(1.0)
+            assert len(node.heartbeats) == beats and node.sessions == 1
+            assert fleet.node("sim-000").state == "unreachable" and not fleet.node("sim-000").connected
+            assert artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_u")[0].exists()
+            assert peer.by_name("sim-001").active is not None  # the other node is unaffected
+
+    run(scenario())
+
+
+def test_restart_after_drops_memory_reconnects_and_recovers_from_the_sandbox(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--restart-after", "2.5") as (peer, fleet):
+            node = peer.by_name("sim-000")
+            before = fleet.node("sim-000")
+            peer.set_desired(node.node_id, [assignment("alloc_rs", gpus(node)[:2])])
+            await eventually(lambda: bound_ids(node) == ["alloc_rs"])
+            await eventually(lambda: fleet.restarts == 1 and node.sessions == 2, timeout=5)
+            assert fleet.node("sim-000") is not before
+            await eventually(lambda: bound_ids(node) == ["alloc_rs", "alloc_rs"])
+            first, again = node.events("bound")
+            assert again.sequence > first.sequence and again.bound == first.bound
+            assert list(fleet.node("sim-000").converger.holds) == ["alloc_rs"]
+
+    run(scenario())
+
+
+def test_no_capabilities_is_an_older_daemon_that_ignores_limits_and_kubernetes(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--no-capabilities") as (peer, _):
+            node = peer.by_name("sim-000")
+            hello = node.hellos[0]
+            assert list(hello.capabilities) == [] and hello.daemon_version == "nodesim-0.8.0"
+            limits = pb.Limits(cpu_millis=1000, memory_bytes=GIB)
+            peer.set_desired(
+                node.node_id, [assignment("alloc_old", gpus(node)[:1], binding=pb.BINDING_KUBERNETES, limits=limits)]
+            )
+            await eventually(lambda: bound_ids(node) == ["alloc_old"])
+            spec, _, slice_dir = artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_old")
+            annotations = json.loads(spec.read_text())["annotations"]
+            assert annotations["bcd.dev/binding"] == "hold" and "bcd.dev/cgroup-parent" not in annotations
+            assert not slice_dir.exists() and node.events("bound")[0].bound.cgroup_parent == ""
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["unsigned", "foreign-key", "other-allocation", "other-node"])
+def test_forged_reports(tmp_path: Path, mode: str) -> None:
+    async def scenario() -> None:
+        names = ["sim-000", "sim-001"]
+        async with simulated(tmp_path, names, "--forge", mode, "--fault-nodes", "sim-000") as (peer, _):
+            forger, honest = peer.by_name("sim-000"), peer.by_name("sim-001")
+            peer.set_desired(honest.node_id, [assignment("alloc_theirs", gpus(honest)[:1])])
+            await eventually(lambda: bound_ids(honest) == ["alloc_theirs"])
+            peer.set_desired(forger.node_id, [assignment("alloc_mine", gpus(forger)[:1])])
+            await eventually(lambda: forger.reports)
+            received = forger.reports[0]
+            report = received.report
+            assert report is not None and report.WhichOneof("event") == "bound"
+            if mode == "unsigned":
+                assert received.verdict == "unsigned" and received.attested.signature == b""
+                assert report.bound.allocation_id == "alloc_mine"
+            elif mode == "foreign-key":
+                assert received.verdict == "bad signature" and report.bound.allocation_id == "alloc_mine"
+            elif mode == "other-allocation":
+                # A genuine signature, over a report that is not "alloc_mine bound".
+                assert received.verdict == "ok" and report.bound.allocation_id != "alloc_mine"
+                assert re.fullmatch(r"alloc_[0-9a-hjkmnp-tv-z]{26}", report.bound.allocation_id)
+            else:
+                assert received.verdict == "ok" and report.bound.allocation_id == "alloc_theirs"
+            # The hold itself is real; the honest node's reports are genuine.
+            assert artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_mine")[0].exists()
+            assert [r.verdict for r in honest.reports] == ["ok"]
+
+            if mode == "other-allocation":  # with another hold to point at, it names that one
+                peer.set_desired(
+                    forger.node_id, [*forger.desired.assignments, assignment("alloc_two", gpus(forger)[1:2])]
+                )
+                await eventually(lambda: len(forger.reports) == 2)
+                assert forger.reports[1].report.bound.allocation_id == "alloc_mine"  # type: ignore[union-attr]
+
+    run(scenario())
+
+
+# -- the program ------------------------------------------------------------------------------
+
+
+def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(tmp_path: Path) -> None:
+    names = [f"sim-{i:03d}" for i in range(50)]
+
+    async def scenario() -> None:
+        peer = Peer()
+        await peer.start()
+        args = [
+            *peer.args(tmp_path, names, tmp_path / "sandbox"),
+            "--heartbeat",
+            "1",
+            "--connect-rate",
+            "200",
+            "--log-format",
+            "json",
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "nodesim",
+            *args,
+            cwd=REPO,
+            stderr=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        lines: list[dict] = []
+
+        async def read_log() -> None:
+            assert proc.stderr is not None
+            async for raw in proc.stderr:
+                if raw.startswith(b"{"):
+                    lines.append(json.loads(raw))
+
+        reading = asyncio.create_task(read_log())
+        try:
+            await eventually(lambda: peer.connected() == 50 and all(n.hellos for n in peer.nodes.values()), timeout=30)
+            await eventually(lambda: all(n.heartbeats for n in peer.nodes.values()), timeout=10)
+            assert sorted(n.name for n in peer.nodes.values()) == names
+            # Progress lines: the counts, then the moment all are connected.
+            await eventually(lambda: "all nodes connected" in [line["event"] for line in lines], timeout=10)
+            assert "50 enrolled, 50 connected" in [line["event"] for line in lines]
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 15) == 0
+            await asyncio.wait_for(reading, 5)
+            assert [line["event"] for line in lines][-1] == "fleet stopped"
+            assert not [line for line in lines if line["level"] in ("warning", "error")]
+            await eventually(lambda: peer.connected() == 0, timeout=5)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            reading.cancel()
+            await peer.stop()
+
+    run(scenario())
+
+
+def test_the_nodesim_script_runs_main() -> None:
+    script = Path(sys.executable).parent / "nodesim"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30, check=True)
+    assert "--sim N" in done.stdout and "--forge" in done.stdout
+
+
+def test_nodesim_imports_no_control_plane_or_gateway_code() -> None:
+    for path in (REPO / "nodesim").glob("*.py"):
+        imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", path.read_text(), flags=re.M)
+        allowed = (
+            "nodesim",
+            "bettercompute.node.v1",
+            "grpc",
+            "google.protobuf",
+            "cryptography",
+            "structlog",
+            "__future__",
+        )
+        for module in imports:
+            top = module.split(".")[0]
+            assert module.startswith(allowed) or top in sys.stdlib_module_names, f"{path.name} imports {module}"
+
+
+# -- against the real gateway -----------------------------------------------------------------
+
+
+def test_the_fleet_binds_through_the_real_gateway_and_its_reports_pass_the_attestation_check(
+    database: str, tmp_path: Path
+) -> None:
+    """nodesim and gateway/ together: enrolment, Hello into atoms and labels, desired state from
+    the database, and a bound report the reservation worker's check accepts."""
+    from controlplane.pki import attest
+    from controlplane.pki.config import PkiSettings
+    from tests.test_gateway import GatewayThread, book, join_token
+    from tests.test_pki import arun, seed_pool, sql
+
+    gateway = GatewayThread(database)
+    try:
+        pool_id = seed_pool(database)
+        names = ["sim-000", "sim-001"]
+        tokens = tmp_path / "tokens.json"
+        tokens.write_text(json.dumps([{"name": n, "joinToken": join_token(database, pool_id, n)} for n in names]))
+        ca = tmp_path / "ca.pem"
+        ca.write_bytes(gateway.ca_pem)
+        args = ["--sim", "2", "--gateway", gateway.endpoint, "--enrol-gateway", gateway.enrol_endpoint]
+        args += ["--sandbox", str(tmp_path / "sandbox"), "--tokens", str(tokens), "--ca", str(ca), "--heartbeat", "0.2"]
+
+        async def polled(query: str, *params: object, timeout: float = 10) -> list[dict]:
+            """The rows of `query` once there are some (the gateway works on its own schedule)."""
+            deadline = time.monotonic() + timeout
+            while not (rows := await asyncio.to_thread(sql, database, query, params)):
+                assert time.monotonic() < deadline, f"no rows: {query}"
+                await asyncio.sleep(0.05)
+            return rows
+
+        async def scenario() -> None:
+            async with Fleet(parse_args(args)) as fleet:
+                await fleet.wait_connected(timeout=15)
+                node_id = fleet.node("sim-000").node_id
+                [row] = await polled(
+                    "SELECT labels FROM nodes WHERE id = %s AND labels ? 'bc.dev/cap.devices.limits'", node_id
+                )
+                assert row["labels"]["bc.dev/cap.devices.limits"] == {"value": "true", "source": "system"}
+                atoms = await polled("SELECT device_uuid FROM atoms WHERE node_id = %s", node_id)
+                assert sorted(a["device_uuid"] for a in atoms) == sorted(gpu_uuid("sim-000", i) for i in range(8))
+
+                limits = {"cpu_millis": 2000, "memory_bytes": 4 * GIB, "cpus": "0-1", "mems": "0"}
+                _, aid = await asyncio.to_thread(book, database, node_id, gpus=2, limits=limits)
+                await asyncio.to_thread(sql, database, "SELECT bump_desired(%s)", (node_id,))
+                [row] = await polled(
+                    "SELECT bound_report, bound_sig_kid, bound_sig FROM allocations"
+                    " WHERE id = %s AND bound_report IS NOT NULL",
+                    aid,
+                )
+                assert artefact_paths(sandbox(tmp_path, "sim-000"), aid)[2].is_dir()
+                await polled("SELECT 1 FROM nodes WHERE id = %s AND applied_generation = desired_generation", node_id)
+
+                async def check(pool: object) -> tuple[bool, str, pb.Report | None]:
+                    async with pool.connection() as conn:  # type: ignore[attr-defined]
+                        return await attest.verify_bound_report(
+                            conn,
+                            aid,
+                            node_id,
+                            row["bound_report"],
+                            row["bound_sig_kid"],
+                            row["bound_sig"],
+                            PkiSettings().offline_grace,
+                        )
+
+                ok, reason, report = await asyncio.to_thread(arun, database, check)
+                assert (ok, reason) == (True, "")
+                assert report is not None and report.bound.cgroup_parent == f"bcd-alloc-{aid}.slice"
+                assert report.bound.env_file == f"/run/bcd/allocations/{aid}.env"
+
+        run(scenario())
+    finally:
+        gateway.stop()
