@@ -1,24 +1,24 @@
-"""`better-compute dev` (what `make dev` runs): the whole system in one process, on a laptop.
+"""`better-compute dev` (what `make dev` runs): the whole system on a laptop.
 
 It starts the embedded PostgreSQL under the data directory (unless DATABASE_URL names a server),
-migrates it, starts the control plane in-process, and seeds a demo through the real Admin API with
-the root token: tenant `acme`, user `alice`, pool `demo-h100` with eight simulated 8×H100 nodes, a
-GPU quota and a permissive Cedar policy. It writes `<data dir>/connection.json` for the client CLI,
-prints how to use it and serves until Ctrl-C or SIGTERM. A second run reuses the data: what exists
-is not seeded again (only tokens are issued anew).
+migrates it, starts the control plane in-process and seeds a demo through the real Admin API with
+the root token: tenant `acme`, user `alice`, pool `demo-h100`, a GPU quota and a permissive Cedar
+policy. Then it runs the node gateway and `nodesim --sim 8` (eight simulated 8×H100 nodes) as real
+processes; the nodes enrol with one-time join tokens and write their CDI specs, env files and
+cgroup slices under `<data dir>/sandbox`. It writes `<data dir>/connection.json` for the client
+CLI, prints how to use it and serves until Ctrl-C or SIGTERM, stopping every process it started.
+A second run reuses the data: the pool and the nodes' certificates are kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import pathlib
 import signal
 import sys
-import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +33,7 @@ import grpc  # noqa: E402
 import structlog  # noqa: E402
 
 from bettercompute.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
-from controlplane import bootstrap, db  # noqa: E402
+from controlplane import bootstrap, db, devstack  # noqa: E402
 from controlplane.config import Settings  # noqa: E402
 
 log = structlog.get_logger(__name__)
@@ -44,12 +44,12 @@ POOL = "demo-h100"
 REGION = "local"
 GPU_QUOTA = 64
 NODE_COUNT = 8
-GPUS_PER_NODE = 8
 GPU_MODEL = "H100-SXM5-80GB"
 GPU_MEMORY_MIB = 81559
 FABRIC = "fabric-0"
 CONNECTION_FILE = "connection.json"
 RPC_TIMEOUT_S = 15.0
+FLEET_TIMEOUT_S = 90.0
 
 POLICY = """\
 // The dev tenant's policy: everything is allowed.
@@ -74,6 +74,8 @@ class Demo:
     root_token: str
     tenant_id: str
     pool_id: str
+    gateway_endpoint: str = ""
+    sandbox: str = ""
 
     def as_json(self) -> dict[str, str]:
         return {
@@ -82,6 +84,8 @@ class Demo:
             "rootToken": self.root_token,
             "tenantId": self.tenant_id,
             "poolId": self.pool_id,
+            "gatewayEndpoint": self.gateway_endpoint,
+            "sandbox": self.sandbox,
         }
 
 
@@ -93,6 +97,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--listen", help="host:port for the API; port 0 picks a free one (default $BC_LISTEN)"
     )
+    parser.add_argument("--sim", type=int, default=NODE_COUNT, help="simulated nodes to run (default 8)")
     args = parser.parse_args(argv)
 
     from controlplane.logs import configure_logging
@@ -104,7 +109,7 @@ def main(argv: list[str]) -> int:
     # Until the event loop takes over, SIGTERM unwinds like Ctrl-C, so the database still stops.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _run(settings, args.listen or settings.listen)
+        return _run(settings, args.listen or settings.listen, args.sim)
     except KeyboardInterrupt:
         log.info("dev interrupted during start-up")
         return 130
@@ -114,7 +119,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _run(settings: Settings, listen: str) -> int:
+def _run(settings: Settings, listen: str, sim: int) -> int:
     data_dir = pathlib.Path(settings.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     connection_path = data_dir / CONNECTION_FILE
@@ -129,7 +134,7 @@ def _run(settings: Settings, listen: str) -> int:
             log.info("embedded database running", pgdata=str((data_dir / "pgdata").resolve()))
         db.migrate(conninfo)
         root_token = bootstrap.ensure_root(conninfo)
-    return asyncio.run(_serve(settings, conninfo, listen, root_token, connection_path))
+    return asyncio.run(_serve(settings, conninfo, listen, root_token, connection_path, sim))
 
 
 @contextmanager
@@ -155,7 +160,7 @@ def _signals_deferred() -> Iterator[None]:
 
 
 async def _serve(
-    settings: Settings, conninfo: str, listen: str, root_token: str, connection_path: pathlib.Path
+    settings: Settings, conninfo: str, listen: str, root_token: str, connection_path: pathlib.Path, sim: int
 ) -> int:
     from controlplane.app import start_app
 
@@ -170,9 +175,13 @@ async def _serve(
         log.error("cannot start the control plane", listen=listen, error=str(exc))
         return 1
     endpoint = f"{_client_host(listen)}:{app.port}"
+    fleet = Fleet(pathlib.Path(settings.data_dir), conninfo, free_ports=listen.endswith(":0"))
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:
             demo = await seed(channel, endpoint, root_token)
+            await asyncio.to_thread(fleet.start, endpoint, root_token, demo.pool_id, sim)
+            await _wait_connected(channel, root_token, demo.pool_id, sim)
+        demo = Demo(**{**demo.__dict__, "gateway_endpoint": fleet.session, "sandbox": str(fleet.sandbox.resolve())})
         _write_connection(connection_path, demo)
         log.info("dev ready", endpoint=endpoint, tenant=demo.tenant_id, pool=demo.pool_id)
         external = bool(settings.database_url)
@@ -183,8 +192,12 @@ async def _serve(
     except grpc.aio.AioRpcError as err:
         log.error("seeding the demo failed", code=err.code().name, message=err.details())
         return 1
+    except RuntimeError as exc:  # a gateway or nodesim that did not come up
+        log.error("the simulated fleet did not start", error=str(exc))
+        return 1
     finally:
         connection_path.unlink(missing_ok=True)
+        await asyncio.to_thread(fleet.stop)
         await app.stop()
         log.info("control plane stopped")
 
@@ -234,43 +247,57 @@ async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str) -> Dem
     else:
         log.info("demo pool reused", pool=pool.id)
 
-    nodes = await call(admin.ListNodes, admin_pb2.ListNodesRequest(pool_id=pool.id))
-    present = {node.name for node in nodes.items}
-    for index in range(NODE_COUNT):
-        if node_name(index) not in present:
-            await call(admin.RegisterNode, node_request(pool.id, index))
-            log.info("demo node registered", node=node_name(index))
-
     user_token = await call(admin.CreateToken, admin_pb2.CreateTokenRequest(identity_id=USER))
     return Demo(endpoint, user_token.secret, root_token, TENANT, pool.id)
 
 
+class Fleet:
+    """The gateway and `nodesim --sim N` as real processes. Nodes enrol with one-time join
+    tokens (issued every run; a node that already holds a certificate in its sandbox reuses it)."""
+
+    def __init__(self, data_dir: pathlib.Path, conninfo: str, *, free_ports: bool) -> None:
+        self.data_dir, self.conninfo = data_dir, conninfo
+        self.sandbox = data_dir / "sandbox"
+        self.listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_GATEWAY_LISTEN", "127.0.0.1:50061")
+        self.enrol_listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_GATEWAY_ENROL_LISTEN",
+                                                                             "127.0.0.1:50062")
+        self.session = ""
+        self.processes: list[devstack.Process] = []
+
+    def start(self, endpoint: str, root_token: str, pool_id: str, count: int) -> None:
+        logs, ca, tokens = self.data_dir / "logs", self.data_dir / "ca.pem", self.data_dir / "join-tokens.json"
+        gateway, self.session, enrol = devstack.gateway(self.conninfo, logs / "gateway.log", ca,
+                                                        listen=self.listen, enrol_listen=self.enrol_listen)
+        self.processes.append(gateway)
+        log.info("gateway running", sessions=self.session, enrol=enrol, log=str(logs / "gateway.log"))
+        devstack.issue_join_tokens(endpoint, root_token, pool_id, [node_name(i) for i in range(count)], tokens)
+        self.processes.append(devstack.nodesim(count, self.session, enrol, self.sandbox, tokens, ca,
+                                               logs / "nodesim.log"))
+        log.info("nodesim running", nodes=count, sandbox=str(self.sandbox), log=str(logs / "nodesim.log"))
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+
+async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, count: int) -> None:
+    admin = admin_pb2_grpc.AdminStub(channel)
+    auth = (("authorization", f"Bearer {root_token}"),)
+    deadline = asyncio.get_running_loop().time() + FLEET_TIMEOUT_S
+    while True:
+        nodes = (await admin.ListNodes(admin_pb2.ListNodesRequest(pool_id=pool_id), metadata=auth,
+                                       timeout=RPC_TIMEOUT_S)).items
+        connected = sum(1 for n in nodes if n.connectivity == "connected" and n.gpu_count > 0)
+        if connected >= count:
+            log.info("fleet connected", nodes=connected)
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"only {connected} of {count} nodes connected in {FLEET_TIMEOUT_S} s")
+        await asyncio.sleep(0.5)
+
+
 def node_name(index: int) -> str:
     return f"sim-{index:03d}"
-
-
-def gpu_uuid(node: str, index: int) -> str:
-    """A GPU UUID in NVIDIA's `GPU-<uuid4>` form, derived from the node name so reruns agree."""
-    digest = hashlib.sha256(f"{node}/gpu{index}".encode()).digest()
-    return f"GPU-{uuid.UUID(bytes=digest[:16], version=4)}"
-
-
-def node_request(pool_id: str, index: int) -> admin_pb2.RegisterNodeRequest:
-    """One simulated 8×H100 host: GPUs 0-3 on NUMA 0 and 4-7 on NUMA 1, one NVLink clique."""
-    name = node_name(index)
-    gpus = [
-        admin_pb2.Gpu(
-            uuid=gpu_uuid(name, gpu),
-            model=GPU_MODEL,
-            memory_mib=GPU_MEMORY_MIB,
-            numa_node=0 if gpu < GPUS_PER_NODE // 2 else 1,
-            nvlink_domain=f"{FABRIC}/clique-{index}",
-        )
-        for gpu in range(GPUS_PER_NODE)
-    ]
-    return admin_pb2.RegisterNodeRequest(
-        pool_id=pool_id, name=name, gpus=gpus, system_labels={"fabric.domain": FABRIC}
-    )
 
 
 def _write_connection(path: pathlib.Path, demo: Demo) -> None:
@@ -309,14 +336,16 @@ Better Compute is running.
   API         {demo.endpoint}  (gRPC: bettercompute.v1.Reservations, Confirmations, Admin)
   database    {database}
   demo        tenant {demo.tenant_id}, user {USER}, pool {demo.pool_id} ({POOL}, region {REGION})
-              {NODE_COUNT} nodes x {GPUS_PER_NODE} {GPU_MODEL} (one NVLink domain per node)
               seeded with a quota of {GPU_QUOTA} GPUs and a permit-all Cedar policy
+  gateway     {demo.gateway_endpoint}  (node sessions, mutual TLS)
+  fleet       nodesim: 8x {GPU_MODEL} per node, files under {_relative(pathlib.Path(demo.sandbox))}
+  logs        {_relative(connection_path.parent / "logs")}
   connection  {_relative(connection_path)}  (alice's token, the root token, tenant, pool)
 
 Try it from another terminal:
   {cli} reserve --gpus 4 --topology nvlink-all --for 8h
   {cli} list
-  {cli} get <rsv_... from above>
+  {cli} get <rsv_... from above>       # placed, then active once the node bound it
   {cli} release <rsv_... from above>
 
 Ctrl-C stops it. The data in {_relative(connection_path.parent)} stays for the next run.

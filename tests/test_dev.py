@@ -29,7 +29,6 @@ import pytest
 from bettercompute.v1 import admin_pb2, admin_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import reservations_pb2_grpc
-from controlplane.dev import gpu_uuid
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60
@@ -148,7 +147,7 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
     start_ms = int((time.time() + 3600) * 1000)
     with running_dev(data_dir, "first") as dev:
         conn = dev.connection
-        assert set(conn) >= {"endpoint", "token", "rootToken", "tenantId", "poolId"}
+        assert set(conn) >= {"endpoint", "token", "rootToken", "tenantId", "poolId", "gatewayEndpoint", "sandbox"}
         assert conn["tenantId"] == "acme" and conn["poolId"].startswith("pool_")
         with dev.channel() as channel:
             reservations = reservations_pb2_grpc.ReservationsStub(channel)
@@ -173,11 +172,10 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
         assert created.state == "placed", created
         assert [len(a.device_ids) for a in created.allocations] == [4]
         assert sorted(n.name for n in nodes.items) == [f"sim-{i:03d}" for i in range(8)]
-        assert all(n.gpu_count == 8 for n in nodes.items)
-        assert all(n.labels["fabric.domain"] == "fabric-0" for n in nodes.items)
-        node = next(n for n in nodes.items if n.id == created.allocations[0].node_id)
-        # The GPU UUIDs are derived from the node name, so they are the same on every run.
-        assert set(created.allocations[0].device_ids) <= {gpu_uuid(node.name, i) for i in range(8)}
+        # Enrolled nodesim nodes, as their Hello reported them.
+        assert all(n.gpu_count == 8 and n.connectivity == "connected" for n in nodes.items)
+        assert all(n.labels["fabric.domain"] for n in nodes.items)
+        assert all(n.labels["bc.dev/cap.devices.limits"] for n in nodes.items)
 
         postmaster = dev.postmaster_pid()
         assert _alive(postmaster)
@@ -202,6 +200,7 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
             )
         assert kept.id == created.id and kept.state == "placed", kept
         assert len(nodes.items) == 8, "the fleet was registered twice"
+        assert all(n.connectivity == "connected" for n in nodes.items)
         assert again.stop() == 0, again.log()
 
 
@@ -244,6 +243,17 @@ def test_cli_reserve_get_list_release(dev: Dev) -> None:
     code, listed, err = cli(dev, "list", "--connection", str(dev.data_dir / "connection.json"))
     assert code == 0, err
     assert placed["id"] in [item["id"] for item in listed["items"]]
+
+    # The hold reaches the node: active, with the CDI spec on disk in the nodesim sandbox.
+    deadline = time.monotonic() + 30
+    while got["state"] != "active" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        code, got, err = cli(dev, "get", placed["id"])
+    assert got["state"] == "active", got
+    alloc = got["allocations"][-1]
+    assert got["binding"]["envFile"] == f"/run/bcd/allocations/{alloc['id']}.env" and got["binding"]["attested"]
+    specs = list(pathlib.Path(dev.connection["sandbox"]).glob(f"*/etc/cdi/bcd-{alloc['id']}.json"))
+    assert len(specs) == 1, specs
 
     code, released, err = cli(dev, "release", placed["id"])
     assert code == 0, err
