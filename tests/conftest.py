@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from controlplane import bootstrap, db
+from controlplane.config import Settings
 from controlplane.logs import configure_logging
 from tests.support import Client, ServerThread, World, make_world
 
@@ -48,16 +49,22 @@ def database(pg_uri: str) -> str:
     return clone_database(pg_uri)
 
 
-@pytest.fixture(scope="module")
-def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+def module_stack(pg_uri: str, **settings: object) -> Iterator[tuple[ServerThread, Client]]:
+    """A control plane on its own cloned database, with a root client; `settings` override the
+    defaults (e.g. clock_control=True for a module that moves compute_now())."""
     conninfo = clone_database(pg_uri)
-    server = ServerThread(conninfo)
+    server = ServerThread(conninfo, Settings(database_url=conninfo, **settings))
     root = Client(server.endpoint, bootstrap.ensure_root(conninfo))
     try:
         yield server, root
     finally:
         root.close()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri)
 
 
 @pytest.fixture

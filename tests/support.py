@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,3 +171,19 @@ def make_world(endpoint: str, root: Client, conninfo: str, *, nodes: int = 2, qu
         w.policy(policy)
     w.user_id, w.user = w.identity()
     return w
+
+
+def get(world: World, rid: str) -> pb.Reservation:
+    return world.user.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=rid))
+
+
+def eventually(world: World, rid: str, check: Any, seconds: float = 10, poll: float = 0.05) -> pb.Reservation:
+    """Poll Get until `check(reservation)` holds; then a fresh read (the check may have looked at
+    rows committed after the read it was given)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        r = get(world, rid)
+        if check(r):
+            return get(world, rid)
+        assert time.monotonic() < deadline, f"timed out; last read: {r}"
+        time.sleep(poll)

@@ -8,22 +8,17 @@ past its deadlines.
 
 from __future__ import annotations
 
-import os
+import pathlib
 import random
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
-from typing import Any
 
 import grpc
 import psycopg
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import bootstrap
+from controlplane import bootstrap, devstack
 from tests.conftest import clone_database
 from tests.invariants import check_invariants
 from tests.support import Client, make_world
@@ -32,45 +27,20 @@ LOAD_SECONDS = 30
 KILL_EVERY_S = (2.0, 4.0)
 
 
+REPLICA_ENV = {"BC_CLOCK_CONTROL": "1", "BC_PENDING_RETRY_SECONDS": "2"}
+
+
 class Replica:
-    """`controlplane serve` as a real process, listening on a free loopback port."""
+    """A `controlplane serve` process (controlplane.devstack) and the endpoint it listens on."""
 
     def __init__(self, conninfo: str, log_path: str) -> None:
-        env = {**os.environ, "DATABASE_URL": conninfo, "BC_CLOCK_CONTROL": "1", "BC_LOG_FORMAT": "json",
-               "BC_PENDING_RETRY_SECONDS": "2"}
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", "serve", "--listen", "127.0.0.1:0"],
-            stdout=subprocess.PIPE, stderr=self.log, env=env)
-        self.endpoint = self._read_endpoint()
-
-    def _read_endpoint(self) -> str:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                if "listening on" in line:
-                    return line.strip().rsplit(" ", 1)[1]
-            if self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError("replica did not start")
+        self.process, self.endpoint = devstack.controlplane(conninfo, pathlib.Path(log_path), env=REPLICA_ENV)
 
     def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self.log.close()
+        self.process.kill()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+        self.process.stop()
 
 
 def test_kill_9_replicas_under_load_keeps_every_invariant(pg_uri: str, tmp_path) -> None:

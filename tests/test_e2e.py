@@ -21,7 +21,8 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap, devstack
 from tests.conftest import clone_database
-from tests.support import Client, World, make_world
+from tests.support import Client, World, get, make_world
+from tests.support import eventually as _eventually
 from tests.test_nodesim import cdi_problems
 
 CDI_NAME = r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$"
@@ -114,18 +115,8 @@ def fleet_factory(stack: Stack, world: World) -> Iterator:
         fleet.stop()
 
 
-def get(world: World, rid: str) -> pb.Reservation:
-    return world.user.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=rid))
-
-
 def eventually(world: World, rid: str, check, seconds: float = 30) -> pb.Reservation:
-    deadline = time.monotonic() + seconds
-    while True:
-        r = get(world, rid)
-        if check(r):
-            return get(world, rid)
-        assert time.monotonic() < deadline, f"timed out; last read: {r}"
-        time.sleep(0.1)
+    return _eventually(world, rid, check, seconds, poll=0.1)
 
 
 def rejections(world: World, rid: str) -> list[dict]:

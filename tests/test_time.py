@@ -16,10 +16,9 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import bootstrap
-from controlplane.config import Settings
-from tests.conftest import clone_database
-from tests.support import PERMISSIVE, Client, ServerThread, World, make_world, rpc_error
+from tests.conftest import module_stack
+from tests.support import PERMISSIVE, Client, ServerThread, World, get, rpc_error
+from tests.support import eventually as _eventually
 
 MIN = 60_000
 HOUR = 3_600_000
@@ -27,14 +26,7 @@ HOUR = 3_600_000
 
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    conninfo = clone_database(pg_uri)
-    server = ServerThread(conninfo, Settings(database_url=conninfo, clock_control=True, pending_retry_seconds=30))
-    root = Client(server.endpoint, bootstrap.ensure_root(conninfo))
-    try:
-        yield server, root
-    finally:
-        root.close()
-        server.stop()
+    yield from module_stack(pg_uri, clock_control=True)
 
 
 def advance(world: World, ms: int) -> None:
@@ -45,18 +37,8 @@ def now(world: World) -> int:
     return world.root.admin("GetClock", apb.GetClockRequest()).now
 
 
-def get(world: World, rid: str) -> pb.Reservation:
-    return world.user.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=rid))
-
-
 def eventually(world: World, rid: str, check, seconds: float = 10) -> pb.Reservation:
-    deadline = time.monotonic() + seconds
-    while True:
-        r = get(world, rid)
-        if check(r):
-            return get(world, rid)  # a fresh read: the check may have seen a later commit than `r`
-        assert time.monotonic() < deadline, f"timed out; last read: {r}"
-        time.sleep(0.05)
+    return _eventually(world, rid, check, seconds)
 
 
 def state_is(*states: str):
