@@ -104,6 +104,8 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
             except asyncio.CancelledError:
                 _log_rpc("CANCELLED", started)  # the client went away: the task (and any wait) stops
                 raise
+            except grpc.aio.AbortError:
+                raise
             except Exception:
                 log.exception("rpc failed")
                 status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
@@ -120,16 +122,25 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
             started = time.perf_counter()
             try:
                 await self._prologue(method, metadata, request)
+                context.set_trailing_metadata((("x-request-id", _request_id()),))
                 async for item in behavior(request, context):
                     yield item
             except errors.DomainError as exc:
+                status = to_status(exc.code, exc.message, exc.details)
                 _log_rpc(exc.code, started)
-                await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
             except asyncio.CancelledError:
                 _log_rpc("CANCELLED", started)
                 raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("rpc failed")
+                status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
+                _log_rpc(errors.INTERNAL, started)
             else:
                 _log_rpc("OK", started)
+                return
+            await context.abort_with_status(status)
 
         return handle
 
