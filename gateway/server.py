@@ -36,11 +36,13 @@ class Gateway:
     ca: store.Ca
     hub: Hub
     stopping: asyncio.Event
+    runner: SessionRunner
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def stop(self, grace: float = 1.0) -> None:
         self.stopping.set()
         await self.server.stop(grace)
+        await self.runner.release_all()
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -72,7 +74,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)
-    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, tasks)
+    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks)
 
 
 def _host(listen: str) -> str:

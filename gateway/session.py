@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -137,6 +138,12 @@ class SessionRunner:
 
         await db.run_in_transaction(self.pool, work)
 
+    async def release_all(self) -> None:
+        """On shutdown: every session of this gateway, in one statement, before the pool closes."""
+        await db.run_in_transaction(self.pool, lambda c: c.execute(
+            "UPDATE nodes SET session_id = NULL, session_gateway = NULL WHERE session_gateway = %s",
+            (self.gateway_id,)))
+
     async def _register(self, session: NodeSession) -> None:
         async def work(conn) -> None:
             await conn.execute(_REGISTER, {"session_id": session.session_id, "gateway": self.gateway_id,
@@ -146,6 +153,8 @@ class SessionRunner:
         await db.run_in_transaction(self.pool, work)
 
     async def _unregister(self, session: NodeSession) -> None:
+        if self.pool.closed:  # shutting down: Gateway.stop released this gateway's sessions at once
+            return
         try:
             await db.run_in_transaction(self.pool, lambda c: c.execute(
                 _UNREGISTER, {"node_id": session.node_id, "session_id": session.session_id}))
@@ -165,11 +174,12 @@ class SessionRunner:
             raise SessionEnded(grpc.StatusCode.UNAUTHENTICATED, "certificate expired")
 
     def _timers(self, session: NodeSession) -> list[asyncio.TimerHandle]:
-        """A renewal hint at half the certificate's life; a re-check when it runs out."""
+        """A renewal hint between half and 60 % of the certificate's life (spread, so a fleet
+        enrolled together does not renew in one burst); a re-check when it runs out."""
         loop = asyncio.get_running_loop()
         peer = session.peer
         now = dt.datetime.now(dt.UTC)
-        half = peer.not_before + (peer.not_after - peer.not_before) / 2
-        return [loop.call_later(max(0.0, (half - now).total_seconds()), session.signal, RENEW),
+        hint_at = peer.not_before + (peer.not_after - peer.not_before) * (0.5 + random.random() * 0.1)
+        return [loop.call_later(max(0.0, (hint_at - now).total_seconds()), session.signal, RENEW),
                 loop.call_later(max(0.0, (peer.not_after - now).total_seconds()) + 1, session.signal, CHECK)]
 
