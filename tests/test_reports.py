@@ -1,0 +1,122 @@
+"""How the reservation worker judges node reports, with real node keys and certificates from the
+control-plane CA (the node side is stood in for by signing reports here, as the gateway would have
+stored them: exactly as received).
+
+Spec "Bindings": a report that arrives while the reservation is still placed is judged as soon as
+the start is reached, not after the bind timeout; AllocationReleased for a bound allocation is
+Degraded with BindingLost until the node reports it bound again. Spec "Host resources": the
+control plane keeps a cgroup parent only when it is exactly the allocation's own slice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bettercompute.node.v1 import node_pb2
+from bettercompute.v1 import admin_pb2 as apb
+from tests.conftest import module_stack
+from tests.support import Client, ServerThread, World, eventually, get, make_world
+from tests.test_pki import Enrolled, enrol, sign
+
+HOUR = 3_600_000
+
+
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, clock_control=True)
+
+
+@pytest.fixture
+def node(world: World) -> Enrolled:
+    """An enrolled node with eight GPUs, connected (what the gateway records from its Hello)."""
+    enrolled = enrol(world.conninfo, world.pool_id, "reporter")
+    world.sql("UPDATE nodes SET connectivity = 'connected' WHERE id = %s", (enrolled.node_id,))
+    world.sql("INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)"
+              " SELECT 'atom_' || md5(%s || g), %s, 'gpu', 'GPU-r-' || g, 'H100', g / 4, 'fab/1'"
+              " FROM generate_series(0, 7) g", (enrolled.node_id, enrolled.node_id))
+    return enrolled
+
+
+@pytest.fixture
+def world(stack: tuple[ServerThread, Client]) -> World:
+    server, root = stack
+    return make_world(server.endpoint, root, server.conninfo, nodes=0)
+
+
+def report(node: Enrolled, world: World, allocation_id: str, kind: str, **fields: str) -> None:
+    """Store a node-signed report of `kind` about the allocation, as the gateway does, and wake."""
+    body = node_pb2.Report(node_id=node.node_id, sequence=1, time=1)
+    if kind == "bound":
+        body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id, **fields))
+    elif kind == "released":
+        body.released.CopyFrom(node_pb2.AllocationReleased(allocation_id=allocation_id, reason="unassigned"))
+    raw = body.SerializeToString()
+    rid = world.sql("SELECT reservation_id FROM allocations WHERE id = %s", (allocation_id,))[0][0]
+    world.sql("INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)"
+              " VALUES (%s, %s, %s, %s, %s, %s)",
+              (node.node_id, allocation_id, kind, raw, node.key_id, sign(node.keys.signing, raw)))
+    world.sql("SELECT wake_reservation(%s)", (rid,))
+
+
+def test_a_report_that_arrives_while_placed_is_judged_at_the_start(world: World, node: Enrolled) -> None:
+    now = world.root.admin("GetClock", apb.GetClockRequest()).now
+    r = world.create(count=2, start=now + HOUR, duration="2h")
+    alloc = r.allocations[0].id
+    report(node, world, alloc, "bound", cdi_devices=["bcd.dev/gpu=GPU-r-0", "bcd.dev/gpu=GPU-r-1"])
+    time.sleep(0.5)
+    assert get(world, r.id).state == "placed"  # not judged before the start
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR))
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    # At the start itself, not after the 5-minute bind timeout: the clock stands at the start.
+    assert world.root.admin("GetClock", apb.GetClockRequest()).now < r.during.start + 5 * 60_000
+    assert active.binding.attested and list(active.binding.cdi_devices) == ["bcd.dev/gpu=GPU-r-0",
+                                                                              "bcd.dev/gpu=GPU-r-1"]
+
+
+def test_released_by_the_node_is_binding_lost_until_bound_again(world: World, node: Enrolled) -> None:
+    r = world.create(count=2, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    report(node, world, alloc, "bound")
+    eventually(world, r.id, lambda x: x.state == "active")
+    report(node, world, alloc, "released")
+    lost = eventually(world, r.id, lambda x: any(c.reason == "BindingLost" for c in x.conditions))
+    assert lost.state == "active"
+    assert next(c for c in lost.conditions if c.reason == "BindingLost").type == "Degraded"
+    report(node, world, alloc, "bound")
+    healed = eventually(world, r.id, lambda x: not any(c.reason == "BindingLost" for c in x.conditions))
+    assert healed.state == "active" and [a.state for a in healed.allocations] == ["bound"]
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_cgroup_parent_counts_only_when_it_is_the_allocations_own_slice(
+    world: World, node: Enrolled, own: bool
+) -> None:
+    r = world.create(count=1, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    other = world.create(count=1, duration="8h").allocations[0].id
+    parent = f"bcd-alloc-{alloc if own else other}.slice"
+    report(node, world, alloc, "bound", cgroup_parent=parent, env_file=f"/run/bcd/allocations/{alloc}.env")
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    assert active.binding.cgroup_parent == (parent if own else "")
+    assert active.binding.env_file == f"/run/bcd/allocations/{alloc}.env"
+
+
+def test_a_release_signed_by_another_key_does_not_lose_the_binding(world: World, node: Enrolled) -> None:
+    """Failure and release reports are checked like bound ones: a forgery cannot evict a hold."""
+    r = world.create(count=1, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    report(node, world, alloc, "bound")
+    eventually(world, r.id, lambda x: x.state == "active")
+    impostor = enrol(world.conninfo, world.pool_id, "impostor")
+    report(impostor, world, alloc, "released")
+    rejected = eventually(world, r.id, lambda x: bool(world.sql(
+        "SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.binding-rejected'",
+        (f"reservation/{r.id}",))))
+    assert rejected.state == "active" and not any(c.reason == "BindingLost" for c in rejected.conditions)
+    assert world.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND"
+                     " type = 'reservation.binding-rejected'", (f"reservation/{r.id}",)) == [
+        ("certificate of another node",)]
+    assert [a.state for a in get(world, r.id).allocations] == ["bound"]
