@@ -24,7 +24,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.api.status import error_info
 from controlplane.ids import draft_id
 from controlplane.reservations import states
-from tests.invariants import CHARGING, ENDED, check_invariants
+from tests.invariants import ENDED, check_invariants
 from tests.support import Client, ServerThread, World, gpus, make_world
 
 def outcome(call: Any) -> tuple[str, Any]:
