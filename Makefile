@@ -39,6 +39,7 @@ test: $(STAMP) proto-check
 
 bench: $(STAMP)
 	$(PY) -m bench
+	$(PY) -m bench.fleet
 
 clean:
 	rm -rf $(VENV) .dev

@@ -75,7 +75,7 @@ async def _transaction_1(
     row = await _fetch(conn, rid)
     if row is None:
         pool = await (
-            await conn.execute(queries.VISIBLE_POOL, {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id})
+            await conn.execute(queries.POOL_IS_VISIBLE, {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id})
         ).fetchone()
         if pool is None:
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])

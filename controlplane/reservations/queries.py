@@ -36,6 +36,14 @@ WHERE p.id = %(pool_id)s
        OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
 """
 
+# Visibility only (owner or offered), without the model lookup of VISIBLE_POOL.
+POOL_IS_VISIBLE = """
+SELECT p.id FROM pools p
+WHERE p.id = %(pool_id)s
+  AND (p.owner_tenant_id = %(tenant_id)s
+       OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
+"""
+
 UPSERT_AUTHZ = """
 INSERT INTO authz_projection (reservation_id, attributes) VALUES (%(id)s, %(attributes)s)
 ON CONFLICT (reservation_id) DO UPDATE SET attributes = EXCLUDED.attributes

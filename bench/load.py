@@ -1,0 +1,100 @@
+"""A closed-loop load driver: N coroutines keep one call each in flight until a count or a time.
+
+Every phase of the benchmark (creates, echo, raw SQL) runs through `drive`, so the three share the
+same concurrency, the same bounds and the same latency bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from bench import procstat
+
+Call = Callable[[int], Awaitable[str]]  # call number -> outcome label
+
+
+@dataclass
+class Result:
+    name: str
+    concurrency: int
+    calls: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # seconds, one per finished call
+    outcomes: Counter[str] = field(default_factory=Counter)
+    cpu: dict[str, float] = field(default_factory=dict)  # process label -> CPU seconds
+
+    @property
+    def rate(self) -> float:
+        return self.calls / self.seconds if self.seconds else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        ordered = sorted(self.latencies)
+        index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
+        return ordered[index] * 1000
+
+    def share(self) -> list[tuple[str, int, float]]:
+        total = sum(self.outcomes.values()) or 1
+        return [(k, n, 100 * n / total) for k, n in self.outcomes.most_common()]
+
+
+async def drive(
+    name: str,
+    call: Call,
+    *,
+    concurrency: int,
+    max_calls: int,
+    max_seconds: float,
+    first_call: int = 0,
+    progress_every: float = 5.0,
+    cpu_of: procstat.Watch | None = None,
+) -> Result:
+    """Run `call` with `concurrency` in flight until `max_calls` started or `max_seconds` passed."""
+    result = Result(name, concurrency)
+    numbers = itertools.count(first_call)
+    last_call = first_call + max_calls
+    started = time.perf_counter()
+    deadline = started + max_seconds
+
+    async def worker() -> None:
+        while True:
+            number = next(numbers)
+            if number >= last_call or time.perf_counter() >= deadline:
+                return
+            t0 = time.perf_counter()
+            try:
+                outcome = await call(number)
+            except Exception as exc:  # noqa: BLE001 - a benchmark counts failures, it does not stop
+                outcome = f"exception:{type(exc).__name__}"
+            result.latencies.append(time.perf_counter() - t0)
+            result.outcomes[outcome] += 1
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(progress_every)
+            done = len(result.latencies)
+            elapsed = time.perf_counter() - started
+            print(f"  {name}: {done} calls in {elapsed:.0f}s ({done / elapsed:.0f}/s)", flush=True)
+
+    before = procstat.sample(cpu_of or {})
+    reporter = asyncio.create_task(progress())
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        reporter.cancel()
+    result.seconds = time.perf_counter() - started
+    result.calls = len(result.latencies)
+    result.cpu = procstat.delta(before, procstat.sample(cpu_of or {}))
+    return result
+
+
+async def warm_up(call: Call, *, concurrency: int, calls: int, first_call: int) -> None:
+    """A few calls first (connections, caches, JIT-free but lazy imports), not counted."""
+    await drive("warm-up", call, concurrency=concurrency, max_calls=calls, max_seconds=10,
+                first_call=first_call, progress_every=3600)

@@ -1,0 +1,108 @@
+"""The printed report: one table of the three phases, outcomes, CPU shares, ratios, server log."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections import Counter, defaultdict
+
+from bench.load import Result
+
+OTHER_WARN = 0.15  # of one core: above it, another workload shared the machine during a phase
+
+
+def _ms(value: float) -> str:
+    return f"{value:8.2f}"
+
+
+def phase_table(results: list[Result]) -> str:
+    head = f"{'phase':<28}{'conc':>5}{'calls':>8}{'secs':>7}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
+    lines = [head, "-" * len(head)]
+    for res in results:
+        lines.append(
+            f"{res.name:<28}{res.concurrency:>5}{res.calls:>8}{res.seconds:>7.1f}{res.rate:>10.0f}"
+            f"{_ms(res.percentile_ms(50)):>9}{_ms(res.percentile_ms(95)):>9}{_ms(res.percentile_ms(99)):>9}"
+        )
+    return "\n".join(lines)
+
+
+def outcome_table(res: Result) -> str:
+    lines = [f"outcomes of {res.name}:"]
+    for label, count, pct in res.share():
+        lines.append(f"  {label:<40}{count:>8}{pct:>7.1f}%")
+    return "\n".join(lines)
+
+
+def cpu_table(results: list[Result]) -> str:
+    """CPU per phase: percent of one core per process group, and CPU ms per call."""
+    labels: list[str] = []
+    for res in results:
+        labels += [k for k in res.cpu if k not in labels]
+    labels.sort(key=lambda k: (k in ("other", "machine"), k == "machine"))  # those two last
+    if not labels:
+        return ""
+    head = f"{'CPU, % of one core (ms/call)':<28}" + "".join(f"{k:>17}" for k in labels)
+    lines = [head, "-" * len(head)]
+    for res in results:
+        cells = []
+        for k in labels:
+            sec = res.cpu.get(k)
+            cells.append(
+                f"{'-':>17}" if sec is None
+                else f"{100 * sec / res.seconds:>7.0f}% ({1000 * sec / max(res.calls, 1):>6.2f})"
+            )
+        lines.append(f"{res.name:<28}" + "".join(cells))
+    for res in results:
+        other = res.cpu.get("other", 0.0) / res.seconds if res.seconds else 0.0
+        if other > OTHER_WARN:
+            lines.append(f"note: during {res.name!r} something else on the machine used {100 * other:.0f}% "
+                         "of a core (\"other\"): its figures are low; run again on a quiet machine")
+    return "\n".join(lines)
+
+
+def ratios(create: Result, echo: Result | None, sql: Result | None) -> str:
+    parts = []
+    if echo and echo.rate:
+        parts.append(f"create/echo = {create.rate / echo.rate:.3f}")
+    if sql and sql.rate:
+        parts.append(f"create/sql = {create.rate / sql.rate:.3f}")
+    return "ratios: " + ", ".join(parts) if parts else ""
+
+
+def server_log_summary(path: pathlib.Path | None, top: int = 8) -> str:
+    """What the control plane logged (BC_LOG_FORMAT=json): its canonical "rpc" line per call, by
+    method and code, with the server-side duration; then the other events by count. The whole
+    run is included: seeding, warm-ups and the measured phase."""
+    if path is None or not path.exists():
+        return ""
+    rpcs: dict[str, list[float]] = defaultdict(list)
+    codes: dict[str, Counter[str]] = defaultdict(Counter)
+    events: Counter[str] = Counter()
+    other = 0
+    with path.open(errors="replace") as handle:
+        for line in handle:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                other += 1
+                continue
+            if not isinstance(entry, dict):
+                other += 1
+            elif entry.get("event") == "rpc" and isinstance(entry.get("duration_ms"), (int, float)):
+                method = str(entry.get("method", "")).rsplit(".", 1)[-1]
+                rpcs[method].append(float(entry["duration_ms"]))
+                codes[method][str(entry.get("code", ""))] += 1
+            else:
+                events[f"{entry.get('level', '')} {entry.get('event', '')}"[:70]] += 1
+    lines = [f"server log ({path.name}), whole run; server-side time of each RPC:"]
+    for method, values in sorted(rpcs.items(), key=lambda kv: -len(kv[1])):
+        values.sort()
+        pct = {q: values[min(len(values) - 1, int(len(values) * q / 100))] for q in (50, 95, 99)}
+        code_text = ", ".join(f"{c} {n}" for c, n in codes[method].most_common())
+        lines.append(f"  {method:<36}{len(values):>7}  p50 {pct[50]:8.2f}  p95 {pct[95]:8.2f}  "
+                     f"p99 {pct[99]:8.2f} ms  ({code_text})")
+    for event, count in events.most_common(top):
+        lines.append(f"  {count:>7}  {event}")
+    if other:
+        lines.append(f"  {other:>7}  lines that are not JSON")
+    return "\n".join(lines)
