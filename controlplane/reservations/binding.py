@@ -21,6 +21,10 @@ from controlplane.runtime import Runtime
 
 MAX_BIND_FAILURES = 3
 
+
+class NeedsPoolLock(Exception):
+    """This pass must place again; run it with the pool lock taken first."""
+
 _START_BINDING = """
 UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
 WHERE reservation_id = %(id)s AND state = 'placed'
@@ -38,7 +42,7 @@ ORDER BY n.id
 """
 
 
-async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
+async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool) -> None:
     """At the start: allocations move to binding and the nodes' desired state gains them."""
     deadline = row["during_start"] + schedule.BIND_TIMEOUT_MS
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full five minutes
@@ -49,14 +53,16 @@ async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     await move(conn, row, states.BINDING, operation_state="succeeded")
     await events.emit_reservation(conn, row, "reservation.binding")
     await schedule.at(conn, row["id"], deadline)
-    await progress(conn, rt, row, now_ms)  # a report that arrived while placed is judged now
+    await progress(conn, rt, row, now_ms, may_place=may_place)  # a report that arrived while placed is judged now
 
 
-async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
+async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool) -> None:
     """Judge the nodes' reports; active once every allocation is bound; a verified
     AllocationFailed or the bind deadline passing is a binding failure."""
     failed = await reports.judge(conn, rt, row, now_ms)
     if failed:
+        if not may_place:
+            raise NeedsPoolLock
         await bind_failed(conn, rt, row, now_ms, failed[0][1], [node for node, _ in failed])
         return
     allocations = await (await conn.execute(_LIVE, {"id": row["id"]})).fetchall()
@@ -67,6 +73,8 @@ async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_
         return
     late = [a for a in allocations if a["state"] == "binding" and a["bind_deadline_ms"] <= now_ms]
     if late:
+        if not may_place:
+            raise NeedsPoolLock
         await bind_failed(conn, rt, row, now_ms, "bind-timeout", [a["node_id"] for a in late])
 
 

@@ -21,6 +21,19 @@ from controlplane.runtime import Runtime
 
 
 async def reconcile(conn: AsyncConnection, rt: Runtime, rid: str) -> None:
+    """Most passes place nothing (start a binding, judge reports, activate, end, set conditions)
+    and need only the reservation's row lock. A pass that must place (BookingRepair, a binding
+    failure) is rolled back to its savepoint, releasing that row lock, and run again taking the
+    pool lock first, in capacity's lock order. The pool lock is shared with every create of the
+    pool, so taking it only when needed keeps the worker from queueing behind them."""
+    try:
+        async with conn.transaction():
+            await _reconcile(conn, rt, rid, may_place=False)
+    except binding.NeedsPoolLock:
+        await _reconcile(conn, rt, rid, may_place=True)
+
+
+async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place: bool) -> None:
     row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     if row is None:
         return
@@ -29,7 +42,8 @@ async def reconcile(conn: AsyncConnection, rt: Runtime, rid: str) -> None:
         return
     if row["state"] not in states.BOOKED:
         return
-    await placer.pool_lock(conn, row["pool_id"])  # lock order: pool, then reservation
+    if may_place:
+        await placer.pool_lock(conn, row["pool_id"])  # lock order: pool, then reservation
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] not in states.BOOKED:
         return
@@ -44,13 +58,15 @@ async def reconcile(conn: AsyncConnection, rt: Runtime, rid: str) -> None:
     if row["state"] == states.PLACED:
         if now_ms >= row["during_start"] - schedule.REPAIR_LEAD_MS:
             bad = await repair.bad_nodes(conn, rid)
+            if bad and not may_place:
+                raise binding.NeedsPoolLock
             if bad and not await repair.repair(conn, rt, row, bad, now_ms):
                 return
             row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
         if now_ms >= row["during_start"]:
-            await binding.start(conn, rt, row, now_ms)
+            await binding.start(conn, rt, row, now_ms, may_place=may_place)
     elif row["state"] == states.BINDING:
-        await binding.progress(conn, rt, row, now_ms)
+        await binding.progress(conn, rt, row, now_ms, may_place=may_place)
     elif row["state"] == states.ACTIVE:
         await binding.recheck_active(conn, rt, row, now_ms)
 
