@@ -95,8 +95,9 @@ async def run(rt: Runtime, conninfo: str, stop: asyncio.Event, *, concurrency: i
                 while await run_one(rt):
                     pass
                 wake.clear()
+                timeout = await _next_due(rt)  # before creating the wait, which a cancel here would orphan
                 try:
-                    await asyncio.wait_for(wake.wait(), timeout=await _next_due(rt))
+                    await asyncio.wait_for(wake.wait(), timeout=timeout)
                 except TimeoutError:
                     pass
             except asyncio.CancelledError:
