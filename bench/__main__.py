@@ -22,18 +22,23 @@ from bench.seed import Seeded, seed
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--nodes", type=int, help="nodes in the pool, 8 H100 each (default 1000)")
-    p.add_argument("--concurrency", type=int, default=16, help="calls in flight in every phase (default 16)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="calls in flight in every phase (default 16)")
     p.add_argument("--seconds", type=float, help="time bound of the create phase (default 25)")
     p.add_argument("--baseline-seconds", type=float, help="time bound of each baseline (default 10)")
-    p.add_argument("--max-calls", type=int, default=200_000, help="count bound of every phase (default 200000)")
+    p.add_argument("--max-calls", type=int, default=200_000,
+                   help="count bound of every phase (default 200000)")
     p.add_argument("--server", choices=["subprocess", "inprocess"], default="subprocess",
                    help="control plane (and echo server) as a child process or in this process")
-    p.add_argument("--fast-db", action="store_true", help="fsync and synchronous_commit off")
+    p.add_argument("--fast-db", action="store_true",
+                   help="fsync, synchronous_commit and full_page_writes off")
     p.add_argument("--no-baselines", action="store_true", help="measure only the creates")
     p.add_argument("--sql-pool-lock", action="store_true",
                    help="raw SQL baseline: take one advisory lock in Tx 3, like a one-pool placer")
-    p.add_argument("--horizon-days", type=float, default=60, help="reservation starts spread over this many days (default 60)")
-    p.add_argument("--seed-concurrency", type=int, default=16, help="RegisterNode calls in flight (default 16)")
+    p.add_argument("--horizon-days", type=float, default=60,
+                   help="reservation starts spread over this many days (default 60)")
+    p.add_argument("--seed-concurrency", type=int, default=16,
+                   help="RegisterNode calls in flight (default 16)")
     p.add_argument("--no-analyze", action="store_true",
                    help="skip ANALYZE after seeding (planner statistics then depend on autovacuum)")
     p.add_argument("--pg-statements", action="store_true",
@@ -104,8 +109,10 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             offset = diag.log_offset(pg_log)
             create_res = await phases.create_phase(args, channel, seeded, work, conninfo, pg_log, watch)
         states = stack.count_rows(
-            conninfo, f"SELECT state, count(*) FROM reservations WHERE tenant_id = '{seeded.tenant_id}'"
-            " GROUP BY 1 ORDER BY 2 DESC")
+            conninfo,
+            "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
+            (seeded.tenant_id,),
+        )
         bookings = stack.count_rows(conninfo, "SELECT count(*) FROM bookings")[0][0]
     finally:
         await server.stop()

@@ -95,6 +95,6 @@ async def drive(
 
 
 async def warm_up(call: Call, *, concurrency: int, calls: int, first_call: int) -> None:
-    """A few calls first (connections, caches, JIT-free but lazy imports), not counted."""
+    """A few calls first, not counted: connections opened, statements prepared, imports done."""
     await drive("warm-up", call, concurrency=concurrency, max_calls=calls, max_seconds=10,
                 first_call=first_call, progress_every=3600)

@@ -83,9 +83,9 @@ def analyze(conninfo: str) -> None:
         conn.execute("ANALYZE")
 
 
-def count_rows(conninfo: str, sql: str) -> list[tuple]:
+def count_rows(conninfo: str, sql: str, params: tuple = ()) -> list[tuple]:
     with psycopg.connect(conninfo) as conn:
-        return list(conn.execute(sql).fetchall())
+        return list(conn.execute(sql, params).fetchall())
 
 
 @dataclass
