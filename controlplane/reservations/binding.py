@@ -10,13 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from psycopg import AsyncConnection
-from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.placement import placer
 from controlplane.reservations import placing, reports, schedule, states
 from controlplane.reservations.lifecycle import end_bookings, free_capacity
-from controlplane.reservations.transitions import condition, move
+from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
 
 MAX_BIND_FAILURES = 3
@@ -91,17 +90,12 @@ async def bind_failed(
         await events.emit_reservation(conn, row, "reservation.failed", reason=reason, failures=failures)
         return
     await end_bookings(conn, row["id"], allocation_state="failed")
-    ask = placing.ask_for(row, now_ms)
-    ask = placer.Ask(**{**ask.__dict__, "start_ms": now_ms, "end_ms": row["during_end"]})
     failed_before = await (await conn.execute(_FAILED_NODES, {"id": row["id"]})).fetchall()
     avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
-    planned = await placing.plan(conn, rt, ask, exclude=avoid)
-    placement = await placing.commit(conn, rt, row["id"], ask, planned, exclude=avoid)
+    ask, placement = await placing.place_again(conn, rt, row, (now_ms, row["during_end"]), avoid, now_ms)
     if placement is None:
         message = f"binding failed on {', '.join(nodes)} ({reason}); " + await placer.explain(conn, ask)
-        await move(conn, row, states.PENDING, operation_state="succeeded",
-                   conditions=[condition("Unschedulable", "BindingFailed", message, now_ms)])
-        await events.emit_reservation(conn, row, "reservation.pending", reason="BindingFailed")
+        await placing.go_pending(conn, row, "BindingFailed", message, now_ms)
         return
     await move(conn, row, states.PLACED, operation_state="succeeded", conditions=[],
                window=(ask.start_ms, ask.end_ms))
@@ -124,7 +118,5 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
         kept.append(old if old and old.get("message") == message
                     else condition("NodeUnreachable", "NodeUnreachable", message, now_ms))
     if kept != row["conditions"]:
-        await conn.execute(
-            "UPDATE reservations SET conditions = %s, version = version + 1, updated_at = clock_timestamp()"
-            " WHERE id = %s", (Jsonb(kept), row["id"]))
+        await set_conditions(conn, row, kept)
     await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)

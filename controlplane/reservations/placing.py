@@ -4,16 +4,34 @@ then calls `place_locked`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from psycopg import AsyncConnection
-from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.placement import placer
 from controlplane.reservations import schedule, states
-from controlplane.reservations.transitions import condition, move
+from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
+
+
+async def place_again(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], window: tuple[int, int], avoid: frozenset[str],
+    now_ms: int,
+) -> tuple[placer.Ask, placer.Placement | None]:
+    """Place a reservation whose old allocations were released, for `window`, avoiding `avoid`
+    (BookingRepair, a binding failure). The pool lock must be held."""
+    ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
+    planned = await plan(conn, rt, ask, exclude=avoid)
+    return ask, await commit(conn, rt, row["id"], ask, planned, exclude=avoid)
+
+
+async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
+    """Nothing fits after a re-placement: pending with Unschedulable, retried like any pending one."""
+    await move(conn, row, states.PENDING, operation_state="succeeded",
+               conditions=[condition("Unschedulable", reason, message, now_ms)])
+    await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
 
 
 def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
@@ -71,11 +89,7 @@ async def place_locked(
         )
         if was_pending:
             if not unchanged:
-                await conn.execute(
-                    "UPDATE reservations SET conditions = %s, version = version + 1,"
-                    " updated_at = clock_timestamp() WHERE id = %s",
-                    (Jsonb([condition("Unschedulable", "NoFit", reason, now_ms)]), row["id"]),
-                )
+                await set_conditions(conn, row, [condition("Unschedulable", "NoFit", reason, now_ms)])
             return False
         await move(conn, row, states.PENDING, operation_state="succeeded",
                    conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)

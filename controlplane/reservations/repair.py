@@ -12,8 +12,7 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.placement import placer
-from controlplane.reservations import placing, schedule, states
-from controlplane.reservations.transitions import condition, move
+from controlplane.reservations import placing, schedule
 from controlplane.runtime import Runtime
 
 # Nodes of the reservation's live allocations that are no longer fit to serve them.
@@ -45,17 +44,11 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
     left = [r["node_id"] for r in await (await conn.execute(_LIVE_NODES, params)).fetchall()]
     await conn.execute(_DROP_BOOKINGS, params)
     await conn.execute(_RELEASE_ALLOCATIONS, params)
-    ask = placing.ask_for(row, now_ms)
-    ask = placer.Ask(**{**ask.__dict__, "start_ms": row["during_start"], "end_ms": row["during_end"]})
-    avoid = frozenset(bad)
-    planned = await placing.plan(conn, rt, ask, exclude=avoid)
-    placement = await placing.commit(conn, rt, row["id"], ask, planned, exclude=avoid)
+    ask, placement = await placing.place_again(
+        conn, rt, row, (row["during_start"], row["during_end"]), frozenset(bad), now_ms)
     if placement is None:
-        reason = "BookingRepairFailed"
         message = f"booking repair found no replacement for {', '.join(bad)}: " + await placer.explain(conn, ask)
-        await move(conn, row, states.PENDING, operation_state="succeeded",
-                   conditions=[condition("Unschedulable", reason, message, now_ms)])
-        await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
+        await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)
         return False
     await conn.execute("UPDATE reservations SET version = version + 1, updated_at = clock_timestamp()"
                        " WHERE id = %(id)s", params)

@@ -21,7 +21,7 @@ from bettercompute.node.v1 import node_pb2
 from controlplane import events
 from controlplane.pki import attest
 from controlplane.pki.config import PkiSettings
-from controlplane.reservations.transitions import condition
+from controlplane.reservations.transitions import condition, set_conditions
 from controlplane.runtime import Runtime
 
 _UNJUDGED = """
@@ -101,8 +101,7 @@ async def _binding_lost(conn: AsyncConnection, row: dict[str, Any], rep: dict[st
     await conn.execute(_LOST, (rep["allocation_id"],))
     kept = [c for c in row["conditions"] if c.get("type") != "Degraded"]
     message = f"allocation {rep['allocation_id']} on {rep['node_id']}: {why}"
-    row["conditions"] = [*kept, condition("Degraded", "BindingLost", message, now_ms)]
-    await _save_conditions(conn, row)
+    await set_conditions(conn, row, [*kept, condition("Degraded", "BindingLost", message, now_ms)])
 
 
 async def _clear_binding_lost_when_all_bound(conn: AsyncConnection, row: dict[str, Any]) -> None:
@@ -112,10 +111,5 @@ async def _clear_binding_lost_when_all_bound(conn: AsyncConnection, row: dict[st
         "SELECT bool_and(state = 'bound') AS all_bound FROM allocations"
         " WHERE reservation_id = %s AND state IN ('binding', 'bound')", (row["id"],))).fetchone()
     if live["all_bound"]:
-        row["conditions"] = [c for c in row["conditions"] if c.get("type") != "Degraded"]
-        await _save_conditions(conn, row)
+        await set_conditions(conn, row, [c for c in row["conditions"] if c.get("type") != "Degraded"])
 
-
-async def _save_conditions(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    await conn.execute("UPDATE reservations SET conditions = %s, version = version + 1,"
-                       " updated_at = clock_timestamp() WHERE id = %s", (Jsonb(row["conditions"]), row["id"]))

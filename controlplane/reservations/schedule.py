@@ -11,16 +11,19 @@ ACTIVE_RECHECK_MS = 15 * 60 * 1000  # an active reservation is rechecked every 1
 # A moment already past is due now, not at its past time: the queue runs due items oldest run_at
 # first, so a past run_at would jump ahead of every wake-up already waiting (node reports
 # included) and starve them while creates keep coming.
-_AT = "SELECT schedule_work('reservation', %s, greatest(from_epoch_ms(%s), compute_now()))"
-_NOW_MS = "SELECT epoch_ms(compute_now()) AS now_ms"
+# One statement (it runs inside create's pool-locked commit, where every round trip counts).
+_AT = """
+SELECT schedule_work('reservation', %(id)s, due)
+FROM (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
+      FROM unnest(%(moments)s::bigint[]) AS m) moments
+"""
 
 
 async def at(conn: AsyncConnection, rid: str, *moments: int | None) -> None:
     """Wake the reservation at each moment; the moments already past collapse into one, now."""
-    now_ms = (await (await conn.execute(_NOW_MS)).fetchone())["now_ms"]
-    due = {max(m, now_ms) for m in moments if m is not None}
-    for moment in sorted(due):
-        await conn.execute(_AT, (rid, moment))
+    wanted = [m for m in moments if m is not None]
+    if wanted:
+        await conn.execute(_AT, {"id": rid, "moments": wanted})
 
 
 async def booked_moments(

@@ -49,3 +49,11 @@ async def move(
             f"a {row['state']} reservation cannot become {target}", state=row["state"]
         )
     row["state"] = target
+
+
+async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions: list[dict[str, Any]]) -> None:
+    """Replace the conditions of `row` (locked by the caller) without a state change."""
+    await conn.execute(
+        "UPDATE reservations SET conditions = %s, version = version + 1, updated_at = clock_timestamp()"
+        " WHERE id = %s", (Jsonb(conditions), row["id"]))
+    row["conditions"] = conditions
