@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane import db, errors, iam
+from controlplane import authorize, db, errors
 from controlplane.auth import Caller
 from controlplane.reservations import queries
 from controlplane.reservations.validate import POOL_ID, TENANT_ID, match
@@ -55,12 +55,9 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
         pool = await (await conn.execute(queries.VISIBLE_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
         if pool is None:
             raise errors.NotFound("no such pool", poolId=pool_id)
-        policy = await (await conn.execute(queries.POLICY, {"tenant_id": tenant_id})).fetchone()
-        decision = iam.decide(policy["cedar"] if policy else None, caller, "compute:capacity:read", "Pool", pool_id,
-                              {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
-                              tenant_id=tenant_id)
-        if not decision.allowed:
-            raise errors.AccessDenied("IAM refused this read", poolId=pool_id)
+        await authorize.require(conn, caller, tenant_id, "compute:capacity:read", "Pool", pool_id,
+                                {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
+                                message="IAM refused this read", poolId=pool_id)
         allocatable = (await (await conn.execute(_ALLOCATABLE, {"pool_id": pool_id})).fetchone())["n"]
         rows = await (await conn.execute(
             _BUCKETS, {"pool_id": pool_id, "from": start, "to": end, "step": step})).fetchall()

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 import structlog
 
-from controlplane import db, errors, iam
+from controlplane import authorize, db, errors
 from controlplane.auth import Caller
 from controlplane.reservations.validate import TENANT_ID, match
 from controlplane.runtime import Runtime
@@ -78,7 +78,6 @@ ORDER BY id
 LIMIT %(limit)s
 """
 
-_POLICY = "SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s"
 
 
 def parse_types(field_name: str, types: list[str]) -> list[str]:
@@ -97,11 +96,7 @@ async def authorize_tenant(rt: Runtime, caller: Caller, tenant_id: str, action: 
     match("tenantId", tenant_id, TENANT_ID)
     caller.require_member(tenant_id)
     async with db.read_only(rt.pool) as conn:
-        policy = await (await conn.execute(_POLICY, {"tenant_id": tenant_id})).fetchone()
-    decision = iam.decide(policy["cedar"] if policy else None, caller, action, "Tenant", tenant_id,
-                          attributes, tenant_id=tenant_id)
-    if not decision.allowed:
-        raise errors.AccessDenied("IAM refused this call", tenantId=tenant_id)
+        await authorize.require(conn, caller, tenant_id, action, "Tenant", tenant_id, attributes, tenantId=tenant_id)
 
 
 @dataclass

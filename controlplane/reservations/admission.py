@@ -16,7 +16,7 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import db, errors, events, iam, quota
+from controlplane import authorize, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.placement import placer
@@ -112,8 +112,7 @@ async def _transaction_1(
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
     draft.attributes = _attributes(row, pool)
     await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
-    policy = await (await conn.execute(queries.POLICY, {"tenant_id": row["tenant_id"]})).fetchone()
-    draft.policy = policy["cedar"] if policy else None
+    draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
     return draft
 

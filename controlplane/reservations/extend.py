@@ -19,7 +19,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import db, errors, events, iam
+from controlplane import authorize, db, errors, events, iam
 from controlplane.auth import Caller
 from controlplane.ids import new_id
 from controlplane.placement import placer
@@ -131,8 +131,7 @@ async def _stage(conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str
     attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
     await conn.execute(_SET_PENDING, {"id": rid, "pending": Jsonb(
         {"hold": hold, "until": new_end, "durationHours": attributes["durationHours"], "key": change.key})})
-    policy = await (await conn.execute(queries.POLICY, {"tenant_id": tenant_id})).fetchone()
-    return Staged(row, hold, new_end, attributes, policy["cedar"] if policy else None)
+    return Staged(row, hold, new_end, attributes, await authorize.read_policy(conn, tenant_id))
 
 
 async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.Decision) -> dict[str, Any]:

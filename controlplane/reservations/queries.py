@@ -54,7 +54,6 @@ UPDATE authz_projection SET decision = %(decision)s, decided_at = compute_now()
 WHERE reservation_id = %(id)s
 """
 
-POLICY = "SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s"
 
 NOW_MS = "SELECT epoch_ms(compute_now()) AS now_ms"
 

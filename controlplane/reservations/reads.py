@@ -6,7 +6,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controlplane import db, errors, iam
+from controlplane import authorize, db, errors, iam
 from controlplane.auth import Caller
 from controlplane.reservations import queries, states
 from controlplane.reservations.validate import RESERVATION_ID, TENANT_ID, match
@@ -35,13 +35,8 @@ async def authorize_on(
 ) -> None:
     """Decide `action` on an existing reservation. The policy read is the only I/O here; the
     decision itself is pure and holds no lock (callers use a read-only transaction)."""
-    policy = await (await conn.execute(queries.POLICY, {"tenant_id": row["tenant_id"]})).fetchone()
-    decision = iam.decide(
-        policy["cedar"] if policy else None, caller, action, "Reservation", row["id"],
-        resource_attributes(row), tenant_id=row["tenant_id"],
-    )
-    if not decision.allowed:
-        raise errors.AccessDenied("IAM refused this call", reservationId=row["id"])
+    await authorize.require(conn, caller, row["tenant_id"], action, "Reservation", row["id"],
+                            resource_attributes(row), reservationId=row["id"])
 
 
 async def find_visible(conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
@@ -80,13 +75,8 @@ async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[
     if cursor is not None:
         match("cursor", cursor, RESERVATION_ID)
     async with db.read_only(rt.pool) as conn:
-        policy = await (await conn.execute(queries.POLICY, {"tenant_id": tenant_id})).fetchone()
-        decision = iam.decide(
-            policy["cedar"] if policy else None, caller, iam.LIST, "Tenant", tenant_id,
-            {"scope": scope}, tenant_id=tenant_id,
-        )
-        if not decision.allowed:
-            raise errors.AccessDenied("IAM refused this listing", tenantId=tenant_id)
+        await authorize.require(conn, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
+                                message="IAM refused this listing", tenantId=tenant_id)
         rows = await (
             await conn.execute(
                 queries.LIST,
