@@ -6,7 +6,6 @@ so jumping in time here moves nothing elsewhere.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,6 +16,8 @@ from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
+from tests.invariants import check_invariants
+from tests.promise_support import SigningNodes, advance_and_settle, settled
 from tests.support import PERMISSIVE, Client, ServerThread, World, get, rpc_error
 from tests.support import eventually as _eventually
 
@@ -66,18 +67,30 @@ def test_a_calendar_reservation_stays_placed_until_its_start_then_binds(world: W
     r = world.create(count=8, start=start, duration="1h")
     assert r.state == "placed" and r.during.start == start
     assert used(world) == 8  # the charge is held from admission
-    # The same atoms serve a reservation that ends before the start.
+    # The same atoms serve a reservation that ends before the start: with the other node cordoned,
+    # an eight-GPU hour from now can only be on r's GPUs.
+    node = r.allocations[0].node_id
+    others = [n.id for n in world.nodes if n.id != node]
+    for other in others:
+        world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other, state="cordoned"))
     before = world.create(count=8, duration="1h")
-    assert before.state == "placed" and before.allocations[0].node_id in {n.id for n in world.nodes}
-    advance(world, HOUR + 30 * MIN)
-    time.sleep(0.3)
+    assert before.state in ("placed", "binding") and before.during.end <= start
+    assert before.allocations[0].node_id == node
+    assert sorted(before.allocations[0].device_ids) == sorted(r.allocations[0].device_ids)
+    atoms = "SELECT b.atom_id FROM bookings b JOIN allocations a ON a.id = b.allocation_id" \
+            " WHERE a.reservation_id = %s ORDER BY 1"
+    assert world.sql(atoms, (before.id,)) == world.sql(atoms, (r.id,))
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=before.id))
+    for other in others:
+        world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other, state="ready"))
+    # Ten minutes before the start its BookingRepair wake-up (start - 15 min) has run: still placed.
+    advance_and_settle(world, r.id, HOUR + 50 * MIN)
     assert get(world, r.id).state == "placed"
-    generation = world.sql("SELECT desired_generation FROM nodes WHERE id = %s", (r.allocations[0].node_id,))[0][0]
-    advance(world, 30 * MIN)
+    generation = world.sql("SELECT desired_generation FROM nodes WHERE id = %s", (node,))[0][0]
+    advance(world, 10 * MIN)
     bound = eventually(world, r.id, state_is("binding"))
     assert [a.state for a in bound.allocations] == ["binding"]
-    assert world.sql("SELECT desired_generation FROM nodes WHERE id = %s",
-                     (r.allocations[0].node_id,))[0][0] > generation
+    assert world.sql("SELECT desired_generation FROM nodes WHERE id = %s", (node,))[0][0] > generation
     deadline = world.sql("SELECT epoch_ms(bind_deadline) FROM allocations WHERE id = %s",
                          (bound.allocations[0].id,))[0][0]
     assert deadline == start + 5 * MIN
@@ -120,8 +133,7 @@ def test_a_lapsed_lease_releases_with_reason_lease_lapsed(world: World) -> None:
     advance(world, 5 * MIN)
     renewed = world.user.res("Renew", pb.RenewReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
     assert renewed.lease_deadline > r.lease_deadline and renewed.during == r.during
-    advance(world, 9 * MIN)
-    time.sleep(0.3)
+    advance_and_settle(world, r.id, 9 * MIN)  # the first lease deadline's wake-up has run
     assert get(world, r.id).state == "placed"  # renewed: not lapsed yet
     advance(world, 2 * MIN)
     released = eventually(world, r.id, state_is("released"))
@@ -261,8 +273,9 @@ def test_booking_repair_moves_a_future_booking_off_bad_hardware(world: World, tr
     else:
         world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=bad,
                                                                                connectivity="unreachable"))
-    time.sleep(0.3)
+    settled(world, r.id)  # the trouble woke it, and the reconciler has handled that wake-up
     assert get(world, r.id).allocations[-1].node_id == bad  # not before start - 15 min
+    assert "reservation.repaired" not in event_types(world, r.id)
     advance(world, 45 * MIN)
     repaired = eventually(world, r.id, lambda x: "reservation.repaired" in event_types(world, r.id))
     assert repaired.state == "placed" and (repaired.during.start, repaired.during.end) == (start, start + HOUR)
@@ -278,12 +291,14 @@ def test_booking_repair_with_nowhere_to_go_is_pending_booking_repair_failed(worl
     start = now(world) + HOUR
     r = world.create(count=8, start=start, duration="1h")
     other = next(n.id for n in world.nodes if n.id != r.allocations[0].node_id)
-    world.create(count=8, start=start, duration="1h")  # fills the other node for the window
+    filler = world.create(count=8, start=start, duration="1h")  # fills the other node for the window
+    assert filler.state == "placed" and [a.node_id for a in filler.allocations] == [other]
     world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=r.allocations[0].node_id, state="cordoned"))
     advance(world, 45 * MIN + 1000)
     pending = eventually(world, r.id, state_is("pending"))
     assert pending.conditions[0].type == "Unschedulable" and pending.conditions[0].reason == "BookingRepairFailed"
-    assert used(world) == 16 and other
+    assert used(world) == 16
+    assert [a.node_id for a in get(world, filler.id).allocations if a.state == "placed"] == [other]
 
 
 # Confirmation deadline -----------------------------------------------------------------------
@@ -336,18 +351,16 @@ def test_timeline_defaults_and_limits(world: World) -> None:
 
 def test_an_unreachable_node_only_raises_a_condition_on_an_active_reservation(world: World) -> None:
     r = world.create(count=2, duration="8h")
-    eventually(world, r.id, state_is("binding"))
-    # Stand in for a verified AllocationBound report (the node side is the gateway's).
-    world.sql("UPDATE allocations SET state = 'bound' WHERE reservation_id = %s AND state = 'binding'", (r.id,))
-    world.sql("SELECT wake_reservation(%s)", (r.id,))
-    active = eventually(world, r.id, state_is("active"))
+    active = SigningNodes(world).activate(r.id)  # the node's signed AllocationBound, through the gateway
+    assert active.binding.attested
     node = active.allocations[-1].node_id
     world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=node, connectivity="unreachable"))
     degraded = eventually(world, r.id, lambda x: any(c.type == "NodeUnreachable" for c in x.conditions))
     assert degraded.state == "active" and used(world) == 2
-    advance(world, 20 * MIN)  # rechecks every 15 minutes never release it
-    time.sleep(0.5)
-    assert get(world, r.id).state == "active"
+    advance_and_settle(world, r.id, 20 * MIN)  # the 15-minute recheck has run, and never releases it
+    rechecked = get(world, r.id)
+    assert rechecked.state == "active" and any(c.type == "NodeUnreachable" for c in rechecked.conditions)
     world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=node, connectivity="connected"))
     healed = eventually(world, r.id, lambda x: not any(c.type == "NodeUnreachable" for c in x.conditions))
     assert healed.state == "active"
+    check_invariants(world.conninfo, world.tenant)
