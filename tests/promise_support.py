@@ -8,8 +8,12 @@ are signed with its key and stored exactly as the gateway stores them."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import psycopg
 
 from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
@@ -102,3 +106,23 @@ def wake_up_times(world: World, rid: str) -> list[int]:
     """The run_at (epoch ms) of the reservation's pending wake-ups, ascending."""
     return [t for (t,) in world.sql("SELECT epoch_ms(run_at) FROM work_items WHERE kind = 'reservation'"
                                     " AND subject = %s ORDER BY run_at", (rid,))]
+
+
+@contextlib.contextmanager
+def pool_locked(world: World) -> Iterator[None]:
+    """Hold the pool's lock (capacity's pg_advisory_xact_lock on 'pool:<id>', as placer.pool_lock
+    takes it) in a transaction of the test's own, so a step that needs it waits until the block ends."""
+    with psycopg.connect(world.conninfo) as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + world.pool_id,))
+        yield
+
+
+def poll(check: Callable[[], Any], seconds: float = 10, what: str = "condition") -> Any:
+    """Poll `check()` until it returns something truthy, and return that."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
