@@ -1,6 +1,7 @@
 """Async-with-wait: re-read in read-only transactions, backing off from 50 ms to 1 s, until the
 operation stops running or the timeout passes. A timeout is not an error: the answer is the last
-read. A client that goes away cancels the task, which ends the wait."""
+read. A client that goes away cancels the task, which ends the wait. Each wait logs one line with
+its reads and the pauses between them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import asyncio
 import time
 from typing import Any
 
+import structlog
+
 from controlplane import db
 from controlplane.reservations.reads import load_view
 from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
 
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 1.0
@@ -19,11 +24,16 @@ MAX_DELAY_S = 1.0
 async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: int) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_ms / 1000
     delay = FIRST_DELAY_S
+    pauses_ms: list[int] = []
     while True:
         async with db.read_only(rt.pool) as conn:
             view = await load_view(conn, rid)
         remaining = deadline - time.monotonic()
         if view["operation_state"] != "running" or remaining <= 0:
+            log.info("operation wait", reservation_id=rid, reads=len(pauses_ms) + 1, pauses_ms=pauses_ms,
+                     operation=view["operation_state"])
             return view
-        await asyncio.sleep(min(delay, remaining))
+        pause = min(delay, remaining)
+        pauses_ms.append(round(pause * 1000))
+        await asyncio.sleep(pause)
         delay = min(delay * 2, MAX_DELAY_S)
