@@ -39,6 +39,15 @@ SELECT n.id, n.name, n.connectivity FROM nodes n
 WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound'))
 ORDER BY n.id
 """
+_UNHEALTHY = """
+SELECT DISTINCT n.name, at.device_uuid
+FROM allocations a
+JOIN bookings b ON b.allocation_id = a.id
+JOIN atoms at ON at.id = b.atom_id
+JOIN nodes n ON n.id = at.node_id
+WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND at.health = 'unhealthy'
+ORDER BY n.name, at.device_uuid
+"""
 
 
 async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool) -> None:
@@ -105,18 +114,25 @@ async def bind_failed(
 
 
 async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
-    """Judge reports (a lost binding is a condition) and set or clear node conditions; never
-    release: a failure reported for an active reservation is only recorded. Rechecked every 15
-    minutes."""
+    """Judge reports (a lost binding is a condition) and set or clear the conditions of its nodes
+    (NodeUnreachable) and atoms (DeviceUnhealthy); never release: a failure reported for an
+    active reservation is only recorded. Rechecked every 15 minutes."""
     await reports.judge(conn, rt, row, now_ms)
     facts = await (await conn.execute(_NODE_FACTS, {"id": row["id"]})).fetchall()
     unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
-    kept = [c for c in row["conditions"] if c.get("type") != "NodeUnreachable"]
+    sick = await (await conn.execute(_UNHEALTHY, {"id": row["id"]})).fetchall()
+    kept = [c for c in row["conditions"] if c.get("type") not in ("NodeUnreachable", "DeviceUnhealthy")]
     if unreachable:
-        old = next((c for c in row["conditions"] if c.get("type") == "NodeUnreachable"), None)
-        message = f"unreachable: {', '.join(unreachable)}"
-        kept.append(old if old and old.get("message") == message
-                    else condition("NodeUnreachable", "NodeUnreachable", message, now_ms))
+        kept.append(_same_or_new(row, "NodeUnreachable", f"unreachable: {', '.join(unreachable)}", now_ms))
+    if sick:
+        message = "unhealthy: " + ", ".join(f"{s['device_uuid']} on {s['name']}" for s in sick)
+        kept.append(_same_or_new(row, "DeviceUnhealthy", message, now_ms))
     if kept != row["conditions"]:
         await set_conditions(conn, row, kept)
     await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
+
+
+def _same_or_new(row: dict[str, Any], type_: str, message: str, now_ms: int) -> dict[str, Any]:
+    """The condition as it stands when its message is unchanged (keeping its transition time)."""
+    old = next((c for c in row["conditions"] if c.get("type") == type_), None)
+    return old if old and old.get("message") == message else condition(type_, type_, message, now_ms)
