@@ -48,6 +48,13 @@ JOIN nodes n ON n.id = at.node_id
 WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND at.health = 'unhealthy'
 ORDER BY n.name, at.device_uuid
 """
+# A later wake-up already due within the recheck interval (the one being handled is due now).
+_RECHECK_PENDING = """
+SELECT 1 FROM work_items
+WHERE kind = 'reservation' AND subject = %(id)s
+  AND run_at > compute_now() AND run_at <= compute_now() + %(within)s * interval '1 millisecond'
+LIMIT 1
+"""
 
 
 async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool) -> None:
@@ -116,7 +123,8 @@ async def bind_failed(
 async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
     """Judge reports (a lost binding is a condition) and set or clear the conditions of its nodes
     (NodeUnreachable) and atoms (DeviceUnhealthy); never release: a failure reported for an
-    active reservation is only recorded. Rechecked every 15 minutes."""
+    active reservation is only recorded. Rechecked every 15 minutes: one pending recheck is
+    enough, so a wake-up adds none when another is already due within that time."""
     await reports.judge(conn, rt, row, now_ms)
     facts = await (await conn.execute(_NODE_FACTS, {"id": row["id"]})).fetchall()
     unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
@@ -129,7 +137,9 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
         kept.append(_same_or_new(row, "DeviceUnhealthy", message, now_ms))
     if kept != row["conditions"]:
         await set_conditions(conn, row, kept)
-    await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
+    pending = {"id": row["id"], "within": schedule.ACTIVE_RECHECK_MS}
+    if not await (await conn.execute(_RECHECK_PENDING, pending)).fetchone():
+        await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
 
 
 def _same_or_new(row: dict[str, Any], type_: str, message: str, now_ms: int) -> dict[str, Any]:
