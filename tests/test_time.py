@@ -7,6 +7,7 @@ so jumping in time here moves nothing elsewhere.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
-from tests.promise_support import SigningNodes, advance_and_settle, settled
+from tests.promise_support import SigningNodes, advance_and_settle, poll, pool_locked, settled
 from tests.support import PERMISSIVE, Client, ServerThread, World, get, rpc_error
 from tests.support import eventually as _eventually
 
@@ -238,16 +239,32 @@ def test_extend_is_bounded_by_the_policy_on_the_total_duration(world: World) -> 
 
 
 def test_one_extend_at_a_time_and_a_stale_hold_is_taken_over(world: World) -> None:
-    r = world.create(count=1, start=now(world) + HOUR, duration="1h")
-    world.sql("INSERT INTO extend_holds (reservation_id, hold, taken_at) VALUES (%s, 'hold_other', compute_now())",
-              (r.id,))
-    with pytest.raises(grpc.RpcError) as exc:
-        extend(world, r.id, by="1h")
+    start = now(world) + HOUR
+    r = world.create(count=1, start=start, duration="1h")
+
+    def holds() -> list[str]:
+        return [h for (h,) in world.sql("SELECT hold FROM extend_holds WHERE reservation_id = %s", (r.id,))]
+
+    with ThreadPoolExecutor(2) as pool:
+        with pool_locked(world):  # extends that reach their second transaction wait here
+            first = pool.submit(extend, world, r.id, by="1h", key="first")
+            [hold] = poll(holds, what="the first extend's hold")
+            with pytest.raises(grpc.RpcError) as exc:
+                extend(world, r.id, by="1h", key="second")
+            code, reason, details = rpc_error(exc)
+            assert (code, reason) == (grpc.StatusCode.ABORTED, "CONFLICT")
+            assert details["reason"] == "extend-in-flight" and details["retryAfterSeconds"] == "60"
+            advance(world, 61_000)
+            second = pool.submit(extend, world, r.id, by="2h", key="second")
+            poll(lambda: holds() not in ([], [hold]), what="the 61 s old hold taken over")
+        assert second.result(30).extended
+        with pytest.raises(grpc.RpcError) as exc:
+            first.result(30)  # its slot was taken over: it applies nothing
     code, reason, details = rpc_error(exc)
-    assert (code, reason) == (grpc.StatusCode.ABORTED, "CONFLICT")
-    assert details["reason"] == "extend-in-flight" and details["retryAfterSeconds"] == "60"
-    advance(world, 61_000)
-    assert extend(world, r.id, by="1h").extended  # the 61 s old hold is taken over
+    assert (code, reason, details["reason"]) == (grpc.StatusCode.ABORTED, "CONFLICT", "extend-in-flight")
+    assert get(world, r.id).during.end == start + 3 * HOUR  # the second's 2 h only
+    assert holds() == [] and world.sql("SELECT pending FROM authz_projection WHERE reservation_id = %s",
+                                       (r.id,)) == [(None,)]
 
 
 def test_extend_needs_exactly_one_of_until_or_by(world: World) -> None:
