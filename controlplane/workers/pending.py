@@ -13,7 +13,6 @@ import psycopg
 import structlog
 
 from controlplane import db
-from controlplane.placement import placer
 from controlplane.reservations import placing, queries, states
 from controlplane.runtime import Runtime
 
@@ -42,13 +41,11 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
-    ask = placing.ask_for(row, now_ms)
-    planned = await placing.plan(conn, rt, ask)
-    await placer.pool_lock(conn, row["pool_id"])
+    prepared = await placing.prepare(conn, rt, row, now_ms)
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
-    return await placing.place_locked(conn, rt, row, ask, planned, now_ms)
+    return await placing.place_locked(conn, rt, row, prepared, now_ms)
 
 
 async def retry_all(rt: Runtime) -> None:
