@@ -21,8 +21,7 @@ from controlplane.auth import Caller
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.reservations import placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
-from controlplane.reservations.reconciler import expire_confirmation
-from controlplane.reservations.transitions import condition, move
+from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, validate_create
 from controlplane.reservations.wait import wait_for_operation
 from controlplane.runtime import Runtime
