@@ -15,7 +15,7 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.placement import placer
-from controlplane.reservations import schedule, states
+from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
 
@@ -42,7 +42,11 @@ async def place_again(
     now_ms: int,
 ) -> tuple[placer.Ask, placer.Placement | None]:
     """Place a reservation whose old allocations were released, for `window`, avoiding `avoid`
-    (BookingRepair, a binding failure). The pool lock must be held."""
+    (BookingRepair, a binding failure). The pool lock must be held.
+
+    What the old allocations leave free may fit the pool's pending reservations, so they are
+    woken at commit whatever happens to this one (DESIGN.md section 9), as after a release."""
+    await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
     planned = await placer.plan(conn, ask, rt.settings, exclude=avoid)
     return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid)

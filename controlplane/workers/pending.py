@@ -1,5 +1,6 @@
 """Pending reservations retry every 30 seconds, and at once when their pool frees capacity
-(release, cancel, a node made ready), woken by NOTIFY bc_pool_freed.
+(release, cancel, a BookingRepair or a binding failure, a node made ready), woken by NOTIFY
+bc_pool_freed.
 
 Each retry is one transaction per reservation: plan (reads only), pool lock, row lock, re-check
 that it is still pending, place. Replicas may race on the same reservation: the row lock and the
