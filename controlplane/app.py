@@ -32,6 +32,7 @@ from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
+from controlplane.reservations import reconciler
 from controlplane.runtime import Runtime
 from controlplane.webhooks import delivery
 from controlplane.workers import pending, queue
@@ -100,7 +101,8 @@ async def start_app(
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
-        app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping), name="work-queue"))
+        work = {"reservation": reconciler.reconcile}  # the queue's handlers, by kind
+        app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, work), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
     log.info("control plane serving", port=port, workers=workers)
     return app

@@ -15,6 +15,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
+from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.placement import planner, queries
 
@@ -67,10 +68,12 @@ async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
 
 
 async def plan(
-    conn: AsyncConnection, ask: Ask, *, top_n: int, shortlist: int, exclude: frozenset[str] = frozenset()
+    conn: AsyncConnection, ask: Ask, settings: Settings, exclude: frozenset[str] = frozenset()
 ) -> Planned:
+    """Reads only: the best node of a shortlist (placement_shortlist nodes, a random pick among
+    the placement_top_n best), or no plan when nothing fits."""
     rows = await (
-        await conn.execute(queries.SHORTLIST, ask.params(exclude=list(exclude), limit=shortlist))
+        await conn.execute(queries.SHORTLIST, ask.params(exclude=list(exclude), limit=settings.placement_shortlist))
     ).fetchall()
     by_node: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
@@ -83,7 +86,8 @@ async def plan(
         )
         for node_id, atoms in by_node.items()
     ]
-    chosen = planner.choose(candidates, ask.count, ask.topology, top_n=top_n, rng=_rng, exclude=exclude)
+    chosen = planner.choose(candidates, ask.count, ask.topology, top_n=settings.placement_top_n, rng=_rng,
+                            exclude=exclude)
     return Planned(chosen, {r["atom_id"]: r["device_uuid"] for r in rows})
 
 
@@ -92,16 +96,13 @@ async def commit(
     ask: Ask,
     reservation_id: str,
     planned: Planned,
-    *,
-    top_n: int,
-    shortlist: int,
-    max_attempts: int,
+    settings: Settings,
     exclude: frozenset[str] = frozenset(),
 ) -> Placement | None:
     """Insert the planned bookings (the pool lock must be held). A lost race rolls back to a
-    savepoint, excludes that node and plans again, at most `max_attempts` times."""
+    savepoint, excludes that node and plans again, at most placement_max_attempts times."""
     excluded: set[str] = set(exclude)
-    for attempt in range(max_attempts):
+    for attempt in range(settings.placement_max_attempts):
         if planned.plan is None:
             return None
         chosen = planned.plan
@@ -125,7 +126,7 @@ async def commit(
             log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
                      why=type(exc).__name__)
             excluded.add(chosen.node_id)
-            planned = await plan(conn, ask, top_n=top_n, shortlist=shortlist, exclude=frozenset(excluded))
+            planned = await plan(conn, ask, settings, exclude=frozenset(excluded))
     return None
 
 

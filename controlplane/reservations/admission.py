@@ -19,11 +19,9 @@ from psycopg.types.json import Jsonb
 from controlplane import authorize, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.ids import draft_id, new_id, request_hash
-from controlplane.placement import placer
 from controlplane.reservations import placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
-from controlplane.reservations.reconciler import expire_confirmation
-from controlplane.reservations.transitions import condition, move
+from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, validate_create
 from controlplane.reservations.wait import wait_for_operation
 from controlplane.runtime import Runtime
@@ -160,11 +158,9 @@ async def _transaction_2(
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     row = await _fetch(conn, rid)
     assert row is not None
-    ask = planned = None
+    prepared = None
     if decision.allowed:
-        ask = placing.ask_for(row, now_ms)
-        planned = await placing.plan(conn, rt, ask)  # reads only, before any lock
-        await placer.pool_lock(conn, row["pool_id"])
+        prepared = await placing.prepare(conn, rt, row, now_ms)  # plans before any lock, then the pool lock
     row = await _fetch(conn, rid, for_update=True)
     assert row is not None
     if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:
@@ -177,10 +173,10 @@ async def _transaction_2(
     if decision.outcome == iam.CONFIRM:
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
-    assert ask is not None and planned is not None
+    assert prepared is not None
     device = row["request"]["devices"][0]
     await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
-    await placing.place_locked(conn, rt, row, ask, planned, now_ms)
+    await placing.place_locked(conn, rt, row, prepared, now_ms)
     return Outcome()
 
 

@@ -1,6 +1,10 @@
-"""Placing a reservation whose quota is charged: used by admission (transaction 2) and by the
-pending retry. The caller plans first (reads only), then takes the pool lock and the row lock,
-then calls `place_locked`."""
+"""Placing a reservation whose quota is charged: used by admission (transaction 2), the pending
+retry, BookingRepair and a binding failure. The call chain runs one way: callers here, this module
+to controlplane.placement.placer, never back.
+
+Admission and the pending retry call `prepare` (plan from a read-only snapshot, then take the pool
+lock), lock the row and re-check it, then call `place_locked`. BookingRepair and a binding failure
+already hold the pool lock and call `place_again`."""
 
 from __future__ import annotations
 
@@ -11,9 +15,26 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.placement import placer
-from controlplane.reservations import schedule, states
+from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What `prepare` planned, before any lock; `place_locked` commits it (re-planning lost races)."""
+
+    ask: placer.Ask
+    planned: placer.Planned
+
+
+async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> Prepared:
+    """Plan the row's window (reads only), then take the pool lock: the caller locks the row next,
+    in capacity's lock order."""
+    ask = ask_for(row, now_ms)
+    planned = await placer.plan(conn, ask, rt.settings)
+    await placer.pool_lock(conn, row["pool_id"])
+    return Prepared(ask, planned)
 
 
 async def place_again(
@@ -21,10 +42,14 @@ async def place_again(
     now_ms: int,
 ) -> tuple[placer.Ask, placer.Placement | None]:
     """Place a reservation whose old allocations were released, for `window`, avoiding `avoid`
-    (BookingRepair, a binding failure). The pool lock must be held."""
+    (BookingRepair, a binding failure). The pool lock must be held.
+
+    What the old allocations leave free may fit the pool's pending reservations, so they are
+    woken at commit whatever happens to this one (DESIGN.md section 9), as after a release."""
+    await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
-    planned = await plan(conn, rt, ask, exclude=avoid)
-    return ask, await commit(conn, rt, row["id"], ask, planned, exclude=avoid)
+    planned = await placer.plan(conn, ask, rt.settings, exclude=avoid)
+    return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid)
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
@@ -51,36 +76,17 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
     )
 
 
-async def plan(
-    conn: AsyncConnection, rt: Runtime, ask: placer.Ask, exclude: frozenset[str] = frozenset()
-) -> placer.Planned:
-    s = rt.settings
-    return await placer.plan(conn, ask, top_n=s.placement_top_n, shortlist=s.placement_shortlist,
-                             exclude=exclude)
-
-
-async def commit(
-    conn: AsyncConnection, rt: Runtime, rid: str, ask: placer.Ask, planned: placer.Planned,
-    exclude: frozenset[str] = frozenset(),
-) -> placer.Placement | None:
-    s = rt.settings
-    return await placer.commit(
-        conn, ask, rid, planned, top_n=s.placement_top_n, shortlist=s.placement_shortlist,
-        max_attempts=s.placement_max_attempts, exclude=exclude,
-    )
-
-
 async def place_locked(
     conn: AsyncConnection,
     rt: Runtime,
     row: dict[str, Any],
-    ask: placer.Ask,
-    planned: placer.Planned,
+    prepared: Prepared,
     now_ms: int,
 ) -> bool:
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
     Unschedulable condition. Emits the event in the same transaction. True when placed."""
-    placement = await commit(conn, rt, row["id"], ask, planned)
+    ask = prepared.ask
+    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings)
     if placement is None:
         reason = await placer.explain(conn, ask)
         was_pending = row["state"] == states.PENDING

@@ -16,7 +16,7 @@ from controlplane import events
 from controlplane.placement import placer
 from controlplane.reservations import binding, queries, repair, schedule, states
 from controlplane.reservations.lifecycle import free_capacity
-from controlplane.reservations.transitions import move
+from controlplane.reservations.transitions import expire_confirmation, move
 from controlplane.runtime import Runtime
 
 
@@ -78,18 +78,3 @@ async def end(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
     await events.emit_reservation(conn, row, "reservation.released", reason=reason)
 
-
-async def expire_confirmation(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    due = await (
-        await conn.execute(
-            "SELECT id FROM confirmations WHERE reservation_id = %s AND state = 'pending'"
-            " AND expires_at <= compute_now() FOR UPDATE", (row["id"],))
-    ).fetchone()
-    if due is None:
-        return
-    locked = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": row["id"]})).fetchone()
-    if locked["state"] != states.AWAITING_CONFIRMATION:
-        return
-    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE id = %s", (due["id"],))
-    await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
-    await events.emit_reservation(conn, locked, "reservation.expired", reason="confirmation-expired")

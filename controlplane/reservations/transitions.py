@@ -1,4 +1,5 @@
-"""State changes of a locked reservation row, checked against the state table in SQL."""
+"""State changes of a locked reservation row, checked against the state table in SQL, and the
+transitions that own a second table's row with them (a confirmation expiring with its request)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import errors
+from controlplane import errors, events
 from controlplane.reservations import queries, states
 
 
@@ -57,3 +58,22 @@ async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions:
         "UPDATE reservations SET conditions = %s, version = version + 1, updated_at = clock_timestamp()"
         " WHERE id = %s", (Jsonb(conditions), row["id"]))
     row["conditions"] = conditions
+
+
+async def expire_confirmation(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """A request awaiting confirmation whose deadline passed: the confirmation expires and the
+    reservation with it. Called by the reconciler at the deadline and by admission when a late
+    retry finds it past; a no-op when nothing is due or it was decided meanwhile."""
+    due = await (
+        await conn.execute(
+            "SELECT id FROM confirmations WHERE reservation_id = %s AND state = 'pending'"
+            " AND expires_at <= compute_now() FOR UPDATE", (row["id"],))
+    ).fetchone()
+    if due is None:
+        return
+    locked = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": row["id"]})).fetchone()
+    if locked["state"] != states.AWAITING_CONFIRMATION:
+        return
+    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE id = %s", (due["id"],))
+    await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
+    await events.emit_reservation(conn, locked, "reservation.expired", reason="confirmation-expired")

@@ -1,5 +1,6 @@
 """Pending reservations retry every 30 seconds, and at once when their pool frees capacity
-(release, cancel, a node made ready), woken by NOTIFY bc_pool_freed.
+(release, cancel, a BookingRepair or a binding failure, a node made ready), woken by NOTIFY
+bc_pool_freed.
 
 Each retry is one transaction per reservation: plan (reads only), pool lock, row lock, re-check
 that it is still pending, place. Replicas may race on the same reservation: the row lock and the
@@ -13,7 +14,6 @@ import psycopg
 import structlog
 
 from controlplane import db
-from controlplane.placement import placer
 from controlplane.reservations import placing, queries, states
 from controlplane.runtime import Runtime
 
@@ -42,13 +42,11 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
-    ask = placing.ask_for(row, now_ms)
-    planned = await placing.plan(conn, rt, ask)
-    await placer.pool_lock(conn, row["pool_id"])
+    prepared = await placing.prepare(conn, rt, row, now_ms)
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
-    return await placing.place_locked(conn, rt, row, ask, planned, now_ms)
+    return await placing.place_locked(conn, rt, row, prepared, now_ms)
 
 
 async def retry_all(rt: Runtime) -> None:
