@@ -34,7 +34,7 @@ from controlplane.api.reservations import ConfirmationsServicer, ReservationsSer
 from controlplane.config import Settings
 from controlplane.runtime import Runtime
 from controlplane.webhooks import delivery
-from controlplane.workers import pending, queue
+from controlplane.workers import drafts, pending, queue
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +72,7 @@ async def start_app(
 ) -> App:
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     rt = Runtime(pool, settings)
-    server = grpc.aio.server(interceptors=[ApiInterceptor(pool)])
+    server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings)])
     reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
@@ -102,6 +102,7 @@ async def start_app(
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
+        app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
     log.info("control plane serving", port=port, workers=workers)
     return app
 
