@@ -35,7 +35,7 @@ from controlplane.config import Settings
 from controlplane.reservations import reconciler
 from controlplane.runtime import Runtime
 from controlplane.webhooks import delivery
-from controlplane.workers import pending, queue
+from controlplane.workers import drafts, pending, queue
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +73,7 @@ async def start_app(
 ) -> App:
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     rt = Runtime(pool, settings)
-    server = grpc.aio.server(interceptors=[ApiInterceptor(pool)])
+    server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings)])
     reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
@@ -104,6 +104,7 @@ async def start_app(
         work = {"reservation": reconciler.reconcile}  # the queue's handlers, by kind
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, work), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
+        app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
     log.info("control plane serving", port=port, workers=workers)
     return app
 

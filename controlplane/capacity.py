@@ -7,7 +7,7 @@ from typing import Any
 from controlplane import authorize, db, errors
 from controlplane.auth import Caller
 from controlplane.reservations import queries
-from controlplane.reservations.validate import POOL_ID, TENANT_ID, match
+from controlplane.reservations.validate import POOL_ID, TENANT_ID, TimeLimits, epoch_ms, match
 from controlplane.runtime import Runtime
 
 HOUR_MS = 3_600_000
@@ -44,8 +44,10 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
         now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
         start = raw["from"] if raw.get("from") is not None else now_ms - now_ms % HOUR_MS
         end = raw["to"] if raw.get("to") is not None else start + 24 * HOUR_MS
-        if start < 0:
-            raise errors.InvalidInput("from", "must be epoch milliseconds")
+        limits = TimeLimits.of(rt.settings)  # as far ahead as the last booking can end
+        epoch_ms("from", start, now_ms, TimeLimits(limits.max_start_ahead_ms + limits.max_length_ms))
+        if end < 0:
+            raise errors.InvalidInput("to", "must be epoch milliseconds, at least 0")
         if end <= start:
             raise errors.InvalidInput("to", "must be after from")
         if end - start > MAX_SPAN_MS:

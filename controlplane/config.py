@@ -6,6 +6,10 @@ import os
 from dataclasses import dataclass, field
 
 
+def _int(name: str, default: int) -> int:
+    return int(os.environ.get(name, str(default)))
+
+
 def _bool(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name)
     return default if raw is None else raw.strip().lower() in {"1", "true", "yes", "on"}
@@ -35,3 +39,21 @@ class Settings:
     attested_bindings: bool = field(default_factory=lambda: _bool("BC_ATTESTED_BINDINGS", True))
     # Dev and test only: lets the admin API move compute_now() forward.
     clock_control: bool = field(default_factory=lambda: _bool("BC_CLOCK_CONTROL"))
+    # Limits on input (README "Limits"). Times: a start at most this far ahead of compute_now(),
+    # a reservation (after any extension) at most this long.
+    max_start_ahead_days: int = field(default_factory=lambda: _int("BC_MAX_START_AHEAD_DAYS", 365))
+    max_reservation_days: int = field(default_factory=lambda: _int("BC_MAX_RESERVATION_DAYS", 366))
+    # Every string field of every request, in characters (a policy's Cedar text has its own cap).
+    max_string_chars: int = field(default_factory=lambda: _int("BC_MAX_STRING_CHARS", 4096))
+    max_policy_chars: int = field(default_factory=lambda: _int("BC_MAX_POLICY_CHARS", 65536))
+    # Every repeated and map field of every request (labels, selectors, event types, GPUs, ...).
+    max_list_entries: int = field(default_factory=lambda: _int("BC_MAX_LIST_ENTRIES", 64))
+    # Drafts (refused or abandoned creates) are deleted after this window; an identity holds at
+    # most max_drafts_per_identity live ones.
+    draft_retention_hours: float = field(
+        default_factory=lambda: float(os.environ.get("BC_DRAFT_RETENTION_HOURS", "24"))
+    )
+    max_drafts_per_identity: int = field(default_factory=lambda: _int("BC_MAX_DRAFTS_PER_IDENTITY", 1000))
+    draft_sweep_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_DRAFT_SWEEP_SECONDS", "60"))
+    )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
-_PATTERN = re.compile(r"^\s*(\d{1,12})\s*(ms|s|m|h|d|w)?\s*$")
+_PATTERN = re.compile(r"\s*(\d{1,12})\s*(ms|s|m|h|d|w)?\s*")
 
 
 def parse_duration_ms(text: str) -> int:
     """Milliseconds for `text`; a bare number is milliseconds. Raises ValueError."""
-    match = _PATTERN.match(text)
+    match = _PATTERN.fullmatch(text)
     if not match:
         raise ValueError(f"{text!r} is not a duration such as '8h', '90m', '3d' or milliseconds")
     number, unit = match.groups()

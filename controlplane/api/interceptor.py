@@ -1,10 +1,11 @@
-"""Cross-cutting concerns of every RPC, in one interceptor: a request id, authentication, the
-unknown-field check, error mapping and one canonical log line per RPC."""
+"""Cross-cutting concerns of every RPC, in one interceptor: a request id, decoding, authentication,
+the unknown-field and generic input checks, error mapping and one canonical log line per RPC."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,13 +18,18 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane import auth, errors
+from controlplane.api import inputs
 from controlplane.api.status import to_status
+from controlplane.config import Settings
+from controlplane.reservations.validate import TENANT_ID
 
 log = structlog.get_logger("rpc")
 
 _caller: contextvars.ContextVar[auth.Caller] = contextvars.ContextVar("caller")
 
 PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_SHOWN = 64  # characters of an invalid tenant id that reach the log
 
 
 def caller() -> auth.Caller:
@@ -55,8 +61,9 @@ def unknown_field_path(message: Message, prefix: str = "") -> str | None:
 
 
 class ApiInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, pool: AsyncConnectionPool) -> None:
+    def __init__(self, pool: AsyncConnectionPool, settings: Settings | None = None) -> None:
         self._pool = pool
+        self._limits = inputs.InputLimits.of(settings or Settings())
 
     async def intercept_service(
         self,
@@ -70,32 +77,44 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap(method, metadata, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                self._wrap(method, metadata, handler.unary_unary, handler.request_deserializer),
+                request_deserializer=None,  # decoded in the wrapper: bad bytes are INVALID_INPUT
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, metadata, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                self._wrap_stream(method, metadata, handler.unary_stream, handler.request_deserializer),
+                request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
         return handler
 
-    async def _prologue(self, method: str, metadata: dict[str, str], request: Any) -> None:
-        request_id = metadata.get("x-request-id") or uuid.uuid4().hex
-        tenant = getattr(request, "tenant_id", "") or ""
-        structlog.contextvars.bind_contextvars(request_id=request_id, method=method, tenant=tenant)
+    async def _prologue(self, method: str, metadata: dict[str, str], raw: Any, deserializer: Any) -> Any:
+        """The decoded, checked request. Only validated or bounded values are bound for the log,
+        before the caller is known."""
+        request_id = metadata.get("x-request-id") or ""
+        if not REQUEST_ID.fullmatch(request_id):
+            request_id = uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id, method=method, tenant="")
+        request = inputs.decode(deserializer, raw)
+        tenant = getattr(request, "tenant_id", "")
+        if isinstance(tenant, str) and tenant:
+            if TENANT_ID.fullmatch(tenant):
+                structlog.contextvars.bind_contextvars(tenant=tenant)
+            else:
+                structlog.contextvars.bind_contextvars(tenant_invalid=repr(tenant[:_SHOWN]), tenant_len=len(tenant))
         _caller.set(await auth.authenticate(self._pool, auth.bearer_secret(metadata)))
         bad = unknown_field_path(request)
         if bad:
             raise errors.InvalidInput(bad, "unknown field")
+        inputs.check(request, self._limits)
+        return request
 
-    def _wrap(self, method: str, metadata: dict[str, str], behavior: Any) -> Any:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    def _wrap(self, method: str, metadata: dict[str, str], behavior: Any, deserializer: Any) -> Any:
+        async def handle(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                await self._prologue(method, metadata, request)
+                request = await self._prologue(method, metadata, raw, deserializer)
                 context.set_trailing_metadata((("x-request-id", _request_id()),))
                 response = await behavior(request, context)
             except errors.DomainError as exc:
@@ -117,11 +136,11 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _wrap_stream(self, method: str, metadata: dict[str, str], behavior: Any) -> Any:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    def _wrap_stream(self, method: str, metadata: dict[str, str], behavior: Any, deserializer: Any) -> Any:
+        async def handle(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                await self._prologue(method, metadata, request)
+                request = await self._prologue(method, metadata, raw, deserializer)
                 context.set_trailing_metadata((("x-request-id", _request_id()),))
                 async for item in behavior(request, context):
                     yield item

@@ -22,11 +22,22 @@ from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.reservations import placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
-from controlplane.reservations.validate import CreateInput, validate_create
+from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
 from controlplane.reservations.wait import wait_for_operation
 from controlplane.runtime import Runtime
 
 CONFIRMATION_WINDOW_MS = 30 * 60 * 1000  # IAM's deadline is clamped to at most 30 minutes
+
+# The identity's live drafts, counted up to the cap (the partial index reservations_drafts), and
+# the seconds until the oldest leaves the retention window.
+_LIVE_DRAFTS = """
+SELECT count(*) AS n,
+       greatest(0, ceil(extract(epoch FROM min(created_at) + %(retention_s)s * interval '1 second'
+                                        - now())))::bigint AS expires_in_s
+FROM (SELECT created_at FROM reservations
+      WHERE owner_identity_id = %(identity_id)s AND state = 'draft'
+      ORDER BY created_at LIMIT %(cap)s) d
+"""
 
 
 @dataclass
@@ -42,12 +53,13 @@ class Draft:
 
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
-    inp = validate_create(raw)
+    limits = TimeLimits.of(rt.settings)
+    inp = validate_create(raw, limits)
     caller.require_member(inp.tenant_id)
     rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
     digest = request_hash(inp.request)
 
-    draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, caller, inp, rid, digest))
+    draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest))
     if draft.decide:
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
@@ -68,15 +80,18 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
 
 
 async def _transaction_1(
-    conn: AsyncConnection, caller: Caller, inp: CreateInput, rid: str, digest: str
+    conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str, digest: str
 ) -> Draft:
     row = await _fetch(conn, rid)
     if row is None:
+        now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+        check_start(inp, now_ms, TimeLimits.of(rt.settings))
         pool = await (
             await conn.execute(queries.POOL_IS_VISIBLE, {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id})
         ).fetchone()
         if pool is None:
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
+        await _require_draft_room(conn, rt, caller)
         await conn.execute(
             queries.INSERT_DRAFT,
             {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
@@ -113,6 +128,21 @@ async def _transaction_1(
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
     return draft
+
+
+async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller) -> None:
+    """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates)
+    until the retention window deletes them: QUOTA_EXCEEDED, retryable after the window."""
+    cap = rt.settings.max_drafts_per_identity
+    live = await (await conn.execute(_LIVE_DRAFTS, {
+        "identity_id": caller.identity_id, "cap": cap, "retention_s": rt.settings.draft_retention_hours * 3600,
+    })).fetchone()
+    if live["n"] >= cap:
+        raise errors.QuotaExceeded(
+            f"this identity has {cap} unfinished create requests; retry one of their keys or wait for them to expire",
+            reason="draft-limit", limit=cap,
+            retryAfterSeconds=max(1, live["expires_in_s"] + math.ceil(rt.settings.draft_sweep_seconds)),
+        )
 
 
 def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
@@ -157,12 +187,14 @@ async def _transaction_2(
 ) -> Outcome:
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     row = await _fetch(conn, rid)
-    assert row is not None
+    if row is None:  # an expired draft, deleted by the sweeper while IAM decided
+        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     prepared = None
     if decision.allowed:
         prepared = await placing.prepare(conn, rt, row, now_ms)  # plans before any lock, then the pool lock
     row = await _fetch(conn, rid, for_update=True)
-    assert row is not None
+    if row is None:
+        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
     await conn.execute(queries.RECORD_DECISION, {"id": rid, "decision": decision.outcome})

@@ -25,7 +25,7 @@ from controlplane.ids import new_id
 from controlplane.placement import placer
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import find_visible, with_allocations
-from controlplane.reservations.validate import IDEMPOTENCY_KEY, duration_ms, match
+from controlplane.reservations.validate import DAY_MS, IDEMPOTENCY_KEY, TimeLimits, duration_ms, match
 from controlplane.runtime import Runtime
 
 HOLD_TTL_S = 60
@@ -83,7 +83,8 @@ class Staged:
     no_op: bool = False
 
 
-def parse(raw: dict[str, Any]) -> Change:
+def parse(raw: dict[str, Any], limits: TimeLimits | None = None) -> Change:
+    limits = limits or TimeLimits()
     key = match("idempotencyKey", raw.get("idempotency_key", ""), IDEMPOTENCY_KEY)
     until, by = raw.get("until"), raw.get("by")
     if (until is None) == (by is None):
@@ -92,12 +93,13 @@ def parse(raw: dict[str, Any]) -> Change:
         if until <= 0:
             raise errors.InvalidInput("until", "must be epoch milliseconds")
         return Change(until, None, key)
-    return Change(None, duration_ms("by", by, None), key)
+    return Change(None, duration_ms("by", by, None, limits.max_length_ms), key)
 
 
 async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dict[str, Any]) -> dict[str, Any]:
-    change = parse(raw)
-    staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change))
+    limits = TimeLimits.of(rt.settings)
+    change = parse(raw, limits)
+    staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change, limits))
     if staged.no_op:
         return {"reservation": staged.row, "extended": False}
     decision = iam.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
@@ -113,12 +115,19 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
     return result
 
 
-async def _stage(conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str, change: Change) -> Staged:
+async def _stage(
+    conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str, change: Change, limits: TimeLimits
+) -> Staged:
     row = await find_visible(conn, caller, tenant_id, rid)
     if row["state"] not in EXTENDABLE:
         raise errors.InvalidState(f"a {row['state']} reservation cannot be extended", state=row["state"],
                                   reservationId=rid)
     new_end = change.until if change.until is not None else row["during_end"] + (change.by_ms or 0)
+    latest = row["during_start"] + limits.max_length_ms
+    if new_end > latest:
+        raise errors.InvalidInput("until" if change.until is not None else "by",
+                                  f"a reservation lasts at most {limits.max_length_ms / DAY_MS:g} days from its start",
+                                  maxUntil=latest, reservationId=rid)
     if new_end <= row["during_end"]:
         return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
     hold = new_id("hold")

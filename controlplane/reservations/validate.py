@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane import errors
+from controlplane.api.inputs import shown_key
+from controlplane.config import Settings
 from controlplane.durations import parse_duration_ms
 from controlplane.placement.planner import ANY, TOPOLOGIES
 
@@ -21,7 +23,8 @@ RESERVATION_ID = re.compile(r"^rsv_[0-9a-hjkmnp-tv-z]{26,52}$")
 LABEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
 MODEL = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 
-MAX_DURATION_MS = 366 * 86_400_000
+DAY_MS = 86_400_000
+MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
 MAX_WAIT_MS = 30_000
 SERVED_CLASSES = {"gpu"}
@@ -38,9 +41,32 @@ class CreateInput:
     request: dict[str, Any]  # normalised; hashed and stored
 
 
+@dataclass(frozen=True)
+class TimeLimits:
+    """The horizon of every time the API takes (README "Limits")."""
+
+    max_start_ahead_ms: int = 365 * DAY_MS
+    max_length_ms: int = MAX_DURATION_MS
+
+    @classmethod
+    def of(cls, settings: Settings) -> TimeLimits:
+        return cls(settings.max_start_ahead_days * DAY_MS, settings.max_reservation_days * DAY_MS)
+
+
 def match(field: str, value: str, pattern: re.Pattern[str]) -> str:
-    if not isinstance(value, str) or not pattern.match(value):
+    """`value` when the whole of it matches `pattern` (a trailing newline does not)."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise errors.InvalidInput(field, f"must match {pattern.pattern}")
+    return value
+
+
+def epoch_ms(field: str, value: int, now_ms: int, limits: TimeLimits) -> int:
+    """An epoch-millisecond time the API takes: at least 0, at most max_start_ahead after now."""
+    if value < 0:
+        raise errors.InvalidInput(field, "must be epoch milliseconds, at least 0")
+    if value > now_ms + limits.max_start_ahead_ms:
+        days = limits.max_start_ahead_ms // DAY_MS
+        raise errors.InvalidInput(field, f"must be at most {days} days ahead", maxMs=now_ms + limits.max_start_ahead_ms)
     return value
 
 
@@ -66,7 +92,7 @@ def _devices(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def duration_ms(field: str, text: str | None, ms: int | None) -> int:
+def duration_ms(field: str, text: str | None, ms: int | None, max_ms: int = MAX_DURATION_MS) -> int:
     if text is not None:
         try:
             value = parse_duration_ms(text)
@@ -76,12 +102,14 @@ def duration_ms(field: str, text: str | None, ms: int | None) -> int:
         value = ms
     else:
         raise errors.InvalidInput(field, "is required")
-    if not 1 <= value <= MAX_DURATION_MS:
-        raise errors.InvalidInput(field, f"must be between 1 ms and {MAX_DURATION_MS} ms (366 days)")
+    if not 1 <= value <= max_ms:
+        raise errors.InvalidInput(field, f"must be between 1 ms and {max_ms} ms ({max_ms / DAY_MS:g} days)")
     return value
 
 
-def validate_create(raw: dict[str, Any]) -> CreateInput:
+def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> CreateInput:
+    """The normalised request. The start's horizon needs the database's clock: `check_start`."""
+    limits = limits or TimeLimits()
     tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
     pool_id = match("poolId", raw.get("pool_id", ""), POOL_ID)
     key = match("idempotencyKey", raw.get("idempotency_key", ""), IDEMPOTENCY_KEY)
@@ -92,7 +120,7 @@ def validate_create(raw: dict[str, Any]) -> CreateInput:
     if binding not in SERVED_BINDINGS:
         raise errors.InvalidInput("binding", "must be 'hold'")
     devices = _devices(raw.get("devices") or [])
-    duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"))
+    duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"), limits.max_length_ms)
     start = raw.get("start")
     if start is not None and start < 0:
         raise errors.InvalidInput("start", "must be epoch milliseconds, at least 0")
@@ -101,8 +129,8 @@ def validate_create(raw: dict[str, Any]) -> CreateInput:
         raise errors.InvalidInput("leaseSeconds", "must be 60 to 2592000")
     selector = dict(raw.get("node_selector") or {})
     for k, v in selector.items():
-        match(f"nodeSelector[{k!r}]", k, LABEL)
-        match(f"nodeSelector[{k!r}]", v, LABEL)
+        match(f"nodeSelector[{shown_key(k)}]", k, LABEL)
+        match(f"nodeSelector[{shown_key(k)}]", v, LABEL)
     wait_ms = raw.get("wait_timeout_ms")
     if wait_ms is not None:
         if wait_ms < 0:
@@ -118,3 +146,10 @@ def validate_create(raw: dict[str, Any]) -> CreateInput:
         "nodeSelector": selector,
     }
     return CreateInput(tenant_id, key, wait_ms, request)
+
+
+def check_start(inp: CreateInput, now_ms: int, limits: TimeLimits) -> None:
+    """Refuse a start beyond the horizon of compute_now()."""
+    start = inp.request.get("start")
+    if start is not None:
+        epoch_ms("start", start, now_ms, limits)

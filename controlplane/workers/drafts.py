@@ -1,0 +1,58 @@
+"""Draft expiry: a draft is a create that never got past admission (IAM or quota refused it, or the
+process died between the two transactions). It keeps its idempotency key for the retention window
+(README "Limits"); after that it is deleted, with its authorization row (ON DELETE CASCADE).
+
+The sweep is one statement per batch; rows a create is deciding right now are locked and skipped.
+The window is wall-clock time (now(), like created_at), not compute_now(): it bounds storage,
+not a lifecycle, and moving the dev clock expires no draft.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from controlplane import db
+from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+BATCH = 500
+
+_EXPIRE = """
+DELETE FROM reservations WHERE id IN (
+    SELECT id FROM reservations
+    WHERE state = 'draft' AND created_at < now() - %(retention_s)s * interval '1 second'
+    ORDER BY created_at LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+
+async def expire(rt: Runtime) -> int:
+    """Delete the drafts older than the retention window; the number deleted."""
+    params = {"retention_s": rt.settings.draft_retention_hours * 3600, "batch": BATCH}
+    total = 0
+    while True:
+        deleted = await db.run_in_transaction(rt.pool, lambda c: c.execute(_EXPIRE, params))
+        total += deleted.rowcount
+        if deleted.rowcount < BATCH:
+            break
+    if total:
+        log.info("drafts expired", count=total)
+    return total
+
+
+async def run(rt: Runtime, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await expire(rt)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("draft expiry failed; continuing")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=rt.settings.draft_sweep_seconds)
+        except TimeoutError:
+            pass
