@@ -28,6 +28,10 @@ class Settings:
     pending_retry_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_PENDING_RETRY_SECONDS", "30"))
     )
+    # The longest a create holds its answer for wait.timeoutMs (spec: capped at 30 seconds).
+    create_wait_cap_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_CREATE_WAIT_CAP_SECONDS", "30"))
+    )
     db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_DB_POOL_SIZE", "16")))
     # Attested bindings (spec P14): only node-signed AllocationBound reports count as bound.
     attested_bindings: bool = field(default_factory=lambda: _bool("BC_ATTESTED_BINDINGS", True))
