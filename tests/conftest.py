@@ -1,6 +1,7 @@
 """Fixtures: one embedded PostgreSQL per session with a migrated template database; per module a
 database cloned from the template and a real control plane on a loopback port; per test that
-moves the clock, a database and control plane of its own (clock_stack, clock_world).
+moves the clock, a database and control plane of its own (clock_stack, clock_world, and `world`
+in a module whose stack has clock control).
 
 Every database cloned during a module is dropped after it; channels and connections a test opened
 are closed after it. Hypothesis runs with the suite's profile (below). Benchmarks (marker `bench`)
@@ -10,12 +11,13 @@ run only when asked for with `-m bench`; `--slow` runs the stateful tests with m
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -153,8 +155,12 @@ def database(pg_uri: str) -> Iterator[str]:
 def module_stack(pg_uri: str, **settings: object) -> Iterator[tuple[ServerThread, Client]]:
     """A control plane on its own cloned database, with a root client; `settings` override the
     defaults (e.g. clock_control=True for a module that moves compute_now())."""
+    yield from _stack_on_clone(pg_uri, lambda conninfo: Settings(database_url=conninfo, **settings))
+
+
+def _stack_on_clone(pg_uri: str, settings: Callable[[str], Settings]) -> Iterator[tuple[ServerThread, Client]]:
     conninfo = clone_database(pg_uri)
-    server = ServerThread(conninfo, Settings(database_url=conninfo, **settings))
+    server = ServerThread(conninfo, settings(conninfo))
     root = Client(server.endpoint, bootstrap.ensure_root(conninfo))
     try:
         yield server, root
@@ -170,11 +176,25 @@ def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 
 
 @pytest.fixture
-def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
+def world(request: pytest.FixtureRequest, stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    """A tenant with a pool on the module's control plane. In a module whose control plane moves
+    the clock (clock_control), each test gets a database and control plane of its own, with the
+    module's settings: advancing the clock must not fire the work items earlier tests left."""
     server, root = stack
-    w = make_world(server.endpoint, root, server.conninfo)
-    yield w
-    w.close()
+    if not server.settings.clock_control:
+        w = make_world(server.endpoint, root, server.conninfo)
+        yield w
+        w.close()
+        return
+    own = _stack_on_clone(request.getfixturevalue("pg_uri"),
+                          lambda conninfo: dataclasses.replace(server.settings, database_url=conninfo))
+    own_server, own_root = next(own)
+    try:
+        w = make_world(own_server.endpoint, own_root, own_server.conninfo)
+        yield w
+        w.close()
+    finally:
+        own.close()  # runs the generator's finally: stop the server, drop the database
 
 
 @pytest.fixture

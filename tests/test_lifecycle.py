@@ -259,9 +259,11 @@ def capped_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, create_wait_cap_seconds=CAP_S)
 
 
-def test_the_server_caps_the_wait(capped_stack: tuple[ServerThread, Client], pool: ThreadPoolExecutor) -> None:
+def test_the_server_caps_the_wait(capped_stack: tuple[ServerThread, Client], pool: ThreadPoolExecutor,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A create asking to wait 20 s answers after the server's cap (30 s by default; 1 s here),
     with the operation still running."""
+    monkeypatch.delenv("BC_CREATE_WAIT_CAP_SECONDS", raising=False)
     assert Settings(database_url="").create_wait_cap_seconds == 30
     server, root = capped_stack
     world = make_world(server.endpoint, root, server.conninfo)
