@@ -32,6 +32,10 @@ class Settings:
     pending_retry_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_PENDING_RETRY_SECONDS", "30"))
     )
+    # The longest a create holds its answer for wait.timeoutMs (spec: capped at 30 seconds).
+    create_wait_cap_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_CREATE_WAIT_CAP_SECONDS", "30"))
+    )
     db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_DB_POOL_SIZE", "16")))
     # A work item whose handler failed this many times is dead: kept for operators, never retried.
     work_max_attempts: int = field(default_factory=lambda: int(os.environ.get("BC_WORK_MAX_ATTEMPTS", "20")))

@@ -50,11 +50,46 @@ class ServerThread:
             self.thread.join(10)
 
 
+class _Opened:
+    """Every Client and World opened, in order, until closed: the conftest closes what a test
+    opened and left open (channels and connections do not outlive their test)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._items: dict[int, Any] = {}
+
+    def add(self, item: Any) -> int:
+        with self._lock:
+            n = next(self._seq)
+            self._items[n] = item
+            return n
+
+    def discard(self, n: int) -> None:
+        with self._lock:
+            self._items.pop(n, None)
+
+    def mark(self) -> int:
+        """A position: close_since(mark) closes what was opened after it."""
+        with self._lock:
+            return next(self._seq)
+
+    def close_since(self, mark: int) -> None:
+        with self._lock:
+            later = [item for n, item in self._items.items() if n > mark]
+        for item in reversed(later):
+            item.close()
+
+
+OPENED = _Opened()
+
+
 class Client:
     """Sync stubs with a bearer token."""
 
     def __init__(self, endpoint: str, token: str) -> None:
         self.channel = grpc.insecure_channel(endpoint)
+        self._opened = OPENED.add(self)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self._r = reservations_pb2_grpc.ReservationsStub(self.channel)
         self._c = reservations_pb2_grpc.ConfirmationsStub(self.channel)
@@ -73,6 +108,7 @@ class Client:
         return self._call(self._a, method, request, **kw)
 
     def close(self) -> None:
+        OPENED.discard(self._opened)
         self.channel.close()
 
 
@@ -108,6 +144,11 @@ class World:
     user: Client | None = None
     user_id: str = ""
     nodes: list[apb.Node] = field(default_factory=list)
+    _conn: psycopg.Connection | None = field(default=None, repr=False)
+    _clients: list[Client] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._opened = OPENED.add(self)
 
     def identity(self, kind: str = "user", tenants: list[str] | None = None, **delegation: Any) -> tuple[str, Client]:
         ident = f"{kind}-{uuid.uuid4().hex[:10]}"
@@ -116,7 +157,9 @@ class World:
             req.delegation.CopyFrom(apb.Delegation(**delegation))
         self.root.admin("CreateIdentity", req)
         token = self.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret
-        return ident, Client(self.endpoint, token)
+        client = Client(self.endpoint, token)
+        self._clients.append(client)
+        return ident, client
 
     def add_node(self, gpu_list: list[apb.Gpu] | None = None, name: str | None = None, **kw: Any) -> apb.Node:
         name = name or f"n{next(_counter):05d}"
@@ -152,9 +195,19 @@ class World:
         return self.sql("SELECT epoch_ms(compute_now())")[0][0] + int(hours * 3_600_000)
 
     def sql(self, query: str, params: Any = None) -> list[tuple]:
-        with psycopg.connect(self.conninfo) as conn:
-            cur = conn.execute(query, params)
-            return cur.fetchall() if cur.description else []
+        """One statement in its own transaction, on the world's one connection."""
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.conninfo, autocommit=True)
+        cur = self._conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+    def close(self) -> None:
+        """Close the identities' channels and the SQL connection (not root's: the stack owns it)."""
+        OPENED.discard(self._opened)
+        for client in self._clients:
+            client.close()
+        if self._conn is not None:
+            self._conn.close()
 
 
 def make_world(endpoint: str, root: Client, conninfo: str, *, nodes: int = 2, quota: int = 64,

@@ -1,7 +1,9 @@
 """Smoke test of the fleet benchmark (docs/benchmarks-fleet.md): `python -m bench.fleet --quick`
 runs the database, control plane, gateway and a 50-node nodesim as real processes, creates 50
 reservations, exits 0 with every node connected and every reservation active, and prints its
-figures. Bounded: the run takes about 25 s on the 2-core dev machine."""
+figures. Bounded: the run takes about 25 s on the 2-core dev machine.
+
+A benchmark, so not part of `make test`: run it with `pytest -m bench`."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BOUND_S = 150  # the run's own bounds end it earlier; this only guards against a hang
+
+pytestmark = pytest.mark.bench
 
 
 @pytest.mark.timeout(BOUND_S + 30)

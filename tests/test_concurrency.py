@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -24,6 +25,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.api.status import error_info
 from controlplane.ids import draft_id
 from controlplane.reservations import states
+from tests.conftest import stateful_examples
 from tests.invariants import ENDED, check_invariants
 from tests.support import Client, ServerThread, World, gpus, make_world
 
@@ -308,16 +310,20 @@ class CreateReleaseCancel(RuleBasedStateMachine):
         check_invariants(self.w.conninfo, self.w.tenant)
 
     def teardown(self) -> None:
-        self.w.user.close()
-        self.agent.close()
+        self.w.close()  # the user's and the agent's channels, and the SQL connection
 
 
-def test_random_create_release_cancel_keeps_every_invariant(stack: tuple[ServerThread, Client]) -> None:
+def test_random_create_release_cancel_keeps_every_invariant(
+    stack: tuple[ServerThread, Client], pytestconfig: pytest.Config
+) -> None:
+    """Deadline and seed come from the suite's Hypothesis profile (tests/conftest.py); --slow
+    runs more examples."""
     CreateReleaseCancel.stack = stack
     run_state_machine_as_test(
         CreateReleaseCancel,
-        settings=settings(max_examples=10, stateful_step_count=20, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
+        settings=settings(max_examples=stateful_examples(pytestconfig), stateful_step_count=20,
+                          suppress_health_check=[*settings.default.suppress_health_check,
+                                                 HealthCheck.filter_too_much]),
     )
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
+import struct
 import time
 
 import pytest
@@ -37,9 +40,39 @@ def test_draft_id_is_rsv_and_52_lowercase_crockford_characters(tenant: str, iden
     assert DRAFT_ID.match(draft_id(tenant, identity, key))
 
 
+# Golden vectors, from the definition (DESIGN.md section 5, spec 000 "Drafts and idempotency"):
+# rsv_ + lowercase Crockford base32 of SHA-256 over the tenant, the identity and the key, each
+# UTF-8 with a 4-byte big-endian length in front. The reference below is written from that text
+# with the standard library's RFC 4648 base32, translated to Crockford's alphabet; it shares no
+# code with controlplane.ids.
+RFC4648 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+TO_CROCKFORD = str.maketrans(RFC4648, CROCKFORD)
+
+
+def reference_draft_id(tenant: str, identity: str, key: str) -> str:
+    parts = [part.encode("utf-8") for part in (tenant, identity, key)]
+    encoded = b"".join(struct.pack(">I", len(raw)) + raw for raw in parts)
+    digest = hashlib.sha256(encoded).digest()
+    return "rsv_" + base64.b32encode(digest).decode("ascii").rstrip("=").translate(TO_CROCKFORD)
+
+
+@pytest.mark.parametrize(
+    "tenant, identity, key, expected",
+    [
+        ("acme", "user-alice", "train-2026-01", "rsv_78ret210h7saw51mbzv9357aj7388m2sy1vxyxn45fn77x7jsrbg"),
+        ("", "", "", "rsv_2qp7qw5n0wsb97w253g7t91pacwfkrxbk55g1br8wphvzzjnzp5g"),
+        ("t", "i", "k", "rsv_ezzmjcjqdd121w0gqva66t63nesmb94fv2kbhkh1085swypwgzxg"),
+        ("tenant-\u00fc", "ident", "key:1", "rsv_gtzwwm0kmscqvq44bbpr913rvmxcfszzcbc37mzhh8fwpfqvz6v0"),
+    ],
+)
+def test_draft_id_matches_golden_vectors(tenant: str, identity: str, key: str, expected: str) -> None:
+    assert reference_draft_id(tenant, identity, key) == expected
+    assert draft_id(tenant, identity, key) == expected
+
+
 @given(TEXT, TEXT, KEY)
-def test_draft_id_is_deterministic(tenant: str, identity: str, key: str) -> None:
-    assert draft_id(tenant, identity, key) == draft_id(tenant, identity, key)
+def test_draft_id_is_the_definition(tenant: str, identity: str, key: str) -> None:
+    assert draft_id(tenant, identity, key) == reference_draft_id(tenant, identity, key)
 
 
 @given(st.tuples(TEXT, TEXT, KEY), st.tuples(TEXT, TEXT, KEY))
@@ -191,6 +224,16 @@ def test_request_hash_is_of_the_normalised_request() -> None:
     ]
     for raw in different:
         assert request_hash(validate_create(raw).request) != base, raw
+
+
+def test_request_hash_matches_a_golden_vector() -> None:
+    """SHA-256 (hex) of the canonical JSON of the normalised request: keys sorted, no spaces,
+    durations in ms, binding hold, topology any, every optional key present."""
+    canonical = ('{"binding":"hold","devices":[{"class":"gpu","count":2,"model":"","topology":"any"}],'
+                 '"durationMs":28800000,"leaseSeconds":null,"nodeSelector":{},"poolId":"' + POOL + '","start":null}')
+    expected = "6e353c24b2bc3ce90ed78f18e0c4acfccd9457f7f6486d484a0ae44047688450"
+    assert hashlib.sha256(canonical.encode("utf-8")).hexdigest() == expected
+    assert request_hash(validate_create(_raw()).request) == expected
 
 
 def test_request_hash_ignores_node_selector_insertion_order() -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import World, gpus, rpc_error
+from tests.conftest import module_stack
+from tests.invariants import check_invariants
+from tests.support import Client, ServerThread, World, gpus, make_world, rpc_error
 
 
 def used(world: World, resource: str = "gpu") -> int:
@@ -64,18 +67,32 @@ def test_a_request_one_numa_node_can_hold_lands_on_one(world: World) -> None:
     assert len(numa) == 1
 
 
-def test_bin_pack_keeps_whole_nodes_free_for_large_requests(world: World) -> None:
-    world.sql("UPDATE pools SET policy = policy WHERE id = %s", (world.pool_id,))
-    for _ in range(4):
-        assert world.create(count=2).state == "placed"
-    # Bin-packing fills the fuller node first (top-N is random among the best three, so allow a
-    # spread over at most two nodes of the pool's two), leaving room for a whole 8-GPU node.
-    nodes = world.sql(
-        "SELECT count(DISTINCT al.node_id) FROM allocations al JOIN reservations r ON r.id = al.reservation_id"
-        " WHERE r.tenant_id = %s", (world.tenant,))[0][0]
-    assert nodes <= 2
-    eight = world.create(count=8)
-    assert eight.state in ("placed", "pending")
+@pytest.fixture(scope="module")
+def top1_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """Placement picks the single best node (BC_PLACEMENT_TOP_N=1): no random spread."""
+    yield from module_stack(pg_uri, placement_top_n=1)
+
+
+def node_of(world: World, rid: str) -> str:
+    (node_id,) = {a.node_id for a in get(world, rid).allocations}
+    return node_id
+
+
+def test_bin_pack_keeps_whole_nodes_free_for_large_requests(top1_stack: tuple[ServerThread, Client]) -> None:
+    server, root = top1_stack
+    world = make_world(server.endpoint, root, server.conninfo, nodes=3)  # three nodes of eight GPUs
+    small = [world.create(count=2) for _ in range(4)]
+    assert all(r.state in ("placed", "binding") for r in small), small
+    # Bin-packing fills the fullest node that fits: the four 2-GPU holds share one node (spread
+    # over the three, they would leave no whole node)...
+    assert len({node_of(world, r.id) for r in small}) == 1
+    # ...so both other nodes stay whole, and two 8-GPU requests are placed at once.
+    large = [world.create(count=8) for _ in range(2)]
+    assert [r.state in ("placed", "binding") for r in large] == [True, True], large
+    nodes = {node_of(world, r.id) for r in small + large}
+    assert nodes == {n.id for n in world.nodes}
+    assert world.create(count=1).state == "pending"  # all 24 GPUs are booked
+    check_invariants(world.conninfo, world.tenant)
 
 
 def test_nothing_fits_is_pending_unschedulable_and_keeps_its_charge(world: World) -> None:

@@ -26,7 +26,6 @@ MODEL = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 DAY_MS = 86_400_000
 MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
-MAX_WAIT_MS = 30_000
 SERVED_CLASSES = {"gpu"}
 RESERVED_CLASSES = {"gpu.mig", "gpu.slot"}
 SERVED_BINDINGS = {"hold"}
@@ -135,7 +134,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
     if wait_ms is not None:
         if wait_ms < 0:
             raise errors.InvalidInput("wait.timeoutMs", "must be at least 0")
-        wait_ms = min(wait_ms, MAX_WAIT_MS)
+        # The server caps it (Settings.create_wait_cap_seconds) when it waits.
     request = {
         "poolId": pool_id,
         "devices": devices,

@@ -1,7 +1,8 @@
 """Async-with-wait: re-read in read-only transactions, backing off from 50 ms to 1 s, until the
-operation stops running or the timeout passes. A timeout is not an error: the answer is the last
-read. A client that goes away cancels the task, which ends the wait. Each wait logs one line with
-its reads and the pauses between them."""
+operation stops running or the timeout passes. The timeout is capped by the server
+(Settings.create_wait_cap_seconds, 30 s by default). A timeout is not an error: the answer is the
+last read. A client that goes away cancels the task, which ends the wait. Each wait logs one line
+with its reads and the pauses between them."""
 
 from __future__ import annotations
 
@@ -21,19 +22,29 @@ FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 1.0
 
 
+def capped_ms(rt: Runtime, timeout_ms: int) -> int:
+    return min(timeout_ms, int(rt.settings.create_wait_cap_seconds * 1000))
+
+
 async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: int) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_ms / 1000
+    started = time.monotonic()
+    deadline = started + capped_ms(rt, timeout_ms) / 1000
     delay = FIRST_DELAY_S
     pauses_ms: list[int] = []
-    while True:
-        async with db.read_only(rt.pool) as conn:
-            view = await load_view(conn, rid)
-        remaining = deadline - time.monotonic()
-        if view["operation_state"] != "running" or remaining <= 0:
-            log.info("operation wait", reservation_id=rid, reads=len(pauses_ms) + 1, pauses_ms=pauses_ms,
-                     operation=view["operation_state"])
-            return view
-        pause = min(delay, remaining)
-        pauses_ms.append(round(pause * 1000))
-        await asyncio.sleep(pause)
-        delay = min(delay * 2, MAX_DELAY_S)
+    try:
+        while True:
+            async with db.read_only(rt.pool) as conn:
+                view = await load_view(conn, rid)
+            remaining = deadline - time.monotonic()
+            if view["operation_state"] != "running" or remaining <= 0:
+                log.info("operation wait", reservation_id=rid, reads=len(pauses_ms) + 1, pauses_ms=pauses_ms,
+                         operation=view["operation_state"])
+                return view
+            pause = min(delay, remaining)
+            pauses_ms.append(round(pause * 1000))
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, MAX_DELAY_S)
+    except asyncio.CancelledError:
+        log.info("create wait cancelled", reservation_id=rid, tenant_id=tenant_id,
+                 waited_ms=int((time.monotonic() - started) * 1000))
+        raise
