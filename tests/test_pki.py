@@ -120,8 +120,8 @@ def enrol(conninfo: str, pool_id: str, name: str, *, role: str = "node",
     return Enrolled(keys, arun(conninfo, work))
 
 
-def bound_report(node_id: str, allocation_id: str, **event: Any) -> bytes:
-    report = node_pb2.Report(node_id=node_id, sequence=1, time=int(time.time() * 1000))
+def bound_report(node_id: str, allocation_id: str, *, at_ms: int | None = None, **event: Any) -> bytes:
+    report = node_pb2.Report(node_id=node_id, sequence=1, time=int(time.time() * 1000) if at_ms is None else at_ms)
     if event.get("failed"):
         report.failed.CopyFrom(node_pb2.AllocationFailed(allocation_id=allocation_id, reason="device-missing"))
     else:
@@ -475,6 +475,22 @@ def test_a_genuine_signature_over_anything_but_this_allocation_bound_never_count
                  b"\xff\xff\xff"):  # not a Report at all
         assert verify(fleet["db"], "alloc_1", a.node_id, body, a.key_id, sign(a.keys.signing, body)) == (
             False, attest.NOT_THIS_BOUND)
+
+
+def test_a_report_dated_in_the_future_or_before_its_certificate_never_counts(fleet: dict[str, Any]) -> None:
+    a = fleet["a"]
+    issued_ms = int(a.signing_cert.not_valid_before_utc.timestamp() * 1000)
+    now_ms = int(time.time() * 1000)
+    skew = dt.timedelta(minutes=1)
+    cases = {now_ms + 30_000: (True, ""),  # within the skew
+             now_ms + 90_000: (False, attest.FROM_THE_FUTURE),
+             issued_ms - 30_000: (True, ""),
+             issued_ms - 90_000: (False, attest.BEFORE_CERTIFICATE),
+             0: (False, attest.BEFORE_CERTIFICATE)}  # no time at all
+    for at_ms, expected in cases.items():
+        body = bound_report(a.node_id, "alloc_1", at_ms=at_ms)
+        assert verify(fleet["db"], "alloc_1", a.node_id, body, a.key_id, sign(a.keys.signing, body),
+                      clock_skew=skew) == expected, at_ms
 
 
 # The NodeAdmin API over real gRPC -----------------------------------------------------------
