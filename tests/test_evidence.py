@@ -330,3 +330,135 @@ def test_a_genuine_report_dated_in_the_future_never_counts(world: World, node: t
     assert session.recv("report_ack").outcome == pb.REPORT_STORED
     eventually(world, r.id, lambda x: attest.FROM_THE_FUTURE in rejections(world, r.id))
     assert get(world, r.id).state == "binding"
+
+
+# Acknowledged reports: nodesim sends again what was never acknowledged ---------------------
+
+class Relay:
+    """A TCP relay between nodes and a gateway. While `swallowing`, what nodes send is read and
+    dropped (the gateway never hears it, the node's writes succeed); `cut` closes every connection."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.swallowing = False
+        self.swallowed = 0
+        self._transports: set[asyncio.WriteTransport] = set()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop).result(10)
+        self.endpoint = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._transports |= {writer.transport, up_writer.transport}  # type: ignore[arg-type]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, from_node: bool) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    if from_node and self.swallowing:
+                        self.swallowed += len(data)
+                        continue
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    def cut(self) -> None:
+        def abort() -> None:
+            for transport in self._transports:
+                transport.abort()
+            self._transports.clear()
+
+        self.loop.call_soon_threadsafe(abort)
+
+    def close(self) -> None:
+        self.cut()
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def book(conninfo: str, node_id: str, device_ids: list[str], atom_uuid: str) -> tuple[str, str]:
+    """A binding reservation with one allocation on the node holding `device_ids`, booked on one atom."""
+    rid, aid = "rsv_" + new_id("x")[2:], new_id("alloc")
+    node = sql(conninfo, "SELECT pool_id FROM nodes WHERE id = %s", (node_id,))[0]
+    tenant = sql(conninfo, "SELECT owner_tenant_id FROM pools WHERE id = %s", (node["pool_id"],))[0]["owner_tenant_id"]
+    sql(conninfo, "INSERT INTO identities (id, kind, name) VALUES ('u', 'user', 'u') ON CONFLICT DO NOTHING")
+    sql(conninfo, "INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,"
+                  " request_hash, state, during) VALUES (%s, %s, %s, 'u', %s, %s, 'h', 'binding',"
+                  " tstzrange(compute_now() - interval '1 minute', compute_now() + interval '1 hour'))",
+        (rid, tenant, node["pool_id"], rid, Jsonb({"binding": "hold"})))
+    sql(conninfo, "INSERT INTO allocations (id, reservation_id, node_id, state, device_ids, limits)"
+                  " VALUES (%s, %s, %s, 'binding', %s, '{}')", (aid, rid, node_id, device_ids))
+    sql(conninfo, "INSERT INTO bookings (atom_id, allocation_id, during) SELECT a.id, %s, r.during"
+                  " FROM atoms a, reservations r WHERE a.node_id = %s AND a.device_uuid = %s AND r.id = %s",
+        (aid, node_id, atom_uuid, rid))
+    return rid, aid
+
+
+def kinds(conninfo: str, allocation_ids: list[str]) -> list[tuple[str, str]]:
+    return [(r["allocation_id"], r["kind"]) for r in sql(
+        conninfo, "SELECT allocation_id, kind FROM node_reports WHERE allocation_id = ANY(%s) ORDER BY id",
+        (allocation_ids,))]
+
+
+def test_reports_the_gateway_never_heard_are_sent_again_after_a_reconnect_in_order(
+        database: str, tmp_path: Path) -> None:
+    pool_id = seed_pool(database)
+    gateway = GatewayThread(database)
+    relay = Relay(gateway.port)
+    (tmp_path / "ca.pem").write_bytes(gateway.ca_pem)
+    (tmp_path / "tokens.json").write_text(f'[{{"name": "sim-000", "joinToken": "{join_token(database, pool_id, "sim-000")}"}}]')
+    config = parse_args(["--sim", "1", "--gateway", relay.endpoint, "--enrol-gateway", gateway.enrol_endpoint,
+                         "--sandbox", str(tmp_path / "sandbox"), "--tokens", str(tmp_path / "tokens.json"),
+                         "--ca", str(tmp_path / "ca.pem"), "--heartbeat", "0.5", "--gpus", "2"])
+    cdi = tmp_path / "sandbox" / "sim-000" / "etc" / "cdi"
+
+    async def scenario() -> None:
+        fleet = Fleet(config)
+        await fleet.start()
+        try:
+            await fleet.wait_connected(timeout=20)
+            sim = fleet.node("sim-000")
+            await until(lambda: sql(database, "SELECT 1 FROM atoms WHERE node_id = %s", (sim.node_id,)))
+            gpus = [g.uuid for g in sim.hardware.inventory.gpus]
+            _, held = book(database, sim.node_id, [gpus[0]], gpus[0])
+            sql(database, "SELECT bump_desired(%s)", (sim.node_id,))
+            await until(lambda: kinds(database, [held]) == [(held, "bound")])
+
+            # The gateway goes deaf: the node's writes succeed but nothing arrives. Meanwhile the
+            # hold is released and a new assignment fails (its device is not on this node).
+            relay.swallowing = True
+            _, failing = book(database, sim.node_id, ["GPU-not-here"], gpus[1])
+            sql(database, "UPDATE allocations SET state = 'released' WHERE id = %s", (held,))
+            sql(database, "SELECT bump_desired(%s)", (sim.node_id,))
+            await until(lambda: not (cdi / f"bcd-{held}.json").exists())
+            # Both reports and the heartbeat queued after them have left the node's outbox.
+            await until(lambda: sim._outbox is not None and sim._outbox.empty() and relay.swallowed > 0)
+            assert kinds(database, [held, failing]) == [(held, "bound")]
+
+            relay.swallowing = False
+            relay.cut()
+            await until(lambda: len(kinds(database, [held, failing])) == 3, timeout=20)
+            assert kinds(database, [held, failing]) == [(held, "bound"), (held, "released"), (failing, "failed")]
+            sequences = [pb.Report.FromString(bytes(r["body"])).sequence for r in sql(
+                database, "SELECT body FROM node_reports WHERE allocation_id = ANY(%s) ORDER BY id",
+                ([held, failing],))]
+            assert sequences == sorted(sequences)
+            await until(lambda: not sim._unacked)
+        finally:
+            await fleet.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        relay.close()
+        gateway.stop()
+
+
+async def until(check: Callable[[], Any], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {check}"
+        await asyncio.sleep(0.02)
