@@ -332,6 +332,56 @@ def test_a_genuine_report_dated_in_the_future_never_counts(world: World, node: t
     assert get(world, r.id).state == "binding"
 
 
+# Enrolment: one live identity per node name; a revoked node needs an operator ------------------
+
+def test_re_enrolling_a_node_name_revokes_its_earlier_certificates(
+        stack: tuple[ServerThread, Client, GatewayThread], world: World, node: tuple[Node, Session]) -> None:
+    gateway = stack[2]
+    old, old_session = node
+    again = Node(gateway)
+    again.enrol(join_token(world.conninfo, world.pool_id, "gpu-01"))
+    assert again.node_id == old.node_id
+
+    ended = old_session.ended()  # the old identity's session closes
+    assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in ended.details()
+    refused = old.session().ended()
+    assert refused is not None and refused.code() == grpc.StatusCode.UNAUTHENTICATED
+    rows = sql(world.conninfo, "SELECT c.key_id, r.reason FROM node_certs c LEFT JOIN revocations r USING (serial)"
+                               " WHERE c.node_id = %s AND c.usage = 'signing'", (old.node_id,))
+    assert {r["key_id"]: r["reason"] for r in rows} == {old.key_id: "superseded by a new enrolment",
+                                                        again.key_id: None}
+
+    fresh = again.session()  # the new identity works
+    fresh.send(hello())
+    assert fresh.recv("desired_state") is not None
+    fresh.close()
+
+
+def test_a_revoked_node_enrols_again_only_after_an_operator_readmits_it(
+        stack: tuple[ServerThread, Client, GatewayThread], world: World, node: tuple[Node, Session]) -> None:
+    _, root, gateway = stack
+    n, session = node
+    stub = nodes_pb2_grpc.NodeAdminStub(root.channel)
+    stub.RevokeCertificates(npb.RevokeCertificatesRequest(node_id=n.node_id, reason="stolen"), metadata=root.metadata)
+    assert session.ended() is not None
+
+    token = join_token(world.conninfo, world.pool_id, "gpu-01")
+    with pytest.raises(grpc.RpcError) as refused:
+        Node(gateway).enrol(token)
+    code, reason, details = rpc_error(refused)
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+    assert details["nodeId"] == n.node_id and "ReadmitNode" in refused.value.details()
+    assert world.sql("SELECT used_at FROM join_tokens WHERE pool_id = %s AND node_id IS NULL",
+                     (world.pool_id,)) == [(None,)]  # the refusal spent no token
+
+    readmitted = stub.ReadmitNode(npb.ReadmitNodeRequest(node_id=n.node_id), metadata=root.metadata)
+    assert readmitted.readmitted
+    back = Node(gateway)
+    back.enrol(token)  # the same token, now that an operator said so
+    assert back.node_id == n.node_id
+    assert not stub.ReadmitNode(npb.ReadmitNodeRequest(node_id=n.node_id), metadata=root.metadata).readmitted
+
+
 # Acknowledged reports: nodesim sends again what was never acknowledged ---------------------
 
 class Relay:
