@@ -1,6 +1,7 @@
 """One node session: register as the node's newest, push the desired state on start and on every
-wake-up, take in what the node sends, and close when the node leaves, a newer session of the node
-registers (ABORTED), or its certificate is revoked or runs out (UNAUTHENTICATED)."""
+wake-up, take in what the node sends (acknowledging each report once it is dealt with), and close
+when the node leaves, a newer session of the node registers (ABORTED), or its certificate is
+revoked or runs out (UNAUTHENTICATED)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from controlplane.pki import store
 from controlplane.pki.enrolment import Peer
 from gateway import desired, inventory, reports
 from gateway.hub import Hub
-from gateway.session_state import CHECK, CLOSED, DESIRED, RENEW, NodeSession
+from gateway.session_state import ACK, CHECK, CLOSED, DESIRED, RENEW, NodeSession
 
 log = structlog.get_logger("gateway.session")
 
@@ -79,6 +80,7 @@ class SessionRunner:
             self.hub.remove(session)
             await self._unregister(session)
             log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
+                     reports_replayed=session.reports_replayed,
                      duration_s=round(time.perf_counter() - started, 3))
 
     async def _serve(self, session: NodeSession, reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
@@ -100,6 +102,9 @@ class SessionRunner:
             if RENEW in kinds:
                 not_after = int(session.peer.not_after.timestamp() * 1000)
                 await context.write(node_pb2.GatewayMessage(renew_hint=node_pb2.RenewHint(not_after=not_after)))
+            if ACK in kinds:
+                for ack in session.take_acks():
+                    await context.write(node_pb2.GatewayMessage(report_ack=ack))
 
     async def _read(self, session: NodeSession, requests: AsyncIterator[node_pb2.NodeMessage]) -> None:
         try:
@@ -122,10 +127,14 @@ class SessionRunner:
             await db.run_in_transaction(self.pool, lambda c: inventory.apply_inventory(c, node_id, message.inventory))
             await self._seen(node_id, None)
         elif kind == "report":
-            outcome = await reports.intake(self.pool, node_id, message.report)
-            if outcome == reports.IGNORED:
+            ack = await reports.intake(self.pool, node_id, message.report)
+            if ack.outcome == reports.IGNORED:
                 session.reports_ignored += 1
-            log.info("report " + outcome, key_id=message.report.key_id)
+            elif ack.outcome == reports.REPLAYED:
+                session.reports_replayed += 1
+            session.acknowledge(ack)
+            log.info("report " + node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower(),
+                     key_id=ack.key_id, sequence=ack.sequence)
 
     async def _seen(self, node_id: str, applied_generation: int | None) -> None:
         async def work(conn) -> None:

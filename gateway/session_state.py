@@ -1,17 +1,19 @@
 """One node session's identity and its wake-up signals (coalesced: ten desired-state bumps while
-a push is in flight make one more push, not ten)."""
+a push is in flight make one more push, not ten), and the report acks waiting to be written."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 
+from bettercompute.node.v1 import node_pb2
 from controlplane.pki.enrolment import Peer
 
 DESIRED = "desired"  # push the desired state
 CHECK = "check"  # re-check: still the node's newest session, certificate still good?
 RENEW = "renew"  # the certificate is past half its life: hint the node to renew
 CLOSED = "closed"  # the node's side of the stream ended
+ACK = "ack"  # reports were dealt with: acknowledge them
 
 
 @dataclass(eq=False)
@@ -21,6 +23,9 @@ class NodeSession:
     _pending: set[str] = field(default_factory=set)
     _event: asyncio.Event = field(default_factory=asyncio.Event)
     reports_ignored: int = 0
+    reports_replayed: int = 0
+    # In the order the reports arrived; only the session's writer sends them.
+    acks: list[node_pb2.ReportAck] = field(default_factory=list)
 
     @property
     def node_id(self) -> str:
@@ -29,6 +34,14 @@ class NodeSession:
     def signal(self, kind: str) -> None:
         self._pending.add(kind)
         self._event.set()
+
+    def acknowledge(self, ack: node_pb2.ReportAck) -> None:
+        self.acks.append(ack)
+        self.signal(ACK)
+
+    def take_acks(self) -> list[node_pb2.ReportAck]:
+        acks, self.acks = self.acks, []
+        return acks
 
     async def next_signals(self) -> set[str]:
         await self._event.wait()

@@ -3,6 +3,9 @@
 Tasks per node: `run` (connect loop), an expiry timer, and while connected a reader and a writer.
 All writes to the stream go through the writer, in order: Hello, then reports left from a broken
 session (oldest first), then a re-report of every hold, then whatever happens next.
+
+A report is left from a session until the gateway acknowledges it (ReportAck): one written to a
+stream that broke before the ack came may never have been stored, so it is sent again.
 """
 
 from __future__ import annotations
@@ -94,8 +97,11 @@ class SimNode:
         self._renew_requested = False
         self._renew_not_before = 0.0
         self._outbox: asyncio.Queue[object] | None = None
-        # Reports built while no session was up: (is a bind report, report), oldest first.
+        # Reports built while no session was up, or sent and never acknowledged: (is a bind
+        # report, report), oldest first.
         self._pending: list[tuple[bool, pb.AttestedReport]] = []
+        # Reports written to the current session, by sequence, until the gateway acknowledges them.
+        self._unacked: dict[int, tuple[bool, pb.AttestedReport]] = {}
         self._holds_changed = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None
         self._channel_key_id = ""
@@ -243,8 +249,8 @@ class SimNode:
         stub = node_pb2_grpc.NodeGatewayStub(self._channel_for(identity))
         call = stub.Session()
         outbox: asyncio.Queue[object] = asyncio.Queue()
-        # Oldest first: what a broken session left unsent, then every hold again (this also
-        # re-reports what a restarted daemon recovered from its sandbox).
+        # Oldest first: what a broken session left unsent or unacknowledged, then every hold again
+        # (this also re-reports what a restarted daemon recovered from its sandbox).
         for is_bind, report in self._pending:
             if not is_bind:  # binds are re-reported below from the holds themselves
                 outbox.put_nowait((False, report))
@@ -253,9 +259,8 @@ class SimNode:
             for hold in self.converger.holds.values():
                 outbox.put_nowait((True, self.reporter.report(Bound(hold))))
         self._outbox = outbox
-        unsent: list[object] = []
         reader = asyncio.create_task(self._reader(call), name=f"{self.name}-reader")
-        writer = asyncio.create_task(self._writer(call, stub, outbox, unsent), name=f"{self.name}-writer")
+        writer = asyncio.create_task(self._writer(call, stub, outbox), name=f"{self.name}-writer")
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             # The reader's outcome carries the call's status; the writer's only says it broke.
@@ -270,15 +275,22 @@ class SimNode:
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
             call.cancel()
+            left = list(self._unacked.values())  # written before anything still queued
+            self._unacked.clear()
             while not outbox.empty():
-                unsent.append(outbox.get_nowait())
-            self._pending[:0] = [item for item in unsent if isinstance(item, tuple)]
+                item = outbox.get_nowait()
+                if isinstance(item, tuple):
+                    left.append(item)
+            self._pending[:0] = left
+
 
     async def _reader(self, call: grpc.aio.StreamStreamCall) -> None:
         async for message in call:
             kind = message.WhichOneof("msg")
             if kind == "desired_state":
                 self._on_desired(message.desired_state)
+            elif kind == "report_ack":
+                self._unacked.pop(message.report_ack.sequence, None)
             elif kind == "renew_hint":
                 self._renew_requested = True
                 self._renew_not_before = 0.0
@@ -290,7 +302,6 @@ class SimNode:
         call: grpc.aio.StreamStreamCall,
         stub: node_pb2_grpc.NodeGatewayStub,
         outbox: asyncio.Queue[object],
-        unsent: list[object],
     ) -> bool:
         await call.write(self._hello())
         self.connected = True
@@ -319,12 +330,9 @@ class SimNode:
             else:
                 assert isinstance(item, tuple)
                 message = pb.NodeMessage(report=item[1])
-            try:
-                await call.write(message)
-            except BaseException:
-                if isinstance(item, tuple):
-                    unsent.append(item)
-                raise
+                # Kept before the write: the ack can come back before write() returns.
+                self._unacked[_sequence(item[1])] = item
+            await call.write(message)
 
     # -- convergence and reports -------------------------------------------------------------
 
@@ -359,6 +367,10 @@ class SimNode:
                 async with asyncio.timeout(delay):
                     await self._holds_changed.wait()
             self._emit(self.converger.expire(now_ms()))
+
+
+def _sequence(report: pb.AttestedReport) -> int:
+    return pb.Report.FromString(report.body).sequence
 
 
 def restarted(faults: Faults) -> Faults:

@@ -6,7 +6,8 @@
 - Enrol issues real certificates from the CSR bundle (one-time join tokens), Renew re-issues them
   for the node named by the client certificate, Session reads the node id from the client
   certificate, keeps the newest session, pushes desired state and records what the node sends,
-  checking each report's signature against the certificates it issued to that node.
+  checking each report's signature against the certificates it issued to that node, and
+  acknowledges each report.
 
 `python -m tests.nodesim_peer --dir D --nodes N` serves it standalone (for `nodesim --sim N`).
 """
@@ -285,6 +286,8 @@ class Peer(node_pb2_grpc.NodeGatewayServicer):
             try:
                 async for message in request_iterator:
                     self._receive(node, message)
+                    if message.WhichOneof("msg") == "report":  # every report is acknowledged
+                        queue.put_nowait(pb.GatewayMessage(report_ack=self._ack(node.reports[-1])))
             finally:
                 queue.put_nowait(None)
 
@@ -306,6 +309,11 @@ class Peer(node_pb2_grpc.NodeGatewayServicer):
             node.heartbeats.append(message.heartbeat)
         elif kind == "report":
             node.reports.append(self._judge(node, message.report))
+
+    @staticmethod
+    def _ack(received: Received) -> pb.ReportAck:
+        sequence = received.report.sequence if received.report is not None else 0
+        return pb.ReportAck(sequence=sequence, key_id=received.attested.key_id, outcome=pb.REPORT_STORED)
 
     def _judge(self, node: PeerNode, attested: pb.AttestedReport) -> Received:
         try:

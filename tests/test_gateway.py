@@ -461,29 +461,29 @@ def test_a_report_about_another_nodes_allocation_is_ignored_like_an_unknown_one(
     b_session.close()
 
 
-def test_a_bound_report_is_stored_byte_for_byte_and_wakes_the_reservation(
+def test_a_bound_report_is_kept_byte_for_byte_and_wakes_the_reservation(
         gateway: GatewayThread, pool_id: str) -> None:
     node, session = connected(gateway, pool_id, "gpu-01")
     rid, aid = book(gateway.conninfo, node.node_id)
     sql(gateway.conninfo, "DELETE FROM work_items")
     # Valid but not canonical (fields out of order): re-serializing would change the bytes.
     body = (pb.Report(bound=pb.AllocationBound(allocation_id=aid, cdi_devices=["bcd.dev/gpu=GPU-0"]))
-            .SerializeToString() + pb.Report(node_id=node.node_id, sequence=1).SerializeToString())
+            .SerializeToString() + pb.Report(node_id=node.node_id, sequence=1,
+                                             time=int(time.time() * 1000)).SerializeToString())
     message = node.report(body)
     session.send(message)
-    row = eventually(lambda: sql(gateway.conninfo, "SELECT bound_report, bound_sig_kid, bound_sig FROM allocations"
-                                                   " WHERE id = %s AND bound_report IS NOT NULL", (aid,)))[0]
-    assert bytes(row["bound_report"]) == body and bytes(row["bound_sig"]) == message.report.signature
-    assert row["bound_sig_kid"] == node.key_id
-    [kept] = sql(gateway.conninfo, "SELECT node_id, kind, body, key_id, signature FROM node_reports")
-    assert (kept["node_id"], kept["kind"], bytes(kept["body"])) == (node.node_id, "bound", body)
+    row = eventually(lambda: sql(gateway.conninfo, "SELECT node_id, kind, body, key_id, signature FROM node_reports"))[0]
+    assert (row["node_id"], row["kind"], bytes(row["body"])) == (node.node_id, "bound", body)
+    assert bytes(row["signature"]) == message.report.signature and row["key_id"] == node.key_id
     assert wakes(gateway.conninfo, rid) == 1
-    assert sql(gateway.conninfo, "SELECT state FROM allocations WHERE id = %s", (aid,)) == [{"state": "binding"}]
+    # The evidence is the reservation worker's to write, once the check passed; the gateway's never.
+    assert sql(gateway.conninfo, "SELECT state, bound_report FROM allocations WHERE id = %s", (aid,)) == [
+        {"state": "binding", "bound_report": None}]
 
     async def check(pool: Any) -> tuple[bool, str, Any]:  # what the reservation worker will run
         async with pool.connection() as conn:
-            return await attest.verify_bound_report(conn, aid, node.node_id, row["bound_report"],
-                                                    row["bound_sig_kid"], row["bound_sig"],
+            return await attest.verify_bound_report(conn, aid, node.node_id, row["body"],
+                                                    row["key_id"], row["signature"],
                                                     PkiSettings().offline_grace)
 
     ok, reason, report = arun(gateway.conninfo, check)
@@ -495,8 +495,10 @@ def test_failed_and_released_reports_are_kept_and_wake_the_reservation(gateway: 
     node, session = connected(gateway, pool_id, "gpu-01")
     rid, aid = book(gateway.conninfo, node.node_id)
     sql(gateway.conninfo, "DELETE FROM work_items")
-    failed = pb.Report(node_id=node.node_id, failed=pb.AllocationFailed(allocation_id=aid, reason="resources-exhausted"))
-    released = pb.Report(node_id=node.node_id, released=pb.AllocationReleased(allocation_id=aid, reason="ended"))
+    failed = pb.Report(node_id=node.node_id, sequence=1,
+                       failed=pb.AllocationFailed(allocation_id=aid, reason="resources-exhausted"))
+    released = pb.Report(node_id=node.node_id, sequence=2,
+                         released=pb.AllocationReleased(allocation_id=aid, reason="ended"))
     session.send(node.report(failed.SerializeToString()))
     session.send(node.report(released.SerializeToString()))
     kinds = eventually(lambda: [r["kind"] for r in sql(gateway.conninfo, "SELECT kind FROM node_reports ORDER BY id")]

@@ -800,9 +800,8 @@ def test_the_fleet_binds_through_the_real_gateway_and_its_reports_pass_the_attes
                 limits = {"cpu_millis": 2000, "memory_bytes": 4 * GIB, "cpus": "0-1", "mems": "0"}
                 _, aid = await asyncio.to_thread(book, database, node_id, gpus=2, limits=limits)
                 await asyncio.to_thread(sql, database, "SELECT bump_desired(%s)", (node_id,))
-                [row] = await polled(
-                    "SELECT bound_report, bound_sig_kid, bound_sig FROM allocations"
-                    " WHERE id = %s AND bound_report IS NOT NULL",
+                [row] = await polled(  # as the gateway kept it for the reservation worker
+                    "SELECT body, key_id, signature FROM node_reports WHERE allocation_id = %s AND kind = 'bound'",
                     aid,
                 )
                 assert artefact_paths(sandbox(tmp_path, "sim-000"), aid)[2].is_dir()
@@ -814,9 +813,9 @@ def test_the_fleet_binds_through_the_real_gateway_and_its_reports_pass_the_attes
                             conn,
                             aid,
                             node_id,
-                            row["bound_report"],
-                            row["bound_sig_kid"],
-                            row["bound_sig"],
+                            row["body"],
+                            row["key_id"],
+                            row["signature"],
                             PkiSettings().offline_grace,
                         )
 

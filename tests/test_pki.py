@@ -120,8 +120,8 @@ def enrol(conninfo: str, pool_id: str, name: str, *, role: str = "node",
     return Enrolled(keys, arun(conninfo, work))
 
 
-def bound_report(node_id: str, allocation_id: str, **event: Any) -> bytes:
-    report = node_pb2.Report(node_id=node_id, sequence=1, time=int(time.time() * 1000))
+def bound_report(node_id: str, allocation_id: str, *, at_ms: int | None = None, **event: Any) -> bytes:
+    report = node_pb2.Report(node_id=node_id, sequence=1, time=int(time.time() * 1000) if at_ms is None else at_ms)
     if event.get("failed"):
         report.failed.CopyFrom(node_pb2.AllocationFailed(allocation_id=allocation_id, reason="device-missing"))
     else:
@@ -286,13 +286,52 @@ def test_one_token_raced_by_two_nodes_enrols_one(database: str) -> None:
     assert sum(isinstance(r, errors.Unauthenticated) for r in results) == 2
 
 
-def test_enrolling_the_same_name_again_reuses_the_node(database: str) -> None:
+def test_enrolling_the_same_name_again_reuses_the_node_and_revokes_its_earlier_certificates(database: str) -> None:
     pool_id = seed_pool(database)
     first = enrol(database, pool_id, "gpu-01")
-    again = enrol(database, pool_id, "gpu-01")
     other = enrol(database, pool_id, "gpu-02")
+    with psycopg.connect(database, autocommit=True) as listener:
+        listener.execute(f"LISTEN {store.SESSION_CHANNEL}")
+        again = enrol(database, pool_id, "gpu-01")
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == [first.node_id]  # sessions re-check
     assert first.node_id == again.node_id != other.node_id
     assert first.key_id != again.key_id
+    with pytest.raises(errors.Unauthenticated, match="revoked"):
+        _identify(database, first.cert)
+    _identify(database, again.cert)
+    body = bound_report(first.node_id, "alloc_1")
+    assert verify(database, "alloc_1", first.node_id, body, first.key_id, sign(first.keys.signing, body)) == (
+        False, attest.REVOKED)
+    reasons = sql(database, "SELECT c.serial, r.reason FROM node_certs c LEFT JOIN revocations r USING (serial)"
+                            " WHERE c.node_id = %s", (first.node_id,))
+    assert {r["serial"]: r["reason"] for r in reasons} == {
+        **{certs.serial_hex(c): enrolment.SUPERSEDED for c in (first.cert, first.signing_cert)},
+        **{certs.serial_hex(c): None for c in (again.cert, again.signing_cert)}}
+    assert sql(database, "SELECT revoked_at FROM nodes WHERE id = %s", (first.node_id,)) == [{"revoked_at": None}]
+    _identify(database, other.cert)  # another name is not touched
+
+
+def test_a_node_revoked_by_an_operator_enrols_again_only_once_readmitted(database: str) -> None:
+    pool_id = seed_pool(database)
+    node = enrol(database, pool_id, "gpu-01")
+    serial = certs.serial_hex(node.cert)
+    arun(database, lambda pool: admin.revoke_certificates(pool, "", serial, "one key leaked"))
+    enrol(database, pool_id, "gpu-01")  # revoking a certificate is not revoking the node
+
+    arun(database, lambda pool: admin.revoke_certificates(pool, node.node_id, "", "decommissioned"))
+    token = arun(database, lambda pool: admin.create_join_token(pool, pool_id, "gpu-01", "node", 600))
+    with pytest.raises(errors.AccessDenied, match="readmit") as refused:
+        _enrol_with(database, token["secret"], NodeKeys().csr())
+    assert refused.value.details == {"nodeId": node.node_id, "poolId": pool_id, "nodeName": "gpu-01"}
+    assert sql(database, "SELECT used_at FROM join_tokens WHERE node_id IS NULL") == [{"used_at": None}]
+
+    assert arun(database, lambda pool: admin.readmit_node(pool, node.node_id)) is True
+    assert arun(database, lambda pool: admin.readmit_node(pool, node.node_id)) is False  # nothing to readmit
+    assert _enrol_with(database, token["secret"], NodeKeys().csr()).node_id == node.node_id
+    with pytest.raises(errors.InvalidInput):
+        arun(database, lambda pool: admin.readmit_node(pool, "gpu-01"))
+    with pytest.raises(errors.NotFound):
+        arun(database, lambda pool: admin.readmit_node(pool, new_id("node")))
 
 
 def test_join_token_requests_are_validated(database: str) -> None:
@@ -370,10 +409,12 @@ def test_revoking_a_node_revokes_all_its_certificates_and_wakes_its_sessions(dat
         listener.execute(f"LISTEN {store.SESSION_CHANNEL}")
         serials = arun(database, lambda pool: admin.revoke_certificates(pool, a1.node_id, "", "decommissioned"))
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == [a1.node_id]
-    assert serials == sorted(certs.serial_hex(c) for n in (a1, a2) for c in (n.cert, n.signing_cert))
+    # a1's certificates went when the name enrolled again (a2); this call revokes a2's.
+    assert serials == sorted(certs.serial_hex(c) for c in (a2.cert, a2.signing_cert))
     assert arun(database, lambda pool: admin.revoke_certificates(pool, a1.node_id, "", "")) == []  # idempotent
     listed = arun(database, lambda pool: admin.list_node_certificates(pool, a1.node_id))
-    assert {r["serial"] for r in listed} == set(serials) and all(r["revoked_at"] for r in listed)
+    assert {r["serial"] for r in listed} == {certs.serial_hex(c) for n in (a1, a2) for c in (n.cert, n.signing_cert)}
+    assert all(r["revoked_at"] for r in listed)
     assert arun(database, lambda pool: admin.list_node_certificates(pool, b.node_id))[0]["revoked_at"] is None
 
     with pytest.raises(errors.InvalidInput):
@@ -477,6 +518,22 @@ def test_a_genuine_signature_over_anything_but_this_allocation_bound_never_count
             False, attest.NOT_THIS_BOUND)
 
 
+def test_a_report_dated_in_the_future_or_before_its_certificate_never_counts(fleet: dict[str, Any]) -> None:
+    a = fleet["a"]
+    issued_ms = int(a.signing_cert.not_valid_before_utc.timestamp() * 1000)
+    now_ms = int(time.time() * 1000)
+    skew = dt.timedelta(minutes=1)
+    cases = {now_ms + 30_000: (True, ""),  # within the skew
+             now_ms + 90_000: (False, attest.FROM_THE_FUTURE),
+             issued_ms - 30_000: (True, ""),
+             issued_ms - 90_000: (False, attest.BEFORE_CERTIFICATE),
+             0: (False, attest.BEFORE_CERTIFICATE)}  # no time at all
+    for at_ms, expected in cases.items():
+        body = bound_report(a.node_id, "alloc_1", at_ms=at_ms)
+        assert verify(fleet["db"], "alloc_1", a.node_id, body, a.key_id, sign(a.keys.signing, body),
+                      clock_skew=skew) == expected, at_ms
+
+
 # The NodeAdmin API over real gRPC -----------------------------------------------------------
 
 class AdminServer:
@@ -565,3 +622,9 @@ def test_node_admin_is_root_only_and_maps_errors(database: str, node_admin: Any)
     with pytest.raises(grpc.RpcError) as missing:
         server.stub.RevokeCertificates(npb.RevokeCertificatesRequest(node_id=new_id("node")), metadata=root)
     assert rpc_error(missing)[:2] == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND")
+    with pytest.raises(grpc.RpcError) as not_root:
+        server.stub.ReadmitNode(npb.ReadmitNodeRequest(node_id=new_id("node")), metadata=user)
+    assert rpc_error(not_root)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+    with pytest.raises(grpc.RpcError) as bad_id:
+        server.stub.ReadmitNode(npb.ReadmitNodeRequest(node_id="gpu-01"), metadata=root)
+    assert rpc_error(bad_id) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "nodeId"})

@@ -10,6 +10,7 @@ control plane keeps a cgroup parent only when it is exactly the allocation's own
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -22,6 +23,7 @@ from tests.support import Client, ServerThread, World, eventually, get, make_wor
 from tests.test_pki import Enrolled, enrol, sign
 
 HOUR = 3_600_000
+_SEQUENCE = itertools.count(1)  # a node's reports are newer one after the other
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def world(stack: tuple[ServerThread, Client]) -> World:
 
 def report(node: Enrolled, world: World, allocation_id: str, kind: str, **fields: str) -> None:
     """Store a node-signed report of `kind` about the allocation, as the gateway does, and wake."""
-    body = node_pb2.Report(node_id=node.node_id, sequence=1, time=1)
+    body = node_pb2.Report(node_id=node.node_id, sequence=next(_SEQUENCE), time=int(time.time() * 1000))
     if kind == "bound":
         body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id, **fields))
     elif kind == "released":

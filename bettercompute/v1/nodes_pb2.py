@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x65ttercompute/v1/nodes.proto\x12\x10\x62\x65ttercompute.v1\"_\n\x16\x43reateJoinTokenRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x03\"a\n\tJoinToken\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\tnode_name\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\nexpires_at\x18\x05 \x01(\x03\"Z\n\x19RevokeCertificatesRequest\x12\x11\n\x07node_id\x18\x01 \x01(\tH\x00\x12\x10\n\x06serial\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"-\n\x1aRevokeCertificatesResponse\x12\x0f\n\x07serials\x18\x01 \x03(\t\".\n\x1bListNodeCertificatesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xc4\x01\n\x0fNodeCertificate\x12\x0e\n\x06serial\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0e\n\x06key_id\x18\x04 \x01(\t\x12\x12\n\nnot_before\x18\x05 \x01(\x03\x12\x11\n\tnot_after\x18\x06 \x01(\x03\x12\x0f\n\x07revoked\x18\x07 \x01(\x08\x12\x12\n\nrevoked_at\x18\x08 \x01(\x03\x12\x17\n\x0f\x63\x65rtificate_pem\x18\t \x01(\t\x12\r\n\x05usage\x18\n \x01(\t\"P\n\x1cListNodeCertificatesResponse\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.bettercompute.v1.NodeCertificate\"\x1c\n\x1a\x45xportCaCertificateRequest\"=\n\rCaCertificate\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t2\xb3\x03\n\tNodeAdmin\x12X\n\x0f\x43reateJoinToken\x12(.bettercompute.v1.CreateJoinTokenRequest\x1a\x1b.bettercompute.v1.JoinToken\x12o\n\x12RevokeCertificates\x12+.bettercompute.v1.RevokeCertificatesRequest\x1a,.bettercompute.v1.RevokeCertificatesResponse\x12u\n\x14ListNodeCertificates\x12-.bettercompute.v1.ListNodeCertificatesRequest\x1a..bettercompute.v1.ListNodeCertificatesResponse\x12\x64\n\x13\x45xportCaCertificate\x12,.bettercompute.v1.ExportCaCertificateRequest\x1a\x1f.bettercompute.v1.CaCertificateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x65ttercompute/v1/nodes.proto\x12\x10\x62\x65ttercompute.v1\"_\n\x16\x43reateJoinTokenRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x03\"a\n\tJoinToken\x12\x0e\n\x06secret\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\tnode_name\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\nexpires_at\x18\x05 \x01(\x03\"Z\n\x19RevokeCertificatesRequest\x12\x11\n\x07node_id\x18\x01 \x01(\tH\x00\x12\x10\n\x06serial\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"-\n\x1aRevokeCertificatesResponse\x12\x0f\n\x07serials\x18\x01 \x03(\t\"%\n\x12ReadmitNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\")\n\x13ReadmitNodeResponse\x12\x12\n\nreadmitted\x18\x01 \x01(\x08\".\n\x1bListNodeCertificatesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xc4\x01\n\x0fNodeCertificate\x12\x0e\n\x06serial\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0e\n\x06key_id\x18\x04 \x01(\t\x12\x12\n\nnot_before\x18\x05 \x01(\x03\x12\x11\n\tnot_after\x18\x06 \x01(\x03\x12\x0f\n\x07revoked\x18\x07 \x01(\x08\x12\x12\n\nrevoked_at\x18\x08 \x01(\x03\x12\x17\n\x0f\x63\x65rtificate_pem\x18\t \x01(\t\x12\r\n\x05usage\x18\n \x01(\t\"P\n\x1cListNodeCertificatesResponse\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.bettercompute.v1.NodeCertificate\"\x1c\n\x1a\x45xportCaCertificateRequest\"=\n\rCaCertificate\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t2\x8f\x04\n\tNodeAdmin\x12X\n\x0f\x43reateJoinToken\x12(.bettercompute.v1.CreateJoinTokenRequest\x1a\x1b.bettercompute.v1.JoinToken\x12o\n\x12RevokeCertificates\x12+.bettercompute.v1.RevokeCertificatesRequest\x1a,.bettercompute.v1.RevokeCertificatesResponse\x12Z\n\x0bReadmitNode\x12$.bettercompute.v1.ReadmitNodeRequest\x1a%.bettercompute.v1.ReadmitNodeResponse\x12u\n\x14ListNodeCertificates\x12-.bettercompute.v1.ListNodeCertificatesRequest\x1a..bettercompute.v1.ListNodeCertificatesResponse\x12\x64\n\x13\x45xportCaCertificate\x12,.bettercompute.v1.ExportCaCertificateRequest\x1a\x1f.bettercompute.v1.CaCertificateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,16 +39,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REVOKECERTIFICATESREQUEST']._serialized_end=336
   _globals['_REVOKECERTIFICATESRESPONSE']._serialized_start=338
   _globals['_REVOKECERTIFICATESRESPONSE']._serialized_end=383
-  _globals['_LISTNODECERTIFICATESREQUEST']._serialized_start=385
-  _globals['_LISTNODECERTIFICATESREQUEST']._serialized_end=431
-  _globals['_NODECERTIFICATE']._serialized_start=434
-  _globals['_NODECERTIFICATE']._serialized_end=630
-  _globals['_LISTNODECERTIFICATESRESPONSE']._serialized_start=632
-  _globals['_LISTNODECERTIFICATESRESPONSE']._serialized_end=712
-  _globals['_EXPORTCACERTIFICATEREQUEST']._serialized_start=714
-  _globals['_EXPORTCACERTIFICATEREQUEST']._serialized_end=742
-  _globals['_CACERTIFICATE']._serialized_start=744
-  _globals['_CACERTIFICATE']._serialized_end=805
-  _globals['_NODEADMIN']._serialized_start=808
-  _globals['_NODEADMIN']._serialized_end=1243
+  _globals['_READMITNODEREQUEST']._serialized_start=385
+  _globals['_READMITNODEREQUEST']._serialized_end=422
+  _globals['_READMITNODERESPONSE']._serialized_start=424
+  _globals['_READMITNODERESPONSE']._serialized_end=465
+  _globals['_LISTNODECERTIFICATESREQUEST']._serialized_start=467
+  _globals['_LISTNODECERTIFICATESREQUEST']._serialized_end=513
+  _globals['_NODECERTIFICATE']._serialized_start=516
+  _globals['_NODECERTIFICATE']._serialized_end=712
+  _globals['_LISTNODECERTIFICATESRESPONSE']._serialized_start=714
+  _globals['_LISTNODECERTIFICATESRESPONSE']._serialized_end=794
+  _globals['_EXPORTCACERTIFICATEREQUEST']._serialized_start=796
+  _globals['_EXPORTCACERTIFICATEREQUEST']._serialized_end=824
+  _globals['_CACERTIFICATE']._serialized_start=826
+  _globals['_CACERTIFICATE']._serialized_end=887
+  _globals['_NODEADMIN']._serialized_start=890
+  _globals['_NODEADMIN']._serialized_end=1417
 # @@protoc_insertion_point(module_scope)

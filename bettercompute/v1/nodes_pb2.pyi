@@ -31,7 +31,9 @@ class CreateJoinTokenRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     node_name: _builtins.str
-    """The node's name in the pool; enrolling an existing name reuses the node."""
+    """The node's name in the pool; enrolling an existing name reuses the node and revokes the
+    certificates it held before.
+    """
     role: _builtins.str
     """"node" (default) or "node-tenant"."""
     ttl_seconds: _builtins.int
@@ -134,6 +136,45 @@ class RevokeCertificatesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeCertificatesResponse: _TypeAlias = RevokeCertificatesResponse  # noqa: Y015
+
+@_typing.final
+class ReadmitNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadmitNodeRequest: _TypeAlias = ReadmitNodeRequest  # noqa: Y015
+
+@_typing.final
+class ReadmitNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READMITTED_FIELD_NUMBER: _builtins.int
+    readmitted: _builtins.bool
+    """False when the node was not revoked (nothing changed)."""
+    def __init__(
+        self,
+        *,
+        readmitted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["readmitted", b"readmitted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadmitNodeResponse: _TypeAlias = ReadmitNodeResponse  # noqa: Y015
 
 @_typing.final
 class ListNodeCertificatesRequest(_message.Message):

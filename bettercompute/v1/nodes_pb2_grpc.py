@@ -44,6 +44,11 @@ class NodeAdminStub:
                 request_serializer=bettercompute_dot_v1_dot_nodes__pb2.RevokeCertificatesRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_nodes__pb2.RevokeCertificatesResponse.FromString,
                 _registered_method=True)
+        self.ReadmitNode = channel.unary_unary(
+                '/bettercompute.v1.NodeAdmin/ReadmitNode',
+                request_serializer=bettercompute_dot_v1_dot_nodes__pb2.ReadmitNodeRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_nodes__pb2.ReadmitNodeResponse.FromString,
+                _registered_method=True)
         self.ListNodeCertificates = channel.unary_unary(
                 '/bettercompute.v1.NodeAdmin/ListNodeCertificates',
                 request_serializer=bettercompute_dot_v1_dot_nodes__pb2.ListNodeCertificatesRequest.SerializeToString,
@@ -68,7 +73,15 @@ class NodeAdminServicer:
 
     def RevokeCertificates(self, request, context):
         """Revokes one certificate (by serial) or every certificate of a node. Sessions using
-        a revoked certificate are closed, and reports it signed no longer count.
+        a revoked certificate are closed, and reports it signed no longer count. Revoking by node id
+        also revokes the node: it cannot enrol again, whatever join token it brings, until ReadmitNode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadmitNode(self, request, context):
+        """Lets a revoked node enrol again (with a join token; its revoked certificates stay revoked).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +112,11 @@ def add_NodeAdminServicer_to_server(servicer, server):
                     servicer.RevokeCertificates,
                     request_deserializer=bettercompute_dot_v1_dot_nodes__pb2.RevokeCertificatesRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_nodes__pb2.RevokeCertificatesResponse.SerializeToString,
+            ),
+            'ReadmitNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadmitNode,
+                    request_deserializer=bettercompute_dot_v1_dot_nodes__pb2.ReadmitNodeRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_nodes__pb2.ReadmitNodeResponse.SerializeToString,
             ),
             'ListNodeCertificates': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodeCertificates,
@@ -165,6 +183,33 @@ class NodeAdmin:
             '/bettercompute.v1.NodeAdmin/RevokeCertificates',
             bettercompute_dot_v1_dot_nodes__pb2.RevokeCertificatesRequest.SerializeToString,
             bettercompute_dot_v1_dot_nodes__pb2.RevokeCertificatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadmitNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.NodeAdmin/ReadmitNode',
+            bettercompute_dot_v1_dot_nodes__pb2.ReadmitNodeRequest.SerializeToString,
+            bettercompute_dot_v1_dot_nodes__pb2.ReadmitNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,10 @@ class NodeAdminServicer(rpc.NodeAdminServicer):
         serials = await admin.revoke_certificates(self.rt.pool, request.node_id, request.serial, request.reason)
         return pb.RevokeCertificatesResponse(serials=serials)
 
+    async def ReadmitNode(self, request: pb.ReadmitNodeRequest, context: Ctx) -> pb.ReadmitNodeResponse:
+        caller().require_root()
+        return pb.ReadmitNodeResponse(readmitted=await admin.readmit_node(self.rt.pool, request.node_id))
+
     async def ListNodeCertificates(
         self, request: pb.ListNodeCertificatesRequest, context: Ctx
     ) -> pb.ListNodeCertificatesResponse:

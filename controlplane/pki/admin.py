@@ -53,7 +53,8 @@ async def _require_node(conn: AsyncConnection, node_id: str) -> None:
 
 
 async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: str, reason: str) -> list[str]:
-    """Revoke one certificate or all of a node's; already revoked ones are left as they are."""
+    """Revoke one certificate or all of a node's; already revoked ones are left as they are. By
+    node id the node itself is revoked too: it enrols again only after `readmit_node`."""
     if bool(node_id) == bool(serial):
         raise errors.InvalidInput("target", "name exactly one of nodeId or serial")
     if node_id:
@@ -66,9 +67,21 @@ async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: s
     async def work(conn: AsyncConnection) -> list[str]:
         if node_id:
             await _require_node(conn, node_id)
+            await store.mark_node_revoked(conn, node_id, reason)
         elif await store.certificate_by_serial(conn, serial) is None:
             raise errors.NotFound("no such certificate", serial=serial)
         return await store.revoke(conn, node_id=node_id, serial=serial, reason=reason)
+
+    return await db.run_in_transaction(pool, work)
+
+
+async def readmit_node(pool: AsyncConnectionPool, node_id: str) -> bool:
+    """Let a revoked node enrol again (with a join token); False when it was not revoked."""
+    match("nodeId", node_id, NODE_ID)
+
+    async def work(conn: AsyncConnection) -> bool:
+        await _require_node(conn, node_id)
+        return await store.readmit_node(conn, node_id)
 
     return await db.run_in_transaction(pool, work)
 

@@ -5,14 +5,19 @@ report counts only when (spec "Attested bindings"):
 - it is signed by a certificate of that node: current, or expired within the offline grace,
   never revoked;
 - the certificate's role runs workloads (`node`, `node-tenant`; BC_ATTEST_ROLES changes it);
-- the signed body reports exactly this allocation bound, on this node.
+- the signed body reports exactly this allocation bound, on this node;
+- the body's time is neither in the future nor before the certificate, beyond the clock skew.
 The signature is Ed25519 over PURPOSE || body, by the certificate's report-signing key.
 Rejection reasons are stable strings (they go into reservation.binding-rejected events).
+
+`signing_key_of` only asks whether the node's own key made a signature: the gateway orders the
+reports it stores by it (replays), and decides nothing else.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -21,6 +26,7 @@ from psycopg import AsyncConnection
 
 from bettercompute.node.v1 import node_pb2
 from controlplane.pki import NODE_ROLES, store
+from controlplane.pki.config import DEFAULT_CLOCK_SKEW_SECONDS
 
 PURPOSE = b"attested-report\x00"
 
@@ -32,6 +38,10 @@ EXPIRED = "certificate expired"
 ROLE = "role does not run workloads"
 BAD_SIGNATURE = "bad signature"
 NOT_THIS_BOUND = "not this allocation bound"
+FROM_THE_FUTURE = "report time in the future"
+BEFORE_CERTIFICATE = "report time before its certificate"
+REPLAYED = "replayed report"
+_SKEW = timedelta(seconds=DEFAULT_CLOCK_SKEW_SECONDS)
 
 
 def signed_message(body: bytes) -> bytes:
@@ -49,10 +59,11 @@ async def verify_bound_report(
     offline_grace: timedelta,
     *,
     roles: frozenset[str] = NODE_ROLES,
+    clock_skew: timedelta = _SKEW,
 ) -> tuple[bool, str, node_pb2.Report | None]:
     """(True, "", the report) when the report attests this allocation bound; else (False, reason, None)."""
     return await verify_report(conn, allocation_id, node_id, body, key_id, signature, offline_grace,
-                               kind="bound", roles=roles)
+                               kind="bound", roles=roles, clock_skew=clock_skew)
 
 
 async def verify_report(
@@ -66,6 +77,7 @@ async def verify_report(
     *,
     kind: str,
     roles: frozenset[str] = NODE_ROLES,
+    clock_skew: timedelta = _SKEW,
 ) -> tuple[bool, str, node_pb2.Report | None]:
     """The same checks for any report kind ("bound", "failed", "released"): a forged failure or
     release must not be able to move a booking either."""
@@ -83,10 +95,7 @@ async def verify_report(
         return False, EXPIRED, None
     if cert["role"] not in roles:
         return False, ROLE, None
-    try:
-        key = ed25519.Ed25519PublicKey.from_public_bytes(bytes(cert["signing_key"] or b""))
-        key.verify(bytes(signature), signed_message(bytes(body)))
-    except (InvalidSignature, ValueError):
+    if not _signed_by(cert, body, signature):
         return False, BAD_SIGNATURE, None
     report = node_pb2.Report()
     try:
@@ -96,4 +105,33 @@ async def verify_report(
     if (report.node_id != node_id or report.WhichOneof("event") != kind
             or getattr(report, kind).allocation_id != allocation_id):
         return False, not_this, None
+    if report.time > _ms(cert["now"] + clock_skew):
+        return False, FROM_THE_FUTURE, None
+    if report.time < _ms(cert["not_before"] - clock_skew):
+        return False, BEFORE_CERTIFICATE, None
     return True, "", report
+
+
+async def signing_key_of(conn: AsyncConnection, node_id: str, body: bytes, key_id: str,
+                         signature: bytes) -> bytes | None:
+    """The raw Ed25519 key of the node's signing certificate `key_id` when it made `signature`
+    over `body` (revoked or expired certificates too: this says who signed, not what counts)."""
+    if not body or not key_id or not signature:
+        return None
+    cert = await store.certificate_by_key_id(conn, key_id)
+    if cert is None or cert["node_id"] != node_id or not _signed_by(cert, body, signature):
+        return None
+    return bytes(cert["signing_key"])
+
+
+def _signed_by(cert: dict[str, Any], body: bytes, signature: bytes) -> bool:
+    try:
+        key = ed25519.Ed25519PublicKey.from_public_bytes(bytes(cert["signing_key"] or b""))
+        key.verify(bytes(signature), signed_message(bytes(body)))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def _ms(when: datetime) -> int:
+    return int(when.timestamp() * 1000)

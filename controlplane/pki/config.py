@@ -8,6 +8,8 @@ from datetime import timedelta
 
 from controlplane.pki import NODE_ROLES
 
+DEFAULT_CLOCK_SKEW_SECONDS = 300.0
+
 
 def _roles() -> frozenset[str]:
     raw = os.environ.get("BC_ATTEST_ROLES", "")
@@ -28,6 +30,11 @@ class PkiSettings:
     offline_grace_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_ATTEST_OFFLINE_GRACE_SECONDS", "3600"))
     )
+    # How far a report's signing time may be ahead of the control plane's clock, or before its
+    # signing certificate was issued, and still count.
+    report_clock_skew_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_REPORT_CLOCK_SKEW_SECONDS", str(DEFAULT_CLOCK_SKEW_SECONDS)))
+    )
     # The certificate roles whose nodes run workloads, so whose reports can bind an allocation.
     workload_roles: frozenset[str] = field(default_factory=_roles)
     # When set, the CA key is stored encrypted with it (it must then be set for every process).
@@ -36,3 +43,7 @@ class PkiSettings:
     @property
     def offline_grace(self) -> timedelta:
         return timedelta(seconds=self.offline_grace_seconds)
+
+    @property
+    def report_clock_skew(self) -> timedelta:
+        return timedelta(seconds=self.report_clock_skew_seconds)

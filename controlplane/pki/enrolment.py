@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
+import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -16,6 +17,9 @@ from controlplane import db, errors
 from controlplane.ids import new_id, token_hash
 from controlplane.pki import GATEWAY, NODE_ROLES, certs, store
 from controlplane.pki.config import PkiSettings
+
+log = structlog.get_logger("pki.enrolment")
+SUPERSEDED = "superseded by a new enrolment"
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,9 @@ async def _issue(conn: AsyncConnection, ca: store.Ca, settings: PkiSettings, csr
 async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
                 join_token: str, csr_pem: bytes) -> Issued:
     """Spend a join token (once) and certify the node it names, created on first enrolment and
-    reused when the same name enrols again."""
+    reused when the same name enrols again: then every certificate it held before is revoked (one
+    name, one live identity). A node an operator revoked is refused until it is readmitted; the
+    token is then not spent."""
     if not join_token:
         raise errors.Unauthenticated("a join token is required")
     csr = certs.parse_csr_bundle(csr_pem)  # a bad CSR does not spend the token
@@ -74,7 +80,16 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
         if claim is None:
             raise errors.Unauthenticated("invalid, used or expired join token")
         node_id = await store.node_for_name(conn, new_id("node"), claim["pool_id"], claim["node_name"])
+        node = await store.lock_node(conn, node_id)
+        if node["revoked_at"] is not None:
+            raise errors.AccessDenied(
+                f"node {node['name']} ({node_id}) was revoked; an operator must readmit it"
+                " (NodeAdmin.ReadmitNode) before it can enrol again",
+                nodeId=node_id, poolId=node["pool_id"], nodeName=node["name"])
         await store.spend_join_token(conn, hashed, node_id)
+        superseded = await store.revoke(conn, node_id=node_id, reason=SUPERSEDED)
+        if superseded:
+            log.info("earlier certificates revoked by re-enrolment", node_id=node_id, serials=superseded)
         return await _issue(conn, ca, settings, csr, node_id, claim["role"])
 
     return await db.run_in_transaction(pool, work)

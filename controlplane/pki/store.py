@@ -97,6 +97,28 @@ async def node_for_name(conn: AsyncConnection, node_id: str, pool_id: str, name:
     return row["id"]
 
 
+async def lock_node(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
+    """The node row, locked: enrolments of one node run one after the other."""
+    return await (await conn.execute(
+        "SELECT id, pool_id, name, revoked_at, revoked_reason FROM nodes WHERE id = %s FOR UPDATE",
+        (node_id,))).fetchone()
+
+
+async def mark_node_revoked(conn: AsyncConnection, node_id: str, reason: str) -> None:
+    """The node may not enrol again until it is readmitted (the first revocation's time and reason stay)."""
+    await conn.execute(
+        "UPDATE nodes SET revoked_at = now(), revoked_reason = %s WHERE id = %s AND revoked_at IS NULL",
+        (reason, node_id))
+
+
+async def readmit_node(conn: AsyncConnection, node_id: str) -> bool:
+    """True when the node was revoked and may now enrol again."""
+    row = await (await conn.execute(
+        "UPDATE nodes SET revoked_at = NULL, revoked_reason = '' WHERE id = %s AND revoked_at IS NOT NULL"
+        " RETURNING id", (node_id,))).fetchone()
+    return row is not None
+
+
 # Certificates -------------------------------------------------------------------------------
 
 async def record_certificate(conn: AsyncConnection, cert: x509.Certificate, node_id: str | None) -> certs.CertFacts:

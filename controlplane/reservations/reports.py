@@ -1,10 +1,14 @@
 """Judging node reports: the gateway stored them exactly as received; the reservation worker
-decides what they mean.
+decides what they mean, and is the only writer of the evidence (allocations.bound_report,
+bound_sig_kid, bound_sig: the bytes of the report that made the binding).
 
 - AllocationBound counts only when the attestation check passes (with attested bindings on, the
   default): the binding then comes from the signed report, marked attested. A report that fails
   the check never counts and publishes reservation.binding-rejected; a forged re-report of a
   bound allocation marks the binding lost.
+- A replay never counts: a report about an allocation must be newer (Report.sequence) than every
+  report accepted about it from the same signing key. It is rejected and changes nothing else.
+  (The gateway drops replays on arrival, in the node's order; this holds whoever stored them.)
 - AllocationFailed (checked the same way) is a binding failure: re-placed, at most twice.
 - AllocationReleased of a bound allocation: Degraded with BindingLost until it is bound again.
 """
@@ -33,7 +37,14 @@ WHERE a.reservation_id = %(id)s AND nr.judged_at IS NULL AND a.state IN ('bindin
 ORDER BY nr.id
 FOR UPDATE OF nr
 """
-_JUDGED = "UPDATE node_reports SET judged_at = compute_now(), verdict = %s WHERE id = %s"
+_JUDGED = "UPDATE node_reports SET judged_at = compute_now(), verdict = %s, sequence = %s WHERE id = %s"
+_LAST_ACCEPTED = """
+SELECT max(nr.sequence) AS sequence
+FROM node_reports nr
+JOIN node_certs c ON c.key_id = nr.key_id
+WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
+  AND c.signing_key = (SELECT signing_key FROM node_certs WHERE key_id = %(key_id)s)
+"""
 _BOUND = """
 UPDATE allocations SET state = 'bound', binding = %(binding)s,
        bound_report = %(body)s, bound_sig_kid = %(kid)s, bound_sig = %(sig)s
@@ -49,11 +60,14 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     pki = PkiSettings()
     for rep in await (await conn.execute(_UNJUDGED, {"id": row["id"]})).fetchall():
         ok, reason, report = await _check(conn, rt, pki, rep)
-        await conn.execute(_JUDGED, ("accepted" if ok else f"rejected: {reason}", rep["id"]))
+        if ok and await _replayed(conn, rep, report):
+            ok, reason = False, attest.REPLAYED
+        await conn.execute(_JUDGED, ("accepted" if ok else f"rejected: {reason}",
+                                     report.sequence if ok else None, rep["id"]))
         if not ok:
             await events.emit_reservation(conn, row, "reservation.binding-rejected",
                                           allocationId=rep["allocation_id"], nodeId=rep["node_id"], reason=reason)
-            if rep["kind"] == "bound" and rep["allocation_state"] == "bound":
+            if rep["kind"] == "bound" and rep["allocation_state"] == "bound" and reason != attest.REPLAYED:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":
@@ -74,7 +88,7 @@ async def _check(conn: AsyncConnection, rt: Runtime, pki: PkiSettings, rep: dict
     if rt.settings.attested_bindings or rep["kind"] != "bound":
         return await attest.verify_report(
             conn, rep["allocation_id"], rep["node_id"], rep["body"], rep["key_id"], rep["signature"],
-            pki.offline_grace, kind=rep["kind"], roles=pki.workload_roles)
+            pki.offline_grace, kind=rep["kind"], roles=pki.workload_roles, clock_skew=pki.report_clock_skew)
     report = node_pb2.Report()  # attested bindings off: the gateway's word, for this allocation only
     try:
         report.ParseFromString(bytes(rep["body"]))
@@ -83,6 +97,11 @@ async def _check(conn: AsyncConnection, rt: Runtime, pki: PkiSettings, rep: dict
     if report.WhichOneof("event") != "bound" or report.bound.allocation_id != rep["allocation_id"]:
         return False, attest.NOT_THIS_BOUND, None
     return True, "", report
+
+
+async def _replayed(conn: AsyncConnection, rep: dict[str, Any], report: node_pb2.Report) -> bool:
+    last = await (await conn.execute(_LAST_ACCEPTED, rep)).fetchone()
+    return last["sequence"] is not None and report.sequence <= last["sequence"]
 
 
 def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime) -> dict[str, Any]:

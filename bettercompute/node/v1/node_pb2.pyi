@@ -44,6 +44,35 @@ BINDING_HOLD: BindingKind.ValueType  # 1
 BINDING_KUBERNETES: BindingKind.ValueType  # 2
 Global___BindingKind: _TypeAlias = BindingKind  # noqa: Y015
 
+class _ReportOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReportOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReportOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPORT_UNSPECIFIED: _ReportOutcome.ValueType  # 0
+    REPORT_STORED: _ReportOutcome.ValueType  # 1
+    """Kept for the reservation worker, which verifies and judges it."""
+    REPORT_IGNORED: _ReportOutcome.ValueType  # 2
+    """Unreadable, or not about one of this node's allocations: dropped."""
+    REPORT_REPLAYED: _ReportOutcome.ValueType  # 3
+    """Signed by the node, but its sequence is not newer than the last one stored for that signing
+    key (a replay, or a re-send of a report already stored): dropped.
+    """
+
+class ReportOutcome(_ReportOutcome, metaclass=_ReportOutcomeEnumTypeWrapper): ...
+
+REPORT_UNSPECIFIED: ReportOutcome.ValueType  # 0
+REPORT_STORED: ReportOutcome.ValueType  # 1
+"""Kept for the reservation worker, which verifies and judges it."""
+REPORT_IGNORED: ReportOutcome.ValueType  # 2
+"""Unreadable, or not about one of this node's allocations: dropped."""
+REPORT_REPLAYED: ReportOutcome.ValueType  # 3
+"""Signed by the node, but its sequence is not newer than the last one stored for that signing
+key (a replay, or a re-send of a report already stored): dropped.
+"""
+Global___ReportOutcome: _TypeAlias = ReportOutcome  # noqa: Y015
+
 @_typing.final
 class EnrolRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -179,23 +208,29 @@ class GatewayMessage(_message.Message):
 
     DESIRED_STATE_FIELD_NUMBER: _builtins.int
     RENEW_HINT_FIELD_NUMBER: _builtins.int
+    REPORT_ACK_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def desired_state(self) -> Global___DesiredState: ...
     @_builtins.property
     def renew_hint(self) -> Global___RenewHint:
         """The certificate should be renewed (it is past half its life)."""
 
+    @_builtins.property
+    def report_ack(self) -> Global___ReportAck:
+        """The gateway is done with one report the node sent."""
+
     def __init__(
         self,
         *,
         desired_state: Global___DesiredState | None = ...,
         renew_hint: Global___RenewHint | None = ...,
+        report_ack: Global___ReportAck | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["desired_state", b"desired_state", "msg", b"msg", "renew_hint", b"renew_hint"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["desired_state", b"desired_state", "msg", b"msg", "renew_hint", b"renew_hint", "report_ack", b"report_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_state", b"desired_state", "msg", b"msg", "renew_hint", b"renew_hint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["desired_state", b"desired_state", "msg", b"msg", "renew_hint", b"renew_hint", "report_ack", b"report_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["desired_state", "renew_hint"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["desired_state", "renew_hint", "report_ack"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
@@ -543,7 +578,13 @@ class Report(_message.Message):
     RELEASED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     sequence: _builtins.int
+    """Increases with every report the node signs, across restarts. A report whose sequence is not
+    newer than the last one accepted from the same signing key is a replay and never counts.
+    """
     time: _builtins.int
+    """Epoch ms (wall clock) when the node signed it: neither in the future nor before its signing
+    certificate was issued, beyond the allowed clock skew.
+    """
     @_builtins.property
     def bound(self) -> Global___AllocationBound: ...
     @_builtins.property
@@ -569,6 +610,38 @@ class Report(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___Report: _TypeAlias = Report  # noqa: Y015
+
+@_typing.final
+class ReportAck(_message.Message):
+    """Sent for each AttestedReport, in the order received, once the gateway is done with it (for a
+    stored report: after it is committed). Until its ack arrives the node keeps a report and sends
+    it again, in order, after a reconnect.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """The acknowledged report's Report.sequence (0 when its body was unreadable)."""
+    key_id: _builtins.str
+    """Its AttestedReport.key_id, as received."""
+    outcome: Global___ReportOutcome.ValueType
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        key_id: _builtins.str = ...,
+        outcome: Global___ReportOutcome.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id", "outcome", b"outcome", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportAck: _TypeAlias = ReportAck  # noqa: Y015
 
 @_typing.final
 class AllocationBound(_message.Message):
