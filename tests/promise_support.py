@@ -30,6 +30,7 @@ class SigningNodes:
     def __init__(self, world: World) -> None:
         self.world = world
         self.enrolled: dict[str, Enrolled] = {}
+        self.sequence = 0
 
     def node(self, node_id: str) -> Enrolled:
         if node_id not in self.enrolled:
@@ -45,7 +46,9 @@ class SigningNodes:
         """A node-signed report of `kind` about the allocation, taken in by the gateway's intake
         (which stores it as received and wakes the reservation). Returns the intake's verdict."""
         node = self.node(node_id)
-        body = node_pb2.Report(node_id=node_id, sequence=int(time.time() * 1000), time=int(time.time() * 1000))
+        # Each report is newer than the last, as a daemon's are: the gateway drops a replay.
+        self.sequence = max(self.sequence + 1, int(time.time() * 1000))
+        body = node_pb2.Report(node_id=node_id, sequence=self.sequence, time=int(time.time() * 1000))
         if kind == "bound":
             body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id, **fields))
         elif kind == "released":
@@ -54,7 +57,8 @@ class SigningNodes:
             body.failed.CopyFrom(node_pb2.AllocationFailed(allocation_id=allocation_id, reason="device-missing"))
         raw = body.SerializeToString()
         attested = node_pb2.AttestedReport(body=raw, key_id=node.key_id, signature=sign(node.keys.signing, raw))
-        return arun(self.world.conninfo, lambda pool: gateway_reports.intake(pool, node_id, attested))
+        ack = arun(self.world.conninfo, lambda pool: gateway_reports.intake(pool, node_id, attested))
+        return node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower()
 
     def activate(self, rid: str) -> pb.Reservation:
         """Wait for binding, have every binding allocation's node report it bound, wait for active."""

@@ -155,9 +155,11 @@ def test_a_hold_binds_through_the_node_and_the_files_are_on_disk(world: World, f
         assert time.monotonic() < deadline, "the node kept the CDI spec after the release"
         time.sleep(0.1)
     assert not (node_dir / "run" / "bcd" / "allocations" / f"{alloc.id}.env").exists()
-    released = world.sql("SELECT count(*) FROM node_reports WHERE allocation_id = %s AND kind = 'released'",
-                         (alloc.id,))[0][0]
-    assert released >= 1
+    # The node removes the files, then reports the release: wait for the stored report.
+    while not world.sql("SELECT count(*) FROM node_reports WHERE allocation_id = %s AND kind = 'released'",
+                        (alloc.id,))[0][0]:
+        assert time.monotonic() < deadline, "the node never reported the release"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("mode, reason", [
