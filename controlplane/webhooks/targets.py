@@ -55,6 +55,7 @@ _REFUSED_V6 = tuple((ipaddress.IPv6Network(net), why) for net, why in (
 ))
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the last 32 bits are IPv4
 _INET_ATON = re.compile(r"^[0-9][0-9a-fx.]*$")
+_INET_ATON_PART = re.compile(r"^(?:0x([0-9a-f]+)|0([0-7]+)|([1-9][0-9]*|0))$")
 
 
 class Refused(Exception):
@@ -112,15 +113,11 @@ def inet_aton(host: str) -> ipaddress.IPv4Address | None:
         return None
     values = []
     for part in parts:
-        try:
-            if part[:2] == "0x":
-                values.append(int(part[2:], 16))
-            elif part[:1] == "0" and len(part) > 1:
-                values.append(int(part[1:], 8))
-            else:
-                values.append(int(part, 10))
-        except ValueError:  # also an empty part: "127..1", a trailing dot, "0x"
+        match = _INET_ATON_PART.match(part)  # not an empty part: "127..1", a trailing dot
+        if match is None:
             return None
+        hexa, octal, decimal = match.groups()
+        values.append(int(hexa, 16) if hexa else int(octal, 8) if octal else int(decimal))
     *head, last = values
     if any(v > 255 for v in head) or last >= 1 << (8 * (4 - len(head))):
         return None
