@@ -51,7 +51,7 @@ LOCAL = [
     "http://localhost.localdomain/", "http://no-such-host.invalid/",
     # parser confusion
     "http://8.8.8.8@127.0.0.1/", "http://127.0.0.1:80@8.8.8.8/", "http://127.0.0.1\\@8.8.8.8/",
-    "http://127.0.0.1%2f@8.8.8.8/", "http://127.0.0.1./", "http://127.0.0.1\t/",
+    "http://127.0.0.1%2f@8.8.8.8/", "http://127.0.0.1./", "http://127.0.0.1\t/", "http://8.8.8.8:0/",
 ]
 PUBLIC = {
     "http://8.8.8.8/": "8.8.8.8", "https://1.1.1.1:8443/hook?x=1": "1.1.1.1",
@@ -64,7 +64,7 @@ PUBLIC = {
 def check(url: str, allow: tuple[Any, ...] = ()) -> str:
     """The address an attempt would connect to (or the refusal)."""
     async def run() -> str:
-        return (await targets.resolve(targets.parse(url), allow)).address
+        return (await targets.resolve(targets.parse(url), allow)).addresses[0]
 
     return asyncio.run(run())
 
@@ -99,7 +99,8 @@ def test_the_allowlist_is_the_only_way_to_a_local_address() -> None:
 
 def test_a_name_is_refused_when_any_of_its_addresses_is_local() -> None:
     public, local = ipaddress.ip_address("8.8.8.8"), ipaddress.ip_address("10.1.2.3")
-    assert targets.judge("example.com", [public], ()) == "8.8.8.8"
+    assert targets.judge("example.com", [public, ipaddress.ip_address("2606:4700::1")], ()) == (
+        "8.8.8.8", "2606:4700::1")
     with pytest.raises(targets.Refused):
         targets.judge("example.com", [public, local], ())
     with pytest.raises(targets.Refused):
@@ -353,3 +354,22 @@ def test_an_attempt_connects_to_the_address_it_checked_not_to_a_second_answer() 
     finally:
         allowed.close()
         internal.close()
+
+
+def test_an_attempt_tries_the_next_checked_address_when_one_does_not_answer() -> None:
+    peer = Peer(b"HTTP/1.1 204 No Content\r\n\r\n", host="127.0.0.2")
+    port = int(peer.url.rsplit(":", 1)[1].split("/")[0])
+
+    async def run() -> sender.Outcome:
+        async def resolver(host: str, *args: Any, **kw: Any) -> Any:  # the system's resolver, faked
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (a, port))
+                    for a in ("127.0.0.3", "127.0.0.2")]  # nothing listens on the first
+
+        asyncio.get_running_loop().getaddrinfo = resolver  # type: ignore[method-assign]
+        return await sender.post(f"http://two.test:{port}/hook", b"{}", {}, deadline=10,
+                                 allow=(ipaddress.ip_network("127.0.0.0/8"),))
+
+    try:
+        assert asyncio.run(run()).status == 204 and len(peer.requests) == 1
+    finally:
+        peer.close()

@@ -70,11 +70,8 @@ async def post(url: str, payload: bytes, headers: dict[str, str], *, deadline: f
 
 
 async def _exchange(target: targets.Target, payload: bytes, headers: dict[str, str]) -> int:
+    reader, writer = await _connect(target)
     url = target.url
-    tls = url.scheme == "https"
-    reader, writer = await asyncio.open_connection(
-        target.address, url.port, ssl=_TLS if tls else None, server_hostname=url.host if tls else None,
-        limit=MAX_LINE)
     try:
         lines = [f"POST {url.request_target} HTTP/1.1", f"Host: {url.host_header}",
                  f"Content-Length: {len(payload)}", "Connection: close",
@@ -93,3 +90,21 @@ async def _exchange(target: targets.Target, payload: bytes, headers: dict[str, s
         raise _BadAnswer("too many interim answers")
     finally:
         writer.transport.abort()
+
+
+async def _connect(target: targets.Target) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the first checked address that takes one (TLS failures are final)."""
+    url = target.url
+    tls = url.scheme == "https"
+    failure: OSError | None = None
+    for address in target.addresses:
+        try:
+            return await asyncio.open_connection(
+                address, url.port, ssl=_TLS if tls else None, server_hostname=url.host if tls else None,
+                limit=MAX_LINE)
+        except ssl.SSLError:
+            raise
+        except OSError as exc:
+            failure = exc
+    assert failure is not None  # a target has at least one address
+    raise failure

@@ -1,7 +1,7 @@
 """Where a webhook may post: its URL's host, resolved, must give public addresses only.
 
 Checked when the webhook is registered and again at every attempt; the attempt then connects to
-the address checked here and never resolves the name a second time (DNS rebinding). Refused:
+the addresses checked here and never resolves the name a second time (DNS rebinding). Refused:
 loopback, private, shared (CGNAT), link-local, multicast, unspecified, reserved, documentation
 and benchmarking ranges, in every spelling the resolver accepts: inet_aton's integer, octal, hex
 and short dotted forms (2130706433, 0x7f.1, 0177.0.0.1, 127.1) are parsed here as the C library
@@ -74,7 +74,7 @@ class Url:
 @dataclass(frozen=True)
 class Target:
     url: Url
-    address: str  # the checked address to connect to
+    addresses: tuple[str, ...]  # the checked addresses to connect to, in the resolver's order
 
 
 def parse(url: str) -> Url:
@@ -93,6 +93,8 @@ def parse(url: str) -> Url:
         raise ValueError("must not carry user information")
     if "%" in parts.hostname:
         raise ValueError("must not carry an IPv6 zone id")
+    if port == 0:
+        raise ValueError("must have a port from 1 to 65535")
     host = parts.hostname
     default = 443 if parts.scheme == "https" else 80
     shown = f"[{host}]" if ":" in host else host
@@ -156,8 +158,8 @@ def refusal(address: Address) -> str | None:
     return next((why for net, why in _REFUSED_V4 if address in net), None)
 
 
-def judge(host: str, addresses: Iterable[Address], allow: Sequence[Network]) -> str:
-    """The address to connect to when every one of `addresses` may be reached; Refused otherwise."""
+def judge(host: str, addresses: Iterable[Address], allow: Sequence[Network]) -> tuple[str, ...]:
+    """The addresses to connect to when every one of `addresses` may be reached; Refused otherwise."""
     chosen: list[Address] = []
     for address in addresses:
         if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
@@ -173,7 +175,7 @@ def judge(host: str, addresses: Iterable[Address], allow: Sequence[Network]) -> 
         chosen.append(effective)
     if not chosen:
         raise Refused(f"{host}: no address")
-    return str(chosen[0])
+    return tuple(dict.fromkeys(str(a) for a in chosen))
 
 
 async def resolve(url: Url, allow: Sequence[Network]) -> Target:
