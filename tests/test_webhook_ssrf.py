@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import psycopg
+import psycopg.rows
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from bettercompute.v1 import events_pb2 as epb
 from controlplane.ids import new_id
-from controlplane.webhooks import delivery, sender, targets
+from controlplane.webhooks import delivery, queries, sender, targets
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 from tests.test_webhooks import SECRET, Receiver, create_hook, deliveries, eventually, hooks, reserve
@@ -305,6 +307,71 @@ def test_a_slow_receiver_does_not_delay_another_tenants_delivery(capped: tuple[S
         hooks(a.user, "Delete", epb.DeleteWebhookRequest(tenant_id=a.tenant, webhook_id=slow_hook.id))
         slow.close()
         quick.close()
+
+
+def test_the_per_tenant_cap_holds_across_processes(capped: tuple[ServerThread, Client]) -> None:
+    server, _ = capped
+    replica = ServerThread(server.conninfo, server.settings)  # a second control plane and delivery worker
+    a, b = new_world(capped), new_world(capped)
+    slow, quick = Peer(TRICKLE, gap=0.1), Receiver()
+    try:
+        slow_hook = create_hook(a, slow.url)
+        start = a.later()
+        for _ in range(6):  # six attempts A could run at once: the two processes have six slots
+            a.create(start=start)
+        eventually(lambda: slow.open == 2)
+        for _ in range(2):  # claims in both processes after A's deliveries were due
+            create_hook(b, quick.url)
+        subjects = [reserve(b) for _ in range(3)]
+        eventually(lambda: all(quick.of(s) for s in subjects) and len(quick.of()) == 6)
+        assert (slow.open, slow.max_open, slow.accepted) == (2, 2, 2)
+    finally:
+        hooks(a.user, "Delete", epb.DeleteWebhookRequest(tenant_id=a.tenant, webhook_id=slow_hook.id))
+        slow.close()
+        quick.close()
+        replica.stop()
+
+
+def test_concurrent_claims_count_each_others_leases(database: str) -> None:
+    """Two processes claiming at once: the second waits for the first to commit, then counts its
+    leases (without the claim lock it would skip the first's locked rows and take two more)."""
+    from controlplane import db
+    from controlplane.config import Settings
+    from controlplane.runtime import Runtime
+
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("INSERT INTO tenants (id, name) VALUES ('ta', 'a')")
+        conn.execute("INSERT INTO webhooks (id, tenant_id, url, secret, created_by) VALUES (%s, 'ta', %s, %s, 't')",
+                     (new_id("whk"), "http://127.0.0.1:9/", SECRET))
+        for i in range(4):
+            conn.execute("INSERT INTO events (tenant_id, type, subject, data) VALUES ('ta', 'x.y', %s, '{}')",
+                         (f"s/{i}",))
+    settings = Settings(database_url=database, webhook_tenant_concurrency=2)
+    params = {"limit": 10, "lease_seconds": 60, "tenant_limit": 2}
+    first = psycopg.connect(database, row_factory=psycopg.rows.dict_row)
+    result: list[Any] = []
+
+    async def second_claim() -> list[Any]:
+        pool = await db.open_pool(database, size=1)
+        try:
+            return await delivery.claim(Runtime(pool, settings), 10)
+        finally:
+            await pool.close()
+
+    try:
+        first.execute(queries.CLAIM_LOCK)
+        assert len(first.execute(queries.CLAIM, params).fetchall()) == 2  # not committed yet
+        thread = threading.Thread(target=lambda: result.append(asyncio.run(second_claim())))
+        thread.start()
+        with psycopg.connect(database, autocommit=True) as watcher:
+            eventually(lambda: watcher.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+                " AND datname = current_database()").fetchall())
+        first.commit()
+        thread.join(30)
+        assert result == [[]]
+    finally:
+        first.close()
 
 
 def test_a_tenant_has_a_limited_number_of_webhooks(capped: tuple[ServerThread, Client]) -> None:
