@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -13,6 +14,12 @@ def _int(name: str, default: int) -> int:
 def _bool(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name)
     return default if raw is None else raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """A comma-separated list of CIDR networks (a bare address is a /32 or /128)."""
+    raw = os.environ.get(name, "")
+    return tuple(ipaddress.ip_network(n.strip()) for n in raw.split(",") if n.strip())
 
 
 @dataclass(frozen=True)
@@ -61,3 +68,18 @@ class Settings:
     draft_sweep_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_DRAFT_SWEEP_SECONDS", "60"))
     )
+    # Webhooks. Targets must resolve to public addresses; the allowlist (CIDRs) is the only way to
+    # reach a loopback, private, link-local or otherwise local address (tests, a dev receiver).
+    webhook_allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = field(
+        default_factory=lambda: _networks("BC_WEBHOOK_ALLOW")
+    )
+    # The whole attempt: resolving, connecting, TLS, sending and reading the answer's status line.
+    webhook_attempt_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_WEBHOOK_ATTEMPT_SECONDS", "10"))
+    )
+    # Attempts in flight per process, and per tenant across all processes.
+    webhook_concurrency: int = field(default_factory=lambda: int(os.environ.get("BC_WEBHOOK_CONCURRENCY", "8")))
+    webhook_tenant_concurrency: int = field(
+        default_factory=lambda: int(os.environ.get("BC_WEBHOOK_TENANT_CONCURRENCY", "2"))
+    )
+    webhooks_per_tenant: int = field(default_factory=lambda: int(os.environ.get("BC_WEBHOOKS_PER_TENANT", "20")))

@@ -1,10 +1,13 @@
 """Webhooks against a real HTTP receiver on loopback that checks every signature: delivered once,
-retried with back-off, in order per subject, dead after the last attempt; management and tenancy."""
+retried with back-off, in order per subject, dead after the last attempt; management and tenancy.
+The receivers listen on 127.0.0.1, which this module's control plane allowlists (a local address
+is refused otherwise: tests/test_webhook_ssrf.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import threading
 import time
@@ -19,10 +22,13 @@ import pytest
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import admin_pb2 as apb
 from controlplane.webhooks import delivery
+from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 
 SECRET = "s3cret-s3cret-s3cret"
+LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
 
 
 @dataclass
@@ -86,11 +92,17 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """The loopback receivers allowlisted; clock control to trigger a retry on demand."""
+    yield from module_stack(pg_uri, webhook_allow=LOOPBACK, webhook_attempt_seconds=5, clock_control=True)
+
+
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small back-off for tests; the worker runs in this process and reads the policy at each use."""
     monkeypatch.setattr(delivery, "POLICY", delivery.RetryPolicy(
-        max_attempts=3, base_seconds=0.2, cap_seconds=0.4, timeout_seconds=2, poll_seconds=1))
+        max_attempts=3, base_seconds=0.2, cap_seconds=0.4, poll_seconds=1))
 
 
 def hooks(client: Client, method: str, request: Any) -> Any:
@@ -118,7 +130,7 @@ def release(world: World, subject: str) -> None:
                                                            reservation_id=subject.split("/", 1)[1]))
 
 
-def eventually(check: Callable[[], Any], timeout: float = 10) -> Any:
+def eventually(check: Callable[[], Any], timeout: float = 30) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         result = check()
@@ -143,7 +155,7 @@ def test_an_event_is_delivered_once_signed_with_the_webhook_secret(world: World,
                                  if d.event_id == event["id"] and d.state == "delivered"), None))
     assert (d.attempts, d.last_status, d.subject, d.event_type) == (1, 200, subject, "reservation.placed")
     assert d.HasField("last_attempt_at") and not d.HasField("next_attempt_at")
-    time.sleep(0.5)
+    # Delivered after one claim: no other attempt is in flight (the receiver records before answering).
     assert len(receiver.of(subject)) == 1
 
 
@@ -162,23 +174,34 @@ def test_failed_attempts_are_retried_with_back_off_until_delivered(world: World)
         receiver.close()
 
 
-def test_later_events_of_a_subject_wait_while_an_earlier_one_is_failing(world: World) -> None:
-    failing: list[int] = []  # the first event received: the first reservation's placement
+def test_later_events_of_a_subject_wait_while_an_earlier_one_is_failing(world: World,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Enough attempts that the failing placement outlasts any delay of the other subject's delivery.
+    monkeypatch.setattr(delivery, "POLICY", delivery.RetryPolicy(
+        max_attempts=100, base_seconds=0.1, cap_seconds=0.2, poll_seconds=1))
+    first_start, other_start = world.later(24), world.later(48)  # tells the two placements apart
+    other_seen = threading.Event()
 
     def answer(event: dict[str, Any], attempt: int) -> int:
-        failing[:] = failing or [event["id"]]
-        return 500 if event["id"] == failing[0] and attempt <= 2 else 200
+        start = event["data"].get("start") if event["type"] == "reservation.placed" else None
+        if start == other_start:
+            other_seen.set()
+        # The first placement fails at least twice, and until the other subject's event has come:
+        # if that one waited behind it, the placement would die after its last attempt.
+        return 500 if start == first_start and (attempt <= 2 or not other_seen.is_set()) else 200
 
     receiver = Receiver(answer)
     try:
         create_hook(world, receiver.url)
-        first = reserve(world)
+        first = f"reservation/{world.create(start=first_start).id}"
         release(world, first)
-        other = reserve(world)
+        other = f"reservation/{world.create(start=other_start).id}"
         eventually(lambda: receiver.of(first, "reservation.released"))
         order = [(h.event["type"], h.status) for h in receiver.of(first)]
-        assert order == [("reservation.placed", 500), ("reservation.placed", 500), ("reservation.placed", 200),
-                         ("reservation.released", 200)]
+        failures = len(order) - 2
+        assert failures >= 2
+        assert order == [("reservation.placed", 500)] * failures + [("reservation.placed", 200),
+                                                                    ("reservation.released", 200)]
         # Another subject did not wait for the failing one.
         placed_ok = receiver.of(first, "reservation.placed")[-1]
         assert receiver.of(other)[0].at < placed_ok.at
@@ -188,20 +211,24 @@ def test_later_events_of_a_subject_wait_while_an_earlier_one_is_failing(world: W
 
 def test_a_delivery_is_dead_after_the_last_attempt_and_its_subject_moves_on(world: World,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # A back-off of about an hour: each retry comes only when the test moves compute_now() on.
     monkeypatch.setattr(delivery, "POLICY", delivery.RetryPolicy(
-        max_attempts=3, base_seconds=1.0, cap_seconds=1.0, timeout_seconds=2, poll_seconds=1))
+        max_attempts=3, base_seconds=3600, cap_seconds=3600, poll_seconds=1))
     receiver = Receiver(lambda event, attempt: 500 if event["type"] == "reservation.placed" else 200)
     try:
         hook = create_hook(world, receiver.url)
-        subject = reserve(world)
+        subject = f"reservation/{world.create(start=world.later(72)).id}"  # still ahead after the moves
         release(world, subject)
-        # Between attempts the delivery is pending, with the last status and the next attempt time.
-        waiting = eventually(lambda: next((d for d in deliveries(world, hook).values()
-                                           if d.state == "pending" and d.attempts == 1
-                                           and d.HasField("last_status")), None))
-        assert waiting.last_status == 500 and "500" in waiting.last_error
-        assert waiting.next_attempt_at > waiting.last_attempt_at
-        eventually(lambda: receiver.of(subject, "reservation.released"), timeout=15)
+        for attempt in (1, 2):
+            # Between attempts the delivery is pending, with the last status and the next attempt at
+            # least half the back-off ahead (while an attempt runs, it is its lease's end: seconds).
+            waiting = eventually(lambda: next((d for d in deliveries(world, hook).values()  # noqa: B023
+                                               if d.state == "pending" and d.attempts == attempt
+                                               and d.next_attempt_at - d.last_attempt_at >= 1_800_000), None))
+            assert waiting.last_status == 500 and waiting.last_error == "HTTP 500"
+            assert len(receiver.of(subject)) == attempt  # the released event waits behind it
+            world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=3_600_001))
+        eventually(lambda: receiver.of(subject, "reservation.released"))
         assert [h.status for h in receiver.of(subject)] == [500, 500, 500, 200]
         by_type = {d.event_type: d for d in deliveries(world, hook).values()}
         dead, sent = by_type["reservation.placed"], by_type["reservation.released"]
@@ -215,14 +242,15 @@ def test_a_delivery_is_dead_after_the_last_attempt_and_its_subject_moves_on(worl
 def test_two_replicas_deliver_each_event_once_in_order_per_subject(world: World, receiver: Receiver,
                                                                    stack: Any) -> None:
     server, _ = stack
-    replica = ServerThread(server.conninfo)  # a second control plane with its own delivery worker
+    replica = ServerThread(server.conninfo, server.settings)  # a second control plane and delivery worker
     try:
         create_hook(world, receiver.url)
         subjects = [reserve(world) for _ in range(6)]
         for subject in subjects[:3]:
             release(world, subject)
-        eventually(lambda: len(receiver.of()) >= 9)
-        time.sleep(0.3)
+        hook = hooks(world.user, "List", epb.ListWebhooksRequest(tenant_id=world.tenant)).items[0]
+        # Every delivery recorded delivered after one claim: no attempt is left in flight anywhere.
+        eventually(lambda: [(d.state, d.attempts) for d in deliveries(world, hook).values()] == [("delivered", 1)] * 9)
     finally:
         replica.stop()
     ids = [h.event["id"] for h in receiver.of()]
@@ -238,10 +266,15 @@ def test_event_type_filter_and_deletion(world: World, receiver: Receiver) -> Non
     hit = eventually(lambda: receiver.of(subject))[0]
     assert hit.event["type"] == "reservation.released"
     hooks(world.user, "Delete", epb.DeleteWebhookRequest(tenant_id=world.tenant, webhook_id=hook.id))
-    later = reserve(world)
-    release(world, later)
-    time.sleep(0.5)
-    assert receiver.of(subject) == [hit] and receiver.of(later) == []
+    control = Receiver()  # a webhook that stays: its delivery shows the later events were worked on
+    try:
+        create_hook(world, control.url, event_types=["reservation.released"])
+        later = reserve(world)
+        release(world, later)
+        eventually(lambda: control.of(later, "reservation.released"))
+        assert receiver.of(subject) == [hit] and receiver.of(later) == []
+    finally:
+        control.close()
 
 
 def test_webhook_management_validates_and_keeps_tenants_apart(world: World, receiver: Receiver, stack: Any) -> None:

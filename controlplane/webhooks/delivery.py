@@ -1,8 +1,11 @@
 """The webhook delivery worker: an asyncio task per process; replicas share the work only through
 PostgreSQL (FOR UPDATE SKIP LOCKED on webhook_deliveries).
 
-Each claimed delivery is POSTed in a thread (the standard library's HTTP client) with a timeout.
-A 2xx answer marks it delivered. Anything else is retried with exponential back-off and jitter
+Each claimed delivery is POSTed on the event loop (`sender`) under one total deadline
+(Settings.webhook_attempt_seconds), to an address checked again at every attempt (`targets`).
+A process runs at most Settings.webhook_concurrency attempts at a time, and a tenant at most
+Settings.webhook_tenant_concurrency across all processes (the claim counts its leases), so one
+tenant's slow receivers cannot hold every slot. A 2xx answer marks it delivered. Anything else is retried with exponential back-off and jitter
 until `max_attempts`, then the delivery is dead and the next event of its subject may go.
 Woken by NOTIFY bc_webhooks (the fan-out trigger) and by its own timer for retries.
 """
@@ -30,14 +33,7 @@ class RetryPolicy:
     max_attempts: int = 20  # 45 to 60 minutes of retries with the defaults below
     base_seconds: float = 1.0  # the first retry waits 0.5 to 1 s; each later one doubles
     cap_seconds: float = 300.0
-    timeout_seconds: float = 10.0  # per request
-    concurrency: int = 8  # attempts in flight per process
     poll_seconds: float = 30.0  # the safety net when no NOTIFY comes
-
-    @property
-    def lease_seconds(self) -> float:
-        """How long a claimed attempt owns its row before another worker may try again."""
-        return 3 * self.timeout_seconds + 5
 
     def backoff(self, attempts: int) -> float:
         """The wait after `attempts` failed attempts: capped doubling, jittered within its upper half."""
@@ -49,10 +45,21 @@ class RetryPolicy:
 POLICY = RetryPolicy()
 
 
+LEASE_MARGIN_SECONDS = 5.0  # beyond the attempt's deadline: recording the outcome
+
+
+def lease_seconds(rt: Runtime) -> float:
+    """How long a claimed attempt owns its row before another worker may try again."""
+    return rt.settings.webhook_attempt_seconds + LEASE_MARGIN_SECONDS
+
+
 async def claim(rt: Runtime, limit: int) -> list[dict[str, Any]]:
+    params = {"limit": limit, "lease_seconds": lease_seconds(rt),
+              "tenant_limit": rt.settings.webhook_tenant_concurrency}
+
     async def work(conn: psycopg.AsyncConnection) -> list[dict[str, Any]]:
-        cur = await conn.execute(queries.CLAIM, {"limit": limit, "lease_seconds": POLICY.lease_seconds})
-        return await cur.fetchall()
+        await conn.execute(queries.CLAIM_LOCK)
+        return await (await conn.execute(queries.CLAIM, params)).fetchall()
 
     return await db.run_in_transaction(rt.pool, work)
 
@@ -62,7 +69,8 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
     policy = POLICY
     payload = signing.body(row)
     headers = signing.headers(row["secret"], row["event_id"], int(time.time()), payload)
-    outcome = await asyncio.to_thread(sender.post, row["url"], payload, headers, policy.timeout_seconds)
+    outcome = await sender.post(row["url"], payload, headers, deadline=rt.settings.webhook_attempt_seconds,
+                                allow=rt.settings.webhook_allow)
     key = {"webhook_id": row["webhook_id"], "event_id": row["event_id"], "attempt": row["attempts"],
            "status": outcome.status}
     if outcome.delivered:
@@ -72,7 +80,8 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
         query, params = queries.FAILED, {**key, "error": outcome.error, "dead": dead,
                                          "delay_seconds": 0.0 if dead else policy.backoff(row["attempts"])}
         log.info("webhook attempt failed", webhook_id=row["webhook_id"], event_id=row["event_id"],
-                 attempt=row["attempts"], status=outcome.status, error=outcome.error, dead=dead)
+                 attempt=row["attempts"], status=outcome.status, error=outcome.error, detail=outcome.detail,
+                 dead=dead)
 
     async def work(conn: psycopg.AsyncConnection) -> None:
         await conn.execute(query, params)
@@ -83,7 +92,8 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
 
 async def seconds_until_due(rt: Runtime) -> float | None:
     async with db.read_only(rt.pool) as conn:
-        row = await (await conn.execute(queries.NEXT_DUE)).fetchone()
+        row = await (await conn.execute(queries.NEXT_DUE, {
+            "tenant_limit": rt.settings.webhook_tenant_concurrency})).fetchone()
     return None if row is None or row["seconds"] is None else max(0.0, row["seconds"])
 
 
@@ -114,7 +124,7 @@ class Worker:
     async def _fill(self) -> None:
         """Claim as many due deliveries as there are free slots and start them."""
         self.wake.clear()  # before claiming: a NOTIFY during the claim is kept
-        free = POLICY.concurrency - len(self.in_flight)
+        free = self.rt.settings.webhook_concurrency - len(self.in_flight)
         if free <= 0:
             return
         for row in await claim(self.rt, free):
@@ -129,7 +139,7 @@ class Worker:
         self.wake.set()  # a free slot, and maybe the next event of that subject
 
     async def _sleep(self) -> None:
-        if len(self.in_flight) >= POLICY.concurrency:
+        if len(self.in_flight) >= self.rt.settings.webhook_concurrency:
             timeout: float | None = None  # only a finished attempt frees a slot
         else:
             due = await seconds_until_due(self.rt)

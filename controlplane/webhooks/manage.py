@@ -2,14 +2,17 @@
 
 Every call needs membership of the tenant and IAM's compute:webhooks:manage on it: a webhook's
 URL and deliveries are configuration, not events. Another tenant's webhook is NOT_FOUND.
+A URL must resolve to public addresses only (`targets`; INVALID_INPUT naming `url`), and a tenant
+has at most Settings.webhooks_per_tenant webhooks (QUOTA_EXCEEDED, resource `webhooks`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-import urllib.parse
 from typing import Any
 
+import structlog
 from psycopg import AsyncConnection
 
 from controlplane import db, errors
@@ -17,25 +20,28 @@ from controlplane.auth import Caller
 from controlplane.ids import new_id
 from controlplane.runtime import Runtime
 from controlplane.watch import authorize_tenant, parse_types
-from controlplane.webhooks import queries
+from controlplane.webhooks import queries, targets
+
+log = structlog.get_logger(__name__)
 
 WEBHOOKS_MANAGE = "compute:webhooks:manage"
 
 WEBHOOK_ID = re.compile(r"^whk_[0-9a-hjkmnp-tv-z]{26}$")
-MAX_URL = 2048
 SECRET_LENGTH = (16, 256)
 
 
-def _url(url: str) -> str:
-    if len(url) > MAX_URL or any(c.isspace() for c in url):
-        raise errors.InvalidInput("url", f"must be a URL of at most {MAX_URL} characters without spaces")
+async def _url(rt: Runtime, url: str) -> str:
+    """`url` when it is a webhook URL whose host resolves, now, to allowed addresses only."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise errors.InvalidInput("url", "not a valid URL") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise errors.InvalidInput("url", "must be an http:// or https:// URL with a host")
+        parsed = targets.parse(url)
+    except ValueError as exc:
+        raise errors.InvalidInput("url", str(exc)) from None
+    try:
+        async with asyncio.timeout(rt.settings.webhook_attempt_seconds):
+            await targets.resolve(parsed, rt.settings.webhook_allow)
+    except (targets.Refused, TimeoutError) as exc:
+        log.info("webhook url refused", host=parsed.host, reason=str(exc) or "resolving timed out")
+        raise errors.InvalidInput("url", targets.REFUSED) from None
     return url
 
 
@@ -58,13 +64,19 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     secret = raw.get("secret", "")
     if not SECRET_LENGTH[0] <= len(secret) <= SECRET_LENGTH[1]:
         raise errors.InvalidInput("secret", f"must be {SECRET_LENGTH[0]} to {SECRET_LENGTH[1]} characters")
+    event_types = parse_types("eventTypes", list(raw.get("event_types") or []))
     params = {
-        "id": new_id("whk"), "tenant_id": tenant_id, "url": _url(raw.get("url", "")), "secret": secret,
-        "event_types": parse_types("eventTypes", list(raw.get("event_types") or [])),
-        "created_by": caller.identity_id,
+        "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, raw.get("url", "")), "secret": secret,
+        "event_types": event_types, "created_by": caller.identity_id,
     }
+    limit = rt.settings.webhooks_per_tenant
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        await conn.execute(queries.TENANT_LOCK, params)
+        used = (await (await conn.execute(queries.COUNT, params)).fetchone())["n"]
+        if used >= limit:
+            raise errors.QuotaExceeded(f"a tenant may have {limit} webhooks; delete one first",
+                                       resource="webhooks", limit=limit, used=used, requested=1)
         return await (await conn.execute(queries.CREATE, params)).fetchone()
 
     return await db.run_in_transaction(rt.pool, work)

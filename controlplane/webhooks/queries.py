@@ -8,6 +8,10 @@ VALUES (%(id)s, %(tenant_id)s, %(url)s, %(secret)s, %(event_types)s, %(created_b
 RETURNING {_WEBHOOK_COLUMNS}
 """
 
+# Webhooks per tenant are capped: creates of one tenant take this lock, then count.
+TENANT_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('webhooks:' || %(tenant_id)s, 0))"
+COUNT = "SELECT count(*) AS n FROM webhooks WHERE tenant_id = %(tenant_id)s"
+
 GET = f"SELECT {_WEBHOOK_COLUMNS} FROM webhooks WHERE id = %(id)s AND tenant_id = %(tenant_id)s"
 
 LIST = f"""
@@ -30,26 +34,57 @@ ORDER BY d.event_id DESC
 LIMIT %(limit)s
 """
 
-# Due deliveries that are the earliest pending one of their webhook and subject (order per
-# subject), oldest due first. The claim counts the attempt and leases the row until
-# next_attempt_at: if the worker dies, the row is due again then. Two rows of one webhook and
-# subject are never claimed together, nor while the earlier one is leased (it stays pending).
-CLAIM = """
-WITH due AS (
-    SELECT d.webhook_id, d.event_id
+# Claims are serialized across processes by this transaction-scoped lock, so the per-tenant cap
+# below counts every lease committed before (claims are one short statement each).
+CLAIM_LOCK = "SELECT pg_advisory_xact_lock(7311010)"
+
+# Leases in flight per tenant: attempts claimed and not yet recorded (a lease that ran out, its
+# worker gone, no longer counts).
+_BUSY = """
+busy AS (
+    SELECT w.tenant_id, count(*) AS leased
     FROM webhook_deliveries d
-    WHERE d.state = 'pending' AND d.next_attempt_at <= compute_now()
-      AND NOT EXISTS (
+    JOIN webhooks w ON w.id = d.webhook_id
+    WHERE d.leased_until > compute_now()
+    GROUP BY w.tenant_id
+)"""
+
+# Not waiting behind an earlier pending delivery of its webhook and subject (order per subject).
+_FIRST_OF_SUBJECT = """NOT EXISTS (
           SELECT 1 FROM webhook_deliveries p
           WHERE p.webhook_id = d.webhook_id AND p.subject = d.subject AND p.state = 'pending'
-            AND p.event_id < d.event_id)
-    ORDER BY d.next_attempt_at, d.event_id
+            AND p.event_id < d.event_id)"""
+
+# Due deliveries that are the earliest pending one of their webhook and subject, oldest due first,
+# at most `tenant_limit` leases per tenant counting those already held. The claim counts the
+# attempt and leases the row: if the worker dies, the row is due again when the lease ends. Two
+# rows of one webhook and subject are never claimed together, nor while the earlier one is leased
+# (it stays pending).
+CLAIM = f"""
+WITH {_BUSY},
+ranked AS (
+    SELECT d.webhook_id, d.event_id, d.next_attempt_at,
+           coalesce(b.leased, 0)
+             + row_number() OVER (PARTITION BY w.tenant_id ORDER BY d.next_attempt_at, d.event_id) AS slot
+    FROM webhook_deliveries d
+    JOIN webhooks w ON w.id = d.webhook_id
+    LEFT JOIN busy b ON b.tenant_id = w.tenant_id
+    WHERE d.state = 'pending' AND d.next_attempt_at <= compute_now()
+      AND {_FIRST_OF_SUBJECT}
+),
+due AS (
+    SELECT d.webhook_id, d.event_id
+    FROM webhook_deliveries d
+    JOIN ranked r ON r.webhook_id = d.webhook_id AND r.event_id = d.event_id
+    WHERE r.slot <= %(tenant_limit)s
+    ORDER BY r.next_attempt_at, r.event_id
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 )
 UPDATE webhook_deliveries d
 SET attempts = d.attempts + 1,
     last_attempt_at = compute_now(),
+    leased_until = compute_now() + make_interval(secs => %(lease_seconds)s),
     next_attempt_at = compute_now() + make_interval(secs => %(lease_seconds)s)
 FROM due, webhooks w, events e
 WHERE d.webhook_id = due.webhook_id AND d.event_id = due.event_id
@@ -62,7 +97,7 @@ RETURNING d.webhook_id, d.event_id, d.attempts, w.url, w.secret,
 # out was claimed again, and the newer attempt owns the row).
 DELIVERED = """
 UPDATE webhook_deliveries
-SET state = 'delivered', next_attempt_at = NULL, last_status = %(status)s, last_error = ''
+SET state = 'delivered', next_attempt_at = NULL, leased_until = NULL, last_status = %(status)s, last_error = ''
 WHERE webhook_id = %(webhook_id)s AND event_id = %(event_id)s
   AND state = 'pending' AND attempts = %(attempt)s
 """
@@ -72,18 +107,23 @@ UPDATE webhook_deliveries
 SET state = CASE WHEN %(dead)s THEN 'dead' ELSE 'pending' END,
     next_attempt_at = CASE WHEN %(dead)s THEN NULL
                            ELSE compute_now() + make_interval(secs => %(delay_seconds)s) END,
+    leased_until = NULL,
     last_status = %(status)s, last_error = %(error)s
 WHERE webhook_id = %(webhook_id)s AND event_id = %(event_id)s
   AND state = 'pending' AND attempts = %(attempt)s
 """
 
-# Seconds until the next claimable delivery is due (NULL: none pending).
-NEXT_DUE = """
-SELECT extract(epoch FROM min(d.next_attempt_at) - compute_now())::float8 AS seconds
-FROM webhook_deliveries d
-WHERE d.state = 'pending'
-  AND NOT EXISTS (
-      SELECT 1 FROM webhook_deliveries p
-      WHERE p.webhook_id = d.webhook_id AND p.subject = d.subject AND p.state = 'pending'
-        AND p.event_id < d.event_id)
+# Seconds until the next claim may find something (NULL: nothing pending): the earliest due
+# delivery of a tenant under its cap, or the end of a lease (a tenant at its cap gets a slot back
+# by then at the latest; a finished attempt wakes its own worker sooner).
+NEXT_DUE = f"""
+WITH {_BUSY}
+SELECT extract(epoch FROM least(
+    (SELECT min(d.next_attempt_at)
+     FROM webhook_deliveries d
+     JOIN webhooks w ON w.id = d.webhook_id
+     LEFT JOIN busy b ON b.tenant_id = w.tenant_id
+     WHERE d.state = 'pending' AND coalesce(b.leased, 0) < %(tenant_limit)s AND {_FIRST_OF_SUBJECT}),
+    (SELECT min(leased_until) FROM webhook_deliveries WHERE leased_until > compute_now())
+) - compute_now())::float8 AS seconds
 """

@@ -1,48 +1,110 @@
-"""One webhook POST with the standard library's http.client, meant to run in a thread.
+"""One webhook attempt on the event loop, under one total deadline.
 
-A direct connection (no environment proxies), certificates verified for https, a timeout on
-connect and on every read, redirects not followed (a 3xx is a failed attempt). Only the status
-matters: at most 64 KiB of the answer is read.
+The deadline covers everything: resolving and checking the target (`targets`), connecting to the
+checked address, TLS (certificates verified, SNI and the certificate check against the URL's host),
+sending, and reading the answer up to its status line. Only the status matters: the rest of the
+answer is never read, and the connection is aborted, not closed gracefully (no lingering on a
+receiver that will not finish). Redirects are not followed (a 3xx is a failed attempt).
+
+The tenant sees a status or one of a few fixed texts, never a receiver's bytes or an exception's
+text (no banner oracle); `Outcome.detail` is for the log only.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import re
 import ssl
-import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-MAX_ERROR = 500
+from controlplane.webhooks import targets
+
 _TLS = ssl.create_default_context()
+_STATUS_LINE = re.compile(rb"^HTTP/1\.[01] ([1-5][0-9][0-9])(?: [^\r\n]*)?\r?\n$")
+MAX_LINE = 8192  # a status or header line longer than this is not an HTTP answer
+MAX_INTERIM = 5  # 1xx answers skipped before the final status
+
+TIMED_OUT = "timed out"
+NOT_ALLOWED = "the host does not resolve to an allowed address"
+CONNECT_FAILED = "connection failed"
+TLS_FAILED = "TLS failed"
+BAD_ANSWER = "not an HTTP answer"
 
 
 @dataclass(frozen=True)
 class Outcome:
     status: int | None  # the HTTP status, None when there was no answer
-    error: str  # empty on success
+    error: str  # empty on success; otherwise a fixed text shown to the tenant
+    detail: str = ""  # for the operator's log only
 
     @property
     def delivered(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
 
 
-def post(url: str, payload: bytes, headers: dict[str, str], timeout: float) -> Outcome:
-    parts = urllib.parse.urlsplit(url)
-    target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-    conn: http.client.HTTPConnection
+class _BadAnswer(Exception):
+    pass
+
+
+async def post(url: str, payload: bytes, headers: dict[str, str], *, deadline: float,
+               allow: Sequence[targets.Network]) -> Outcome:
+    """POST `payload` to `url`, all of it within `deadline` seconds."""
     try:
-        if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=_TLS)
-        else:
-            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+        async with asyncio.timeout(deadline):
+            target = await targets.resolve(targets.parse(url), allow)
+            status = await _exchange(target, payload, headers)
+    except TimeoutError as exc:
+        return Outcome(None, TIMED_OUT, repr(exc))
+    except ssl.SSLError as exc:  # before ValueError and OSError: a certificate error is both
+        return Outcome(None, TLS_FAILED, repr(exc))
+    except (targets.Refused, ValueError) as exc:
+        return Outcome(None, NOT_ALLOWED, repr(exc))
+    except (_BadAnswer, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        return Outcome(None, BAD_ANSWER, repr(exc))
+    except OSError as exc:
+        return Outcome(None, CONNECT_FAILED, repr(exc))
+    if 200 <= status < 300:
+        return Outcome(status, "")
+    return Outcome(status, f"HTTP {status}")
+
+
+async def _exchange(target: targets.Target, payload: bytes, headers: dict[str, str]) -> int:
+    reader, writer = await _connect(target)
+    url = target.url
+    try:
+        lines = [f"POST {url.request_target} HTTP/1.1", f"Host: {url.host_header}",
+                 f"Content-Length: {len(payload)}", "Connection: close",
+                 *(f"{name}: {value}" for name, value in headers.items())]
+        writer.write("\r\n".join(lines).encode() + b"\r\n\r\n" + payload)
+        await writer.drain()
+        for _ in range(MAX_INTERIM + 1):
+            match = _STATUS_LINE.match(await reader.readuntil(b"\n"))
+            if match is None:
+                raise _BadAnswer("no status line")
+            status = int(match.group(1))
+            if status >= 200:
+                return status
+            while (await reader.readuntil(b"\n")).strip():  # an interim answer's headers
+                pass
+        raise _BadAnswer("too many interim answers")
+    finally:
+        writer.transport.abort()
+
+
+async def _connect(target: targets.Target) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the first checked address that takes one (TLS failures are final)."""
+    url = target.url
+    tls = url.scheme == "https"
+    failure: OSError | None = None
+    for address in target.addresses:
         try:
-            conn.request("POST", target, body=payload, headers=headers)
-            response = conn.getresponse()
-            response.read(65536)
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR])
-    if 200 <= response.status < 300:
-        return Outcome(response.status, "")
-    return Outcome(response.status, f"HTTP {response.status} {response.reason}"[:MAX_ERROR])
+            return await asyncio.open_connection(
+                address, url.port, ssl=_TLS if tls else None, server_hostname=url.host if tls else None,
+                limit=MAX_LINE)
+        except ssl.SSLError:
+            raise
+        except OSError as exc:
+            failure = exc
+    assert failure is not None  # a target has at least one address
+    raise failure

@@ -1,0 +1,199 @@
+"""Where a webhook may post: its URL's host, resolved, must give public addresses only.
+
+Checked when the webhook is registered and again at every attempt; the attempt then connects to
+the addresses checked here and never resolves the name a second time (DNS rebinding). Refused:
+loopback, private, shared (CGNAT), link-local, multicast, unspecified, reserved, documentation
+and benchmarking ranges, in every spelling the resolver accepts: inet_aton's integer, octal, hex
+and short dotted forms (2130706433, 0x7f.1, 0177.0.0.1, 127.1) are parsed here as the C library
+parses them, an IPv6 address is judged by the IPv4 address it embeds (IPv4-mapped, 6to4, NAT64),
+IPv4-compatible and other non-global IPv6 is refused, a zone id (fe80::1%eth0) always, and
+`localhost` names unless every address they resolve to is allowlisted. The operator allowlist
+(CIDR networks) is the only way to a local address.
+
+Refusals carry one generic message: what a name resolves to, or whether it resolves at all, is
+not told to the tenant (it would be an oracle for internal DNS); the reason goes to the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+import urllib.parse
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+MAX_URL = 2048
+REFUSED = "must name a host that resolves to public addresses only"
+
+_REFUSED_V4 = tuple((ipaddress.IPv4Network(net), why) for net, why in (
+    ("0.0.0.0/8", "unspecified"),
+    ("10.0.0.0/8", "private"),
+    ("100.64.0.0/10", "shared address space"),
+    ("127.0.0.0/8", "loopback"),
+    ("169.254.0.0/16", "link-local"),
+    ("172.16.0.0/12", "private"),
+    ("192.0.0.0/24", "protocol assignments"),
+    ("192.0.2.0/24", "documentation"),
+    ("192.88.99.0/24", "6to4 relay"),
+    ("192.168.0.0/16", "private"),
+    ("198.18.0.0/15", "benchmarking"),
+    ("198.51.100.0/24", "documentation"),
+    ("203.0.113.0/24", "documentation"),
+    ("224.0.0.0/4", "multicast"),
+    ("240.0.0.0/4", "reserved"),  # with 255.255.255.255, broadcast
+))
+_GLOBAL_UNICAST_V6 = ipaddress.IPv6Network("2000::/3")
+_REFUSED_V6 = tuple((ipaddress.IPv6Network(net), why) for net, why in (
+    ("2001::/23", "protocol assignments"),  # with Teredo, 2001::/32
+    ("2001:db8::/32", "documentation"),
+    ("3fff::/20", "documentation"),
+))
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the last 32 bits are IPv4
+_INET_ATON = re.compile(r"^[0-9][0-9a-fx.]*$")
+_INET_ATON_PART = re.compile(r"^(?:0x([0-9a-f]+)|0([0-7]+)|([1-9][0-9]*|0))$")
+
+
+class Refused(Exception):
+    """The target is not allowed; the message is for the log, never for the tenant."""
+
+
+@dataclass(frozen=True)
+class Url:
+    scheme: str  # http or https
+    host: str  # the hostname, lower case, without brackets: for SNI and certificate checks
+    port: int
+    request_target: str  # path and query
+    host_header: str
+
+
+@dataclass(frozen=True)
+class Target:
+    url: Url
+    addresses: tuple[str, ...]  # the checked addresses to connect to, in the resolver's order
+
+
+def parse(url: str) -> Url:
+    """The parts of a webhook URL; ValueError with a message for the tenant when it is not one."""
+    if len(url) > MAX_URL or not url.isascii() or any(c <= " " or c in "\\\x7f" for c in url):
+        raise ValueError(f"must be an ASCII URL of at most {MAX_URL} characters without spaces or control"
+                         " characters (write international names in punycode)")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError("not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if "@" in parts.netloc:
+        raise ValueError("must not carry user information")
+    if "%" in parts.hostname:
+        raise ValueError("must not carry an IPv6 zone id")
+    if port == 0:
+        raise ValueError("must have a port from 1 to 65535")
+    host = parts.hostname
+    default = 443 if parts.scheme == "https" else 80
+    shown = f"[{host}]" if ":" in host else host
+    return Url(
+        scheme=parts.scheme, host=host, port=port or default,
+        request_target=urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
+        host_header=shown if port is None else f"{shown}:{port}",
+    )
+
+
+def inet_aton(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address the C library's inet_aton (and so getaddrinfo) reads in `host`: one to
+    four parts, each decimal, octal (leading 0) or hex (0x), the last filling the remaining bytes."""
+    if not _INET_ATON.match(host):
+        return None
+    parts = host.split(".")
+    if len(parts) > 4:
+        return None
+    values = []
+    for part in parts:
+        match = _INET_ATON_PART.match(part)  # not an empty part: "127..1", a trailing dot
+        if match is None:
+            return None
+        hexa, octal, decimal = match.groups()
+        values.append(int(hexa, 16) if hexa else int(octal, 8) if octal else int(decimal))
+    *head, last = values
+    if any(v > 255 for v in head) or last >= 1 << (8 * (4 - len(head))):
+        return None
+    value = last
+    for i, v in enumerate(head):
+        value |= v << (8 * (3 - i))
+    return ipaddress.IPv4Address(value)
+
+
+def literal(host: str) -> Address | None:
+    """The address `host` spells, if it is an address."""
+    if ":" in host:
+        return ipaddress.IPv6Address(host)
+    return inet_aton(host)
+
+
+def is_localhost_name(host: str) -> bool:
+    name = host.rstrip(".")
+    return name == "localhost" or name.endswith(".localhost") or name == "localhost.localdomain"
+
+
+def refusal(address: Address) -> str | None:
+    """Why `address` is not public, or None when it is."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            return "zone id"
+        if address.ipv4_mapped is not None:
+            return refusal(address.ipv4_mapped)
+        if address in _NAT64:
+            return refusal(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+        if address.sixtofour is not None:
+            return refusal(address.sixtofour)
+        if address not in _GLOBAL_UNICAST_V6:
+            return "not global unicast"  # loopback, unspecified, IPv4-compatible, ULA, link-local, multicast
+        return next((why for net, why in _REFUSED_V6 if address in net), None)
+    return next((why for net, why in _REFUSED_V4 if address in net), None)
+
+
+def judge(host: str, addresses: Iterable[Address], allow: Sequence[Network]) -> tuple[str, ...]:
+    """The addresses to connect to when every one of `addresses` may be reached; Refused otherwise."""
+    chosen: list[Address] = []
+    for address in addresses:
+        if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+            raise Refused(f"{host}: {address} has a zone id")
+        effective = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped \
+            else address
+        if any(effective in net for net in allow):
+            chosen.append(effective)
+            continue
+        why = "from a localhost name" if is_localhost_name(host) else refusal(effective)
+        if why is not None:
+            raise Refused(f"{host}: {address} ({why})")
+        chosen.append(effective)
+    if not chosen:
+        raise Refused(f"{host}: no address")
+    return tuple(dict.fromkeys(str(a) for a in chosen))
+
+
+async def resolve(url: Url, allow: Sequence[Network]) -> Target:
+    """The checked address of `url`'s host (its literal, or what getaddrinfo gives); Refused when
+    any address is not allowed or the name does not resolve. The caller bounds the time."""
+    try:
+        address = literal(url.host)
+    except ValueError:
+        raise Refused(f"{url.host}: not an address") from None
+    if address is not None:
+        return Target(url, judge(url.host, [address], allow))
+    if is_localhost_name(url.host) and not allow:
+        raise Refused(f"{url.host}: a localhost name")  # without asking a resolver
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            url.host, url.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as exc:
+        raise Refused(f"{url.host}: {exc}") from None
+    found = dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos
+                          if info[0] in (socket.AF_INET, socket.AF_INET6))
+    return Target(url, judge(url.host, found, allow))
