@@ -87,8 +87,11 @@ class TestCA:
             ],
         )
 
-    def issue(self, public_key: object, cn: str, lifetime: float, extra: list | None = None) -> x509.Certificate:
-        now = datetime.datetime.now(datetime.UTC)
+    def issue(
+        self, public_key: object, cn: str, lifetime: float, extra: list | None = None, aged: float = 0.0
+    ) -> x509.Certificate:
+        """A certificate of `lifetime` seconds, `aged` seconds of which are already over."""
+        now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=aged)
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
@@ -141,9 +144,12 @@ class PeerNode:
 
 
 class Peer(node_pb2_grpc.NodeGatewayServicer):
-    def __init__(self, cert_lifetime: float = 3600.0) -> None:
+    def __init__(self, cert_lifetime: float = 3600.0, enrol_aged: float = 0.0) -> None:
+        """`enrol_aged`: the share of its life an enrolment's certificate has already used up
+        (past 0.6, the node renews at once); renewals issue fresh ones."""
         self.ca = TestCA()
         self.cert_lifetime = cert_lifetime
+        self.enrol_aged = enrol_aged
         self.tokens: dict[str, str] = {}  # token -> node name
         self.nodes: dict[str, PeerNode] = {}  # node id -> node
         self.server: grpc.aio.Server | None = None
@@ -225,14 +231,14 @@ class Peer(node_pb2_grpc.NodeGatewayServicer):
 
     # -- the service -------------------------------------------------------------------------
 
-    def _certify(self, node: PeerNode, csr_pem: bytes) -> tuple[bytes, int]:
+    def _certify(self, node: PeerNode, csr_pem: bytes, aged: float = 0.0) -> tuple[bytes, int]:
         csrs = split_csrs(csr_pem)
         out = b""
         not_after = 0
         for csr in csrs:
             if not csr.is_signature_valid:
                 raise ValueError("CSR signature invalid")
-            cert = self.ca.issue(csr.public_key(), node.node_id, self.cert_lifetime)
+            cert = self.ca.issue(csr.public_key(), node.node_id, self.cert_lifetime, aged=aged)
             if isinstance(csr.public_key(), ed25519.Ed25519PublicKey):
                 kid = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
                 node.signing_certs[kid] = cert
@@ -253,7 +259,7 @@ class Peer(node_pb2_grpc.NodeGatewayServicer):
         self._serial += 1
         node = PeerNode(node_id=f"node_{self._serial:026d}", name=name)
         self.nodes[node.node_id] = node
-        cert_pem, not_after = self._certify(node, request.csr_pem)
+        cert_pem, not_after = self._certify(node, request.csr_pem, aged=self.enrol_aged * self.cert_lifetime)
         return pb.EnrolResponse(
             node_id=node.node_id, certificate_pem=cert_pem, ca_certificate_pem=self.ca.pem, not_after=not_after
         )
