@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -82,6 +83,42 @@ async def simulated(
             await peer.stop()
 
 
+@contextlib.asynccontextmanager
+async def real_stack(database: str, tmp: Path, names: list[str], *flags: str) -> AsyncIterator[tuple[Any, Any, Fleet]]:
+    """The real gateway and control plane (workers on demand: ControlPlane.drain) on one database,
+    and a connected fleet of `names` enrolled into the control plane's pool with join tokens."""
+    from tests.nodes_support import ControlPlane
+    from tests.test_gateway import GatewayThread, join_token
+
+    gateway = await asyncio.to_thread(GatewayThread, database)
+    cp = await asyncio.to_thread(ControlPlane, database)
+    try:
+        tokens = tmp / "tokens.json"
+        entries = [{"name": n, "joinToken": await asyncio.to_thread(join_token, database, cp.pool_id, n)} for n in names]
+        tokens.write_text(json.dumps(entries))
+        ca = tmp / "ca.pem"
+        ca.write_bytes(gateway.ca_pem)
+        args = ["--sim", str(len(names)), "--gateway", gateway.endpoint, "--enrol-gateway", gateway.enrol_endpoint,
+                "--sandbox", str(tmp / "sandbox"), "--tokens", str(tokens), "--ca", str(ca), "--heartbeat", "0.2"]
+        async with Fleet(parse_args([*args, *flags])) as fleet:
+            await fleet.wait_connected(timeout=30)
+            yield gateway, cp, fleet
+    finally:
+        await asyncio.to_thread(cp.stop)
+        await asyncio.to_thread(gateway.stop)
+
+
+async def rows(database: str, query: str, *params: object, timeout: float = 30) -> list[dict]:
+    """The rows of `query` once there are some (the gateway and the fleet work on their own schedule)."""
+    from tests.test_pki import sql
+
+    deadline = time.monotonic() + timeout
+    while not (found := await asyncio.to_thread(sql, database, query, params)):
+        assert time.monotonic() < deadline, f"no rows: {query} {params}"
+        await asyncio.sleep(0.05)
+    return found
+
+
 def _known(peer: Peer, name: str) -> bool:
     return any(n.name == name for n in peer.nodes.values())
 
@@ -119,43 +156,58 @@ def bound_ids(node: PeerNode, verdict: str | None = "ok") -> list[str]:
 # -- enrolment, session, Hello ----------------------------------------------------------------
 
 
-def test_enrols_with_a_csr_then_opens_a_mutual_tls_session_and_says_hello(tmp_path: Path) -> None:
+def test_enrols_with_a_csr_then_opens_a_mutual_tls_session_and_says_hello(database: str, tmp_path: Path) -> None:
     names = ["sim-000", "sim-001", "sim-002"]
 
     async def scenario() -> None:
-        async with simulated(tmp_path, names, "--fabric-size", "2") as (peer, fleet):
-            inventories = {}
-            for position, name in enumerate(names):
-                node = peer.by_name(name)
-                assert node.sessions == 1 and fleet.node(name).node_id == node.node_id
-                hello = node.hellos[0]
-                assert hello.daemon_version == "nodesim-1.0.0"
-                assert list(hello.capabilities) == ["devices.limits", "binding.kubernetes"]
-                inv = hello.inventory
-                assert [g.uuid for g in inv.gpus] == [gpu_uuid(name, i) for i in range(8)]
-                assert all(re.fullmatch(r"GPU-[0-9a-f-]{36}", g.uuid) for g in inv.gpus)
-                assert {(g.model, g.memory_mib, g.mig_mode) for g in inv.gpus} == {("H100-SXM5-80GB", 81559, False)}
-                assert [g.numa_node for g in inv.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
-                assert [(n.id, n.cpulist) for n in inv.numa_nodes] == [(0, "0-47,96-143"), (1, "48-95,144-191")]
-                assert inv.vcpus == 192 and inv.memory_bytes == 2048 * GIB and inv.isolated_cpus == ""
-                assert sum(n.memory_bytes for n in inv.numa_nodes) == inv.memory_bytes
-                assert inv.hugepages_1gi > 0
-                assert len({(g.nvlink_cluster, g.nvlink_clique) for g in inv.gpus}) == 1 and inv.gpus[0].nvlink_clique
-                inventories[position] = inv
+        async with real_stack(database, tmp_path, names, "--fabric-size", "2") as (gateway, cp, fleet):
+            domains = {}
+            for name in names:
+                sim = fleet.node(name)
+                assert sim.sessions == 1
+                [node] = await rows(database, "SELECT * FROM nodes WHERE name = %s AND pool_id = %s"
+                                              " AND connectivity = 'connected'", name, cp.pool_id)
+                assert sim.node_id == node["id"]
+                assert node["daemon_version"] == "nodesim-1.0.0"
+                assert node["capabilities"] == ["binding.kubernetes", "devices.limits"]
+                inv = node["inventory"]
+                assert [g["uuid"] for g in inv["gpus"]] == [gpu_uuid(name, i) for i in range(8)]
+                assert all(re.fullmatch(r"GPU-[0-9a-f-]{36}", g["uuid"]) for g in inv["gpus"])
+                assert {(g["model"], g["memory_mib"], g["mig_mode"]) for g in inv["gpus"]} == {
+                    ("H100-SXM5-80GB", 81559, False)}
+                assert [g["numa_node"] for g in inv["gpus"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+                assert [(n["id"], n["cpulist"]) for n in inv["numa_nodes"]] == [(0, "0-47,96-143"), (1, "48-95,144-191")]
+                assert inv["vcpus"] == 192 and inv["memory_bytes"] == 2048 * GIB and inv["isolated_cpus"] == ""
+                assert sum(n["memory_bytes"] for n in inv["numa_nodes"]) == inv["memory_bytes"]
+                assert inv["hugepages_1gi"] > 0
+                atoms = await rows(database, "SELECT device_uuid, nvlink_domain FROM atoms WHERE node_id = %s"
+                                             " ORDER BY device_uuid", node["id"])
+                assert len(atoms) == 8 and len({a["nvlink_domain"] for a in atoms}) == 1
+                assert atoms[0]["nvlink_domain"] and node["labels"]["fabric.domain"]["value"] == atoms[0]["nvlink_domain"]
+                domains[name] = atoms[0]["nvlink_domain"]
 
                 # Keys and certificates on disk: keys 0600; the client certificate names the node id.
                 bcd = sandbox(tmp_path, name) / "var" / "lib" / "bcd"
                 for key in ("node.key", "tls.key"):
                     assert stat.S_IMODE((bcd / key).stat().st_mode) == 0o600
                 cert = x509.load_pem_x509_certificate((bcd / "node.crt").read_bytes())
-                assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == node.node_id
-                assert (bcd / "node-id").read_text().strip() == node.node_id
-                assert (bcd / "ca.crt").read_bytes() == peer.ca.pem
+                assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == node["id"]
+                assert (bcd / "node-id").read_text().strip() == node["id"]
+                assert (bcd / "ca.crt").read_bytes() == gateway.ca_pem
             # One NVLink cluster per two nodes of the fleet.
-            cluster = [inventories[p].gpus[0].nvlink_cluster for p in range(3)]
-            assert cluster[0] == cluster[1] != cluster[2]
-            # Heartbeats flow at the configured period.
-            await eventually(lambda: all(len(peer.by_name(n).heartbeats) >= 3 for n in names))
+            assert domains["sim-000"] == domains["sim-001"] != domains["sim-002"]
+            # Heartbeats flow at the configured period: the gateway sees each node again and again.
+            query = "SELECT id, last_seen FROM nodes WHERE pool_id = %s"
+            seen = {r["id"]: r["last_seen"] for r in await rows(database, query, cp.pool_id)}
+            for _ in range(2):
+                deadline = time.monotonic() + 30
+                while True:
+                    now = {r["id"]: r["last_seen"] for r in await rows(database, query, cp.pool_id)}
+                    if all(now[k] > seen[k] for k in seen):
+                        break
+                    assert time.monotonic() < deadline, "no heartbeats"
+                    await asyncio.sleep(0.05)
+                seen = now
 
     run(scenario())
 
