@@ -9,6 +9,10 @@
   checking each report's signature against the certificates it issued to that node.
 
 `python -m tests.nodesim_peer --dir D --nodes N` serves it standalone (for `nodesim --sim N`).
+
+It is a stand-in, not the gateway (its CA is Ed25519, the real one P-256; its report check is its
+own): tests use it only for what the real gateway cannot be made to do (tests/test_nodesim.py
+says which); everything else runs against gateway/ and the control plane.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""nodesim (the FakeDaemon) against a real NodeGateway peer over real TLS on loopback.
+"""nodesim (the FakeDaemon) over real TLS on loopback: enrolment, the mutual-TLS session, Hello,
+convergence to the files of DESIGN.md §11, node-signed reports, recovery and every fault flag.
 
-The gateway proper lives in `gateway/`; these tests pin the node side of the protocol with the
-peer in tests/nodesim_peer.py: enrolment, the mutual-TLS session, Hello, convergence to the
-files of DESIGN.md §11, node-signed reports, recovery and every fault flag.
+Against the real gateway and control plane (`real_stack`): enrolment and Hello, heartbeats, report
+signatures, and a binding from the API to an active reservation. The rest still uses the test
+peer (tests/nodesim_peer.py), which the real gateway cannot stand in for yet: it sends assignments
+the control plane never makes (MIG and slot device classes, clashing, missing or unsafe ids,
+kubernetes bindings and limits to a daemon without capabilities, until in a few seconds), ends a
+stream on demand, issues a certificate already past half its life, and records every message and
+its verdict for the fault tests. Moving those that need none of that is left to do.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 
 from bettercompute.node.v1 import node_pb2 as pb
+from bettercompute.v1 import reservations_pb2 as pb_api
 from nodesim import cdischema
 from nodesim.config import parse_args
 from nodesim.fleet import Fleet
@@ -418,34 +424,46 @@ def test_admission_refuses_missing_devices_clashes_and_memory_beyond_the_host(tm
 # -- reports ----------------------------------------------------------------------------------
 
 
-def test_reports_are_signed_by_the_node_key_over_the_purpose_prefix(tmp_path: Path) -> None:
+def test_reports_are_signed_by_the_node_key_over_the_purpose_prefix(database: str, tmp_path: Path) -> None:
+    from controlplane.pki import attest
+
     async def scenario() -> None:
-        async with simulated(tmp_path, ["sim-000"]) as (peer, fleet):
-            node = peer.by_name("sim-000")
-            g = gpus(node)
-            a, b = assignment("alloc_a", [g[0]]), assignment("alloc_b", [g[1]])
-            peer.set_desired(node.node_id, [a, b])
-            await eventually(lambda: len(bound_ids(node)) == 2)
-            peer.set_desired(node.node_id, [a])
-            await eventually(lambda: node.events("released"))
+        async with real_stack(database, tmp_path, ["sim-000"]) as (_, cp, fleet):
+            sim = fleet.node("sim-000")
+            a, b = [await asyncio.to_thread(cp.create, count=1) for _ in range(2)]
+            await asyncio.to_thread(cp.drain)  # both binding: the node binds and reports both
+            await rows(database, "SELECT 1 FROM node_reports WHERE kind = 'bound' HAVING count(*) = 2")
+            await asyncio.to_thread(cp.drain)
+            assert {(await asyncio.to_thread(cp.get, r.id)).state for r in (a, b)} == {"active"}
+            cp.world.user.res("Release", pb_api.ReleaseReservationRequest(tenant_id=cp.world.tenant,
+                                                                          reservation_id=b.id))
+            await asyncio.to_thread(cp.drain)  # the worker ends it; the node drops the hold and says so
+            await rows(database, "SELECT 1 FROM node_reports WHERE kind = 'released' AND allocation_id = %s",
+                       b.allocations[-1].id)
 
             bcd = sandbox(tmp_path, "sim-000") / "var" / "lib" / "bcd"
             cert = x509.load_pem_x509_certificate((bcd / "node.crt").read_bytes())
             key_id = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
-            assert key_id == fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
+            assert key_id == sim.identity.key_id  # type: ignore[union-attr]
+            stored = await rows(database, "SELECT kind, body, key_id, signature FROM node_reports ORDER BY id")
+            assert [r["kind"] for r in stored] == ["bound", "bound", "released"]
             sequences = []
-            for received in node.reports:
-                attested = received.attested
-                assert attested.key_id == key_id
-                cert.public_key().verify(attested.signature, PURPOSE + attested.body)  # raises if not
-                report = pb.Report.FromString(attested.body)
-                assert report.node_id == node.node_id
+            for row in stored:
+                body = bytes(row["body"])
+                assert row["key_id"] == key_id
+                # Over the control plane's framing of a report (PURPOSE + body): raises if not.
+                cert.public_key().verify(bytes(row["signature"]), attest.signed_message(body))
+                assert attest.signed_message(body) == PURPOSE + body
+                report = pb.Report.FromString(body)
+                assert report.node_id == sim.node_id
                 assert abs(report.time - now_ms()) < 60_000
                 sequences.append(report.sequence)
             assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences) == 3
             # Not over the body alone: the purpose prefix is part of what is signed.
             with pytest.raises(InvalidSignature):
-                cert.public_key().verify(node.reports[0].attested.signature, node.reports[0].attested.body)
+                cert.public_key().verify(bytes(stored[0]["signature"]), bytes(stored[0]["body"]))
+            await asyncio.to_thread(cp.drain)
+            await asyncio.to_thread(cp.check_invariants)
 
     run(scenario())
 
