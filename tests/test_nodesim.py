@@ -108,6 +108,9 @@ async def real_stack(database: str, tmp: Path, names: list[str], *flags: str) ->
                 "--sandbox", str(tmp / "sandbox"), "--tokens", str(tokens), "--ca", str(ca), "--heartbeat", "0.2"]
         async with Fleet(parse_args([*args, *flags])) as fleet:
             await fleet.wait_connected(timeout=30)
+            # ...and the gateway has taken in every Hello (atoms and all).
+            await rows(database, "SELECT 1 FROM nodes WHERE pool_id = %s AND daemon_version <> ''"
+                                 " AND connectivity = 'connected' HAVING count(*) = %s", cp.pool_id, len(names))
             yield gateway, cp, fleet
     finally:
         await asyncio.to_thread(cp.stop)
@@ -123,6 +126,56 @@ async def rows(database: str, query: str, *params: object, timeout: float = 30) 
         assert time.monotonic() < deadline, f"no rows: {query} {params}"
         await asyncio.sleep(0.05)
     return found
+
+
+async def reports_of(database: str, allocation_id: str, kind: str, count: int = 1) -> list[pb.Report]:
+    """The node's stored reports of `kind` about the allocation, once there are `count` of them."""
+    from tests.test_pki import sql
+
+    query = "SELECT body FROM node_reports WHERE allocation_id = %s AND kind = %s ORDER BY id"
+    deadline = time.monotonic() + 30
+    while len(found := await asyncio.to_thread(sql, database, query, (allocation_id, kind))) < count:
+        assert time.monotonic() < deadline, f"{len(found)} of {count} {kind} reports about {allocation_id}"
+        await asyncio.sleep(0.05)
+    return [pb.Report.FromString(bytes(r["body"])) for r in found]
+
+
+async def binding_through_the_api(cp: Any, count: int = 1, limits: dict | None = None) -> Any:
+    """A reservation created through the API, moved to binding by the worker; the node hears of it."""
+    from tests.test_gateway import set_limits
+
+    created = await asyncio.to_thread(cp.create, count=count)
+    if limits is not None:  # no API asks for limits yet: the one column is written directly
+        await asyncio.to_thread(set_limits, cp.conninfo, created.allocations[-1].id, limits)
+    await asyncio.to_thread(cp.drain)
+    current = await asyncio.to_thread(cp.get, created.id)
+    # A quick node's report may already have been judged in the same drain.
+    assert current.state in ("binding", "active"), current
+    return current
+
+
+async def applied_in_db(database: str, node_id: str) -> int:
+    """Until the gateway has the node's heartbeat saying it applied its current desired generation."""
+    [row] = await rows(database, "SELECT desired_generation FROM nodes WHERE id = %s"
+                                 " AND applied_generation = desired_generation", node_id)
+    return row["desired_generation"]
+
+
+async def heard_again(database: str, node_ids: list[str], times: int = 2) -> None:
+    """Until the gateway has seen each of the nodes (a heartbeat) `times` more times."""
+    from tests.test_pki import sql
+
+    query = "SELECT id, last_seen FROM nodes WHERE id = ANY(%s)"
+    seen = {r["id"]: r["last_seen"] for r in await asyncio.to_thread(sql, database, query, (node_ids,))}
+    for _ in range(times):
+        deadline = time.monotonic() + 30
+        while True:
+            now = {r["id"]: r["last_seen"] for r in await asyncio.to_thread(sql, database, query, (node_ids,))}
+            if all(now[k] is not None and (seen[k] is None or now[k] > seen[k]) for k in node_ids):
+                break
+            assert time.monotonic() < deadline, "no heartbeats"
+            await asyncio.sleep(0.05)
+        seen = now
 
 
 def _known(peer: Peer, name: str) -> bool:
@@ -218,25 +271,22 @@ def test_enrols_with_a_csr_then_opens_a_mutual_tls_session_and_says_hello(databa
     run(scenario())
 
 
-def test_a_restarted_fleet_reuses_its_keys_and_certificates(tmp_path: Path) -> None:
+def test_a_restarted_fleet_reuses_its_keys_and_certificates(database: str, tmp_path: Path) -> None:
     async def scenario() -> None:
-        peer = Peer()
-        await peer.start()
-        try:
-            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
-                key_id = fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
-            # A fresh token file, but the peer refuses every token: only the stored identity can work.
-            fleet = Fleet(parse_args([*peer.args(tmp_path, ["sim-000"], tmp_path / "sandbox"), "--heartbeat", "0.2"]))
-            peer.tokens.clear()
-            await fleet.start()
-            try:
-                await fleet.wait_connected(timeout=10)
-                assert fleet.node("sim-000").identity.key_id == key_id  # type: ignore[union-attr]
-                assert len(peer.nodes) == 1 and peer.by_name("sim-000").sessions == 2
-            finally:
-                await fleet.stop()
-        finally:
-            await peer.stop()
+        async with real_stack(database, tmp_path, ["sim-000"]) as (_, cp, fleet):
+            key_id = fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
+            node_id = fleet.node("sim-000").node_id
+            [first] = await rows(database, "SELECT session_id FROM nodes WHERE id = %s AND session_id IS NOT NULL",
+                                 node_id)
+            await fleet.stop()
+            # The same tokens file, its token spent: the gateway refuses it, only the stored identity works.
+            async with Fleet(fleet.config) as again:
+                await again.wait_connected(timeout=30)
+                assert again.node("sim-000").identity.key_id == key_id  # type: ignore[union-attr]
+                assert again.node("sim-000").node_id == node_id
+                await rows(database, "SELECT 1 FROM nodes WHERE id = %s AND session_id IS NOT NULL"
+                                     " AND session_id <> %s", node_id, first["session_id"])
+                assert len(await rows(database, "SELECT id FROM nodes WHERE pool_id = %s", cp.pool_id)) == 1
 
     run(scenario())
 
@@ -244,36 +294,39 @@ def test_a_restarted_fleet_reuses_its_keys_and_certificates(tmp_path: Path) -> N
 # -- convergence ------------------------------------------------------------------------------
 
 
-def test_a_limited_hold_writes_the_cdi_spec_env_file_and_cgroup_slice_at_their_paths(tmp_path: Path) -> None:
+def test_a_limited_hold_writes_the_cdi_spec_env_file_and_cgroup_slice_at_their_paths(
+    database: str, tmp_path: Path
+) -> None:
     async def scenario() -> None:
-        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
-            node = peer.by_name("sim-000")
-            devices = gpus(node)[4:6]
-            until = now_ms() + HOUR_MS
-            limits = pb.Limits(cpu_millis=2500, memory_bytes=64 * GIB, hugepages_1gi=2, cpus="48-59,144-155", mems="1")
-            peer.set_desired(node.node_id, [assignment("alloc_01limited", devices, until, limits=limits)])
-            await eventually(lambda: bound_ids(node) == ["alloc_01limited"])
+        async with real_stack(database, tmp_path, ["sim-000"]) as (_, cp, fleet):
+            node_id = fleet.node("sim-000").node_id
+            limits = {"cpu_millis": 2500, "memory_bytes": 64 * GIB, "hugepages_1gi": 2, "cpus": "48-59,144-155",
+                      "mems": "1"}
+            r = await binding_through_the_api(cp, count=2, limits=limits)
+            alloc = r.allocations[-1].id
+            devices = list(r.allocations[-1].device_ids)
+            index = {gpu_uuid("sim-000", i): i for i in range(8)}
+            [bound] = await reports_of(database, alloc, "bound")
 
             root = sandbox(tmp_path, "sim-000")
-            spec_path, env_path, slice_dir = artefact_paths(root, "alloc_01limited")
+            spec_path, env_path, slice_dir = artefact_paths(root, alloc)
             spec = json.loads(spec_path.read_text())
             assert spec["cdiVersion"] == "0.6.0" and spec["kind"] == "bcd.dev/gpu"
             assert [d["name"] for d in spec["devices"]] == devices
             assert [d["containerEdits"]["deviceNodes"] for d in spec["devices"]] == [
-                [{"path": "/dev/nvidia4"}],
-                [{"path": "/dev/nvidia5"}],
+                [{"path": f"/dev/nvidia{index[d]}"}] for d in devices
             ]
             assert {"path": "/dev/nvidiactl"} in spec["containerEdits"]["deviceNodes"]
-            assert spec["annotations"]["bcd.dev/cgroup-parent"] == "bcd-alloc-alloc_01limited.slice"
+            assert spec["annotations"]["bcd.dev/cgroup-parent"] == f"bcd-alloc-{alloc}.slice"
             assert spec["annotations"]["bcd.dev/binding"] == "hold"
             spec_env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
             assert spec_env["NVIDIA_VISIBLE_DEVICES"] == ",".join(devices)
 
             env = env_lines(env_path)
             assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(devices)
-            assert env["BCD_ALLOCATION_ID"] == "alloc_01limited"
-            assert env["BCD_UNTIL"] == str(until)
-            assert env["BCD_CGROUP_PARENT"] == "bcd-alloc-alloc_01limited.slice"
+            assert env["BCD_ALLOCATION_ID"] == alloc
+            assert env["BCD_UNTIL"] == str(r.during.end)
+            assert env["BCD_CGROUP_PARENT"] == f"bcd-alloc-{alloc}.slice"
 
             files = {p.name: p.read_text() for p in slice_dir.iterdir()}
             assert files == {
@@ -286,14 +339,15 @@ def test_a_limited_hold_writes_the_cdi_spec_env_file_and_cgroup_slice_at_their_p
             # Written atomically: no temporary file is left anywhere.
             assert not [p for p in root.rglob("*") if ".tmp-" in p.name]
 
-            bound = node.events("bound")[0].bound
-            assert list(bound.cdi_devices) == [f"bcd.dev/gpu={d}" for d in devices]
-            assert bound.env_file == "/run/bcd/allocations/alloc_01limited.env"
-            assert bound.cgroup_parent == "bcd-alloc-alloc_01limited.slice"
+            assert list(bound.bound.cdi_devices) == [f"bcd.dev/gpu={d}" for d in devices]
+            assert bound.bound.env_file == f"/run/bcd/allocations/{alloc}.env"
+            assert bound.bound.cgroup_parent == f"bcd-alloc-{alloc}.slice"
             # The heartbeat says the node converged to that generation.
-            await eventually(
-                lambda: node.heartbeats[-1].applied_generation == node.desired.generation if node.heartbeats else False
-            )
+            assert await applied_in_db(database, node_id) > 0
+            # ...and the worker takes the node's word for it: active, with this binding.
+            await asyncio.to_thread(cp.drain)
+            active = await asyncio.to_thread(cp.get, r.id)
+            assert active.state == "active" and active.binding.cgroup_parent == f"bcd-alloc-{alloc}.slice"
 
     run(scenario())
 
@@ -356,7 +410,7 @@ def test_unlimited_mig_slot_and_kubernetes_holds(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_written_cdi_specs_validate(tmp_path: Path) -> None:
+def test_written_cdi_specs_validate(database: str, tmp_path: Path) -> None:
     # The check looks into the container edits and the required fields (the examples of the
     # specification, and the agreement with its schema: tests/test_cdischema.py).
     assert cdi_problems("") != [] and cdi_problems("{}") != []
@@ -368,12 +422,11 @@ def test_written_cdi_specs_validate(tmp_path: Path) -> None:
     assert cdi_problems(json.dumps(missing_path)) == ["$.devices[0].containerEdits.deviceNodes[0]: 'path' is required"]
 
     async def scenario() -> None:
-        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
-            node = peer.by_name("sim-000")
-            limits = pb.Limits(cpu_millis=1000, memory_bytes=GIB)
-            peer.set_desired(node.node_id, [assignment("alloc_schema", gpus(node)[:4], limits=limits)])
-            await eventually(lambda: bound_ids(node) == ["alloc_schema"])
-            text = artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_schema")[0].read_text()
+        async with real_stack(database, tmp_path, ["sim-000"]) as (_, cp, _fleet):
+            r = await binding_through_the_api(cp, count=4, limits={"cpu_millis": 1000, "memory_bytes": GIB})
+            alloc = r.allocations[-1].id
+            await reports_of(database, alloc, "bound")
+            text = artefact_paths(sandbox(tmp_path, "sim-000"), alloc)[0].read_text()
             assert cdi_problems(text) == []
             document = json.loads(text)
             assert CDI_KIND.match(document["kind"])
@@ -503,34 +556,36 @@ def test_removal_from_desired_state_and_the_end_of_until_release_the_hold(tmp_pa
     run(scenario())
 
 
-def test_a_restarted_daemon_recovers_its_holds_from_the_sandbox_and_re_reports_them(tmp_path: Path) -> None:
+def test_a_restarted_daemon_recovers_its_holds_from_the_sandbox_and_re_reports_them(
+    database: str, tmp_path: Path
+) -> None:
+    from tests.test_pki import sql
+
     async def scenario() -> None:
-        peer = Peer()
-        await peer.start()
-        try:
-            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
-                node = peer.by_name("sim-000")
-                g = gpus(node)
-                limits = pb.Limits(cpu_millis=3000, memory_bytes=8 * GIB, cpus="0-2", mems="0")
-                peer.set_desired(node.node_id, [assignment("alloc_keep", g[:2], limits=limits)])
-                await eventually(lambda: bound_ids(node) == ["alloc_keep"])
-                first = node.events("bound")[0]
+        async with real_stack(database, tmp_path, ["sim-000"]) as (_, cp, fleet):
+            node_id = fleet.node("sim-000").node_id
+            limits = {"cpu_millis": 3000, "memory_bytes": 8 * GIB, "cpus": "0-2", "mems": "0"}
+            r = await binding_through_the_api(cp, count=2, limits=limits)
+            alloc = r.allocations[-1].id
+            [first] = await reports_of(database, alloc, "bound")
+            await fleet.stop()
             root = sandbox(tmp_path, "sim-000")
             before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "var" not in p.parts}
 
             # A new process: nothing in memory; files and identity from the sandbox.
-            async with simulated(tmp_path, ["sim-000"], peer=peer) as (_, fleet):
-                await eventually(lambda: len(node.events("bound")) == 2)
-                again = node.events("bound")[1]
-                assert again.bound == first.bound and again.sequence > first.sequence
-                assert list(fleet.node("sim-000").converger.holds) == ["alloc_keep"]
+            async with Fleet(fleet.config) as again:
+                await again.wait_connected(timeout=30)
+                _, second = await reports_of(database, alloc, "bound", 2)
+                assert second.bound == first.bound and second.sequence > first.sequence
+                assert list(again.node("sim-000").converger.holds) == [alloc]
                 # The desired state (unchanged) rewrites and re-reports nothing.
-                await applied(node, peer.set_desired(node.node_id, list(node.desired.assignments)))
-                assert len(node.events("bound")) == 2
+                generation = await applied_in_db(database, node_id)
+                await asyncio.to_thread(sql, database, "SELECT bump_desired(%s)", (node_id,))
+                await rows(database, "SELECT 1 FROM nodes WHERE id = %s AND applied_generation > %s",
+                           node_id, generation)
+                assert len(await reports_of(database, alloc, "bound", 2)) == 2
                 after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and "var" not in p.parts}
                 assert after == before
-        finally:
-            await peer.stop()
 
     run(scenario())
 
@@ -624,58 +679,68 @@ def test_fail_allocations_and_fail_binds_report_resources_exhausted(tmp_path: Pa
     run(scenario())
 
 
-def test_never_answer_accepts_desired_state_but_never_reports(tmp_path: Path) -> None:
+def test_never_answer_accepts_desired_state_but_never_reports(database: str, tmp_path: Path) -> None:
+    from tests.test_pki import sql
+
     async def scenario() -> None:
-        async with simulated(tmp_path, ["sim-000"], "--never-answer") as (peer, _):
-            node = peer.by_name("sim-000")
-            generation = peer.set_desired(node.node_id, [assignment("alloc_silent", gpus(node)[:1])])
-            await applied(node, generation)
-            # Two more heartbeats on the stream: anything it would have reported is behind us.
-            beats = len(node.heartbeats)
-            await eventually(lambda: len(node.heartbeats) >= beats + 2)
-            assert node.reports == []
-            assert not artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_silent")[0].exists()
+        async with real_stack(database, tmp_path, ["sim-000"], "--never-answer") as (_, cp, fleet):
+            node_id = fleet.node("sim-000").node_id
+            r = await binding_through_the_api(cp)
+            assert await applied_in_db(database, node_id) > 0  # it took the desired state in...
+            # ...and two more heartbeats went by: anything it would have reported is behind us.
+            await heard_again(database, [node_id])
+            assert await asyncio.to_thread(sql, database, "SELECT 1 FROM node_reports") == []
+            assert not artefact_paths(sandbox(tmp_path, "sim-000"), r.allocations[-1].id)[0].exists()
 
     run(scenario())
 
 
-def test_unreachable_after_stops_the_session_and_heartbeats_but_keeps_the_holds(tmp_path: Path) -> None:
+def test_unreachable_after_stops_the_session_and_heartbeats_but_keeps_the_holds(database: str, tmp_path: Path) -> None:
+    from tests.test_pki import sql
+
     async def scenario() -> None:
-        async with simulated(
-            tmp_path, ["sim-000", "sim-001"], "--unreachable-on-signal", "--fault-nodes", "sim-000"
-        ) as (peer, fleet):
-            node, other = peer.by_name("sim-000"), peer.by_name("sim-001")
-            peer.set_desired(node.node_id, [assignment("alloc_u", gpus(node)[:1])])
-            await eventually(lambda: bound_ids(node) == ["alloc_u"])
+        names = ["sim-000", "sim-001"]
+        async with real_stack(
+            database, tmp_path, names, "--unreachable-on-signal", "--fault-nodes", "sim-000"
+        ) as (_, cp, fleet):
+            ids = {n: fleet.node(n).node_id for n in names}
+            # Eight GPUs each: one reservation fills a node, the next goes to the other.
+            held = [await binding_through_the_api(cp, count=8) for _ in names]
+            mine = next(r.allocations[-1].id for r in held if r.allocations[-1].node_id == ids["sim-000"])
+            await reports_of(database, mine, "bound")
             fleet.go_unreachable()  # sim-001 has no such fault: only sim-000 goes
-            await eventually(lambda: node.active is None)
-            beats = len(node.heartbeats)
-            # The other node heartbeats on (every 0.2 s) while this one stays silent.
-            others = len(other.heartbeats)
-            await eventually(lambda: len(other.heartbeats) >= others + 5)
-            assert len(node.heartbeats) == beats and node.sessions == 1
+            await rows(database, "SELECT 1 FROM nodes WHERE id = %s AND session_id IS NULL", ids["sim-000"])
+            [silent] = await asyncio.to_thread(sql, database, "SELECT last_seen FROM nodes WHERE id = %s",
+                                               (ids["sim-000"],))
+            # The other node heartbeats on while this one stays silent.
+            await heard_again(database, [ids["sim-001"]], times=3)
+            [now] = await asyncio.to_thread(sql, database, "SELECT last_seen, session_id FROM nodes WHERE id = %s",
+                                            (ids["sim-000"],))
+            assert now == {"last_seen": silent["last_seen"], "session_id": None}
             assert fleet.node("sim-000").state == "unreachable" and not fleet.node("sim-000").connected
-            assert artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_u")[0].exists()
-            assert peer.by_name("sim-001").active is not None  # the other node is unaffected
+            assert fleet.node("sim-000").sessions == 1
+            assert artefact_paths(sandbox(tmp_path, "sim-000"), mine)[0].exists()
+            assert fleet.node("sim-001").connected  # the other node is unaffected
 
     run(scenario())
 
 
-def test_restart_after_drops_memory_reconnects_and_recovers_from_the_sandbox(tmp_path: Path) -> None:
+def test_restart_after_drops_memory_reconnects_and_recovers_from_the_sandbox(database: str, tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with simulated(tmp_path, ["sim-000"], "--restart-on-signal") as (peer, fleet):
-            node = peer.by_name("sim-000")
+        async with real_stack(database, tmp_path, ["sim-000"], "--restart-on-signal") as (_, cp, fleet):
             before = fleet.node("sim-000")
-            peer.set_desired(node.node_id, [assignment("alloc_rs", gpus(node)[:2])])
-            await eventually(lambda: bound_ids(node) == ["alloc_rs"])
+            r = await binding_through_the_api(cp, count=2)
+            alloc = r.allocations[-1].id
+            [first] = await reports_of(database, alloc, "bound")
             assert fleet.restarts == 0
             fleet.restart_now()
-            await eventually(lambda: fleet.restarts == 1 and node.sessions == 2)
-            assert fleet.node("sim-000") is not before
-            await eventually(lambda: bound_ids(node) == ["alloc_rs", "alloc_rs"])
-            first, again = node.events("bound")
+            _, again = await reports_of(database, alloc, "bound", 2)
+            assert fleet.restarts == 1 and fleet.node("sim-000") is not before
             assert again.sequence > first.sequence and again.bound == first.bound
-            assert list(fleet.node("sim-000").converger.holds) == ["alloc_rs"]
+            assert list(fleet.node("sim-000").converger.holds) == [alloc]
+            await fleet.wait_connected(timeout=30)
+            await asyncio.to_thread(cp.drain)
+            assert (await asyncio.to_thread(cp.get, r.id)).state == "active"
 
     run(scenario())
 
