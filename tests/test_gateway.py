@@ -44,14 +44,15 @@ GIB = 1 << 30
 class GatewayThread:
     """A real gateway (grpc.aio, TLS, psycopg pool, LISTEN, sweeper) on its own event loop."""
 
-    def __init__(self, conninfo: str, settings: GatewaySettings | None = None) -> None:
+    def __init__(self, conninfo: str, settings: GatewaySettings | None = None, *, listen: str = "127.0.0.1:0",
+                 enrol_listen: str = "127.0.0.1:0") -> None:
         self.conninfo = conninfo
         self.settings = settings or GatewaySettings()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.gateway: Gateway = self.call(start_gateway(
-            self.settings, conninfo, listen="127.0.0.1:0", enrol_listen="127.0.0.1:0"))
+            self.settings, conninfo, listen=listen, enrol_listen=enrol_listen))
         self.endpoint = f"127.0.0.1:{self.gateway.port}"
         self.enrol_endpoint = f"127.0.0.1:{self.gateway.enrol_port}"
         self.ca_pem = self.gateway.ca.pem
@@ -60,6 +61,8 @@ class GatewayThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        if not self.thread.is_alive():  # stopped already
+            return
         try:
             self.call(self.gateway.stop(0.2))
         finally:

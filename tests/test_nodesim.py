@@ -1,13 +1,10 @@
 """nodesim (the FakeDaemon) over real TLS on loopback: enrolment, the mutual-TLS session, Hello,
 convergence to the files of DESIGN.md §11, node-signed reports, recovery and every fault flag.
 
-Against the real gateway and control plane (`real_stack`): enrolment and Hello, heartbeats, report
-signatures, and a binding from the API to an active reservation. The rest still uses the test
-peer (tests/nodesim_peer.py), which the real gateway cannot stand in for yet: it sends assignments
-the control plane never makes (MIG and slot device classes, clashing, missing or unsafe ids,
-kubernetes bindings and limits to a daemon without capabilities, until in a few seconds), ends a
-stream on demand, issues a certificate already past half its life, and records every message and
-its verdict for the fault tests. Moving those that need none of that is left to do.
+Most tests run against the real gateway and control plane (`real_stack`; states reached through
+the API and the reservation worker, run on demand). Six keep the test peer
+(tests/nodesim_peer.py), each for something the real gateway cannot be made to send; a comment
+above each says what.
 """
 
 from __future__ import annotations
@@ -90,23 +87,31 @@ async def simulated(
 
 
 @contextlib.asynccontextmanager
-async def real_stack(database: str, tmp: Path, names: list[str], *flags: str) -> AsyncIterator[tuple[Any, Any, Fleet]]:
+async def real_stack(
+    database: str, tmp: Path, names: list[str], *flags: str, connect: bool = True
+) -> AsyncIterator[tuple[Any, Any, Fleet]]:
     """The real gateway and control plane (workers on demand: ControlPlane.drain) on one database,
-    and a connected fleet of `names` enrolled into the control plane's pool with join tokens."""
+    and a fleet of `names` enrolled into the control plane's pool with join tokens: connected, its
+    Hellos taken in, unless `connect` is False."""
     from tests.nodes_support import ControlPlane
     from tests.test_gateway import GatewayThread, join_token
 
     gateway = await asyncio.to_thread(GatewayThread, database)
     cp = await asyncio.to_thread(ControlPlane, database)
     try:
+        tmp.mkdir(parents=True, exist_ok=True)
         tokens = tmp / "tokens.json"
-        entries = [{"name": n, "joinToken": await asyncio.to_thread(join_token, database, cp.pool_id, n)} for n in names]
+        entries = [{"name": n, "joinToken": await asyncio.to_thread(join_token, database, cp.pool_id, n)}
+                   for n in names]
         tokens.write_text(json.dumps(entries))
         ca = tmp / "ca.pem"
         ca.write_bytes(gateway.ca_pem)
         args = ["--sim", str(len(names)), "--gateway", gateway.endpoint, "--enrol-gateway", gateway.enrol_endpoint,
                 "--sandbox", str(tmp / "sandbox"), "--tokens", str(tokens), "--ca", str(ca), "--heartbeat", "0.2"]
         async with Fleet(parse_args([*args, *flags])) as fleet:
+            if not connect:
+                yield gateway, cp, fleet
+                return
             await fleet.wait_connected(timeout=30)
             # ...and the gateway has taken in every Hello (atoms and all).
             await rows(database, "SELECT 1 FROM nodes WHERE pool_id = %s AND daemon_version <> ''"
@@ -235,14 +240,16 @@ def test_enrols_with_a_csr_then_opens_a_mutual_tls_session_and_says_hello(databa
                 assert {(g["model"], g["memory_mib"], g["mig_mode"]) for g in inv["gpus"]} == {
                     ("H100-SXM5-80GB", 81559, False)}
                 assert [g["numa_node"] for g in inv["gpus"]] == [0, 0, 0, 0, 1, 1, 1, 1]
-                assert [(n["id"], n["cpulist"]) for n in inv["numa_nodes"]] == [(0, "0-47,96-143"), (1, "48-95,144-191")]
+                assert [(n["id"], n["cpulist"]) for n in inv["numa_nodes"]] == [
+                    (0, "0-47,96-143"), (1, "48-95,144-191")]
                 assert inv["vcpus"] == 192 and inv["memory_bytes"] == 2048 * GIB and inv["isolated_cpus"] == ""
                 assert sum(n["memory_bytes"] for n in inv["numa_nodes"]) == inv["memory_bytes"]
                 assert inv["hugepages_1gi"] > 0
                 atoms = await rows(database, "SELECT device_uuid, nvlink_domain FROM atoms WHERE node_id = %s"
                                              " ORDER BY device_uuid", node["id"])
                 assert len(atoms) == 8 and len({a["nvlink_domain"] for a in atoms}) == 1
-                assert atoms[0]["nvlink_domain"] and node["labels"]["fabric.domain"]["value"] == atoms[0]["nvlink_domain"]
+                domain = atoms[0]["nvlink_domain"]
+                assert domain and node["labels"]["fabric.domain"]["value"] == domain
                 domains[name] = atoms[0]["nvlink_domain"]
 
                 # Keys and certificates on disk: keys 0600; the client certificate names the node id.
@@ -352,6 +359,8 @@ def test_a_limited_hold_writes_the_cdi_spec_env_file_and_cgroup_slice_at_their_p
     run(scenario())
 
 
+# The test peer, not the real gateway: MIG and slot device classes and kubernetes bindings: the gateway
+# sends only whole GPUs, the control plane serves no kubernetes binding yet.
 def test_unlimited_mig_slot_and_kubernetes_holds(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with simulated(tmp_path, ["sim-000"], "--mig-gpus", "2") as (peer, _):
@@ -436,6 +445,8 @@ def test_written_cdi_specs_validate(database: str, tmp_path: Path) -> None:
     run(scenario())
 
 
+# The test peer, not the real gateway: clashing, missing, oversized and unsafe assignments, which the
+# control plane never makes.
 def test_admission_refuses_missing_devices_clashes_and_memory_beyond_the_host(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with simulated(tmp_path, ["sim-000"]) as (peer, _):
@@ -521,6 +532,8 @@ def test_reports_are_signed_by_the_node_key_over_the_purpose_prefix(database: st
     run(scenario())
 
 
+# The test peer, not the real gateway: an `until` a few seconds ahead on the node's clock (a reservation's
+# end is hours away, in the control plane's time).
 def test_removal_from_desired_state_and_the_end_of_until_release_the_hold(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with simulated(tmp_path, ["sim-000"]) as (peer, _):
@@ -590,20 +603,31 @@ def test_a_restarted_daemon_recovers_its_holds_from_the_sandbox_and_re_reports_t
     run(scenario())
 
 
-def test_a_broken_stream_reconnects_and_re_reports_what_it_holds(tmp_path: Path) -> None:
+def test_a_broken_stream_reconnects_and_re_reports_what_it_holds(database: str, tmp_path: Path) -> None:
+    from tests.test_gateway import GatewayThread
+
     async def scenario() -> None:
-        async with simulated(tmp_path, ["sim-000"]) as (peer, fleet):
-            node = peer.by_name("sim-000")
-            peer.set_desired(node.node_id, [assignment("alloc_r", gpus(node)[:1])])
-            await eventually(lambda: bound_ids(node) == ["alloc_r"])
-            node.active.put_nowait(None)  # type: ignore[union-attr]  # the gateway ends the stream
-            await eventually(lambda: node.sessions == 2 and node.active is not None)
-            await eventually(lambda: bound_ids(node) == ["alloc_r", "alloc_r"])
-            await fleet.wait_connected(timeout=5)
+        async with real_stack(database, tmp_path, ["sim-000"]) as (gateway, cp, fleet):
+            sim = fleet.node("sim-000")
+            r = await binding_through_the_api(cp)
+            alloc = r.allocations[-1].id
+            [first] = await reports_of(database, alloc, "bound")
+            # The gateway restarts (on the same ports): its streams end; the node reconnects.
+            await asyncio.to_thread(gateway.stop)
+            again = await asyncio.to_thread(GatewayThread, database, listen=gateway.endpoint,
+                                            enrol_listen=gateway.enrol_endpoint)
+            try:
+                _, second = await reports_of(database, alloc, "bound", 2)
+                assert second.bound == first.bound and second.sequence > first.sequence
+                await fleet.wait_connected(timeout=30)
+                assert sim.sessions == 2 and fleet.node("sim-000") is sim  # the same process, a new session
+            finally:
+                await asyncio.to_thread(again.stop)
 
     run(scenario())
 
 
+# The test peer, not the real gateway: a certificate already past half its life, and a renewal hint on demand.
 def test_certificates_are_renewed_past_half_their_life_and_on_a_hint(tmp_path: Path) -> None:
     async def scenario() -> None:
         # The peer, not the real gateway: only it can hand out a certificate already 70 % through
@@ -646,6 +670,8 @@ def test_certificates_are_renewed_past_half_their_life_and_on_a_hint(tmp_path: P
 # -- faults -----------------------------------------------------------------------------------
 
 
+# The test peer, not the real gateway: allocation ids chosen before the fleet starts (--fail-allocations)
+# and 64 assignments at once.
 def test_fail_allocations_and_fail_binds_report_resources_exhausted(tmp_path: Path) -> None:
     async def scenario() -> None:
         names = ["sim-000", "sim-001"]
@@ -745,14 +771,16 @@ def test_restart_after_drops_memory_reconnects_and_recovers_from_the_sandbox(dat
     run(scenario())
 
 
-def test_the_timed_unreachable_and_restart_faults_fire_no_sooner_than_asked(tmp_path: Path) -> None:
+def test_the_timed_unreachable_and_restart_faults_fire_no_sooner_than_asked(database: str, tmp_path: Path) -> None:
     async def scenario() -> None:
-        started = time.monotonic()
-        async with simulated(tmp_path / "u", ["sim-000"], "--unreachable-after", "1", connect=False) as (_, fleet):
+        async with real_stack(database, tmp_path / "u", ["sim-000"], "--unreachable-after", "1",
+                              connect=False) as (_, _cp, fleet):
+            started = time.monotonic()  # the fleet has just started; its nodes' timers start after
             await eventually(lambda: "sim-000" in fleet.nodes and fleet.node("sim-000").state == "unreachable", 30)
             assert time.monotonic() - started >= 1.0 and fleet.node("sim-000").sessions <= 1
-        started = time.monotonic()
-        async with simulated(tmp_path / "r", ["sim-000"], "--restart-after", "1", connect=False) as (_, fleet):
+        async with real_stack(database, tmp_path / "r", ["sim-001"], "--restart-after", "1",
+                              connect=False) as (_, _cp, fleet):
+            started = time.monotonic()
             await eventually(lambda: fleet.restarts == 1, 30)
             assert time.monotonic() - started >= 1.0
             await fleet.wait_connected(timeout=30)
@@ -760,6 +788,8 @@ def test_the_timed_unreachable_and_restart_faults_fire_no_sooner_than_asked(tmp_
     run(scenario())
 
 
+# The test peer, not the real gateway: limits and a kubernetes binding sent to a daemon without the
+# capabilities (the control plane would not).
 def test_no_capabilities_is_an_older_daemon_that_ignores_limits_and_kubernetes(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with simulated(tmp_path, ["sim-000"], "--no-capabilities") as (peer, _):
@@ -780,39 +810,76 @@ def test_no_capabilities_is_an_older_daemon_that_ignores_limits_and_kubernetes(t
 
 
 @pytest.mark.parametrize("mode", ["unsigned", "foreign-key", "other-allocation", "other-node"])
-def test_forged_reports(tmp_path: Path, mode: str) -> None:
+def test_forged_reports(database: str, tmp_path: Path, mode: str) -> None:
+    from structlog.testing import capture_logs
+
+    from bettercompute.v1 import admin_pb2 as apb
+    from tests.test_pki import sql
+
     async def scenario() -> None:
         names = ["sim-000", "sim-001"]
-        async with simulated(tmp_path, names, "--forge", mode, "--fault-nodes", "sim-000") as (peer, _):
-            forger, honest = peer.by_name("sim-000"), peer.by_name("sim-001")
-            peer.set_desired(honest.node_id, [assignment("alloc_theirs", gpus(honest)[:1])])
-            await eventually(lambda: bound_ids(honest) == ["alloc_theirs"])
-            peer.set_desired(forger.node_id, [assignment("alloc_mine", gpus(forger)[:1])])
-            await eventually(lambda: forger.reports)
-            received = forger.reports[0]
-            report = received.report
-            assert report is not None and report.WhichOneof("event") == "bound"
-            if mode == "unsigned":
-                assert received.verdict == "unsigned" and received.attested.signature == b""
-                assert report.bound.allocation_id == "alloc_mine"
-            elif mode == "foreign-key":
-                assert received.verdict == "bad signature" and report.bound.allocation_id == "alloc_mine"
-            elif mode == "other-allocation":
-                # A genuine signature, over a report that is not "alloc_mine bound".
-                assert received.verdict == "ok" and report.bound.allocation_id != "alloc_mine"
-                assert re.fullmatch(r"alloc_[0-9a-hjkmnp-tv-z]{26}", report.bound.allocation_id)
-            else:
-                assert received.verdict == "ok" and report.bound.allocation_id == "alloc_theirs"
-            # The hold itself is real; the honest node's reports are genuine.
-            assert artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_mine")[0].exists()
-            assert [r.verdict for r in honest.reports] == ["ok"]
+        async with real_stack(database, tmp_path, names, "--forge", mode, "--fault-nodes", "sim-000") as (_, cp, fleet):
+            forger, honest = fleet.node("sim-000").node_id, fleet.node("sim-001").node_id
 
-            if mode == "other-allocation":  # with another hold to point at, it names that one
-                peer.set_desired(
-                    forger.node_id, [*forger.desired.assignments, assignment("alloc_two", gpus(forger)[1:2])]
-                )
-                await eventually(lambda: len(forger.reports) == 2)
-                assert forger.reports[1].report.bound.allocation_id == "alloc_mine"  # type: ignore[union-attr]
+            async def on(node_id: str) -> Any:
+                """A reservation bound to `node_id`: the other node is cordoned while it is placed."""
+                other = honest if node_id == forger else forger
+                def set_state(state: str) -> None:
+                    cp.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other, state=state))
+
+                await asyncio.to_thread(set_state, "cordoned")
+                try:
+                    r = await binding_through_the_api(cp)
+                finally:
+                    await asyncio.to_thread(set_state, "ready")
+                assert r.allocations[-1].node_id == node_id
+                return r
+
+            def ignored() -> list[dict]:
+                key_id = fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
+                return [e for e in logs if e["event"] == "report ignored" and e.get("key_id") == key_id]
+
+            with capture_logs() as logs:
+                theirs_r = await on(honest)
+                theirs = theirs_r.allocations[-1].id
+                await reports_of(database, theirs, "bound")
+                mine = (await on(forger)).allocations[-1].id
+                if mode in ("unsigned", "foreign-key"):
+                    [report] = await reports_of(database, mine, "bound")
+                    assert report.bound.allocation_id == mine
+                    [row] = await rows(database, "SELECT key_id, signature FROM node_reports WHERE allocation_id = %s",
+                                       mine)
+                    if mode == "unsigned":
+                        assert bytes(row["signature"]) == b"" and row["key_id"] == ""
+                    else:  # the node's own key id, another key's signature
+                        assert row["key_id"] == fleet.node("sim-000").identity.key_id  # type: ignore[union-attr]
+                    await asyncio.to_thread(cp.drain)
+                    [verdict] = await rows(database, "SELECT verdict FROM node_reports WHERE allocation_id = %s"
+                                                     " AND judged_at IS NOT NULL", mine)
+                    want = "unsigned report" if mode == "unsigned" else "bad signature"
+                    assert verdict["verdict"] == f"rejected: {want}"
+                else:
+                    # A genuine signature over a report that is not "mine bound": about an allocation
+                    # the forger does not hold (made up, or the honest node's), so the gateway drops it.
+                    await eventually(lambda: ignored(), timeout=30)
+                    assert await asyncio.to_thread(sql, database, "SELECT 1 FROM node_reports WHERE node_id = %s",
+                                                   (forger,)) == []
+                # The hold itself is real; the honest node's reports are genuine and accepted.
+                assert artefact_paths(sandbox(tmp_path, "sim-000"), mine)[0].exists()
+                await asyncio.to_thread(cp.drain)
+                verdicts = await asyncio.to_thread(sql, database, "SELECT verdict FROM node_reports WHERE node_id = %s",
+                                                   (honest,))
+                assert verdicts == [{"verdict": "accepted"}]
+                assert (await asyncio.to_thread(cp.get, theirs_r.id)).state == "active"
+
+                if mode == "other-allocation":  # with another hold to point at, it names that one
+                    two = (await on(forger)).allocations[-1].id
+                    [pointed] = await reports_of(database, mine, "bound")
+                    assert pointed.bound.allocation_id == mine
+                    assert await asyncio.to_thread(sql, database, "SELECT 1 FROM node_reports WHERE allocation_id = %s",
+                                                   (two,)) == []
+            await asyncio.to_thread(cp.drain)
+            await asyncio.to_thread(cp.check_invariants)
 
     run(scenario())
 
@@ -820,21 +887,26 @@ def test_forged_reports(tmp_path: Path, mode: str) -> None:
 # -- the program ------------------------------------------------------------------------------
 
 
-def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(database: str, tmp_path: Path) -> None:
+    from controlplane import devstack
+    from tests.nodes_support import ControlPlane
+    from tests.test_gateway import GatewayThread
+
     names = [f"sim-{i:03d}" for i in range(50)]
+    gateway = GatewayThread(database)
+    cp = ControlPlane(database)
 
     async def scenario() -> None:
-        peer = Peer()
-        await peer.start()
+        tokens = tmp_path / "tokens.json"
+        root_token = cp.root.metadata[0][1].split(" ", 1)[1]
+        await asyncio.to_thread(devstack.issue_join_tokens, cp.server.endpoint, root_token, cp.pool_id, names, tokens)
+        ca = tmp_path / "ca.pem"
+        ca.write_bytes(gateway.ca_pem)
         args = [
-            *peer.args(tmp_path, names, tmp_path / "sandbox"),
-            "--heartbeat",
-            "1",
-            "--connect-rate",
-            "200",
-            "--log-format",
-            "json",
-        ]
+            "--sim", "50", "--gateway", gateway.endpoint, "--enrol-gateway", gateway.enrol_endpoint,
+            "--sandbox", str(tmp_path / "sandbox"), "--tokens", str(tokens), "--ca", str(ca),
+            "--heartbeat", "1", "--connect-rate", "200", "--log-format", "json",
+        ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -854,26 +926,34 @@ def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(tmp_path:
 
         reading = asyncio.create_task(read_log())
         try:
-            await eventually(lambda: peer.connected() == 50 and all(n.hellos for n in peer.nodes.values()), timeout=30)
-            await eventually(lambda: all(n.heartbeats for n in peer.nodes.values()), timeout=10)
-            assert sorted(n.name for n in peer.nodes.values()) == names
+            connected = ("FROM nodes WHERE pool_id = %s AND session_id IS NOT NULL"
+                         " AND connectivity = 'connected' AND daemon_version <> ''")
+            await rows(database, "SELECT 1 " + connected + " HAVING count(*) = 50", cp.pool_id, timeout=60)
+            nodes = await rows(database, "SELECT id, name " + connected, cp.pool_id)
+            assert sorted(n["name"] for n in nodes) == names
+            await heard_again(database, [n["id"] for n in nodes], times=1)
             # Progress lines: the counts, then the moment all are connected.
-            await eventually(lambda: "all nodes connected" in [line["event"] for line in lines], timeout=10)
+            await eventually(lambda: "all nodes connected" in [line["event"] for line in lines], timeout=30)
             assert "50 enrolled, 50 connected" in [line["event"] for line in lines]
             proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 15) == 0
-            await asyncio.wait_for(reading, 5)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+            await asyncio.wait_for(reading, 10)
             assert [line["event"] for line in lines][-1] == "fleet stopped"
             assert not [line for line in lines if line["level"] in ("warning", "error")]
-            await eventually(lambda: peer.connected() == 0, timeout=5)
+            # Every session ended with the process.
+            await rows(database, "SELECT 1 FROM nodes WHERE pool_id = %s HAVING count(*) FILTER"
+                                 " (WHERE session_id IS NOT NULL) = 0", cp.pool_id)
         finally:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
             reading.cancel()
-            await peer.stop()
 
-    run(scenario())
+    try:
+        run(scenario())
+    finally:
+        cp.stop()
+        gateway.stop()
 
 
 def test_the_nodesim_script_runs_main() -> None:
