@@ -353,7 +353,7 @@ def assignment(
     return a
 
 
-async def eventually(predicate: Callable[[], object], timeout: float = 10.0, every: float = 0.02) -> None:
+async def eventually(predicate: Callable[[], object], timeout: float = 30.0, every: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

@@ -37,7 +37,7 @@ from nodesim.fleet import Fleet
 from nodesim.inventory import gpu_uuid
 from tests.nodesim_peer import PURPOSE, Peer, PeerNode, assignment, eventually
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
