@@ -935,14 +935,17 @@ def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(database:
             # Progress lines: the counts, then the moment all are connected.
             await eventually(lambda: "all nodes connected" in [line["event"] for line in lines], timeout=30)
             assert "50 enrolled, 50 connected" in [line["event"] for line in lines]
+            async def open_sessions() -> int:
+                return len(gateway.gateway.hub.sessions())
+
+            assert gateway.call(open_sessions()) == 50
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 30) == 0
             await asyncio.wait_for(reading, 10)
             assert [line["event"] for line in lines][-1] == "fleet stopped"
             assert not [line for line in lines if line["level"] in ("warning", "error")]
-            # Every session ended with the process.
-            await rows(database, "SELECT 1 FROM nodes WHERE pool_id = %s HAVING count(*) FILTER"
-                                 " (WHERE session_id IS NOT NULL) = 0", cp.pool_id)
+            # The gateway saw every stream end with the process.
+            await eventually(lambda: gateway.call(open_sessions()) == 0)
         finally:
             if proc.returncode is None:
                 proc.kill()
