@@ -47,6 +47,8 @@ async def serve(config: FleetConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, fleet.go_unreachable)
+    loop.add_signal_handler(signal.SIGUSR2, fleet.restart_now)
     await fleet.start()
     running = asyncio.create_task(fleet.run_forever())
     stopping = asyncio.create_task(stop.wait())

@@ -45,6 +45,9 @@ class Faults:
     never_answer: bool = False
     unreachable_after: float | None = None
     restart_after: float | None = None
+    # On demand instead of after a time: SIGUSR1 / Fleet.go_unreachable(), SIGUSR2 / Fleet.restart_now().
+    unreachable_on_signal: bool = False
+    restart_on_signal: bool = False
     no_capabilities: bool = False
     forge: str | None = None
 
@@ -175,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--never-answer", action="store_true", help="accept desired state, never bind or report")
     f.add_argument("--unreachable-after", type=_positive, metavar="SECONDS")
     f.add_argument("--restart-after", type=_positive, metavar="SECONDS")
+    f.add_argument("--unreachable-on-signal", action="store_true", help="go unreachable on SIGUSR1")
+    f.add_argument("--restart-on-signal", action="store_true", help="restart (once) on SIGUSR2")
     f.add_argument("--no-capabilities", action="store_true", help="an older daemon: no capabilities")
     f.add_argument("--forge", choices=FORGE_MODES, help="send forged bind reports")
     return p
@@ -210,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         never_answer=a.never_answer,
         unreachable_after=a.unreachable_after,
         restart_after=a.restart_after,
+        unreachable_on_signal=a.unreachable_on_signal,
+        restart_on_signal=a.restart_on_signal,
         no_capabilities=a.no_capabilities,
         forge=a.forge,
     )

@@ -13,7 +13,6 @@ each keeps its own mutual-TLS channel, since each presents its own client certif
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
@@ -36,6 +35,8 @@ class Fleet:
         # The current incarnation of each node (a --restart-after fault replaces it).
         self.nodes: dict[str, SimNode] = {}
         self.restarts = 0
+        # The running incarnation of each node with --restart-on-signal, until it restarted.
+        self._restartable: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._enrol_channel: grpc.aio.Channel | None = None
         self._shared: Shared | None = None
@@ -106,6 +107,16 @@ class Fleet:
                         raise task.exception()  # type: ignore[misc]
                 await asyncio.sleep(0.05)
 
+    def go_unreachable(self) -> None:
+        """Nodes with --unreachable-on-signal go unreachable now (SIGUSR1)."""
+        for node in self.nodes.values():
+            node.go_unreachable()
+
+    def restart_now(self) -> None:
+        """Nodes with --restart-on-signal restart now, once (SIGUSR2)."""
+        for task in self._restartable.values():
+            task.cancel()
+
     # -- internals ---------------------------------------------------------------------------
 
     def _held_elsewhere(self, name: str) -> list[str]:
@@ -117,10 +128,17 @@ class Fleet:
         node = SimNode(name, position, self._shared)
         self.nodes[name] = node
         restart_after = node.faults.restart_after
-        if restart_after is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(restart_after):
-                    await node.run()
+        if restart_after is not None or node.faults.restart_on_signal:
+            running = asyncio.create_task(node.run(), name=f"node-{name}-first")
+            self._restartable[name] = running
+            try:  # until the time passes or restart_now() cancels it
+                await asyncio.wait({running}, timeout=restart_after)
+            finally:
+                self._restartable.pop(name, None)
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+            if not running.cancelled() and running.exception() is not None:
+                raise running.exception()  # type: ignore[misc]  # a bug, not a restart
             # Everything in memory is dropped; the next incarnation recovers from the sandbox.
             self.restarts += 1
             log.info("node restarted (fault injection)", node=name)

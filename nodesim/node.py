@@ -106,6 +106,7 @@ class SimNode:
         self._channel: grpc.aio.Channel | None = None
         self._channel_key_id = ""
         self._failures_logged = False
+        self._connecting: asyncio.Task[None] | None = None
 
     @property
     def node_id(self) -> str:
@@ -123,14 +124,16 @@ class SimNode:
         expiry = asyncio.create_task(self._expiry_loop(), name=f"{self.name}-expiry")
         try:
             self._emit(events)
-            if self.faults.unreachable_after is None:
+            if self.faults.unreachable_after is None and not self.faults.unreachable_on_signal:
                 await self._connect_loop()
                 return
+            # Until the time passes or go_unreachable() cancels it, whichever comes first.
+            self._connecting = asyncio.create_task(self._connect_loop(), name=f"{self.name}-connect")
             try:
-                async with asyncio.timeout(self.faults.unreachable_after):
-                    await self._connect_loop()
-            except TimeoutError:
-                pass
+                await asyncio.wait({self._connecting}, timeout=self.faults.unreachable_after)
+            finally:
+                self._connecting.cancel()
+                await asyncio.gather(self._connecting, return_exceptions=True)
             self.connected = False
             self.state = "unreachable"
             self.log.info("unreachable (fault injection): no more sessions or heartbeats")
@@ -140,6 +143,11 @@ class SimNode:
             self.connected = False
             expiry.cancel()
             await self._close_channel()
+
+    def go_unreachable(self) -> None:
+        """The --unreachable-on-signal fault, now."""
+        if self.faults.unreachable_on_signal and self._connecting is not None:
+            self._connecting.cancel()
 
     async def _connect_loop(self) -> None:
         backoff = Backoff()
@@ -375,4 +383,4 @@ def _sequence(report: pb.AttestedReport) -> int:
 
 def restarted(faults: Faults) -> Faults:
     """A restart happens once: the next incarnation keeps every other fault."""
-    return replace(faults, restart_after=None)
+    return replace(faults, restart_after=None, restart_on_signal=False)

@@ -10,6 +10,10 @@
   acknowledges each report.
 
 `python -m tests.nodesim_peer --dir D --nodes N` serves it standalone (for `nodesim --sim N`).
+
+It is a stand-in, not the gateway (its CA is Ed25519, the real one P-256; its report check is its
+own): tests use it only for what the real gateway cannot be made to do (tests/test_nodesim.py
+says which); everything else runs against gateway/ and the control plane.
 """
 
 from __future__ import annotations
@@ -88,8 +92,11 @@ class TestCA:
             ],
         )
 
-    def issue(self, public_key: object, cn: str, lifetime: float, extra: list | None = None) -> x509.Certificate:
-        now = datetime.datetime.now(datetime.UTC)
+    def issue(
+        self, public_key: object, cn: str, lifetime: float, extra: list | None = None, aged: float = 0.0
+    ) -> x509.Certificate:
+        """A certificate of `lifetime` seconds, `aged` seconds of which are already over."""
+        now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=aged)
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
@@ -142,9 +149,12 @@ class PeerNode:
 
 
 class Peer(node_pb2_grpc.NodeGatewayServicer):
-    def __init__(self, cert_lifetime: float = 3600.0) -> None:
+    def __init__(self, cert_lifetime: float = 3600.0, enrol_aged: float = 0.0) -> None:
+        """`enrol_aged`: the share of its life an enrolment's certificate has already used up
+        (past 0.6, the node renews at once); renewals issue fresh ones."""
         self.ca = TestCA()
         self.cert_lifetime = cert_lifetime
+        self.enrol_aged = enrol_aged
         self.tokens: dict[str, str] = {}  # token -> node name
         self.nodes: dict[str, PeerNode] = {}  # node id -> node
         self.server: grpc.aio.Server | None = None
@@ -226,14 +236,14 @@ class Peer(node_pb2_grpc.NodeGatewayServicer):
 
     # -- the service -------------------------------------------------------------------------
 
-    def _certify(self, node: PeerNode, csr_pem: bytes) -> tuple[bytes, int]:
+    def _certify(self, node: PeerNode, csr_pem: bytes, aged: float = 0.0) -> tuple[bytes, int]:
         csrs = split_csrs(csr_pem)
         out = b""
         not_after = 0
         for csr in csrs:
             if not csr.is_signature_valid:
                 raise ValueError("CSR signature invalid")
-            cert = self.ca.issue(csr.public_key(), node.node_id, self.cert_lifetime)
+            cert = self.ca.issue(csr.public_key(), node.node_id, self.cert_lifetime, aged=aged)
             if isinstance(csr.public_key(), ed25519.Ed25519PublicKey):
                 kid = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
                 node.signing_certs[kid] = cert
@@ -254,7 +264,7 @@ class Peer(node_pb2_grpc.NodeGatewayServicer):
         self._serial += 1
         node = PeerNode(node_id=f"node_{self._serial:026d}", name=name)
         self.nodes[node.node_id] = node
-        cert_pem, not_after = self._certify(node, request.csr_pem)
+        cert_pem, not_after = self._certify(node, request.csr_pem, aged=self.enrol_aged * self.cert_lifetime)
         return pb.EnrolResponse(
             node_id=node.node_id, certificate_pem=cert_pem, ca_certificate_pem=self.ca.pem, not_after=not_after
         )
@@ -351,7 +361,7 @@ def assignment(
     return a
 
 
-async def eventually(predicate: Callable[[], object], timeout: float = 10.0, every: float = 0.02) -> None:
+async def eventually(predicate: Callable[[], object], timeout: float = 30.0, every: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

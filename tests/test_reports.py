@@ -68,8 +68,15 @@ def test_a_report_that_arrives_while_placed_is_judged_at_the_start(world: World,
     r = world.create(count=2, start=now + HOUR, duration="2h")
     alloc = r.allocations[0].id
     report(node, world, alloc, "bound", cdi_devices=["bcd.dev/gpu=GPU-r-0", "bcd.dev/gpu=GPU-r-1"])
-    time.sleep(0.5)
-    assert get(world, r.id).state == "placed"  # not judged before the start
+    # The wake-up the report scheduled has run (the worker took every item due now) ...
+    deadline = time.monotonic() + 30
+    while world.sql("SELECT 1 FROM work_items WHERE subject = %s AND run_at <= compute_now()", (r.id,)):
+        assert time.monotonic() < deadline, "the reservation's wake-up never ran"
+        time.sleep(0.05)
+    assert world.sql("SELECT last_error FROM work_items WHERE subject = %s AND last_error IS NOT NULL", (r.id,)) == []
+    # ... and left the report unjudged: not before the start.
+    assert get(world, r.id).state == "placed"
+    assert world.sql("SELECT judged_at FROM node_reports WHERE allocation_id = %s", (alloc,)) == [(None,)]
     world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR))
     active = eventually(world, r.id, lambda x: x.state == "active")
     # At the start itself, not after the 5-minute bind timeout: the clock stands at the start.
