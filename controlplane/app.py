@@ -49,6 +49,9 @@ SERVICES = (
     events_pb2.DESCRIPTOR.services_by_name["Webhooks"].full_name,
 )
 
+# The work queue's handlers, by kind (a kind without one is refused at insert).
+WORK_HANDLERS = {"reservation": reconciler.reconcile}
+
 
 @dataclass
 class App:
@@ -101,8 +104,7 @@ async def start_app(
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
-        work = {"reservation": reconciler.reconcile}  # the queue's handlers, by kind
-        app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, work), name="work-queue"))
+        app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, WORK_HANDLERS), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
         app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
     log.info("control plane serving", port=port, workers=workers)

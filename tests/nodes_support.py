@@ -17,6 +17,7 @@ from controlplane import bootstrap
 from controlplane.config import Settings
 from controlplane.workers import queue
 from tests.invariants import check_invariants
+from controlplane.app import WORK_HANDLERS
 from tests.support import Client, ServerThread, World, make_world
 
 
@@ -34,7 +35,7 @@ class ControlPlane:
     def drain(self) -> int:
         """Run the reservation worker until nothing is due; how many items it took."""
         taken = 0
-        while self.server.call(queue.run_one(self.server.app.runtime)):
+        while self.server.call(queue.run_one(self.server.app.runtime, WORK_HANDLERS)):
             taken += 1
         return taken
 

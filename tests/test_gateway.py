@@ -456,7 +456,7 @@ def test_desired_state_is_pushed_on_connect_and_on_every_bump(gateway: GatewayTh
 # Reports ------------------------------------------------------------------------------------
 
 def _bound_body(node_id: str, allocation_id: str) -> bytes:
-    return pb.Report(node_id=node_id, sequence=7, time=1, bound=pb.AllocationBound(
+    return pb.Report(node_id=node_id, sequence=7, time=int(time.time() * 1000), bound=pb.AllocationBound(
         allocation_id=allocation_id, cdi_devices=["bcd.dev/gpu=GPU-0"], env_file="/run/bcd/a.env")).SerializeToString()
 
 
@@ -523,9 +523,10 @@ def test_failed_and_released_reports_are_kept_and_wake_the_reservation(
     node, session = connected(gateway, cp.pool_id, "gpu-01")
     rid, aid = binding(cp)
     cp.drain()
-    failed = pb.Report(node_id=node.node_id, sequence=1,
+    now_ms = int(time.time() * 1000)  # a report dated far from its certificate's life never counts
+    failed = pb.Report(node_id=node.node_id, sequence=1, time=now_ms,
                        failed=pb.AllocationFailed(allocation_id=aid, reason="resources-exhausted"))
-    released = pb.Report(node_id=node.node_id, sequence=2,
+    released = pb.Report(node_id=node.node_id, sequence=2, time=now_ms,
                          released=pb.AllocationReleased(allocation_id=aid, reason="ended"))
     session.send(node.report(failed.SerializeToString()))
     session.send(node.report(released.SerializeToString()))
