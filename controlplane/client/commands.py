@@ -111,7 +111,7 @@ def extend_request(
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
     )
     if (until is None) == (by is None):
-        raise UsageError("extend takes exactly one of --until and --by")
+        raise UsageError("extend takes exactly one of until (--until) and by (--by)")
     if until is not None:
         request.until = parse_moment("--until", until)
     else:

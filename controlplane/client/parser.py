@@ -42,7 +42,8 @@ def build() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="better-compute",
         description="Reserve GPUs through the Better Compute API. Tables on a terminal, JSON otherwise.",
-        epilog="`better-compute dev` runs the system locally (see README.md)."
+        epilog="`better-compute dev` runs the system locally; `better-compute mcp` serves the "
+        "tools to an agent over stdio (see README.md)."
     )
     _common_args(parser, None)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
