@@ -323,3 +323,23 @@ def test_a_terminal_shows_the_error_for_people_and_a_spinner_while_reserve_waits
     assert waiting.code == 0, waiting
     assert "reserving 64 GPUs: pending" in waiting.out and "0:00:0" in waiting.out
     assert "pending" in waiting.out.split("reserving 64 GPUs")[-1]
+
+
+def test_a_large_pool_is_drawn_to_a_fixed_width() -> None:
+    """64 GPUs are scaled to 40 columns, every row as wide, booked first."""
+    from rich.console import Console
+
+    from bettercompute.v1 import capacity_pb2 as cpb
+    from controlplane.client.render import BAR_WIDTH, timeline
+
+    hour = 3_600_000
+    answer = cpb.TimelineResponse(pool_id="pool_x", allocatable=64, buckets=[
+        cpb.TimelineBucket(start=i * hour, end=(i + 1) * hour, booked=booked, free=64 - booked)
+        for i, booked in enumerate((0, 4, 63, 64))
+    ])
+    console = Console(width=120, record=True, color_system=None)
+    console.print(timeline(answer))
+    bars = [line.split()[-3] for line in console.export_text().splitlines() if "░" in line or "█" in line]
+    assert [len(bar) for bar in bars] == [BAR_WIDTH] * 4
+    assert [bar.count("█") for bar in bars] == [0, 2, 39, 40]
+    assert all(bar == "█" * bar.count("█") + "░" * bar.count("░") for bar in bars)

@@ -68,6 +68,8 @@ class Tools:
         except grpc.RpcError as err:
             error = error_json(err)["error"]
             if error["code"] != "CONFIRMATION_REQUIRED":
+                with self.lock:
+                    self.held.pop(key, None)  # decided (e.g. rejected): nothing left to resend
                 raise tool_error(err) from None
             with self.lock:
                 self.held[key] = request

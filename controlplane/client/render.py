@@ -193,6 +193,7 @@ def confirmation(c: pb.Confirmation) -> Group:
 def timeline(t: cpb.TimelineResponse) -> Group:
     """A calendar: one row per bucket, booked GPUs as a solid bar, free ones as a light one."""
     scale = min(1.0, BAR_WIDTH / t.allocatable) if t.allocatable else 1.0
+    width = round(t.allocatable * scale)  # every row as wide: the pool's allocatable GPUs
     title = f"{t.pool_id}: {t.allocatable} GPUs allocatable"
     if t.buckets:
         title += f", {fmt_duration(t.buckets[0].end - t.buckets[0].start)} per row"
@@ -207,7 +208,8 @@ def timeline(t: cpb.TimelineResponse) -> Group:
         day, clock = stamp[:10], stamp[11:]
         label = f"{day} {clock}" if day != previous_day else f"{'':10} {clock}"
         previous_day = day
-        bar = Text.assemble(("█" * round(b.booked * scale), "red"), ("░" * round(b.free * scale), "green"))
+        booked = round(b.booked * scale)
+        bar = Text.assemble(("█" * booked, "red"), ("░" * max(0, width - booked), "green"))
         table.add_row(label, bar, str(b.booked), str(b.free))
     return Group(Text(title, style="bold"), table)
 
