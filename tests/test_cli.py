@@ -82,12 +82,12 @@ def cli(world: World, tmp_path: pathlib.Path):
 def tty(world: World, tmp_path: pathlib.Path):
     """Run `better-compute ARGS` with stdout on a pseudo-terminal 160 columns wide; the screen text."""
 
-    def run(*args: str) -> Run:
+    def run(*args: str, token: str | None = None) -> Run:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
         env = dict(_env(tmp_path), TERM="xterm-256color", COLUMNS="160", TZ="UTC")
         process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", *connection_flags(world), *args],
+            [sys.executable, "-m", "controlplane.cli", *connection_flags(world, token), *args],
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE,
         )
         os.close(slave)
@@ -261,6 +261,16 @@ def test_a_person_approves_an_agents_held_request_with_confirmations_approve(cli
 
     placed = cli(*args, token=_token(agent)).json
     assert placed["id"] == held["details"]["reservationId"] and placed["state"] == "placed"
+
+
+def test_on_a_terminal_the_agent_is_told_the_command_its_person_runs(tty, world: World) -> None:
+    world.policy(DELEGATED_ONLY_WITH_CONFIRMATION)
+    _, agent = world.identity(kind="agent", person_identity_id=world.user_id,
+                              confirm_actions=["compute:reservations:create"])
+    held = tty("reserve", "--gpus", "1", "--key", "agent-tty", token=_token(agent))
+    assert held.code == 1 and held.err.startswith("error CONFIRMATION_REQUIRED:"), held
+    [confirmation_id] = re.findall(r"confirmationId: (\S+)", held.err)
+    assert f"better-compute confirmations approve {confirmation_id}" in held.err
 
 
 def test_a_rejected_request_is_denied_on_retry(cli, world: World) -> None:

@@ -75,8 +75,14 @@ class Output:
             return
         body = error["error"]
         self.err.print(Text.assemble(("error ", "bold red"), (body["code"], "bold"), f": {body['message']}"))
-        for key, value in sorted(body.get("details", {}).items()):
+        details = body.get("details", {})
+        for key, value in sorted(details.items()):
             self.err.print(f"  {key}: {value}")
+        if body["code"] == "CONFIRMATION_REQUIRED" and details.get("confirmationId"):
+            self.err.print(
+                f"Your person must approve it: better-compute confirmations approve {details['confirmationId']}\n"
+                "then run the same command again (with the same --key and window)."
+            )
 
     @contextmanager
     def progress(self, what: str) -> Iterator[Callable[[str], None]]:
