@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return dev_main(argv[1:])
     if argv and argv[0] in {"serve", "migrate", "bootstrap"}:
         return serve_main(argv)
+    if argv and argv[0] == "mcp":
+        from controlplane.client.mcp_server import main as mcp_main
+
+        return mcp_main(argv[1:])
     from controlplane.client_cli import main as client_main
 
     return client_main(argv)

@@ -1,0 +1,180 @@
+"""One function per command: build the request, call, return the answer (a protobuf message).
+
+`reserve_request` and `create_and_wait` are shared with the MCP server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from google.protobuf.message import Message
+
+from bettercompute.v1 import capacity_pb2 as cpb
+from bettercompute.v1 import events_pb2 as epb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.client.connection import RPC_TIMEOUT_S, Client
+from controlplane.client.errors import UsageError
+from controlplane.client.times import parse_minutes, parse_moment
+from controlplane.durations import parse_duration_ms
+
+MAX_SERVER_WAIT_MS = 30_000  # the server holds a create at most this long
+
+
+def reserve_request(
+    client: Client,
+    *,
+    gpus: int,
+    topology: str = "",
+    duration: str = "1h",
+    start: str | None = None,
+    key: str | None = None,
+    pool: str | None = None,
+    lease: str | None = None,
+) -> pb.CreateReservationRequest:
+    pool_id = pool or client.conn.pool_id
+    if not pool_id:
+        raise UsageError("no pool: pass --pool or use a connection file that names one")
+    request = pb.CreateReservationRequest(
+        tenant_id=client.conn.tenant_id,
+        pool_id=pool_id,
+        devices=[pb.DeviceRequest(device_class="gpu", count=gpus, topology=topology)],
+        duration=duration,
+        idempotency_key=key or f"cli-{uuid.uuid4().hex}",
+    )
+    if start:
+        request.start = parse_moment("--start", start)
+    if lease:
+        try:
+            request.lease_seconds = parse_duration_ms(lease) // 1000
+        except ValueError:
+            raise UsageError(f"--lease {lease!r}: use a duration such as 10m") from None
+    return request
+
+
+def create_and_wait(
+    client: Client,
+    request: pb.CreateReservationRequest,
+    wait_s: float,
+    on_state: Callable[[str], None] = lambda state: None,
+) -> pb.Reservation:
+    """Create with `wait`; if the answer is still queued, poll get until the same deadline."""
+    deadline = time.monotonic() + wait_s
+    request.wait.timeout_ms = min(int(wait_s * 1000), MAX_SERVER_WAIT_MS)
+    reservation = client.call("reservations", "Create", request, timeout=wait_s + RPC_TIMEOUT_S)
+    on_state(reservation.state)
+    pause = 0.25
+    while reservation.operation.state == "running" and time.monotonic() + pause < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+        reservation = client.call("reservations", "Get", _get_request(client, reservation.id))
+        on_state(reservation.state)
+    return reservation
+
+
+def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], None]) -> Message:
+    request = reserve_request(
+        client, gpus=args.gpus, topology=args.topology, duration=args.duration, start=args.start,
+        key=args.key, pool=args.pool, lease=args.lease,
+    )
+    return create_and_wait(client, request, args.wait, on_state)
+
+
+def _get_request(client: Client, reservation_id: str) -> pb.GetReservationRequest:
+    return pb.GetReservationRequest(tenant_id=client.conn.tenant_id, reservation_id=reservation_id)
+
+
+def get(client: Client, args: argparse.Namespace) -> Message:
+    return client.call("reservations", "Get", _get_request(client, args.reservation_id))
+
+
+def list_(client: Client, args: argparse.Namespace) -> Message:
+    request = pb.ListReservationsRequest(
+        tenant_id=client.conn.tenant_id,
+        scope="all" if args.all else "mine",
+        states=args.state or [],
+        pool_id=args.pool or "",  # only when given: the connection's pool does not filter
+        limit=args.limit,
+        cursor=args.cursor or "",
+    )
+    return client.call("reservations", "List", request)
+
+
+def extend_request(
+    client: Client, reservation_id: str, *, until: str | None, by: str | None, key: str | None
+) -> pb.ExtendReservationRequest:
+    request = pb.ExtendReservationRequest(
+        tenant_id=client.conn.tenant_id,
+        reservation_id=reservation_id,
+        idempotency_key=key or f"cli-{uuid.uuid4().hex}",
+    )
+    if (until is None) == (by is None):
+        raise UsageError("extend takes exactly one of until (--until) and by (--by)")
+    if until is not None:
+        request.until = parse_moment("--until", until)
+    else:
+        request.by = by or ""
+    return request
+
+
+def extend(client: Client, args: argparse.Namespace) -> Message:
+    request = extend_request(client, args.reservation_id, until=args.until, by=args.by, key=args.key)
+    return client.call("reservations", "Extend", request)
+
+
+def renew(client: Client, args: argparse.Namespace) -> Message:
+    request = pb.RenewReservationRequest(tenant_id=client.conn.tenant_id, reservation_id=args.reservation_id)
+    return client.call("reservations", "Renew", request)
+
+
+def release(client: Client, args: argparse.Namespace) -> Message:
+    request = pb.ReleaseReservationRequest(tenant_id=client.conn.tenant_id, reservation_id=args.reservation_id)
+    return client.call("reservations", "Release", request)
+
+
+def cancel(client: Client, args: argparse.Namespace) -> Message:
+    request = pb.CancelReservationRequest(tenant_id=client.conn.tenant_id, reservation_id=args.reservation_id)
+    return client.call("reservations", "Cancel", request)
+
+
+def timeline(client: Client, args: argparse.Namespace) -> Message:
+    pool_id = args.pool or client.conn.pool_id
+    if not pool_id:
+        raise UsageError("no pool: pass --pool or use a connection file that names one")
+    request = cpb.TimelineRequest(tenant_id=client.conn.tenant_id, pool_id=pool_id)
+    if args.from_:
+        setattr(request, "from", parse_moment("--from", args.from_))  # `from` is a keyword
+    if args.to:
+        request.to = parse_moment("--to", args.to)
+    if args.step:
+        request.step_minutes = parse_minutes("--step", args.step)
+    return client.call("capacity", "Timeline", request)
+
+
+def confirmation(client: Client, args: argparse.Namespace) -> Message:
+    request = pb.DecideConfirmationRequest(tenant_id=client.conn.tenant_id, confirmation_id=args.confirmation_id)
+    method = {"approve": "Approve", "reject": "Reject"}[args.decision]
+    return client.call("confirmations", method, request)
+
+
+def watch(client: Client, args: argparse.Namespace) -> Iterator[epb.Event]:
+    """The tenant's events after `--after` (or from now), as they happen; `--count` stops early."""
+    if args.after and args.from_now:
+        raise UsageError("watch takes --after or --from-now, not both")
+    request = epb.WatchRequest(
+        tenant_id=client.conn.tenant_id,
+        after_id=args.after or 0,
+        from_now=args.from_now,
+        types=args.type or [],
+        subject=args.subject or "",
+    )
+    stream = client.call("events", "Watch", request, timeout=None)
+    try:
+        for seen, event in enumerate(stream, start=1):
+            yield event
+            if args.count and seen >= args.count:
+                return
+    finally:
+        stream.cancel()

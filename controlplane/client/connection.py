@@ -1,0 +1,86 @@
+"""Where the client connects: the connection file `better-compute dev` writes, overridden by flags.
+
+`open_channel` is the one place that makes the gRPC channel, so transport options (TLS) go there.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, reservations_pb2_grpc
+from controlplane.client.errors import UsageError
+from controlplane.config import Settings
+
+RPC_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Connection:
+    endpoint: str
+    token: str
+    tenant_id: str
+    pool_id: str
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        connection: str | None = None,
+        endpoint: str | None = None,
+        token: str | None = None,
+        tenant: str | None = None,
+        pool: str | None = None,
+    ) -> Connection:
+        """The flags over `connection` (default `$BC_DATA_DIR/connection.json`, if it exists)."""
+        path = pathlib.Path(connection or pathlib.Path(Settings().data_dir, "connection.json"))
+        saved: dict[str, Any] = {}
+        if path.exists():
+            try:
+                saved = json.loads(path.read_text())
+            except ValueError as exc:
+                raise UsageError(f"connection file {path} is not JSON: {exc}") from None
+        elif connection:
+            raise UsageError(f"connection file {path} does not exist")
+        conn = cls(
+            endpoint=endpoint or saved.get("endpoint", ""),
+            token=token or saved.get("token", ""),
+            tenant_id=tenant or saved.get("tenantId", ""),
+            pool_id=pool or saved.get("poolId", ""),
+        )
+        needed = {"endpoint": conn.endpoint, "token": conn.token, "tenant": conn.tenant_id}
+        missing = [name for name, value in needed.items() if not value]
+        if missing:
+            raise UsageError(
+                f"no {', '.join(missing)}: start `make dev` (it writes {path}), "
+                "or pass --connection, or --endpoint, --token and --tenant"
+            )
+        return conn
+
+
+def open_channel(conn: Connection) -> grpc.Channel:
+    """The channel to the API (plain gRPC on loopback today)."""
+    return grpc.insecure_channel(conn.endpoint)
+
+
+class Client:
+    """The tenant API's stubs with the connection's bearer token."""
+
+    def __init__(self, channel: grpc.Channel, conn: Connection) -> None:
+        self.conn = conn
+        self.metadata = (("authorization", f"Bearer {conn.token}"),)
+        self.stubs = {
+            "reservations": reservations_pb2_grpc.ReservationsStub(channel),
+            "confirmations": reservations_pb2_grpc.ConfirmationsStub(channel),
+            "capacity": capacity_pb2_grpc.CapacityStub(channel),
+            "events": events_pb2_grpc.EventsStub(channel),
+        }
+
+    def call(self, service: str, method: str, request: Message, timeout: float | None = RPC_TIMEOUT_S) -> Any:
+        stub = self.stubs[service]
+        return getattr(stub, method)(request, metadata=self.metadata, timeout=timeout)

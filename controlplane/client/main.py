@@ -1,0 +1,50 @@
+"""`better-compute COMMAND`: run one command, print its answer, exit 0, 1 (a failed call) or 2 (usage)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from controlplane.client import parser as cli_parser
+from controlplane.client.connection import Client, Connection, open_channel
+from controlplane.client.errors import UsageError, error_json
+from controlplane.client.render import Output
+
+
+def connect(args: argparse.Namespace) -> Connection:
+    return Connection.resolve(
+        connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool
+    )
+
+
+def run(args: argparse.Namespace, output: Output) -> None:
+    conn = connect(args)
+    with open_channel(conn) as channel:
+        client = Client(channel, conn)
+        if getattr(args, "stream", False):
+            for event in args.run(client, args):
+                output.event(event)
+        elif getattr(args, "progress", False):
+            with output.progress(f"reserving {args.gpus} GPUs") as on_state:
+                answer = args.run(client, args, on_state)
+            output.show(answer)
+        else:
+            output.show(args.run(client, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli_parser.build().parse_args(argv)
+    output = Output.choose(args.json)
+    try:
+        run(args, output)
+    except UsageError as exc:
+        print(f"better-compute: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as err:
+        output.error(error_json(err))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,99 @@
+"""The command line: commands, their flags, and the options accepted before or after a command."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from controlplane.client import commands
+
+
+def _common_args(parser: argparse.ArgumentParser, default: Any) -> None:
+    group = parser.add_argument_group("connection and output (before or after the command)")
+    group.add_argument(
+        "--connection",
+        metavar="PATH",
+        default=default,
+        help="the file `dev` writes (default $BC_DATA_DIR/connection.json)",
+    )
+    group.add_argument("--endpoint", default=default, help="host:port of the API")
+    group.add_argument("--token", default=default, help="bearer token")
+    group.add_argument("--tenant", default=default, help="tenant id")
+    group.add_argument("--pool", default=default, help="pool id (default: the connection's)")
+    group.add_argument(
+        "--json", action="store_true", default=default or False,
+        help="print JSON (the default when stdout is not a terminal)",
+    )
+
+
+def _reservation_command(commands_: Any, common: argparse.ArgumentParser, name: str, run: Any, help_text: str) -> argparse.ArgumentParser:
+    p = commands_.add_parser(name, parents=[common], help=help_text, description=help_text)
+    p.add_argument("reservation_id", metavar="RSV_ID")
+    p.set_defaults(run=run)
+    return p
+
+
+def build() -> argparse.ArgumentParser:
+    # The common options are accepted on both sides of the command: the subcommands' copies
+    # leave the attribute alone unless given.
+    common = argparse.ArgumentParser(add_help=False)
+    _common_args(common, argparse.SUPPRESS)
+
+    parser = argparse.ArgumentParser(
+        prog="better-compute",
+        description="Reserve GPUs through the Better Compute API. Tables on a terminal, JSON otherwise.",
+        epilog="`better-compute dev` runs the system locally; `better-compute mcp` serves the "
+        "tools to an agent over stdio (see README.md)."
+    )
+    _common_args(parser, None)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("reserve", parents=[common], help="reserve GPUs")
+    p.add_argument("--gpus", type=int, required=True, help="how many whole GPUs")
+    p.add_argument("--topology", default="", help="nvlink-all, numa or any (default any)")
+    p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 3d... (default 1h)")
+    p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")
+    p.add_argument("--key", help="idempotency key (default: a new random key)")
+    p.add_argument("--lease", help="a renewable lease such as 10m (see `renew`)")
+    p.add_argument("--wait", type=float, default=20.0, help="seconds to wait while queued (default 20)")
+    p.set_defaults(run=commands.reserve, progress=True)
+
+    p = _reservation_command(sub, common, "extend", commands.extend, "move a reservation's end later")
+    change = p.add_mutually_exclusive_group(required=True)
+    change.add_argument("--until", help="the new end: +12h (from now), ISO 8601 or epoch ms")
+    change.add_argument("--by", help="this much longer: 4h, 30m...")
+    p.add_argument("--key", help="idempotency key (default: a new random key)")
+
+    _reservation_command(sub, common, "renew", commands.renew, "renew a reservation's lease")
+    _reservation_command(sub, common, "release", commands.release, "end a reservation now and refund its quota")
+    _reservation_command(sub, common, "cancel", commands.cancel, "withdraw a reservation that has not started")
+    _reservation_command(sub, common, "get", commands.get, "show a reservation")
+
+    p = sub.add_parser("list", parents=[common], help="list reservations, newest first (--pool: only that pool)")
+    p.add_argument("--all", action="store_true", help="the tenant's, not only mine")
+    p.add_argument("--state", action="append", help="only this state (repeatable)")
+    p.add_argument("--limit", type=int, default=0, help="page size, 1 to 200 (default 50)")
+    p.add_argument("--cursor", help="nextCursor of the previous page")
+    p.set_defaults(run=commands.list_)
+
+    p = sub.add_parser("capacity", parents=[common], help="the pool's capacity over time")
+    views = p.add_subparsers(dest="view", required=True, metavar="VIEW")
+    t = views.add_parser("timeline", parents=[common], help="booked and free GPUs per time bucket")
+    t.add_argument("--from", dest="from_", help="+1h, ISO 8601 or epoch ms (default: this hour)")
+    t.add_argument("--to", help="+1d, ISO 8601 or epoch ms (default: from plus 24h)")
+    t.add_argument("--step", help="bucket width: 5m to 1d (default 1h)")
+    t.set_defaults(run=commands.timeline)
+
+    p = sub.add_parser("watch", parents=[common], help="print the tenant's events as they happen")
+    p.add_argument("--type", action="append", help="only this event type (repeatable)")
+    p.add_argument("--subject", help="only this subject, e.g. reservation/rsv_…")
+    p.add_argument("--after", type=int, help="resume after this event id (default: all kept events)")
+    p.add_argument("--from-now", action="store_true", help="only events from now on")
+    p.add_argument("--count", type=int, default=0, help="stop after this many events")
+    p.set_defaults(run=commands.watch, stream=True)
+
+    p = sub.add_parser("confirmations", parents=[common], help="decide on an agent's held request")
+    p.add_argument("decision", choices=["approve", "reject"])
+    p.add_argument("confirmation_id", metavar="ID")
+    p.set_defaults(run=commands.confirmation)
+    return parser

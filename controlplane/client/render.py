@@ -1,0 +1,229 @@
+"""Output: the protobuf JSON mapping for scripts, tables and short summaries for people (rich)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from rich.console import Console, Group
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from bettercompute.v1 import capacity_pb2 as cpb
+from bettercompute.v1 import events_pb2 as epb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.client.times import fmt_duration, fmt_time
+from controlplane.durations import parse_duration_ms
+
+BAR_WIDTH = 40
+STATE_STYLES = {
+    "placed": "cyan", "binding": "yellow", "active": "green", "pending": "yellow", "queued": "yellow",
+    "awaiting-confirmation": "magenta", "approved": "green", "rejected": "red", "released": "dim", "cancelled": "dim", "expired": "dim",
+    "denied": "red", "failed": "red",
+}
+
+
+def as_json(message: Message) -> dict[str, Any]:
+    out = MessageToDict(message, preserving_proto_field_name=False)
+    if isinstance(message, pb.ListReservationsResponse):
+        out.setdefault("items", [])  # an empty page is a list, not a missing field
+    if isinstance(message, cpb.TimelineResponse):
+        out.setdefault("buckets", [])
+    return out
+
+
+class Output:
+    """Where answers go: JSON (`--json`, or stdout is not a terminal) or human on the terminal."""
+
+    def __init__(self, json_mode: bool) -> None:
+        self.json_mode = json_mode
+        self.out = Console(highlight=False, soft_wrap=False)
+        self.err = Console(stderr=True, highlight=False)
+
+    @classmethod
+    def choose(cls, force_json: bool) -> Output:
+        return cls(force_json or not sys.stdout.isatty())
+
+    def show(self, message: Message) -> None:
+        if self.json_mode:
+            print(json.dumps(as_json(message), indent=2))
+            return
+        render = _RENDERERS.get(type(message))
+        self.out.print(render(message) if render else json.dumps(as_json(message), indent=2))
+
+    def event(self, event: epb.Event) -> None:
+        if self.json_mode:
+            print(json.dumps(as_json(event)), flush=True)  # one line per event
+            return
+        data = MessageToDict(event.data)
+        extra = "  ".join(f"{k}={v}" for k, v in sorted(data.items()) if k in ("state", "reason", "poolId"))
+        line = Text.assemble(
+            (fmt_time(event.time, seconds=True), "dim"), "  ", (f"#{event.id}", "bold"), "  ",
+            (event.type, "cyan"), "  ", event.subject, ("  " + extra if extra else ""),
+        )
+        self.out.print(line, soft_wrap=True)  # one event, one line
+
+    def error(self, error: dict[str, Any]) -> None:
+        if self.json_mode:
+            print(json.dumps(error, indent=2), file=sys.stderr)
+            return
+        body = error["error"]
+        self.err.print(Text.assemble(("error ", "bold red"), (body["code"], "bold"), f": {body['message']}"))
+        details = body.get("details", {})
+        for key, value in sorted(details.items()):
+            self.err.print(f"  {key}: {value}")
+        if body["code"] == "CONFIRMATION_REQUIRED" and details.get("confirmationId"):
+            self.err.print(
+                f"Your person must approve it: better-compute confirmations approve {details['confirmationId']}\n"
+                "then run the same command again (with the same --key and window)."
+            )
+
+    @contextmanager
+    def progress(self, what: str) -> Iterator[Callable[[str], None]]:
+        """A spinner with the state and elapsed time on a terminal; nothing otherwise."""
+        if self.json_mode or not self.out.is_terminal:
+            yield lambda state: None
+            return
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=self.out, transient=True) as bar:
+            task = bar.add_task(f"{what}: submitted")
+            yield lambda state: bar.update(task, description=f"{what}: {state}")
+
+
+def _state(state: str) -> Text:
+    return Text(state, style=STATE_STYLES.get(state, ""))
+
+
+def _devices(request: pb.StoredRequest) -> str:
+    return ", ".join(
+        f"{d.count} × {d.device_class}" + (f" ({d.topology})" if d.topology else "") for d in request.devices
+    )
+
+
+def _window(during: pb.Interval) -> str:
+    if not during.start and not during.end:
+        return "not booked yet"
+    same_day = fmt_time(during.start)[:10] == fmt_time(during.end)[:10]
+    end = fmt_time(during.end, with_date=False) + fmt_time(during.end)[16:] if same_day else fmt_time(during.end)
+    return f"{fmt_time(during.start)} → {end} ({fmt_duration(during.end - during.start)})"
+
+
+def _summary(heading: Text, rows: list[tuple[str, Any]]) -> Group:
+    """A heading line, then `label  value` rows."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for label, value in rows:
+        grid.add_row(label, value)
+    return Group(heading, grid)
+
+
+def _reservation_rows(r: pb.Reservation) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = [("pool", r.pool_id), ("devices", _devices(r.request))]
+    if r.during.end:
+        rows.append(("window", _window(r.during)))
+    else:
+        rows.append(("duration", fmt_duration(_duration_ms(r.request.duration))))
+    if r.HasField("lease_deadline"):
+        rows.append(("lease", f"until {fmt_time(r.lease_deadline)}"))
+    rows += [("owner", r.owner_identity_id), ("key", r.idempotency_key)]
+    for a in r.allocations:
+        rows.append(("allocation", f"{a.id} on {a.node_id}: {len(a.device_ids)} GPUs, {a.state}"))
+    if r.binding.node_id:
+        bound = f"{len(r.binding.cdi_devices)} CDI devices on {r.binding.node_id}"
+        bound += (", attested" if r.binding.attested else "") + (f", {r.binding.env_file}" if r.binding.env_file else "")
+        rows.append(("binding", bound))
+    for c in r.conditions:
+        rows.append(("condition", f"{c.type}={c.status} {c.reason}: {c.message}".rstrip(": ")))
+    return rows
+
+
+def _heading(r: pb.Reservation) -> Text:
+    return Text.assemble((r.id, "bold"), "  ", _state(r.state))
+
+
+def reservation(r: pb.Reservation) -> Group:
+    return _summary(_heading(r), _reservation_rows(r))
+
+
+def _duration_ms(text: str) -> int:
+    try:
+        return parse_duration_ms(text)
+    except ValueError:
+        return 0
+
+
+def reservation_list(page: pb.ListReservationsResponse) -> Table:
+    table = Table(box=None, header_style="bold", caption=f"next page: --cursor {page.next_cursor}" if page.next_cursor else None)
+    for column in ("ID", "STATE", "GPUS", "START", "DURATION", "POOL"):
+        table.add_column(column, no_wrap=True)
+    for r in page.items:
+        gpus = str(sum(d.count for d in r.request.devices))
+        start = fmt_time(r.during.start) if r.during.start else "-"
+        length = r.during.end - r.during.start if r.during.end else _duration_ms(r.request.duration)
+        table.add_row(r.id, _state(r.state), gpus, start, fmt_duration(length), r.pool_id)
+    if not page.items:
+        table.caption = "no reservations"
+    return table
+
+
+def extended(answer: pb.ExtendReservationResponse) -> Group:
+    r = answer.reservation
+    rows = _reservation_rows(r)
+    if answer.extended:
+        rows.append(("extended", Text(f"yes, now until {fmt_time(r.during.end)}", style="green")))
+    else:
+        why = (f"another booking starts at {fmt_time(answer.available_until)}"
+               if answer.HasField("available_until") else "it already reaches that time")
+        rows.append(("extended", Text(f"no: {why}", style="yellow")))
+    return _summary(_heading(r), rows)
+
+
+def confirmation(c: pb.Confirmation) -> Group:
+    rows: list[tuple[str, Any]] = [
+        ("reservation", c.reservation_id),
+        ("action", c.action),
+        ("agent", f"{c.agent_identity_id} for {c.person_identity_id}"),
+    ]
+    if c.expires_at:
+        rows.append(("expires", fmt_time(c.expires_at)))
+    return _summary(Text.assemble((c.id, "bold"), "  ", _state(c.state)), rows)
+
+
+def timeline(t: cpb.TimelineResponse) -> Group:
+    """A calendar: one row per bucket, booked GPUs as a solid bar, free ones as a light one."""
+    scale = min(1.0, BAR_WIDTH / t.allocatable) if t.allocatable else 1.0
+    width = round(t.allocatable * scale)  # every row as wide: the pool's allocatable GPUs
+    title = f"{t.pool_id}: {t.allocatable} GPUs allocatable"
+    if t.buckets:
+        title += f", {fmt_duration(t.buckets[0].end - t.buckets[0].start)} per row"
+    table = Table(box=None, header_style="bold")
+    table.add_column("FROM", no_wrap=True)
+    table.add_column("BOOKED ■ / FREE □", no_wrap=True)
+    table.add_column("BOOKED", justify="right")
+    table.add_column("FREE", justify="right")
+    previous_day = ""
+    for b in t.buckets:
+        stamp = fmt_time(b.start)
+        day, clock = stamp[:10], stamp[11:]
+        label = f"{day} {clock}" if day != previous_day else f"{'':10} {clock}"
+        previous_day = day
+        booked = round(b.booked * scale)
+        bar = Text.assemble(("█" * booked, "red"), ("░" * max(0, width - booked), "green"))
+        table.add_row(label, bar, str(b.booked), str(b.free))
+    return Group(Text(title, style="bold"), table)
+
+
+_RENDERERS: dict[type, Callable[[Any], Any]] = {
+    pb.Reservation: reservation,
+    pb.ListReservationsResponse: reservation_list,
+    pb.ExtendReservationResponse: extended,
+    pb.Confirmation: confirmation,
+    cpb.TimelineResponse: timeline,
+}
