@@ -33,3 +33,19 @@ class Settings:
     attested_bindings: bool = field(default_factory=lambda: _bool("BC_ATTESTED_BINDINGS", True))
     # Dev and test only: lets the admin API move compute_now() forward.
     clock_control: bool = field(default_factory=lambda: _bool("BC_CLOCK_CONTROL"))
+    # API tokens: the lifetime of a token minted without an explicit expiry, and the longest
+    # lifetime root may ask for.
+    token_ttl_seconds: int = field(default_factory=lambda: int(os.environ.get("BC_TOKEN_TTL_SECONDS", "2592000")))
+    token_max_ttl_seconds: int = field(
+        default_factory=lambda: int(os.environ.get("BC_TOKEN_MAX_TTL_SECONDS", "31622400"))
+    )
+    # Open Events.Watch streams per identity and per tenant (in each API process).
+    watch_streams_per_identity: int = field(
+        default_factory=lambda: int(os.environ.get("BC_WATCH_STREAMS_PER_IDENTITY", "16"))
+    )
+    watch_streams_per_tenant: int = field(
+        default_factory=lambda: int(os.environ.get("BC_WATCH_STREAMS_PER_TENANT", "128"))
+    )
+    # TLS for the API listener: PEM certificate chain and key files; both empty means plaintext.
+    tls_cert: str = field(default_factory=lambda: os.environ.get("BC_TLS_CERT", ""))
+    tls_key: str = field(default_factory=lambda: os.environ.get("BC_TLS_KEY", ""))
