@@ -55,6 +55,7 @@ class App:
     port: int
     pool: AsyncConnectionPool
     runtime: Runtime
+    hub: watch.EventHub
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -78,7 +79,8 @@ async def start_app(
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
     capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), server)
     nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), server)
-    hub = watch.EventHub(conninfo)
+    hub = watch.EventHub(conninfo, watch.StreamSlots(settings.watch_streams_per_identity,
+                                                     settings.watch_streams_per_tenant))
     events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), server)
     events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -96,7 +98,7 @@ async def start_app(
         result = health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if asyncio.iscoroutine(result):
             await result
-    app = App(server, port, pool, rt)
+    app = App(server, port, pool, rt, hub)
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
