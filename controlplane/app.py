@@ -87,9 +87,11 @@ async def start_app(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError:
-        port = 0
+        credentials = _server_credentials(settings, listen)
+        port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    except (RuntimeError, OSError, ValueError) as exc:
+        await pool.close()
+        raise RuntimeError(f"cannot listen on {listen}: {exc}") from None
     if port == 0:
         await pool.close()
         raise RuntimeError(f"cannot listen on {listen}")
@@ -104,8 +106,24 @@ async def start_app(
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
-    log.info("control plane serving", port=port, workers=workers)
+    log.info("control plane serving", port=port, workers=workers, tls=bool(settings.tls_cert))
     return app
+
+
+def _server_credentials(settings: Settings, listen: str) -> grpc.ServerCredentials | None:
+    """TLS from BC_TLS_CERT and BC_TLS_KEY (PEM files); None (plaintext) when neither is set."""
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ValueError("TLS needs both BC_TLS_CERT and BC_TLS_KEY")
+    if not settings.tls_cert:
+        if listen.rpartition(":")[0] not in _LOOPBACK:
+            log.warning("the API serves plaintext on a non-loopback address; set BC_TLS_CERT and BC_TLS_KEY",
+                        listen=listen)
+        return None
+    with open(settings.tls_key, "rb") as key, open(settings.tls_cert, "rb") as chain:
+        return grpc.ssl_server_credentials([(key.read(), chain.read())])
+
+
+_LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 
 async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
@@ -114,6 +132,7 @@ async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port}", flush=True)
+    scheme = "TLS" if settings.tls_cert else "plaintext"
+    print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port} ({scheme})", flush=True)
     await stop.wait()
     await app.stop()
