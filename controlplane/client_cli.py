@@ -2,7 +2,7 @@
 
 The connection (endpoint, token, tenant, pool) comes from the file `better-compute dev` writes,
 `$BC_DATA_DIR/connection.json` (`.dev/connection.json` by default), or `--connection PATH`;
-`--endpoint`, `--token`, `--tenant` and `--pool` override it. Answers are printed as JSON (the
+`--endpoint`, `--token`, `--tenant` and `--pool` override it; `--ca` dials TLS. Answers are printed as JSON (the
 protobuf JSON mapping, camelCase). A failure prints its spec code, message and details as JSON on
 stderr and exits 1.
 """
@@ -168,6 +168,8 @@ def _connection_args(parser: argparse.ArgumentParser, default: Any) -> None:
     group.add_argument("--endpoint", default=default, help="host:port of the API")
     group.add_argument("--token", default=default, help="bearer token")
     group.add_argument("--tenant", default=default, help="tenant id")
+    group.add_argument("--ca", metavar="PATH", default=default,
+                       help="PEM of the CA that signed the API's TLS certificate: dial TLS (default plaintext)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         conn = Connection.resolve(args)
-        with grpc.insecure_channel(conn.endpoint) as channel:
+        with _channel(conn.endpoint, args.ca) as channel:
             answer = args.run(Client(channel, conn), args)
     except UsageError as exc:
         print(f"better-compute: {exc}", file=sys.stderr)
@@ -232,6 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         out.setdefault("items", [])  # an empty page is a list, not a missing field
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _channel(endpoint: str, ca_path: str | None) -> grpc.Channel:
+    if not ca_path:
+        return grpc.insecure_channel(endpoint)
+    try:
+        ca_pem = pathlib.Path(ca_path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--ca {ca_path}: {exc.strerror}") from None
+    return grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(root_certificates=ca_pem))
 
 
 def error_json(err: grpc.RpcError) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import pathlib
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from cryptography.x509.oid import NameOID
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import admin_pb2_grpc
-from controlplane import bootstrap
+from controlplane import bootstrap, client_cli
 from controlplane.app import start_app
 from controlplane.config import Settings
 from tests.conftest import clone_database
@@ -109,3 +110,15 @@ def test_a_half_configured_or_unreadable_tls_setting_refuses_to_start(database: 
         settings = Settings(database_url=database, tls_cert=cert, tls_key=key)
         with pytest.raises(RuntimeError, match="cannot listen"):
             asyncio.run(start_app(settings, database, listen="127.0.0.1:0", workers=False))
+
+
+def test_the_client_cli_dials_tls_with_ca(tls: tuple[ServerThread, str, bytes], tmp_path: pathlib.Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    server, token, ca_pem = tls
+    (tmp_path / "ca.pem").write_bytes(ca_pem)
+    args = ["--endpoint", server.endpoint, "--token", token, "--tenant", "root"]
+    # The server answers (IAM: the root tenant has no policy), so the TLS handshake succeeded.
+    assert client_cli.main([*args, "--ca", str(tmp_path / "ca.pem"), "list"]) == 1
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "ACCESS_DENIED"
+    assert client_cli.main([*args, "list"]) == 1  # plaintext to a TLS listener
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "UNAVAILABLE"
