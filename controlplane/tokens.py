@@ -87,10 +87,10 @@ def mint_sync(conn: psycopg.Connection, identity_id: str, ttl_ms: int) -> str:
     return secret
 
 
-def live_until_ms(conn: psycopg.Connection, secret: str) -> int:
-    """When the token expires (epoch ms), or 0 when it is unknown, revoked or expired."""
+def remaining_ms(conn: psycopg.Connection, secret: str) -> int:
+    """How long the token stays valid (ms), or 0 when it is unknown, revoked or expired."""
     row = conn.execute(
-        "SELECT epoch_ms(expires_at) FROM api_tokens"
+        "SELECT epoch_ms(expires_at) - epoch_ms(now()) FROM api_tokens"
         " WHERE token_hash = %s AND revoked_at IS NULL AND expires_at > now()", (token_hash(secret),),
     ).fetchone()
     return int(row[0]) if row else 0
