@@ -3,14 +3,18 @@ and the interceptor refusing request-streaming calls it cannot authenticate."""
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane import db
 from controlplane.api.interceptor import ApiInterceptor
 from tests.support import Client, ServerThread, World, rpc_error
 
@@ -215,3 +219,30 @@ def test_request_streaming_handlers_are_refused_before_they_run(probe: _Probe, w
         assert (code, reason) == (grpc.StatusCode.UNIMPLEMENTED, "UNSUPPORTED")
         assert details["method"].startswith("/test.Probe/")
     assert probe.reached == []
+
+
+# Upgrading a database whose tokens had no expiry --------------------------------------------
+
+
+def test_the_migration_gives_tokens_from_before_an_id_and_an_expiry(pg_uri: str) -> None:
+    """Migrations up to 0006 with a token as they wrote it, then the rest: the token gets an id
+    and expires 30 days after the upgrade, so no permanent token survives it."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_uri, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    conninfo = db.with_database(pg_uri, name)
+    with psycopg.connect(conninfo) as conn:
+        conn.execute("CREATE TABLE schema_migrations (name text PRIMARY KEY, applied_at timestamptz NOT NULL"
+                     " DEFAULT now())")
+        for path in sorted(db.MIGRATIONS.glob("*.sql")):
+            if path.name < "0008":
+                conn.execute(path.read_text())
+                conn.execute("INSERT INTO schema_migrations (name) VALUES (%s)", (path.name,))
+        conn.execute("INSERT INTO identities (id, kind, name) VALUES ('old', 'user', 'old')")
+        conn.execute("INSERT INTO api_tokens (token_hash, identity_id) VALUES (sha256('bct_old'), 'old')")
+    assert "0008_token_expiry.sql" in db.migrate(conninfo)
+    with psycopg.connect(conninfo) as conn:
+        token_id, days = conn.execute(
+            "SELECT id, extract(epoch FROM expires_at - now()) / 86400 FROM api_tokens").fetchone()
+    assert re.fullmatch(r"tok_[0-9a-f]{26}", token_id)
+    assert 29.9 < days <= 30
