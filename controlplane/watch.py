@@ -212,6 +212,7 @@ class EventHub:
                     # Anything may have committed, or been revoked, while no one listened.
                     await self._recheck_tokens(conn)
                     await self._tick(conn, {_ALL})
+                    self._checked_to = self.safe_id  # everyone was woken: the net starts from here
                     await self._listen(conn, stop)
             except asyncio.CancelledError:
                 raise
