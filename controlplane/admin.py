@@ -1,12 +1,12 @@
-"""The operator's domain: tenants, identities, tokens, pools, offers, nodes, quotas, policies.
+"""The operator's domain: tenants, identities, pools, offers, nodes, quotas, policies.
 
-Callers must be members of the root tenant (checked by the servicer through `Caller.require_root`).
+Tokens live in `controlplane.tokens`. Callers must be members of the root tenant (checked by the
+servicer through `Caller.require_root`).
 """
 
 from __future__ import annotations
 
 import re
-import secrets
 from typing import Any
 
 import psycopg
@@ -14,7 +14,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
 from controlplane import db, errors, iam, quota
-from controlplane.ids import new_id, token_hash
+from controlplane.ids import new_id
 from controlplane.reservations.validate import LABEL, MODEL, POOL_ID, TENANT_ID, match
 from controlplane.runtime import Runtime
 
@@ -78,22 +78,6 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
         return row
 
     return await db.run_in_transaction(rt.pool, work)
-
-
-async def create_token(rt: Runtime, identity_id: str) -> dict[str, Any]:
-    match("identityId", identity_id, IDENTITY_ID)
-    secret = "bct_" + secrets.token_urlsafe(32)
-
-    async def work(conn: AsyncConnection) -> None:
-        try:
-            await conn.execute(
-                "INSERT INTO api_tokens (token_hash, identity_id) VALUES (%s, %s)", (token_hash(secret), identity_id)
-            )
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such identity", identityId=identity_id) from None
-
-    await db.run_in_transaction(rt.pool, work)
-    return {"identity_id": identity_id, "secret": secret}
 
 
 def _policy(raw: dict[str, Any]) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class App:
     port: int
     pool: AsyncConnectionPool
     runtime: Runtime
+    hub: watch.EventHub
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -82,16 +83,19 @@ async def start_app(
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
     capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), server)
     nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), server)
-    hub = watch.EventHub(conninfo)
+    hub = watch.EventHub(conninfo, watch.StreamSlots(settings.watch_streams_per_identity,
+                                                     settings.watch_streams_per_tenant))
     events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), server)
     events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError:
-        port = 0
+        credentials = _server_credentials(settings, listen)
+        port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    except (RuntimeError, OSError, ValueError) as exc:
+        await pool.close()
+        raise RuntimeError(f"cannot listen on {listen}: {exc}") from None
     if port == 0:
         await pool.close()
         raise RuntimeError(f"cannot listen on {listen}")
@@ -100,15 +104,31 @@ async def start_app(
         result = health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if asyncio.iscoroutine(result):
             await result
-    app = App(server, port, pool, rt)
+    app = App(server, port, pool, rt, hub)
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, WORK_HANDLERS), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
         app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
-    log.info("control plane serving", port=port, workers=workers)
+    log.info("control plane serving", port=port, workers=workers, tls=bool(settings.tls_cert))
     return app
+
+
+def _server_credentials(settings: Settings, listen: str) -> grpc.ServerCredentials | None:
+    """TLS from BC_TLS_CERT and BC_TLS_KEY (PEM files); None (plaintext) when neither is set."""
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ValueError("TLS needs both BC_TLS_CERT and BC_TLS_KEY")
+    if not settings.tls_cert:
+        if listen.rpartition(":")[0] not in _LOOPBACK:
+            log.warning("the API serves plaintext on a non-loopback address; set BC_TLS_CERT and BC_TLS_KEY",
+                        listen=listen)
+        return None
+    with open(settings.tls_key, "rb") as key, open(settings.tls_cert, "rb") as chain:
+        return grpc.ssl_server_credentials([(key.read(), chain.read())])
+
+
+_LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 
 async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
@@ -117,6 +137,7 @@ async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port}", flush=True)
+    scheme = "TLS" if settings.tls_cert else "plaintext"
+    print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port} ({scheme})", flush=True)
     await stop.wait()
     await app.stop()

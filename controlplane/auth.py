@@ -1,4 +1,5 @@
-"""Who is calling: bearer tokens (stored as SHA-256) resolved to an identity and its tenants."""
+"""Who is calling: bearer tokens (stored as SHA-256, with an expiry) resolved to an identity and its
+tenants. A revoked or expired token is UNAUTHENTICATED."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ class Caller:
     tenant_ids: frozenset[str]
     delegator_id: str | None = None
     confirm_actions: tuple[str, ...] = ()
+    token_id: str = ""
+    token_expires_ms: int = 0
 
     @property
     def delegated(self) -> bool:
@@ -34,13 +37,14 @@ class Caller:
 
 
 _CALLER_SQL = """
-SELECT i.id, i.kind, i.delegator_id, i.confirm_actions,
+SELECT i.id, i.kind, i.delegator_id, i.confirm_actions, t.id AS token_id,
+       epoch_ms(t.expires_at) AS expires_ms, t.expires_at <= now() AS expired,
        coalesce(array_agg(m.tenant_id) FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids
 FROM api_tokens t
 JOIN identities i ON i.id = t.identity_id
 LEFT JOIN memberships m ON m.identity_id = i.id
 WHERE t.token_hash = %(hash)s AND t.revoked_at IS NULL
-GROUP BY i.id
+GROUP BY i.id, t.token_hash
 """
 
 
@@ -59,10 +63,14 @@ async def authenticate(pool: AsyncConnectionPool, secret: str) -> Caller:
         await conn.commit()
     if row is None:
         raise errors.Unauthenticated("invalid or revoked token")
+    if row["expired"]:
+        raise errors.Unauthenticated("the token has expired", tokenId=row["token_id"])
     return Caller(
         identity_id=row["id"],
         kind=row["kind"],
         tenant_ids=frozenset(row["tenant_ids"]),
         delegator_id=row["delegator_id"],
         confirm_actions=tuple(row["confirm_actions"]),
+        token_id=row["token_id"],
+        token_expires_ms=row["expires_ms"],
     )

@@ -6,19 +6,19 @@ the root token; only this step writes rows directly.
 
 from __future__ import annotations
 
-import secrets
-
 import psycopg
 
-from controlplane.ids import token_hash
+from controlplane import tokens
+from controlplane.config import Settings
 
 ROOT_TENANT = "root"
 ROOT_IDENTITY = "root"
 
 
-def ensure_root(conninfo: str) -> str:
-    """Create the root tenant and identity if absent and return a new root token secret."""
-    secret = "bct_" + secrets.token_urlsafe(32)
+def ensure_root(conninfo: str, ttl_seconds: int | None = None) -> str:
+    """Create the root tenant and identity if absent and return a new root token secret (it
+    expires after `ttl_seconds`, by default the configured token lifetime)."""
+    ttl = Settings().token_ttl_seconds if ttl_seconds is None else ttl_seconds
     with psycopg.connect(conninfo) as conn:
         conn.execute(
             "INSERT INTO tenants (id, name) VALUES (%s, 'Platform root') ON CONFLICT DO NOTHING",
@@ -34,8 +34,4 @@ def ensure_root(conninfo: str) -> str:
             " ON CONFLICT DO NOTHING",
             (ROOT_TENANT, ROOT_IDENTITY),
         )
-        conn.execute(
-            "INSERT INTO api_tokens (token_hash, identity_id) VALUES (%s, %s)",
-            (token_hash(secret), ROOT_IDENTITY),
-        )
-    return secret
+        return tokens.mint_sync(conn, ROOT_IDENTITY, ttl * 1000)

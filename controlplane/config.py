@@ -83,3 +83,19 @@ class Settings:
         default_factory=lambda: int(os.environ.get("BC_WEBHOOK_TENANT_CONCURRENCY", "2"))
     )
     webhooks_per_tenant: int = field(default_factory=lambda: int(os.environ.get("BC_WEBHOOKS_PER_TENANT", "20")))
+    # API tokens: the lifetime of a token minted without an explicit expiry, and the longest
+    # lifetime root may ask for.
+    token_ttl_seconds: int = field(default_factory=lambda: int(os.environ.get("BC_TOKEN_TTL_SECONDS", "2592000")))
+    token_max_ttl_seconds: int = field(
+        default_factory=lambda: int(os.environ.get("BC_TOKEN_MAX_TTL_SECONDS", "31622400"))
+    )
+    # Open Events.Watch streams per identity and per tenant (in each API process).
+    watch_streams_per_identity: int = field(
+        default_factory=lambda: int(os.environ.get("BC_WATCH_STREAMS_PER_IDENTITY", "16"))
+    )
+    watch_streams_per_tenant: int = field(
+        default_factory=lambda: int(os.environ.get("BC_WATCH_STREAMS_PER_TENANT", "128"))
+    )
+    # TLS for the API listener: PEM certificate chain and key files; both empty means plaintext.
+    tls_cert: str = field(default_factory=lambda: os.environ.get("BC_TLS_CERT", ""))
+    tls_key: str = field(default_factory=lambda: os.environ.get("BC_TLS_KEY", ""))

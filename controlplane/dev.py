@@ -7,7 +7,10 @@ policy. Then it runs the node gateway and `nodesim --sim 8` (eight simulated 8×
 processes; the nodes enrol with one-time join tokens and write their CDI specs, env files and
 cgroup slices under `<data dir>/sandbox`. It writes `<data dir>/connection.json` for the client
 CLI, prints how to use it and serves until Ctrl-C or SIGTERM, stopping every process it started.
-A second run reuses the data: the pool and the nodes' certificates are kept.
+A second run reuses the data: the pool and the nodes' certificates are kept, join tokens are
+issued only to nodes without a valid certificate, and the root and alice tokens (kept in
+`<data dir>/tokens.json`, readable by the owner only) are reused until they are revoked, gone or
+about to expire.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from typing import Any
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
+import psycopg  # noqa: E402
 import structlog  # noqa: E402
 
 from bettercompute.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
-from controlplane import bootstrap, db, devstack  # noqa: E402
+from controlplane import bootstrap, db, devstack, tokens  # noqa: E402
 from controlplane.config import Settings  # noqa: E402
 
 log = structlog.get_logger(__name__)
@@ -48,6 +52,9 @@ GPU_MODEL = "H100-SXM5-80GB"
 GPU_MEMORY_MIB = 81559
 FABRIC = "fabric-0"
 CONNECTION_FILE = "connection.json"
+TOKENS_FILE = "tokens.json"
+# A saved token is reused while it has this long left (or half the default lifetime, if shorter).
+TOKEN_REUSE_MARGIN_MS = 86_400_000
 RPC_TIMEOUT_S = 15.0
 FLEET_TIMEOUT_S = 90.0
 
@@ -133,8 +140,29 @@ def _run(settings: Settings, listen: str, sim: int) -> int:
             conninfo = db.start_embedded(data_dir)  # stops when this process exits
             log.info("embedded database running", pgdata=str((data_dir / "pgdata").resolve()))
         db.migrate(conninfo)
-        root_token = bootstrap.ensure_root(conninfo)
-    return asyncio.run(_serve(settings, conninfo, listen, root_token, connection_path, sim))
+        saved = _read_tokens(data_dir / TOKENS_FILE)
+        root_token = _reusable(settings, conninfo, saved.get("root")) or bootstrap.ensure_root(conninfo)
+        user_token = _reusable(settings, conninfo, saved.get(USER))
+        log.info("dev tokens", root="reused" if root_token == saved.get("root") else "minted",
+                 user="reused" if user_token else "to mint")
+    return asyncio.run(_serve(settings, conninfo, listen, root_token, user_token, connection_path, sim))
+
+
+def _read_tokens(path: pathlib.Path) -> dict[str, str]:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in saved.items() if isinstance(v, str)} if isinstance(saved, dict) else {}
+
+
+def _reusable(settings: Settings, conninfo: str, secret: str | None) -> str | None:
+    """The saved secret while it is neither revoked nor gone nor about to expire."""
+    if not secret:
+        return None
+    with psycopg.connect(conninfo) as conn:
+        left = tokens.remaining_ms(conn, secret)
+    return secret if left > min(TOKEN_REUSE_MARGIN_MS, settings.token_ttl_seconds * 500) else None
 
 
 @contextmanager
@@ -160,7 +188,8 @@ def _signals_deferred() -> Iterator[None]:
 
 
 async def _serve(
-    settings: Settings, conninfo: str, listen: str, root_token: str, connection_path: pathlib.Path, sim: int
+    settings: Settings, conninfo: str, listen: str, root_token: str, user_token: str | None,
+    connection_path: pathlib.Path, sim: int,
 ) -> int:
     from controlplane.app import start_app
 
@@ -178,7 +207,9 @@ async def _serve(
     fleet = Fleet(pathlib.Path(settings.data_dir), conninfo, free_ports=listen.endswith(":0"))
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:
-            demo = await seed(channel, endpoint, root_token)
+            demo = await seed(channel, endpoint, root_token, user_token)
+            devstack.write_private(connection_path.with_name(TOKENS_FILE),
+                                   json.dumps({"root": demo.root_token, USER: demo.token}, indent=2) + "\n")
             await asyncio.to_thread(fleet.start, endpoint, root_token, demo.pool_id, sim)
             await _wait_connected(channel, root_token, demo.pool_id, sim)
         demo = Demo(**{**demo.__dict__, "gateway_endpoint": fleet.session, "sandbox": str(fleet.sandbox.resolve())})
@@ -208,8 +239,9 @@ def _client_host(listen: str) -> str:
     return "127.0.0.1" if host in {"", "0.0.0.0", "[::]", "::", "*"} else host
 
 
-async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str) -> Demo:
-    """Create what is missing of the demo through the Admin API; return the pool and fresh tokens.
+async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str, user_token: str | None = None) -> Demo:
+    """Create what is missing of the demo through the Admin API; return the pool and the tokens
+    (alice's `user_token` if given, else a new one).
 
     Tenant and identity creates return the existing object, so they run every time. The policy
     and quota are set before the pool is created, so an existing pool means they were seeded and
@@ -247,13 +279,15 @@ async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str) -> Dem
     else:
         log.info("demo pool reused", pool=pool.id)
 
-    user_token = await call(admin.CreateToken, admin_pb2.CreateTokenRequest(identity_id=USER))
-    return Demo(endpoint, user_token.secret, root_token, TENANT, pool.id)
+    if user_token is None:
+        user_token = (await call(admin.CreateToken, admin_pb2.CreateTokenRequest(identity_id=USER))).secret
+        log.info("token minted", identity=USER)
+    return Demo(endpoint, user_token, root_token, TENANT, pool.id)
 
 
 class Fleet:
     """The gateway and `nodesim --sim N` as real processes. Nodes enrol with one-time join
-    tokens (issued every run; a node that already holds a certificate in its sandbox reuses it)."""
+    tokens, issued only to nodes without a valid certificate in their sandbox."""
 
     def __init__(self, data_dir: pathlib.Path, conninfo: str, *, free_ports: bool) -> None:
         self.data_dir, self.conninfo = data_dir, conninfo
@@ -265,13 +299,18 @@ class Fleet:
         self.processes: list[devstack.Process] = []
 
     def start(self, endpoint: str, root_token: str, pool_id: str, count: int) -> None:
-        logs, ca, tokens = self.data_dir / "logs", self.data_dir / "ca.pem", self.data_dir / "join-tokens.json"
+        logs, ca, join_tokens = self.data_dir / "logs", self.data_dir / "ca.pem", self.data_dir / "join-tokens.json"
         gateway, self.session, enrol = devstack.gateway(self.conninfo, logs / "gateway.log", ca,
                                                         listen=self.listen, enrol_listen=self.enrol_listen)
         self.processes.append(gateway)
         log.info("gateway running", sessions=self.session, enrol=enrol, log=str(logs / "gateway.log"))
-        devstack.issue_join_tokens(endpoint, root_token, pool_id, [node_name(i) for i in range(count)], tokens)
-        self.processes.append(devstack.nodesim(count, self.session, enrol, self.sandbox, tokens, ca,
+        names = [node_name(i) for i in range(count)]
+        ca_pem = ca.read_bytes()
+        enrolled = {name for name in names if devstack.has_valid_certificate(self.sandbox / name, ca_pem)}
+        issued = devstack.issue_join_tokens(endpoint, root_token, pool_id, names, join_tokens,
+                                            enrolled=enrolled)
+        log.info("join tokens issued", issued=issued, certified=len(enrolled))
+        self.processes.append(devstack.nodesim(count, self.session, enrol, self.sandbox, join_tokens, ca,
                                                logs / "nodesim.log"))
         log.info("nodesim running", nodes=count, sandbox=str(self.sandbox), log=str(logs / "nodesim.log"))
 
@@ -302,12 +341,7 @@ def node_name(index: int) -> str:
 
 def _write_connection(path: pathlib.Path, demo: Demo) -> None:
     """Write atomically, readable by the owner only: it holds bearer tokens."""
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(demo.as_json(), out, indent=2)
-        out.write("\n")
-    os.replace(tmp, path)
+    devstack.write_private(path, json.dumps(demo.as_json(), indent=2) + "\n")
 
 
 def _cli_command(connection_path: pathlib.Path) -> str:

@@ -7,6 +7,7 @@ waits for it, keeps the log in a file, and is stopped with SIGTERM (then SIGKILL
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
@@ -16,9 +17,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 
 from bettercompute.v1 import nodes_pb2, nodes_pb2_grpc
 
@@ -101,21 +104,62 @@ def gateway(conninfo: str, log_path: pathlib.Path, ca_path: pathlib.Path, *,
 
 
 def issue_join_tokens(endpoint: str, root_token: str, pool_id: str, names: Sequence[str],
-                      tokens_path: pathlib.Path, *, role: str = "node", ttl_seconds: int = 3600) -> None:
-    """One-time join tokens through NodeAdmin, written where nodesim reads them."""
+                      tokens_path: pathlib.Path, *, role: str = "node", ttl_seconds: int = 3600,
+                      enrolled: Collection[str] = ()) -> int:
+    """One-time join tokens through NodeAdmin, written where nodesim reads them; the count issued.
+
+    Every name is written, in order (a node's position in the file decides its place in the
+    simulated fabric); names in `enrolled` hold a valid certificate and get no token ("")."""
     with grpc.insecure_channel(endpoint) as channel:
         stub = nodes_pb2_grpc.NodeAdminStub(channel)
         metadata = (("authorization", f"Bearer {root_token}"),)
         tokens = [
-            {"name": name, "joinToken": stub.CreateJoinToken(
+            {"name": name, "joinToken": "" if name in enrolled else stub.CreateJoinToken(
                 nodes_pb2.CreateJoinTokenRequest(pool_id=pool_id, node_name=name, role=role,
                                                  ttl_seconds=ttl_seconds),
                 metadata=metadata, timeout=30).secret}
             for name in names
         ]
-    tokens_path.parent.mkdir(parents=True, exist_ok=True)
-    tokens_path.write_text(json.dumps(tokens))
-    tokens_path.chmod(0o600)
+    write_private(tokens_path, json.dumps(tokens))
+    return sum(1 for t in tokens if t["joinToken"])
+
+
+def write_private(path: pathlib.Path, text: str) -> None:
+    """Write atomically a file only its owner can read, created with mode 0600 (never wider,
+    not even for a moment): it holds secrets."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover could have other permissions: O_EXCL makes a new one
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
+# A certificate that ends within this is renewed through a new enrolment rather than reused.
+CERTIFICATE_MARGIN_S = 600
+
+
+def has_valid_certificate(node_root: pathlib.Path, ca_pem: bytes, *, margin_s: float = CERTIFICATE_MARGIN_S) -> bool:
+    """Whether the node's stored certificates (nodesim's `var/lib/bcd/`) are issued by this CA
+    and stay valid for `margin_s` more; such a node needs no join token to reconnect."""
+    directory = node_root / "var" / "lib" / "bcd"
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        certs = [x509.load_pem_x509_certificate((directory / name).read_bytes()) for name in ("node.crt", "tls.crt")]
+        if not (directory / "node-id").read_text().strip():
+            return False
+    except (OSError, ValueError):
+        return False
+    horizon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=margin_s)
+    for cert in certs:
+        if cert.not_valid_after_utc <= horizon:
+            return False
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            return False
+    return True
 
 
 def nodesim(count: int, session: str, enrol: str, sandbox: pathlib.Path, tokens_path: pathlib.Path,

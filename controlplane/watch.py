@@ -1,7 +1,13 @@
 """Events.Watch: a tenant's stored events in id order, then new ones as they commit.
 
 One `EventHub` per process holds the only LISTEN bc_events connection and wakes the watchers of
-the tenants it hears about; watchers never poll.
+the tenants it hears about; watchers never poll. Its safety net for a lost notification is one
+indexed query every POLL_SECONDS for the tenants that have events past the last checked frontier:
+only their watchers are woken, so an idle watcher costs nothing until its tenant has news.
+
+Open streams are capped per identity and per tenant (`StreamSlots`, in each process): the
+stream beyond either cap is QUOTA_EXCEEDED, and a stream gives its slot back however it ends. A
+stream also ends, UNAUTHENTICATED, when the token it was opened with expires or is revoked.
 
 Event ids come from a sequence, so a transaction that commits later can hold a smaller id than
 one already visible: streaming every visible id would skip it for good, and a resumed stream
@@ -24,14 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 import structlog
 
-from controlplane import authorize, db, errors
+from controlplane import authorize, db, errors, tokens
 from controlplane.auth import Caller
 from controlplane.reservations.validate import TENANT_ID, match
 from controlplane.runtime import Runtime
@@ -50,7 +57,8 @@ BATCH = 500
 # While a candidate frontier waits on writers still open, re-check at this pace (backing off);
 # a transaction that wrote an event notifies on commit anyway.
 RECHECK_SECONDS = (0.02, 0.5)
-# The safety net for a lost notification (e.g. across a listener reconnect).
+# The safety net for a lost notification: how often the hub looks for tenants with events it
+# was not told about.
 POLL_SECONDS = 10.0
 # Candidates kept while a long transaction holds the frontier back; beyond this the newest two
 # are merged (their writer sets united: stricter, so still safe).
@@ -67,6 +75,11 @@ SELECT coalesce(max(id), 0) AS hi,
        ) AS writers
 FROM events
 """
+
+# The safety net: tenants with events above a frontier (a range scan of the primary key).
+_TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
+
+_REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND revoked_at IS NOT NULL"
 
 _EVENTS = """
 SELECT id, type, subject, tenant_id, epoch_ms(time) AS time_ms, data
@@ -109,30 +122,81 @@ class _Candidate:
 @dataclass(eq=False)  # hashed by identity: one per watcher
 class _Subscription:
     tenant_id: str
+    token_id: str = ""
     woken: asyncio.Event = field(default_factory=asyncio.Event)
+    revoked: bool = False
+    wakes: int = 0  # how often the hub woke it (each wake-up costs the watcher one query)
+
+
+class StreamSlots:
+    """Open Watch streams per identity and per tenant, each under its cap (this process's count)."""
+
+    def __init__(self, per_identity: int, per_tenant: int) -> None:
+        self.per_identity, self.per_tenant = per_identity, per_tenant
+        self.by_identity: dict[str, int] = {}
+        self.by_tenant: dict[str, int] = {}
+
+    def acquire(self, identity_id: str, tenant_id: str) -> Callable[[], None]:
+        """Take a slot (QUOTA_EXCEEDED when a cap is reached); the answer gives it back, once."""
+        if self.by_identity.get(identity_id, 0) >= self.per_identity:
+            raise errors.QuotaExceeded("too many open Watch streams for this identity", resource="watchStreams",
+                                       scope="identity", limit=self.per_identity)
+        if self.by_tenant.get(tenant_id, 0) >= self.per_tenant:
+            raise errors.QuotaExceeded("too many open Watch streams for this tenant", resource="watchStreams",
+                                       scope="tenant", limit=self.per_tenant, tenantId=tenant_id)
+        _bump(self.by_identity, identity_id, 1)
+        _bump(self.by_tenant, tenant_id, 1)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                _bump(self.by_identity, identity_id, -1)
+                _bump(self.by_tenant, tenant_id, -1)
+
+        return release
+
+
+def _bump(counts: dict[str, int], key: str, by: int) -> None:
+    value = counts.get(key, 0) + by
+    if value:
+        counts[key] = value
+    else:
+        counts.pop(key, None)
 
 
 class EventHub:
     """The process's one listener: keeps the safe frontier and wakes watchers by tenant."""
 
-    def __init__(self, conninfo: str) -> None:
+    def __init__(self, conninfo: str, slots: StreamSlots) -> None:
         self._conninfo = conninfo
+        self.slots = slots
         self.safe_id = 0
         self._ready = asyncio.Event()
         self._candidates: list[_Candidate] = []
         self._subs: dict[str, set[_Subscription]] = {}
+        self._by_token: dict[str, set[_Subscription]] = {}
+        self._checked_to = 0  # the safety net has looked at every event id up to here
+        self.safety_net_runs = 0
 
-    def subscribe(self, tenant_id: str) -> _Subscription:
-        sub = _Subscription(tenant_id)
+    def subscribe(self, tenant_id: str, token_id: str = "") -> _Subscription:
+        sub = _Subscription(tenant_id, token_id)
         self._subs.setdefault(tenant_id, set()).add(sub)
+        if token_id:
+            self._by_token.setdefault(token_id, set()).add(sub)
         return sub
 
     def unsubscribe(self, sub: _Subscription) -> None:
-        subs = self._subs.get(sub.tenant_id)
-        if subs is not None:
-            subs.discard(sub)
-            if not subs:
-                del self._subs[sub.tenant_id]
+        for index, key in ((self._subs, sub.tenant_id), (self._by_token, sub.token_id)):
+            subs = index.get(key)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del index[key]
+
+    def subscriptions(self, tenant_id: str) -> list[_Subscription]:
+        return list(self._subs.get(tenant_id, ()))
 
     async def ready(self) -> int:
         """The safe frontier, once the hub has computed one."""
@@ -144,8 +208,11 @@ class EventHub:
             try:
                 async with await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True) as conn:
                     await conn.execute("LISTEN bc_events")
-                    # Anything may have committed while no one listened.
+                    await conn.execute(f"LISTEN {tokens.REVOKED_CHANNEL}")
+                    # Anything may have committed, or been revoked, while no one listened.
+                    await self._recheck_tokens(conn)
                     await self._tick(conn, {_ALL})
+                    self._checked_to = self.safe_id  # everyone was woken: the net starts from here
                     await self._listen(conn, stop)
             except asyncio.CancelledError:
                 raise
@@ -158,11 +225,21 @@ class EventHub:
         while not stop.is_set():
             pending = bool(self._candidates)
             tenants: set[str] = set()
+            heard = False
             async for note in conn.notifies(timeout=recheck if pending else POLL_SECONDS, stop_after=1):
-                tenants.add(note.payload)
+                heard = True
+                if note.channel == tokens.REVOKED_CHANNEL:
+                    self._revoke(note.payload.split(","))
+                else:
+                    tenants.add(note.payload)
             # Notifications that arrive during the tick are kept by psycopg for the next round.
-            if not tenants and not pending:
-                tenants = {_ALL}  # the slow safety net: wake everyone in case a NOTIFY was lost
+            if not heard and not pending:
+                # The safety net, in case a NOTIFY was lost: only tenants with unseen events.
+                frontier = self.safe_id
+                rows = await (await conn.execute(_TENANTS_SINCE, (self._checked_to,))).fetchall()
+                tenants = {row[0] for row in rows}
+                self._checked_to = frontier
+                self.safety_net_runs += 1
             await self._tick(conn, tenants)
             recheck = RECHECK_SECONDS[0] if tenants else min(recheck * 2, RECHECK_SECONDS[1])
 
@@ -195,10 +272,23 @@ class EventHub:
             self._wake(set().union(*(c.tenants for c in done)))
         self._ready.set()
 
+    async def _recheck_tokens(self, conn: psycopg.AsyncConnection) -> None:
+        if self._by_token:
+            rows = await (await conn.execute(_REVOKED, (list(self._by_token),))).fetchall()
+            self._revoke([row[0] for row in rows])
+
+    def _revoke(self, token_ids: list[str]) -> None:
+        for token_id in token_ids:
+            for sub in self._by_token.get(token_id, ()):
+                sub.revoked = True
+                sub.wakes += 1
+                sub.woken.set()
+
     def _wake(self, tenants: set[str]) -> None:
         targets = self._subs.keys() if _ALL in tenants else tenants & self._subs.keys()
         for tenant_id in list(targets):
             for sub in self._subs[tenant_id]:
+                sub.wakes += 1
                 sub.woken.set()
 
 
@@ -226,12 +316,17 @@ def parse_watch(raw: dict[str, Any]) -> WatchInput:
 
 
 async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """Yield the tenant's matching events after `after_id` (or from now) until cancelled."""
+    """Yield the tenant's matching events after `after_id` (or from now) until cancelled.
+
+    The stream holds a slot (see StreamSlots) from before IAM is asked until it ends, however it
+    ends; membership is checked first, so no outsider can use up a tenant's slots."""
     req = parse_watch(raw)
-    await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ,
-                           {"types": req.types, "subject": req.subject})
-    sub = hub.subscribe(req.tenant_id)
+    caller.require_member(req.tenant_id)
+    release = hub.slots.acquire(caller.identity_id, req.tenant_id)
+    sub = hub.subscribe(req.tenant_id, caller.token_id)
     try:
+        await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ,
+                               {"types": req.types, "subject": req.subject})
         after = await hub.ready() if req.from_now else req.after_id
         while True:
             sub.woken.clear()  # before reading: a wake-up during the read is kept
@@ -248,6 +343,21 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                 continue
             # Every id <= upto is final and none left matches: skip the filtered-out ones too.
             after = max(after, upto)
-            await sub.woken.wait()
+            await _wait(sub, caller)
     finally:
         hub.unsubscribe(sub)
+        release()
+
+
+async def _wait(sub: _Subscription, caller: Caller) -> None:
+    """Until the hub wakes the watcher; UNAUTHENTICATED once its token is revoked or expires."""
+    if sub.revoked:
+        raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)
+    left_s = (caller.token_expires_ms / 1000 - time.time()) if caller.token_expires_ms else None
+    try:
+        async with asyncio.timeout(None if left_s is None else max(left_s, 0)):
+            await sub.woken.wait()
+    except TimeoutError:
+        raise errors.Unauthenticated("the token has expired", tokenId=caller.token_id) from None
+    if sub.revoked:
+        raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)

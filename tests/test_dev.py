@@ -1,7 +1,8 @@
 """`better-compute dev` end to end: a real process, the embedded PostgreSQL, real gRPC clients.
 
 It starts, seeds the demo, places a reservation, stops cleanly on Ctrl-C (the database with it),
-and a second run on the same data directory reuses the pool and keeps the reservation. The client
+and a second run on the same data directory reuses the pool, the tokens and the nodes'
+certificates and keeps the reservation; a revoked token is minted anew on the next run. The client
 CLI is exercised as a real process against a running `dev`.
 """
 
@@ -13,6 +14,7 @@ import os
 import pathlib
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -184,9 +186,22 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
         assert not (data_dir / "pgdata" / "postmaster.pid").exists()
         assert not (data_dir / "connection.json").exists(), "a stale connection file was left"
 
+    # Every node enrolled with a join token; the token files were private from the start.
+    assert [bool(t["joinToken"]) for t in _join_tokens(data_dir)] == [True] * 8
+    for name in ("tokens.json", "join-tokens.json"):
+        assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600, name
+
     with running_dev(data_dir, "second") as again:
         assert again.connection["poolId"] == conn["poolId"]
-        assert again.connection["token"] != conn["token"]  # tokens are issued anew
+        # The tokens are reused, not minted anew; nodes with a certificate get no join token.
+        assert (again.connection["token"], again.connection["rootToken"]) == (conn["token"], conn["rootToken"])
+        assert [t["joinToken"] for t in _join_tokens(data_dir)] == [""] * 8
+        with again.channel() as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            live = {ident: admin.ListTokens(admin_pb2.ListTokensRequest(identity_id=ident),
+                                            metadata=_auth(conn["rootToken"]), timeout=30).items
+                    for ident in ("root", "alice")}
+            assert {ident: len(items) for ident, items in live.items()} == {"root": 1, "alice": 1}
         with again.channel() as channel:
             kept = reservations_pb2_grpc.ReservationsStub(channel).Get(
                 pb.GetReservationRequest(tenant_id="acme", reservation_id=created.id),
@@ -201,7 +216,26 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
         assert kept.id == created.id and kept.state == "placed", kept
         assert len(nodes.items) == 8, "the fleet was registered twice"
         assert all(n.connectivity == "connected" for n in nodes.items)
+        # Revoked (by prefix, without the secret): the next run mints alice a new one.
+        with again.channel() as channel:
+            admin_pb2_grpc.AdminStub(channel).RevokeTokens(admin_pb2.RevokeTokensRequest(prefix=conn["token"][:12]),
+                                                           metadata=_auth(conn["rootToken"]), timeout=30)
         assert again.stop() == 0, again.log()
+
+    with running_dev(data_dir, "third") as third:
+        assert third.connection["rootToken"] == conn["rootToken"]
+        assert third.connection["token"] != conn["token"]
+        with third.channel() as channel:
+            mine = reservations_pb2_grpc.ReservationsStub(channel).Get(
+                pb.GetReservationRequest(tenant_id="acme", reservation_id=created.id),
+                metadata=_auth(third.connection["token"]), timeout=30)
+        assert mine.id == created.id
+        assert stat.S_IMODE((data_dir / "tokens.json").stat().st_mode) == 0o600
+        assert third.stop() == 0, third.log()
+
+
+def _join_tokens(data_dir: pathlib.Path) -> list[dict[str, str]]:
+    return json.loads((data_dir / "join-tokens.json").read_text())
 
 
 # The client CLI against one running dev ---------------------------------------------------------

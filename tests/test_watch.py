@@ -1,5 +1,6 @@
 """Events.Watch: stored then live events, filters, resumption without gaps or repeats, an id
-committed late, tenancy and IAM. Events come from real reservation calls."""
+committed late, tenancy and IAM, the stream caps, the end of a stream whose token is revoked or
+expires, and a safety net that wakes no idle watcher. Events come from real reservation calls."""
 
 from __future__ import annotations
 
@@ -12,18 +13,21 @@ import grpc
 import psycopg
 import pytest
 
+from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import Client, World, make_world, rpc_error
+from controlplane import watch
+from tests.conftest import module_stack
+from tests.support import Client, ServerThread, World, make_world, rpc_error
 
 
 class Stream:
     """One Watch call, read by a background thread into a queue."""
 
-    def __init__(self, client: Client, **request: Any) -> None:
+    def __init__(self, client: Client, timeout: float = 60, **request: Any) -> None:
         stub = events_pb2_grpc.EventsStub(client.channel)
-        self.call = stub.Watch(epb.WatchRequest(**request), metadata=client.metadata, timeout=60)
+        self.call = stub.Watch(epb.WatchRequest(**request), metadata=client.metadata, timeout=timeout)
         self.items: queue.Queue[Any] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -193,3 +197,165 @@ def test_watch_rejects_bad_requests(world: World, request_fields: dict[str, Any]
             stream.take(1)
     code, reason, details = rpc_error(exc)
     assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", field)
+
+
+# Caps, ends, and the safety net -------------------------------------------------------------
+
+PER_IDENTITY, PER_TENANT = 3, 5
+
+
+@pytest.fixture(scope="module")
+def capped(pg_uri: str) -> Any:
+    yield from module_stack(pg_uri, watch_streams_per_identity=PER_IDENTITY, watch_streams_per_tenant=PER_TENANT)
+
+
+@pytest.fixture
+def small(capped: tuple[ServerThread, Client]) -> World:
+    """A world on a server with small stream caps, holding one stored event."""
+    server, root = capped
+    w = make_world(server.endpoint, root, server.conninfo)
+    reserve(w)
+    return w
+
+
+def open_stream(client: Client, world: World, **request: Any) -> Stream:
+    """A Watch stream that is open for sure: it has streamed the world's first stored event."""
+    stream = Stream(client, tenant_id=world.tenant, **request)
+    stream.take(1)
+    return stream
+
+
+def refused(client: Client, world: World) -> dict[str, str]:
+    with Stream(client, tenant_id=world.tenant) as stream:
+        with pytest.raises(grpc.RpcError) as exc:
+            stream.take(1)
+    code, reason, details = rpc_error(exc)
+    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED")
+    assert details["resource"] == "watchStreams"
+    return details
+
+
+def reopens(client: Client, world: World, seconds: float = 10) -> Stream:
+    """Open a stream as soon as a slot is free again (the positive signal that one was released)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stream = Stream(client, tenant_id=world.tenant)
+        try:
+            stream.take(1)
+            return stream
+        except grpc.RpcError as exc:
+            stream.call.cancel()
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+            time.sleep(0.05)
+
+
+def test_watch_streams_are_capped_per_identity_and_per_tenant(small: World, capped: Any) -> None:
+    server, root = capped
+    assert small.user is not None
+    mine = [open_stream(small.user, small) for _ in range(PER_IDENTITY)]
+    details = refused(small.user, small)
+    assert (details["scope"], details["limit"]) == ("identity", str(PER_IDENTITY))
+    _, colleague = small.identity()
+    theirs = [open_stream(colleague, small) for _ in range(PER_TENANT - PER_IDENTITY)]
+    details = refused(colleague, small)  # under its own cap, but the tenant is full
+    assert (details["scope"], details["limit"], details["tenantId"]) == ("tenant", str(PER_TENANT), small.tenant)
+    other = make_world(server.endpoint, root, server.conninfo)  # another tenant is not affected
+    reserve(other)
+    with open_stream(other.user, other):
+        pass
+    # A stream that ends gives its slot back.
+    mine.pop().call.cancel()
+    reopens(small.user, small).call.cancel()
+    for stream in mine + theirs:
+        stream.call.cancel()
+
+
+def test_a_slot_is_released_however_the_stream_ends(small: World) -> None:
+    assert small.user is not None
+    # A deadline.
+    for _ in range(PER_IDENTITY):
+        Stream(small.user, timeout=1.0, tenant_id=small.tenant).take(1)
+    reopens(small.user, small).call.cancel()
+    # A cancel while the server is streaming a backlog (suspended in a send, not in a wait).
+    for _ in range(60):
+        reserve(small)
+    for _ in range(PER_IDENTITY * 2):
+        with Stream(small.user, tenant_id=small.tenant) as stream:
+            stream.take(1)
+    reopens(small.user, small).call.cancel()
+    # Refused by IAM after the slot was taken: more refusals than slots, then streams still open.
+    small.policy('permit(principal, action == Action::"compute:reservations:create", resource);')
+    for _ in range(PER_IDENTITY + 1):
+        with Stream(small.user, tenant_id=small.tenant) as stream:
+            with pytest.raises(grpc.RpcError) as exc:
+                stream.take(1)
+        assert rpc_error(exc)[1] == "ACCESS_DENIED"
+    small.policy("permit(principal, action, resource);")
+    streams = [open_stream(small.user, small) for _ in range(PER_IDENTITY)]
+    for stream in streams:
+        stream.call.cancel()
+
+
+def test_a_revoked_token_ends_its_open_streams_and_frees_their_slots(small: World) -> None:
+    ident, client = small.identity()
+    streams = [open_stream(client, small) for _ in range(PER_IDENTITY)]
+    small.root.admin("RevokeTokens", apb.RevokeTokensRequest(identity_id=ident))
+    for stream in streams:
+        with pytest.raises(grpc.RpcError) as exc:
+            stream.take(1)
+        code, reason, details = rpc_error(exc)
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+        assert "revoked" in exc.value.details()
+    fresh = Client(small.endpoint, small.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret)
+    try:
+        reopens(fresh, small).call.cancel()
+    finally:
+        fresh.close()
+        client.close()
+
+
+def test_a_stream_ends_when_its_token_expires(small: World) -> None:
+    ident, _ = small.identity()
+    token = small.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="2s"))
+    client = Client(small.endpoint, token.secret)
+    try:
+        stream = open_stream(client, small)
+        with pytest.raises(grpc.RpcError) as exc:
+            stream.take(1, timeout=30)
+        code, reason, details = rpc_error(exc)
+        assert (code, reason, details["tokenId"]) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", token.id)
+        assert small.sql("SELECT epoch_ms(now())")[0][0] >= token.expires_at
+    finally:
+        client.close()
+
+
+def test_the_safety_net_wakes_only_tenants_with_unseen_events(world: World, stack: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event whose NOTIFY was lost still reaches its watcher; an idle watcher is never woken."""
+    server, root = stack
+    hub = server.app.hub
+    quiet = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    with Stream(quiet.user, tenant_id=quiet.tenant) as idle, Stream(world.user, tenant_id=world.tenant) as busy:
+        # Both subscribed (the watcher subscribes before its first read).
+        _until(lambda: hub.subscriptions(quiet.tenant) and hub.subscriptions(world.tenant))
+        [idle_sub] = hub.subscriptions(quiet.tenant)
+        monkeypatch.setattr(watch, "POLL_SECONDS", 0.05)
+        world.sql("SELECT pg_notify('bc_events', 'nobody')")  # ends the hub's current (long) wait
+        runs = hub.safety_net_runs
+        _until(lambda: hub.safety_net_runs >= runs + 5)
+        wakes = idle_sub.wakes
+        # An event committed without its notification, as if the NOTIFY were lost.
+        world.sql("INSERT INTO events (tenant_id, type, subject, data) VALUES (%s, 'test.lost', 'test/lost', '{}')",
+                  (world.tenant,))
+        assert kinds(busy.take(1)) == [("test.lost", "test/lost")]
+        runs = hub.safety_net_runs
+        _until(lambda: hub.safety_net_runs >= runs + 5)
+        assert idle_sub.wakes == wakes
+        idle.quiet(0.1)
+
+
+def _until(check: Any, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

@@ -162,15 +162,24 @@ class CreateTokenRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
     identity_id: _builtins.str
+    expires_at: _builtins.int
+    """At most one of: an absolute expiry (epoch ms) or a lifetime ("8h", "30d"). Neither: the
+    server's default lifetime. Either is bounded by the server's maximum lifetime.
+    """
+    ttl: _builtins.str
     def __init__(
         self,
         *,
         identity_id: _builtins.str = ...,
+        expires_at: _builtins.int = ...,
+        ttl: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_id", b"identity_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "identity_id", b"identity_id", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -182,21 +191,133 @@ class Token(_message.Message):
 
     IDENTITY_ID_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    REVOKED_AT_FIELD_NUMBER: _builtins.int
     identity_id: _builtins.str
     secret: _builtins.str
+    """Only in CreateToken's answer."""
+    id: _builtins.str
+    """"tok_..."; names the token in ListTokens and RevokeTokens."""
+    prefix: _builtins.str
+    """The secret's first 12 characters ("bct_" and 8 more): enough to recognise and revoke it."""
+    created_at: _builtins.int
+    expires_at: _builtins.int
+    revoked_at: _builtins.int
+    """0 while not revoked."""
     def __init__(
         self,
         *,
         identity_id: _builtins.str = ...,
         secret: _builtins.str = ...,
+        id: _builtins.str = ...,
+        prefix: _builtins.str = ...,
+        created_at: _builtins.int = ...,
+        expires_at: _builtins.int = ...,
+        revoked_at: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_id", b"identity_id", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "identity_id", b"identity_id", "prefix", b"prefix", "revoked_at", b"revoked_at", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Token: _TypeAlias = Token  # noqa: Y015
+
+@_typing.final
+class ListTokensRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_INACTIVE_FIELD_NUMBER: _builtins.int
+    identity_id: _builtins.str
+    include_inactive: _builtins.bool
+    """Also the expired and revoked ones."""
+    def __init__(
+        self,
+        *,
+        identity_id: _builtins.str = ...,
+        include_inactive: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_id", b"identity_id", "include_inactive", b"include_inactive"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTokensRequest: _TypeAlias = ListTokensRequest  # noqa: Y015
+
+@_typing.final
+class ListTokensResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___Token] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTokensResponse: _TypeAlias = ListTokensResponse  # noqa: Y015
+
+@_typing.final
+class RevokeTokensRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
+    IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.str
+    """Exactly one of the three."""
+    prefix: _builtins.str
+    identity_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.str = ...,
+        prefix: _builtins.str = ...,
+        identity_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_id", b"identity_id", "prefix", b"prefix", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTokensRequest: _TypeAlias = RevokeTokensRequest  # noqa: Y015
+
+@_typing.final
+class RevokeTokensResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]:
+        """The tokens named (by id or prefix: the one token, even when it was revoked before; by
+        identity: those revoked by this call).
+        """
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___Token] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeTokensResponse: _TypeAlias = RevokeTokensResponse  # noqa: Y015
 
 @_typing.final
 class SharingPolicy(_message.Message):

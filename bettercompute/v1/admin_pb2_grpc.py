@@ -49,6 +49,16 @@ class AdminStub:
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.CreateTokenRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Token.FromString,
                 _registered_method=True)
+        self.ListTokens = channel.unary_unary(
+                '/bettercompute.v1.Admin/ListTokens',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.ListTokensRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.ListTokensResponse.FromString,
+                _registered_method=True)
+        self.RevokeTokens = channel.unary_unary(
+                '/bettercompute.v1.Admin/RevokeTokens',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.RevokeTokensRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.RevokeTokensResponse.FromString,
+                _registered_method=True)
         self.CreatePool = channel.unary_unary(
                 '/bettercompute.v1.Admin/CreatePool',
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.CreatePoolRequest.SerializeToString,
@@ -133,7 +143,23 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateToken(self, request, context):
-        """Issues a bearer token for an identity; the secret is shown once.
+        """Issues a bearer token for an identity; the secret is shown once. The token expires after
+        the configured default lifetime unless the request names an expiry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTokens(self, request, context):
+        """An identity's tokens, newest first, without their secrets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeTokens(self, request, context):
+        """Revokes one token (by id or prefix) or every token of an identity; the secret is never
+        needed. A revoked token is UNAUTHENTICATED from then on and its open Watch streams end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -240,6 +266,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.CreateToken,
                     request_deserializer=bettercompute_dot_v1_dot_admin__pb2.CreateTokenRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_admin__pb2.Token.SerializeToString,
+            ),
+            'ListTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTokens,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.ListTokensRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.ListTokensResponse.SerializeToString,
+            ),
+            'RevokeTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeTokens,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.RevokeTokensRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.RevokeTokensResponse.SerializeToString,
             ),
             'CreatePool': grpc.unary_unary_rpc_method_handler(
                     servicer.CreatePool,
@@ -388,6 +424,60 @@ class Admin:
             '/bettercompute.v1.Admin/CreateToken',
             bettercompute_dot_v1_dot_admin__pb2.CreateTokenRequest.SerializeToString,
             bettercompute_dot_v1_dot_admin__pb2.Token.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/ListTokens',
+            bettercompute_dot_v1_dot_admin__pb2.ListTokensRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.ListTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/RevokeTokens',
+            bettercompute_dot_v1_dot_admin__pb2.RevokeTokensRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.RevokeTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bettercompute.v1 import admin_pb2 as pb
 from bettercompute.v1 import admin_pb2_grpc as rpc
-from controlplane import admin, clock
+from controlplane import admin, clock, tokens
 from controlplane.api import convert
 from controlplane.api.interceptor import caller
 from controlplane.runtime import Runtime
@@ -21,6 +21,11 @@ def _root() -> None:
 
 def _plain(message) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _token(row: dict) -> pb.Token:
+    return pb.Token(identity_id=row["identity_id"], secret=row.get("secret", ""), id=row["id"], prefix=row["prefix"],
+                    created_at=row["created_ms"], expires_at=row["expires_ms"], revoked_at=row["revoked_ms"])
 
 
 class AdminServicer(rpc.AdminServicer):
@@ -38,7 +43,17 @@ class AdminServicer(rpc.AdminServicer):
 
     async def CreateToken(self, request: pb.CreateTokenRequest, context: Ctx) -> pb.Token:
         _root()
-        return pb.Token(**await admin.create_token(self.rt, request.identity_id))
+        return _token(await tokens.mint(self.rt, request.identity_id, request.expires_at, request.ttl))
+
+    async def ListTokens(self, request: pb.ListTokensRequest, context: Ctx) -> pb.ListTokensResponse:
+        _root()
+        rows = await tokens.list_(self.rt, request.identity_id, request.include_inactive)
+        return pb.ListTokensResponse(items=[_token(r) for r in rows])
+
+    async def RevokeTokens(self, request: pb.RevokeTokensRequest, context: Ctx) -> pb.RevokeTokensResponse:
+        _root()
+        rows = await tokens.revoke(self.rt, request.token_id, request.prefix, request.identity_id)
+        return pb.RevokeTokensResponse(items=[_token(r) for r in rows])
 
     async def CreatePool(self, request: pb.CreatePoolRequest, context: Ctx) -> pb.Pool:
         _root()

@@ -87,7 +87,9 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
-        return handler
+        # Client-streaming and bidirectional calls (none is served yet) would reach their handler
+        # unauthenticated: refuse them, so adding one fails closed until it is wrapped here too.
+        return _refused(method, handler)
 
     async def _prologue(self, method: str, metadata: dict[str, str], raw: Any, deserializer: Any) -> Any:
         """The decoded, checked request. Only validated or bounded values are bound for the log,
@@ -162,6 +164,25 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
             await context.abort_with_status(status)
 
         return handle
+
+
+def _refused(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that answers UNSUPPORTED before reading a message."""
+    status = to_status(errors.UNSUPPORTED, "this server does not serve request-streaming calls",
+                       {"method": method})
+
+    async def refuse(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        log.warning("request-streaming call refused", method=method)
+        await context.abort_with_status(status)
+
+    async def refuse_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await refuse(request_iterator, context)
+        yield  # pragma: no cover - abort raises; this only makes it an async generator
+
+    kind = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+    return kind(refuse_stream if handler.response_streaming else refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 def _log_rpc(code: str, started: float) -> None:

@@ -26,6 +26,7 @@ class Connection:
     token: str
     tenant_id: str
     pool_id: str
+    ca: str = ""  # PEM file of the CA that signed the API's TLS certificate; empty: plaintext
 
     @classmethod
     def resolve(
@@ -36,6 +37,7 @@ class Connection:
         token: str | None = None,
         tenant: str | None = None,
         pool: str | None = None,
+        ca: str | None = None,
     ) -> Connection:
         """The flags over `connection` (default `$BC_DATA_DIR/connection.json`, if it exists)."""
         path = pathlib.Path(connection or pathlib.Path(Settings().data_dir, "connection.json"))
@@ -52,6 +54,7 @@ class Connection:
             token=token or saved.get("token", ""),
             tenant_id=tenant or saved.get("tenantId", ""),
             pool_id=pool or saved.get("poolId", ""),
+            ca=ca or saved.get("ca", ""),
         )
         needed = {"endpoint": conn.endpoint, "token": conn.token, "tenant": conn.tenant_id}
         missing = [name for name, value in needed.items() if not value]
@@ -64,8 +67,14 @@ class Connection:
 
 
 def open_channel(conn: Connection) -> grpc.Channel:
-    """The channel to the API (plain gRPC on loopback today)."""
-    return grpc.insecure_channel(conn.endpoint)
+    """The channel to the API: TLS checked against `conn.ca` when one is given, else plaintext."""
+    if not conn.ca:
+        return grpc.insecure_channel(conn.endpoint)
+    try:
+        ca_pem = pathlib.Path(conn.ca).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--ca {conn.ca}: {exc.strerror}") from None
+    return grpc.secure_channel(conn.endpoint, grpc.ssl_channel_credentials(root_certificates=ca_pem))
 
 
 class Client:

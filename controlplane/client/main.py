@@ -15,7 +15,8 @@ from controlplane.client.render import Output
 
 def connect(args: argparse.Namespace) -> Connection:
     return Connection.resolve(
-        connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool
+        connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
+        ca=getattr(args, "ca", None),
     )
 
 

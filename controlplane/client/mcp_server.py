@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         conn = Connection.resolve(
-            connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool
+            connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
+        ca=getattr(args, "ca", None),
         )
     except UsageError as exc:
         parser.error(str(exc))

@@ -20,6 +20,8 @@ def _common_args(parser: argparse.ArgumentParser, default: Any) -> None:
     group.add_argument("--token", default=default, help="bearer token")
     group.add_argument("--tenant", default=default, help="tenant id")
     group.add_argument("--pool", default=default, help="pool id (default: the connection's)")
+    group.add_argument("--ca", metavar="PATH", default=default,
+                       help="PEM of the CA that signed the API's TLS certificate: dial TLS (default plaintext)")
     group.add_argument(
         "--json", action="store_true", default=default or False,
         help="print JSON (the default when stdout is not a terminal)",

@@ -1,0 +1,177 @@
+"""API bearer tokens: minted for an identity with an expiry, listed and revoked by id, by prefix
+or per identity. The secret is shown once and stored only as its SHA-256; the first characters
+of the secret (its prefix) are kept so an operator can recognise and revoke a token without it.
+
+Expiry uses the database's real `now()`, not `compute_now()`: moving the dev clock expires no
+credential (as for node certificates).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection
+
+from controlplane import db, errors
+from controlplane.durations import parse_duration_ms
+from controlplane.ids import new_id, token_hash
+from controlplane.reservations.validate import match
+from controlplane.runtime import Runtime
+
+SECRET_PREFIX = "bct_"
+PREFIX_LENGTH = 12  # "bct_" and 8 characters (48 random bits) of the secret
+TOKEN_ID = re.compile(r"^tok_[0-9a-hjkmnp-tv-z]{26}$")
+TOKEN_PREFIX = re.compile(r"^bct_[A-Za-z0-9_-]{8}$")
+IDENTITY_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+MIN_TTL_MS = 1000
+
+_COLUMNS = """id, identity_id, prefix, epoch_ms(created_at) AS created_ms, epoch_ms(expires_at) AS expires_ms,
+       coalesce(epoch_ms(revoked_at), 0) AS revoked_ms"""
+
+MINT = f"""
+INSERT INTO api_tokens (id, token_hash, prefix, identity_id, expires_at)
+VALUES (%(id)s, %(hash)s, %(prefix)s, %(identity_id)s, now() + %(ttl_ms)s * interval '1 millisecond')
+RETURNING {_COLUMNS}
+"""
+
+_NOW_MS = "SELECT epoch_ms(now()) AS now_ms"
+
+_LIST = f"""
+SELECT {_COLUMNS} FROM api_tokens
+WHERE identity_id = %(identity_id)s
+  AND (%(all)s OR (revoked_at IS NULL AND expires_at > now()))
+ORDER BY created_at DESC, id
+"""
+
+_FIND = f"""
+SELECT {_COLUMNS} FROM api_tokens
+WHERE (%(id)s::text IS NULL OR id = %(id)s) AND (%(prefix)s::text IS NULL OR prefix = %(prefix)s)
+"""
+
+_REVOKE = f"""
+UPDATE api_tokens SET revoked_at = now()
+WHERE id = ANY(%(ids)s) AND revoked_at IS NULL
+RETURNING {_COLUMNS}
+"""
+
+_REVOKE_IDENTITY = f"""
+UPDATE api_tokens SET revoked_at = now()
+WHERE identity_id = %(identity_id)s AND revoked_at IS NULL
+RETURNING {_COLUMNS}
+"""
+
+_IDENTITY_EXISTS = "SELECT 1 FROM identities WHERE id = %s"
+
+# Open Watch streams end when a token they run on is revoked (controlplane.watch listens).
+REVOKED_CHANNEL = "bc_tokens_revoked"
+_IDS_PER_NOTIFY = 200
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def _mint_params(identity_id: str, ttl_ms: int) -> tuple[str, dict[str, Any]]:
+    secret = new_secret()
+    return secret, {"id": new_id("tok"), "hash": token_hash(secret), "prefix": secret[:PREFIX_LENGTH],
+                    "identity_id": identity_id, "ttl_ms": ttl_ms}
+
+
+def mint_sync(conn: psycopg.Connection, identity_id: str, ttl_ms: int) -> str:
+    """Bootstrap's path (no server yet): a new token for an existing identity; the secret."""
+    secret, params = _mint_params(identity_id, ttl_ms)
+    conn.execute(MINT, params)
+    return secret
+
+
+def remaining_ms(conn: psycopg.Connection, secret: str) -> int:
+    """How long the token stays valid (ms), or 0 when it is unknown, revoked or expired."""
+    row = conn.execute(
+        "SELECT epoch_ms(expires_at) - epoch_ms(now()) FROM api_tokens"
+        " WHERE token_hash = %s AND revoked_at IS NULL AND expires_at > now()", (token_hash(secret),),
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _ttl_ms(rt: Runtime, now_ms: int, expires_at_ms: int, ttl: str) -> int:
+    """The lifetime asked for: an absolute expiry, a duration, or the configured default."""
+    if expires_at_ms and ttl:
+        raise errors.InvalidInput("ttl", "give either expiresAt or ttl")
+    if ttl:
+        try:
+            ttl_ms = parse_duration_ms(ttl)
+        except ValueError as exc:
+            raise errors.InvalidInput("ttl", str(exc)) from None
+        field = "ttl"
+    elif expires_at_ms:
+        ttl_ms, field = expires_at_ms - now_ms, "expiresAt"
+    else:
+        return rt.settings.token_ttl_seconds * 1000
+    if ttl_ms < MIN_TTL_MS:
+        raise errors.InvalidInput(field, "must end at least a second in the future")
+    if ttl_ms > rt.settings.token_max_ttl_seconds * 1000:
+        raise errors.InvalidInput(field, f"at most {rt.settings.token_max_ttl_seconds} s ahead")
+    return ttl_ms
+
+
+async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str = "") -> dict[str, Any]:
+    """A new token for the identity; the answer holds the secret, shown this once."""
+    match("identityId", identity_id, IDENTITY_ID)
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        now_ms = (await (await conn.execute(_NOW_MS)).fetchone())["now_ms"]
+        secret, params = _mint_params(identity_id, _ttl_ms(rt, now_ms, expires_at_ms, ttl))
+        try:
+            row = await (await conn.execute(MINT, params)).fetchone()
+        except psycopg.errors.ForeignKeyViolation:
+            raise errors.NotFound("no such identity", identityId=identity_id) from None
+        return {**row, "secret": secret}
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
+async def list_(rt: Runtime, identity_id: str, include_inactive: bool) -> list[dict[str, Any]]:
+    match("identityId", identity_id, IDENTITY_ID)
+    async with db.read_only(rt.pool) as conn:
+        return await (await conn.execute(_LIST, {"identity_id": identity_id, "all": include_inactive})).fetchall()
+
+
+async def revoke(rt: Runtime, token_id: str, prefix: str, identity_id: str) -> list[dict[str, Any]]:
+    """Revoke one token (by id or prefix) or every token of an identity; the tokens revoked now.
+
+    Revoking a token again changes nothing and answers it as it is (with its first revocation)."""
+    given = [name for name, value in (("tokenId", token_id), ("prefix", prefix), ("identityId", identity_id))
+             if value]
+    if len(given) != 1:
+        raise errors.InvalidInput(given[-1] if given else "tokenId",
+                                  "give exactly one of tokenId, prefix or identityId")
+    if token_id:
+        match("tokenId", token_id, TOKEN_ID)
+    if prefix:
+        match("prefix", prefix, TOKEN_PREFIX)
+    if identity_id:
+        match("identityId", identity_id, IDENTITY_ID)
+
+    async def work(conn: AsyncConnection) -> list[dict[str, Any]]:
+        if identity_id:
+            if await (await conn.execute(_IDENTITY_EXISTS, (identity_id,))).fetchone() is None:
+                raise errors.NotFound("no such identity", identityId=identity_id)
+            rows = await (await conn.execute(_REVOKE_IDENTITY, {"identity_id": identity_id})).fetchall()
+        else:
+            found = await (await conn.execute(_FIND, {"id": token_id or None, "prefix": prefix or None})).fetchall()
+            if not found:
+                raise errors.NotFound("no such token", tokenId=token_id or None, prefix=prefix or None)
+            if len(found) > 1:
+                raise errors.Conflict("the prefix names several tokens: revoke by id",
+                                      prefix=prefix, tokenIds=[r["id"] for r in found])
+            revoked = await (await conn.execute(_REVOKE, {"ids": [found[0]["id"]]})).fetchall()
+            rows = revoked or found
+        ids = [r["id"] for r in rows]
+        for i in range(0, len(ids), _IDS_PER_NOTIFY):  # a payload holds at most 8000 bytes
+            await conn.execute("SELECT pg_notify(%s, %s)", (REVOKED_CHANNEL, ",".join(ids[i:i + _IDS_PER_NOTIFY])))
+        return rows
+
+    return await db.run_in_transaction(rt.pool, work)
