@@ -18,17 +18,11 @@ import pytest
 
 from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
-from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, eventually, get, make_world
 from tests.test_pki import Enrolled, enrol, sign
 
 HOUR = 3_600_000
 _SEQUENCE = itertools.count(1)  # a node's reports are newer one after the other
-
-
-@pytest.fixture(scope="module")
-def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from module_stack(pg_uri, clock_control=True)
 
 
 @pytest.fixture
@@ -43,9 +37,12 @@ def node(world: World) -> Enrolled:
 
 
 @pytest.fixture
-def world(stack: tuple[ServerThread, Client]) -> World:
-    server, root = stack
-    return make_world(server.endpoint, root, server.conninfo, nodes=0)
+def world(clock_stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    """A database and control plane of this test's own: the tests move the clock."""
+    server, root = clock_stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    yield w
+    w.close()
 
 
 def report(node: Enrolled, world: World, allocation_id: str, kind: str, **fields: str) -> None:
