@@ -83,3 +83,9 @@ class Settings:
         default_factory=lambda: int(os.environ.get("BC_WEBHOOK_TENANT_CONCURRENCY", "2"))
     )
     webhooks_per_tenant: int = field(default_factory=lambda: int(os.environ.get("BC_WEBHOOKS_PER_TENANT", "20")))
+    # Prometheus metrics at GET /metrics on this host:port (port 0 picks a free one); empty: off.
+    metrics_listen: str = field(default_factory=lambda: os.environ.get("BC_METRICS_LISTEN", ""))
+    # The gauges read from the database are refreshed at scrape time, at most this often.
+    metrics_refresh_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_METRICS_REFRESH_SECONDS", "5"))
+    )
