@@ -121,5 +121,7 @@ async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port}", flush=True)
+    if app.metrics_server is not None:
+        print(f"metrics on {settings.metrics_listen.rsplit(':', 1)[0]}:{app.metrics_server.port}", flush=True)
     await stop.wait()
     await app.stop()

@@ -100,5 +100,7 @@ async def run_forever(settings: GatewaySettings, conninfo: str, listen: str, enr
         loop.add_signal_handler(sig, stop.set)
     print(f"gateway listening on {_host(listen)}:{gateway.port} (sessions, mutual TLS);"
           f" enrol on {_host(enrol_listen)}:{gateway.enrol_port} (TLS)", flush=True)
+    if gateway.metrics_server is not None:
+        print(f"metrics on {_host(settings.metrics_listen)}:{gateway.metrics_server.port}", flush=True)
     await stop.wait()
     await gateway.stop()

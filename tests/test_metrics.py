@@ -4,6 +4,11 @@ nodes and webhook deliveries. Each server has its own registry, so the values ar
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +29,7 @@ from tests.test_gateway import GatewayThread, Node, _bound_body, binding, connec
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, deliveries, reserve
 from tests.test_webhooks import eventually as until
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 CREATE = "/bettercompute.v1.Reservations/Create"
 GET = "/bettercompute.v1.Reservations/Get"
 ENROL = "/bettercompute.node.v1.NodeGateway/Enrol"
@@ -174,3 +180,22 @@ def test_webhook_deliveries_are_counted_by_outcome(hooks_stack: tuple[ServerThre
     finally:
         flaky.close()
         down.close()
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["-m", "controlplane.cli", "serve", "--listen", "127.0.0.1:0"], {"BC_METRICS_LISTEN": "127.0.0.1:0"}),
+    (["-m", "gateway", "--listen", "127.0.0.1:0", "--enrol-listen", "127.0.0.1:0", "--metrics-listen",
+      "127.0.0.1:0"], {}),
+], ids=["controlplane-env", "gateway-flag"])
+def test_the_processes_serve_metrics_when_asked(database: str, argv: list[str], env: dict[str, str]) -> None:
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "DATABASE_URL": database, "BC_LOG_FORMAT": "json", **env})
+    try:
+        assert "listening on" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert line.startswith("metrics on 127.0.0.1:"), line
+        with urllib.request.urlopen(f"http://127.0.0.1:{int(line.rsplit(':', 1)[1])}/metrics", timeout=10) as r:
+            assert b"# TYPE bc_rpcs_total counter" in r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
