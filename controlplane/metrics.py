@@ -131,7 +131,7 @@ class _Snapshot:
             return
         states = GaugeMetricFamily("bc_reservations", "Reservations by state (every state, zero included)",
                                    labels=["state"])
-        for state in _STATES:
+        for state in dict.fromkeys((*_STATES, *snapshot["states"])):  # a state added later shows too
             states.add_metric([state], snapshot["states"].get(state, 0))
         yield states
         work = snapshot["work"]
