@@ -24,7 +24,7 @@ from bettercompute.v1 import (
     reservations_pb2,
     reservations_pb2_grpc,
 )
-from controlplane import db, watch
+from controlplane import db, metrics, watch
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
 from controlplane.api.events import EventsServicer, WebhooksServicer
@@ -62,9 +62,12 @@ class App:
     hub: watch.EventHub
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    metrics_server: metrics.MetricsServer | None = None  # its port: metrics_server.port
 
     async def stop(self, grace: float = 1.0) -> None:
         self.stopping.set()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         await self.server.stop(grace)
         for task in self.tasks:
             task.cancel()
@@ -76,8 +79,8 @@ async def start_app(
     settings: Settings, conninfo: str, *, listen: str = "127.0.0.1:0", workers: bool = True
 ) -> App:
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
-    rt = Runtime(pool, settings)
-    server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings)])
+    rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds))
+    server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)])
     reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
@@ -104,7 +107,7 @@ async def start_app(
         result = health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if asyncio.iscoroutine(result):
             await result
-    app = App(server, port, pool, rt, hub)
+    app = App(server, port, pool, rt, hub, metrics_server=await metrics.serve(rt.metrics, settings.metrics_listen))
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
@@ -139,5 +142,7 @@ async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     scheme = "TLS" if settings.tls_cert else "plaintext"
     print(f"control plane listening on {listen.rsplit(':', 1)[0]}:{app.port} ({scheme})", flush=True)
+    if app.metrics_server is not None:
+        print(f"metrics on {settings.metrics_listen.rsplit(':', 1)[0]}:{app.metrics_server.port}", flush=True)
     await stop.wait()
     await app.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import sys
 
@@ -19,12 +20,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="controlplane", description="Run the control plane.")
     parser.add_argument("command", nargs="?", default="serve", choices=["serve", "migrate", "bootstrap"])
     parser.add_argument("--listen", help="host:port for the tenant API (default $BC_LISTEN)")
+    parser.add_argument("--metrics-listen", help="host:port for GET /metrics (default $BC_METRICS_LISTEN; off when"
+                        " empty)")
     args = parser.parse_args(argv)
 
     from controlplane import bootstrap, db
     from controlplane.logs import configure_logging
 
     settings = Settings()
+    if args.metrics_listen is not None:
+        settings = dataclasses.replace(settings, metrics_listen=args.metrics_listen)
     configure_logging(settings.log_format)
     conninfo = _conninfo(settings)
     db.migrate(conninfo)

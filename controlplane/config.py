@@ -99,3 +99,9 @@ class Settings:
     # TLS for the API listener: PEM certificate chain and key files; both empty means plaintext.
     tls_cert: str = field(default_factory=lambda: os.environ.get("BC_TLS_CERT", ""))
     tls_key: str = field(default_factory=lambda: os.environ.get("BC_TLS_KEY", ""))
+    # Prometheus metrics at GET /metrics on this host:port (port 0 picks a free one); empty: off.
+    metrics_listen: str = field(default_factory=lambda: os.environ.get("BC_METRICS_LISTEN", ""))
+    # The gauges read from the database are refreshed at scrape time, at most this often.
+    metrics_refresh_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_METRICS_REFRESH_SECONDS", "5"))
+    )

@@ -1,15 +1,17 @@
-"""What every domain entry point needs: the connection pool and the settings."""
+"""What every domain entry point needs: the connection pool, the settings and the metrics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane.config import Settings
+from controlplane.metrics import Metrics
 
 
 @dataclass(frozen=True)
 class Runtime:
     pool: AsyncConnectionPool
     settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)  # the process's own registry

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 
@@ -12,6 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gateway", description="Run a node gateway.")
     parser.add_argument("--listen", help="host:port for node sessions, mutual TLS (default $BC_GATEWAY_LISTEN)")
     parser.add_argument("--enrol-listen", help="host:port for enrolment, TLS (default $BC_GATEWAY_ENROL_LISTEN)")
+    parser.add_argument("--metrics-listen", help="host:port for GET /metrics (default $BC_GATEWAY_METRICS_LISTEN;"
+                        " off when empty)")
     parser.add_argument("--write-ca", metavar="PATH", help="write the CA certificate (PEM) that nodes trust here")
     args = parser.parse_args(argv)
 
@@ -26,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     conninfo = common.database_url or db.start_embedded(common.data_dir)
     db.migrate(conninfo)
     settings = GatewaySettings()
+    if args.metrics_listen is not None:
+        settings = dataclasses.replace(settings, metrics_listen=args.metrics_listen)
     asyncio.run(run_forever(settings, conninfo, args.listen or settings.listen,
                             args.enrol_listen or settings.enrol_listen, args.write_ca))
     return 0

@@ -31,3 +31,5 @@ class GatewaySettings:
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)
+    # Prometheus metrics at GET /metrics on this host:port (port 0 picks a free one); empty: off.
+    metrics_listen: str = field(default_factory=lambda: os.environ.get("BC_GATEWAY_METRICS_LISTEN", ""))

@@ -15,6 +15,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import db
+from controlplane.metrics import GatewayMetrics, MetricsServer
+from controlplane.metrics import serve as serve_metrics
 from controlplane.pki import enrolment, store
 from gateway import sweeper
 from gateway.config import GatewaySettings
@@ -38,9 +40,12 @@ class Gateway:
     stopping: asyncio.Event
     runner: SessionRunner
     tasks: list[asyncio.Task] = field(default_factory=list)
+    metrics_server: MetricsServer | None = None  # its port: metrics_server.port
 
     async def stop(self, grace: float = 1.0) -> None:
         self.stopping.set()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         await self.server.stop(grace)
         await self.runner.release_all()
         for task in self.tasks:
@@ -59,7 +64,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     tasks = [asyncio.create_task(hub.listen(conninfo, stopping), name="gateway-listen")]
     await asyncio.wait_for(hub.listening.wait(), timeout=30)
 
-    server = grpc.aio.server(interceptors=[GatewayInterceptor()])
+    metrics = GatewayMetrics(lambda: len({s.node_id for s in hub.sessions()}))
+    server = grpc.aio.server(interceptors=[GatewayInterceptor(metrics)])
     runner = SessionRunner(pool, hub, settings.gateway_id)
     node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
     health_servicer = health.aio.HealthServicer()
@@ -74,7 +80,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)
-    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks)
+    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks,
+                   await serve_metrics(metrics, settings.metrics_listen))
 
 
 def _host(listen: str) -> str:
@@ -93,5 +100,7 @@ async def run_forever(settings: GatewaySettings, conninfo: str, listen: str, enr
         loop.add_signal_handler(sig, stop.set)
     print(f"gateway listening on {_host(listen)}:{gateway.port} (sessions, mutual TLS);"
           f" enrol on {_host(enrol_listen)}:{gateway.enrol_port} (TLS)", flush=True)
+    if gateway.metrics_server is not None:
+        print(f"metrics on {_host(settings.metrics_listen)}:{gateway.metrics_server.port}", flush=True)
     await stop.wait()
     await gateway.stop()

@@ -22,9 +22,10 @@ from tests.support import Client, ServerThread, World, make_world
 
 
 class ControlPlane:
-    def __init__(self, conninfo: str) -> None:
+    def __init__(self, conninfo: str, **settings: Any) -> None:
         self.conninfo = conninfo
-        self.server = ServerThread(conninfo, Settings(database_url=conninfo, clock_control=True), workers=False)
+        self.server = ServerThread(conninfo, Settings(database_url=conninfo, clock_control=True, **settings),
+                                   workers=False)
         self.root = Client(self.server.endpoint, bootstrap.ensure_root(conninfo))
         self.world: World = make_world(self.server.endpoint, self.root, conninfo, nodes=0)
 

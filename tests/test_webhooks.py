@@ -5,8 +5,7 @@ is refused otherwise: tests/test_webhook_ssrf.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import base64
 import ipaddress
 import json
 import threading
@@ -17,7 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
@@ -27,7 +28,7 @@ from controlplane.webhooks import delivery
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 
-SECRET = "s3cret-s3cret-s3cret"
+SECRET = "whsec_" + base64.b64encode(b"s3cret-s3cret-s3cret-s3cret-").decode()
 LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
 
 
@@ -41,11 +42,14 @@ class Hit:
 
 
 class Receiver:
-    """An HTTP endpoint on 127.0.0.1 that verifies X-BC-Signature and records every request.
-    `answer(event, attempt)` picks the status; attempt counts from 1 per event id."""
+    """An HTTP endpoint on 127.0.0.1 that verifies every request with the Standard Webhooks library
+    (keyed with `secret`) and records it. `answer(event, attempt)` picks the status; attempt counts
+    from 1 per event id."""
 
-    def __init__(self, answer: Callable[[dict[str, Any], int], int] = lambda e, n: 200) -> None:
+    def __init__(self, answer: Callable[[dict[str, Any], int], int] = lambda e, n: 200,
+                 secret: str = SECRET) -> None:
         self.answer = answer
+        self.verifier = Webhook(secret)
         self.hits: list[Hit] = []
         self.lock = threading.Lock()
         receiver = self
@@ -64,9 +68,10 @@ class Receiver:
 
     def _record(self, headers: dict[str, str], body: bytes, handler: BaseHTTPRequestHandler) -> None:
         event = json.loads(body)
-        mac = hmac.new(SECRET.encode(), f"{headers['x-bc-event-id']}.{headers['x-bc-timestamp']}.".encode() + body,
-                       hashlib.sha256).hexdigest()
-        signed = hmac.compare_digest(headers["x-bc-signature"], f"v1={mac}")
+        try:
+            signed = self.verifier.verify(body, headers) == event
+        except WebhookVerificationError:
+            signed = False
         with self.lock:
             attempt = 1 + sum(1 for h in self.hits if h.event["id"] == event["id"])
             status = self.answer(event, attempt)
@@ -148,8 +153,9 @@ def test_an_event_is_delivered_once_signed_with_the_webhook_secret(world: World,
     event = hit.event
     assert set(event) == {"id", "type", "subject", "tenantId", "time", "data"}
     assert (event["type"], event["tenantId"], event["data"]["state"]) == ("reservation.placed", world.tenant, "placed")
-    assert hit.headers["x-bc-event-id"] == str(event["id"])
-    assert abs(int(hit.headers["x-bc-timestamp"]) - time.time()) < 60
+    assert hit.headers["webhook-id"] == str(event["id"])
+    assert abs(int(hit.headers["webhook-timestamp"]) - time.time()) < 60
+    assert hit.headers["webhook-signature"].startswith("v1,")
     assert hit.headers["content-type"] == "application/json"
     d = eventually(lambda: next((d for d in deliveries(world, hook).values()
                                  if d.event_id == event["id"] and d.state == "delivered"), None))
@@ -318,3 +324,72 @@ def test_webhook_management_validates_and_keeps_tenants_apart(world: World, rece
     with pytest.raises(grpc.RpcError) as exc:
         create_hook(world, receiver.url)
     assert rpc_error(exc)[1] == "ACCESS_DENIED"
+
+
+def test_a_webhook_without_a_secret_gets_one_generated_and_shown_once(world: World) -> None:
+    """The generated secret comes back in Create's answer only, and a stock Standard Webhooks
+    receiver keyed with it verifies the deliveries."""
+    receiver = Receiver(secret="whsec_" + base64.b64encode(b"\0" * 24).decode())  # not the generated one
+    try:
+        hook = hooks(world.user, "Create", epb.CreateWebhookRequest(tenant_id=world.tenant, url=receiver.url))
+        assert hook.secret.startswith("whsec_") and len(base64.b64decode(hook.secret[6:])) == 32
+        got = hooks(world.user, "Get", epb.GetWebhookRequest(tenant_id=world.tenant, webhook_id=hook.id))
+        assert got.secret == "" and hook.secret not in str(got)
+        subject = reserve(world)
+        assert not eventually(lambda: receiver.of(subject))[0].signed  # a wrong key does not verify
+        receiver.verifier = Webhook(hook.secret)
+        later = reserve(world)
+        assert eventually(lambda: receiver.of(later))[0].signed
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("secret", [
+    "s3cret-s3cret-s3cret-s3cret",  # not whsec_
+    "whsec_" + base64.b64encode(b"k" * 23).decode(),  # too short a key
+    "whsec_" + base64.b64encode(b"k" * 65).decode(),  # too long a key
+    "whsec_not*base64",
+    "whsec_" + base64.urlsafe_b64encode(b"\xfb" * 24).decode(),  # url-safe alphabet: not what receivers decode
+])
+def test_a_given_secret_must_be_a_standard_webhooks_secret(world: World, receiver: Receiver, secret: str) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        hooks(world.user, "Create", epb.CreateWebhookRequest(tenant_id=world.tenant, url=receiver.url, secret=secret))
+    assert rpc_error(exc)[1:] == ("INVALID_INPUT", {"field": "secret"})
+    for length in (24, 64):
+        ok = "whsec_" + base64.b64encode(b"k" * length).decode()
+        hook = hooks(world.user, "Create", epb.CreateWebhookRequest(tenant_id=world.tenant, url=receiver.url, secret=ok))
+        assert hook.secret == ""  # a given secret is never returned
+        hooks(world.user, "Delete", epb.DeleteWebhookRequest(tenant_id=world.tenant, webhook_id=hook.id))
+
+
+def test_migration_keeps_an_old_secret_as_the_same_key(pg_uri: str) -> None:
+    """A secret stored before migration 0012 was the HMAC key itself; after it, "whsec_" and its
+    base64: the key bytes are unchanged, and the old secret cannot be read as anything else."""
+    from controlplane import db
+    from controlplane.ids import new_id
+
+    name = f"t_mig_{new_id('x')[-12:]}"
+    with psycopg.connect(pg_uri, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        conninfo = db.with_database(pg_uri, name)
+        before = sorted(p for p in db.MIGRATIONS.glob("*.sql") if p.name < "0012")
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            for path in before:
+                conn.execute(path.read_text())
+            conn.execute("CREATE TABLE schema_migrations (name text PRIMARY KEY, applied_at timestamptz NOT NULL"
+                         " DEFAULT now())")
+            conn.cursor().executemany("INSERT INTO schema_migrations (name) VALUES (%s)", [(p.name,) for p in before])
+            conn.execute("INSERT INTO tenants (id, name) VALUES ('ta', 'a')")
+            old = "an old secret, ünïcode and long " * 8  # 256 characters, more bytes
+            conn.execute("INSERT INTO webhooks (id, tenant_id, url, secret, created_by)"
+                         " VALUES ('whk_old', 'ta', 'https://example.com/h', %s, 't')", (old[:256],))
+        assert db.migrate(conninfo)[0] == "0012_standard_webhooks.sql"
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            secret = conn.execute("SELECT secret FROM webhooks WHERE id = 'whk_old'").fetchone()[0]
+            assert secret == "whsec_" + base64.b64encode(old[:256].encode()).decode()
+            with pytest.raises(psycopg.errors.CheckViolation):
+                conn.execute("UPDATE webhooks SET secret = 'not-whsec-anything-at-all'")
+    finally:
+        with psycopg.connect(pg_uri, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62\x65ttercompute/v1/events.proto\x12\x10\x62\x65ttercompute.v1\x1a\x1cgoogle/protobuf/struct.proto\"e\n\x0cWatchRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x66ter_id\x18\x02 \x01(\x03\x12\x10\n\x08\x66rom_now\x18\x03 \x01(\x08\x12\r\n\x05types\x18\x04 \x03(\t\x12\x0f\n\x07subject\x18\x05 \x01(\t\"z\n\x05\x45vent\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07subject\x18\x03 \x01(\t\x12\x11\n\ttenant_id\x18\x04 \x01(\t\x12\x0c\n\x04time\x18\x05 \x01(\x03\x12%\n\x04\x64\x61ta\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"r\n\x07Webhook\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x13\n\x0b\x65vent_types\x18\x04 \x03(\t\x12\x12\n\ncreated_by\x18\x05 \x01(\t\x12\x12\n\ncreated_at\x18\x06 \x01(\x03\"[\n\x14\x43reateWebhookRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\x13\n\x0b\x65vent_types\x18\x04 \x03(\t\":\n\x11GetWebhookRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nwebhook_id\x18\x02 \x01(\t\"G\n\x13ListWebhooksRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\t\"U\n\x14ListWebhooksResponse\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.bettercompute.v1.Webhook\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\"=\n\x14\x44\x65leteWebhookRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nwebhook_id\x18\x02 \x01(\t\"f\n\x15ListDeliveriesRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nwebhook_id\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\x05\x12\x17\n\x0f\x62\x65\x66ore_event_id\x18\x04 \x01(\x03\"\x98\x02\n\x08\x44\x65livery\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x03\x12\x12\n\nevent_type\x18\x02 \x01(\t\x12\x0f\n\x07subject\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x05 \x01(\x05\x12\x1c\n\x0flast_attempt_at\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0blast_status\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12\x1c\n\x0fnext_attempt_at\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x12\n\ncreated_at\x18\n \x01(\x03\x42\x12\n\x10_last_attempt_atB\x0e\n\x0c_last_statusB\x12\n\x10_next_attempt_at\"a\n\x16ListDeliveriesResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.bettercompute.v1.Delivery\x12\x1c\n\x14next_before_event_id\x18\x02 \x01(\x03\x32L\n\x06\x45vents\x12\x42\n\x05Watch\x12\x1e.bettercompute.v1.WatchRequest\x1a\x17.bettercompute.v1.Event0\x01\x32\xa7\x03\n\x08Webhooks\x12K\n\x06\x43reate\x12&.bettercompute.v1.CreateWebhookRequest\x1a\x19.bettercompute.v1.Webhook\x12\x45\n\x03Get\x12#.bettercompute.v1.GetWebhookRequest\x1a\x19.bettercompute.v1.Webhook\x12U\n\x04List\x12%.bettercompute.v1.ListWebhooksRequest\x1a&.bettercompute.v1.ListWebhooksResponse\x12K\n\x06\x44\x65lete\x12&.bettercompute.v1.DeleteWebhookRequest\x1a\x19.bettercompute.v1.Webhook\x12\x63\n\x0eListDeliveries\x12\'.bettercompute.v1.ListDeliveriesRequest\x1a(.bettercompute.v1.ListDeliveriesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62\x65ttercompute/v1/events.proto\x12\x10\x62\x65ttercompute.v1\x1a\x1cgoogle/protobuf/struct.proto\"e\n\x0cWatchRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x66ter_id\x18\x02 \x01(\x03\x12\x10\n\x08\x66rom_now\x18\x03 \x01(\x08\x12\r\n\x05types\x18\x04 \x03(\t\x12\x0f\n\x07subject\x18\x05 \x01(\t\"z\n\x05\x45vent\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07subject\x18\x03 \x01(\t\x12\x11\n\ttenant_id\x18\x04 \x01(\t\x12\x0c\n\x04time\x18\x05 \x01(\x03\x12%\n\x04\x64\x61ta\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x82\x01\n\x07Webhook\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x13\n\x0b\x65vent_types\x18\x04 \x03(\t\x12\x12\n\ncreated_by\x18\x05 \x01(\t\x12\x12\n\ncreated_at\x18\x06 \x01(\x03\x12\x0e\n\x06secret\x18\x07 \x01(\t\"[\n\x14\x43reateWebhookRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\x13\n\x0b\x65vent_types\x18\x04 \x03(\t\":\n\x11GetWebhookRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nwebhook_id\x18\x02 \x01(\t\"G\n\x13ListWebhooksRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\t\"U\n\x14ListWebhooksResponse\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.bettercompute.v1.Webhook\x12\x13\n\x0bnext_cursor\x18\x02 \x01(\t\"=\n\x14\x44\x65leteWebhookRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nwebhook_id\x18\x02 \x01(\t\"f\n\x15ListDeliveriesRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nwebhook_id\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\x05\x12\x17\n\x0f\x62\x65\x66ore_event_id\x18\x04 \x01(\x03\"\x98\x02\n\x08\x44\x65livery\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x03\x12\x12\n\nevent_type\x18\x02 \x01(\t\x12\x0f\n\x07subject\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x05 \x01(\x05\x12\x1c\n\x0flast_attempt_at\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0blast_status\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12\x1c\n\x0fnext_attempt_at\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x12\n\ncreated_at\x18\n \x01(\x03\x42\x12\n\x10_last_attempt_atB\x0e\n\x0c_last_statusB\x12\n\x10_next_attempt_at\"a\n\x16ListDeliveriesResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.bettercompute.v1.Delivery\x12\x1c\n\x14next_before_event_id\x18\x02 \x01(\x03\x32L\n\x06\x45vents\x12\x42\n\x05Watch\x12\x1e.bettercompute.v1.WatchRequest\x1a\x17.bettercompute.v1.Event0\x01\x32\xa7\x03\n\x08Webhooks\x12K\n\x06\x43reate\x12&.bettercompute.v1.CreateWebhookRequest\x1a\x19.bettercompute.v1.Webhook\x12\x45\n\x03Get\x12#.bettercompute.v1.GetWebhookRequest\x1a\x19.bettercompute.v1.Webhook\x12U\n\x04List\x12%.bettercompute.v1.ListWebhooksRequest\x1a&.bettercompute.v1.ListWebhooksResponse\x12K\n\x06\x44\x65lete\x12&.bettercompute.v1.DeleteWebhookRequest\x1a\x19.bettercompute.v1.Webhook\x12\x63\n\x0eListDeliveries\x12\'.bettercompute.v1.ListDeliveriesRequest\x1a(.bettercompute.v1.ListDeliveriesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,26 +36,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_end=182
   _globals['_EVENT']._serialized_start=184
   _globals['_EVENT']._serialized_end=306
-  _globals['_WEBHOOK']._serialized_start=308
-  _globals['_WEBHOOK']._serialized_end=422
-  _globals['_CREATEWEBHOOKREQUEST']._serialized_start=424
-  _globals['_CREATEWEBHOOKREQUEST']._serialized_end=515
-  _globals['_GETWEBHOOKREQUEST']._serialized_start=517
-  _globals['_GETWEBHOOKREQUEST']._serialized_end=575
-  _globals['_LISTWEBHOOKSREQUEST']._serialized_start=577
-  _globals['_LISTWEBHOOKSREQUEST']._serialized_end=648
-  _globals['_LISTWEBHOOKSRESPONSE']._serialized_start=650
-  _globals['_LISTWEBHOOKSRESPONSE']._serialized_end=735
-  _globals['_DELETEWEBHOOKREQUEST']._serialized_start=737
-  _globals['_DELETEWEBHOOKREQUEST']._serialized_end=798
-  _globals['_LISTDELIVERIESREQUEST']._serialized_start=800
-  _globals['_LISTDELIVERIESREQUEST']._serialized_end=902
-  _globals['_DELIVERY']._serialized_start=905
-  _globals['_DELIVERY']._serialized_end=1185
-  _globals['_LISTDELIVERIESRESPONSE']._serialized_start=1187
-  _globals['_LISTDELIVERIESRESPONSE']._serialized_end=1284
-  _globals['_EVENTS']._serialized_start=1286
-  _globals['_EVENTS']._serialized_end=1362
-  _globals['_WEBHOOKS']._serialized_start=1365
-  _globals['_WEBHOOKS']._serialized_end=1788
+  _globals['_WEBHOOK']._serialized_start=309
+  _globals['_WEBHOOK']._serialized_end=439
+  _globals['_CREATEWEBHOOKREQUEST']._serialized_start=441
+  _globals['_CREATEWEBHOOKREQUEST']._serialized_end=532
+  _globals['_GETWEBHOOKREQUEST']._serialized_start=534
+  _globals['_GETWEBHOOKREQUEST']._serialized_end=592
+  _globals['_LISTWEBHOOKSREQUEST']._serialized_start=594
+  _globals['_LISTWEBHOOKSREQUEST']._serialized_end=665
+  _globals['_LISTWEBHOOKSRESPONSE']._serialized_start=667
+  _globals['_LISTWEBHOOKSRESPONSE']._serialized_end=752
+  _globals['_DELETEWEBHOOKREQUEST']._serialized_start=754
+  _globals['_DELETEWEBHOOKREQUEST']._serialized_end=815
+  _globals['_LISTDELIVERIESREQUEST']._serialized_start=817
+  _globals['_LISTDELIVERIESREQUEST']._serialized_end=919
+  _globals['_DELIVERY']._serialized_start=922
+  _globals['_DELIVERY']._serialized_end=1202
+  _globals['_LISTDELIVERIESRESPONSE']._serialized_start=1204
+  _globals['_LISTDELIVERIESRESPONSE']._serialized_end=1301
+  _globals['_EVENTS']._serialized_start=1303
+  _globals['_EVENTS']._serialized_end=1379
+  _globals['_WEBHOOKS']._serialized_start=1382
+  _globals['_WEBHOOKS']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

@@ -112,12 +112,16 @@ class Webhook(_message.Message):
     EVENT_TYPES_FIELD_NUMBER: _builtins.int
     CREATED_BY_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant_id: _builtins.str
     url: _builtins.str
     created_by: _builtins.str
     created_at: _builtins.int
-    """The secret is write-only: never returned."""
+    secret: _builtins.str
+    """Set only in Create's answer, and only when the secret was generated there (none was given):
+    keep it, it is never returned again. A given secret is write-only.
+    """
     @_builtins.property
     def event_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Type filter (see above); empty for every type."""
@@ -131,10 +135,11 @@ class Webhook(_message.Message):
         event_types: _abc.Iterable[_builtins.str] | None = ...,
         created_by: _builtins.str = ...,
         created_at: _builtins.int = ...,
+        secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by", b"created_by", "event_types", b"event_types", "id", b"id", "tenant_id", b"tenant_id", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by", b"created_by", "event_types", b"event_types", "id", b"id", "secret", b"secret", "tenant_id", b"tenant_id", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -152,7 +157,9 @@ class CreateWebhookRequest(_message.Message):
     url: _builtins.str
     """An http:// or https:// URL, at most 2048 characters. Redirects are not followed."""
     secret: _builtins.str
-    """16 to 256 characters; the key of the X-BC-Signature HMAC."""
+    """The signing secret of the Standard Webhooks headers: "whsec_" and the base64 of 24 to 64
+    random bytes. Empty: one is generated and returned once, in Webhook.secret.
+    """
     @_builtins.property
     def event_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(

@@ -27,7 +27,8 @@ def event(row: dict[str, Any]) -> pb.Event:
 
 def webhook(row: dict[str, Any]) -> pb.Webhook:
     return pb.Webhook(id=row["id"], tenant_id=row["tenant_id"], url=row["url"], event_types=row["event_types"],
-                      created_by=row["created_by"], created_at=row["created_ms"])
+                      created_by=row["created_by"], created_at=row["created_ms"],
+                      secret=row.get("secret", ""))
 
 
 def delivery(row: dict[str, Any]) -> pb.Delivery:

@@ -21,6 +21,7 @@ from controlplane import auth, errors
 from controlplane.api import inputs
 from controlplane.api.status import to_status
 from controlplane.config import Settings
+from controlplane.metrics import RpcMetrics
 from controlplane.reservations.validate import TENANT_ID
 
 log = structlog.get_logger("rpc")
@@ -61,8 +62,10 @@ def unknown_field_path(message: Message, prefix: str = "") -> str | None:
 
 
 class ApiInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, pool: AsyncConnectionPool, settings: Settings | None = None) -> None:
+    def __init__(self, pool: AsyncConnectionPool, settings: Settings | None = None,
+                 metrics: RpcMetrics | None = None) -> None:
         self._pool = pool
+        self._metrics = metrics or RpcMetrics()
         self._limits = inputs.InputLimits.of(settings or Settings())
 
     async def intercept_service(
@@ -121,18 +124,18 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
                 response = await behavior(request, context)
             except errors.DomainError as exc:
                 status = to_status(exc.code, exc.message, exc.details)
-                _log_rpc(exc.code, started)
+                _log_rpc(exc.code, started, self._metrics)
             except asyncio.CancelledError:
-                _log_rpc("CANCELLED", started)  # the client went away: the task (and any wait) stops
+                _log_rpc("CANCELLED", started, self._metrics)  # the client went away: the task (and any wait) stops
                 raise
             except grpc.aio.AbortError:
                 raise
             except Exception:
                 log.exception("rpc failed")
                 status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
-                _log_rpc(errors.INTERNAL, started)
+                _log_rpc(errors.INTERNAL, started, self._metrics)
             else:
-                _log_rpc("OK", started)
+                _log_rpc("OK", started, self._metrics)
                 return response
             await context.abort_with_status(status)
 
@@ -148,18 +151,18 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
                     yield item
             except errors.DomainError as exc:
                 status = to_status(exc.code, exc.message, exc.details)
-                _log_rpc(exc.code, started)
+                _log_rpc(exc.code, started, self._metrics)
             except asyncio.CancelledError:
-                _log_rpc("CANCELLED", started)
+                _log_rpc("CANCELLED", started, self._metrics)
                 raise
             except grpc.aio.AbortError:
                 raise
             except Exception:
                 log.exception("rpc failed")
                 status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
-                _log_rpc(errors.INTERNAL, started)
+                _log_rpc(errors.INTERNAL, started, self._metrics)
             else:
-                _log_rpc("OK", started)
+                _log_rpc("OK", started, self._metrics)
                 return
             await context.abort_with_status(status)
 
@@ -185,12 +188,14 @@ def _refused(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
                 response_serializer=handler.response_serializer)
 
 
-def _log_rpc(code: str, started: float) -> None:
-    """The one canonical line per RPC; the request id, method and tenant come from contextvars."""
+def _log_rpc(code: str, started: float, metrics: RpcMetrics) -> None:
+    """The one canonical line per RPC, and its metrics; the request id, method and tenant come
+    from contextvars."""
     bound = structlog.contextvars.get_contextvars()
+    seconds = time.perf_counter() - started
+    metrics.rpc(bound.get("method", ""), code, seconds)
     log.info("rpc", request_id=bound.get("request_id", ""), method=bound.get("method", ""),
-             tenant=bound.get("tenant", ""), identity=_identity(), code=code,
-             duration_ms=round((time.perf_counter() - started) * 1000, 2))
+             tenant=bound.get("tenant", ""), identity=_identity(), code=code, duration_ms=round(seconds * 1000, 2))
 
 
 def _request_id() -> str:

@@ -6,6 +6,7 @@ Lock order everywhere: pool advisory lock -> reservation row -> quota rows -> al
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane.config import Settings
 from controlplane.ids import new_id
+from controlplane.metrics import Metrics
 from controlplane.placement import planner, queries
 
 log = structlog.get_logger(__name__)
@@ -61,6 +63,7 @@ class Placement:
 class Planned:
     plan: planner.Plan | None
     uuids: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)  # set again by `plan` before its reads
 
 
 async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
@@ -72,6 +75,7 @@ async def plan(
 ) -> Planned:
     """Reads only: the best node of a shortlist (placement_shortlist nodes, a random pick among
     the placement_top_n best), or no plan when nothing fits."""
+    started = time.perf_counter()
     rows = await (
         await conn.execute(queries.SHORTLIST, ask.params(exclude=list(exclude), limit=settings.placement_shortlist))
     ).fetchall()
@@ -88,7 +92,7 @@ async def plan(
     ]
     chosen = planner.choose(candidates, ask.count, ask.topology, top_n=settings.placement_top_n, rng=_rng,
                             exclude=exclude)
-    return Planned(chosen, {r["atom_id"]: r["device_uuid"] for r in rows})
+    return Planned(chosen, {r["atom_id"]: r["device_uuid"] for r in rows}, started)
 
 
 async def commit(
@@ -98,9 +102,21 @@ async def commit(
     planned: Planned,
     settings: Settings,
     exclude: frozenset[str] = frozenset(),
+    metrics: Metrics | None = None,
 ) -> Placement | None:
     """Insert the planned bookings (the pool lock must be held). A lost race rolls back to a
-    savepoint, excludes that node and plans again, at most placement_max_attempts times."""
+    savepoint, excludes that node and plans again, at most placement_max_attempts times.
+    `metrics` gets the time from the first plan to the outcome."""
+    placement = await _commit(conn, ask, reservation_id, planned, settings, exclude)
+    if metrics is not None:
+        metrics.placement(planned.started, placement is not None)
+    return placement
+
+
+async def _commit(
+    conn: AsyncConnection, ask: Ask, reservation_id: str, planned: Planned, settings: Settings,
+    exclude: frozenset[str],
+) -> Placement | None:
     excluded: set[str] = set(exclude)
     for attempt in range(settings.placement_max_attempts):
         if planned.plan is None:

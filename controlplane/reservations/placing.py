@@ -49,7 +49,7 @@ async def place_again(
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
     planned = await placer.plan(conn, ask, rt.settings, exclude=avoid)
-    return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid)
+    return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics)
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
@@ -86,7 +86,7 @@ async def place_locked(
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
     Unschedulable condition. Emits the event in the same transaction. True when placed."""
     ask = prepared.ask
-    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings)
+    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics)
     if placement is None:
         reason = await placer.explain(conn, ask)
         was_pending = row["state"] == states.PENDING

@@ -64,6 +64,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
             ok, reason = False, attest.REPLAYED
         await conn.execute(_JUDGED, ("accepted" if ok else f"rejected: {reason}",
                                      report.sequence if ok else None, rep["id"]))
+        rt.metrics.report_judged(ok, reason)
         if not ok:
             await events.emit_reservation(conn, row, "reservation.binding-rejected",
                                           allocationId=rep["allocation_id"], nodeId=rep["node_id"], reason=reason)

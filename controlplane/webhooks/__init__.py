@@ -2,7 +2,7 @@
 
 - `manage`: create, get, list, delete and the deliveries listing (membership and IAM first).
 - `delivery`: the worker that claims due deliveries, POSTs them and records the outcome.
-- `signing`: the body and the X-BC-Signature HMAC, and its verification for receivers.
+- `signing`: the body, the Standard Webhooks headers and signature, and the whsec_ secrets.
 - `sender`: one HTTP POST on the event loop under a total deadline, with fixed error texts.
 - `targets`: a URL's host resolved and judged: public addresses only, unless allowlisted.
 

@@ -87,6 +87,7 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
         await conn.execute(query, params)
 
     await db.run_in_transaction(rt.pool, work)
+    rt.metrics.webhook("delivered" if outcome.delivered else "dead" if params.get("dead") else "failed")
     return outcome
 
 

@@ -2,7 +2,8 @@
 
 Every call needs membership of the tenant and IAM's compute:webhooks:manage on it: a webhook's
 URL and deliveries are configuration, not events. Another tenant's webhook is NOT_FOUND.
-A URL must resolve to public addresses only (`targets`; INVALID_INPUT naming `url`), and a tenant
+A URL must resolve to public addresses only (`targets`; INVALID_INPUT naming `url`), a secret is a
+Standard Webhooks one or generated (`signing`; INVALID_INPUT naming `secret`), and a tenant
 has at most Settings.webhooks_per_tenant webhooks (QUOTA_EXCEEDED, resource `webhooks`).
 """
 
@@ -20,14 +21,13 @@ from controlplane.auth import Caller
 from controlplane.ids import new_id
 from controlplane.runtime import Runtime
 from controlplane.watch import authorize_tenant, parse_types
-from controlplane.webhooks import queries, targets
+from controlplane.webhooks import queries, signing, targets
 
 log = structlog.get_logger(__name__)
 
 WEBHOOKS_MANAGE = "compute:webhooks:manage"
 
 WEBHOOK_ID = re.compile(r"^whk_[0-9a-hjkmnp-tv-z]{26}$")
-SECRET_LENGTH = (16, 256)
 
 
 async def _url(rt: Runtime, url: str) -> str:
@@ -62,8 +62,11 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     tenant_id = raw.get("tenant_id", "")
     await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "create"})
     secret = raw.get("secret", "")
-    if not SECRET_LENGTH[0] <= len(secret) <= SECRET_LENGTH[1]:
-        raise errors.InvalidInput("secret", f"must be {SECRET_LENGTH[0]} to {SECRET_LENGTH[1]} characters")
+    generated = not secret
+    try:
+        secret = signing.generate_secret() if generated else signing.check_secret(secret)
+    except ValueError as exc:
+        raise errors.InvalidInput("secret", str(exc)) from None
     event_types = parse_types("eventTypes", list(raw.get("event_types") or []))
     params = {
         "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, raw.get("url", "")), "secret": secret,
@@ -79,7 +82,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                                        resource="webhooks", limit=limit, used=used, requested=1)
         return await (await conn.execute(queries.CREATE, params)).fetchone()
 
-    return await db.run_in_transaction(rt.pool, work)
+    row = await db.run_in_transaction(rt.pool, work)
+    return {**row, "secret": secret} if generated else row  # shown once: a given one never
 
 
 async def get(rt: Runtime, caller: Caller, tenant_id: str, webhook_id: str) -> dict[str, Any]:
