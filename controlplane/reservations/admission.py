@@ -64,7 +64,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
         else:
-            decision = iam.decide(
+            decision = authorize.decide(
                 draft.policy, caller, iam.CREATE, "Reservation", rid, draft.attributes,
                 tenant_id=inp.tenant_id, approved=draft.approved,
             )

@@ -102,7 +102,7 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
     staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change, limits))
     if staged.no_op:
         return {"reservation": staged.row, "extended": False}
-    decision = iam.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
+    decision = authorize.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
                           tenant_id=tenant_id)
     try:
         result = await db.run_in_transaction(rt.pool, lambda c: _apply(c, rid, staged, decision))

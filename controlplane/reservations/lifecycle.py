@@ -17,9 +17,11 @@ CANCELLABLE = frozenset({states.PENDING, states.QUEUED, states.PLACED})
 
 
 async def _authorized_row(rt: Runtime, caller: Caller, tenant_id: str, rid: str, action: str) -> None:
+    """Read (transaction closed), then decide with no transaction open. The write transaction
+    that follows re-reads the row under its lock and checks the state again."""
     async with db.read_only(rt.pool) as conn:
         row = await find_visible(conn, caller, tenant_id, rid)
-        await authorize_on(conn, caller, action, row)
+    await authorize_on(rt, caller, action, row)
 
 
 async def _locked(conn: AsyncConnection, rid: str) -> dict[str, Any]:
