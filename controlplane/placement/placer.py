@@ -15,6 +15,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
+from controlplane import db_errors
 from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.placement import planner, queries
@@ -123,6 +124,8 @@ async def commit(
                     raise _NodeChanged()
             return Placement(allocation_id, chosen.node_id, chosen.atom_ids, uuids)
         except (psycopg.errors.ExclusionViolation, _NodeChanged) as exc:
+            if isinstance(exc, psycopg.Error) and not db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP):
+                raise
             log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
                      why=type(exc).__name__)
             excluded.add(chosen.node_id)

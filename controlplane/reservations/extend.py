@@ -19,7 +19,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import authorize, db, errors, events, iam
+from controlplane import authorize, db, db_errors, errors, events, iam
 from controlplane.auth import Caller
 from controlplane.ids import new_id
 from controlplane.placement import placer
@@ -160,7 +160,9 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
     try:
         async with conn.transaction():  # savepoint: all allocations move, or none
             await conn.execute(_MOVE_ENDS, params)
-    except psycopg.errors.ExclusionViolation:
+    except psycopg.errors.ExclusionViolation as exc:
+        if not db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP):
+            raise
         available = (await (await conn.execute(_AVAILABLE_UNTIL, params)).fetchone())["until"]
         await _release_slot(conn, rid, staged.hold)
         return {"reservation": await with_allocations(conn, row), "extended": False, "available_until": available}
