@@ -6,7 +6,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controlplane import db, errors, events, iam, quota
+from controlplane import confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
@@ -51,8 +51,7 @@ async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
 
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     # An open confirmation dies with the request, so nobody approves a withdrawn reservation.
-    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE reservation_id = %s"
-                       " AND state IN ('pending', 'approved')", (row["id"],))
+    await confirmations.withdraw(conn, row["id"])
     await free_capacity(conn, row)
     await move(conn, row, states.CANCELLED, operation_state="failed" if row["operation_state"] == "running"
                else row["operation_state"], end_reason=reason)
