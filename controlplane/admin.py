@@ -233,7 +233,7 @@ async def set_quota(rt: Runtime, tenant_id: str, resource: str, limit: int) -> d
         raise errors.InvalidInput("limit", "must be at least 0")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.UPSERT_QUOTA, {"tenant_id": tenant_id, "resource": resource, "limit": limit})
+        await quota.set_limit(conn, tenant_id, resource, limit)
         return {"tenant_id": tenant_id, "resource": resource, "limit": limit}
 
     with db_errors.mapped(tenantId=tenant_id):

@@ -1,4 +1,4 @@
-"""The operator's SQL for tenants, identities, tokens, pools, offers, quotas and policies, in one
+"""The operator's SQL for tenants, identities, tokens, pools, offers and policies, in one
 place (the nodes' statements live with the nodes)."""
 
 INSERT_TENANT = "INSERT INTO tenants (id, name) VALUES (%(id)s, %(name)s) ON CONFLICT DO NOTHING"
@@ -35,11 +35,6 @@ SELECT p.*, coalesce(array_agg(o.tenant_id ORDER BY o.tenant_id) FILTER (WHERE o
 FROM pools p LEFT JOIN pool_offers o ON o.pool_id = p.id
 WHERE (%(id)s::text IS NULL OR p.id = %(id)s) AND (%(owner)s::text IS NULL OR p.owner_tenant_id = %(owner)s)
 GROUP BY p.id ORDER BY p.created_at, p.id
-"""
-
-UPSERT_QUOTA = """
-INSERT INTO quotas (tenant_id, resource, "limit") VALUES (%(tenant_id)s, %(resource)s, %(limit)s)
-ON CONFLICT (tenant_id, resource) DO UPDATE SET "limit" = EXCLUDED."limit"
 """
 
 UPSERT_POLICY = """

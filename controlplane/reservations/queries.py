@@ -305,3 +305,14 @@ FROM (SELECT created_at FROM reservations
       WHERE owner_identity_id = %(identity_id)s AND state = 'draft'
       ORDER BY created_at LIMIT %(cap)s) d
 """
+
+# Draft expiry: one batch of drafts past the retention window (wall-clock, like created_at); rows
+# a create is deciding right now are locked and skipped.
+DELETE_EXPIRED_DRAFTS = """
+DELETE FROM reservations WHERE id IN (
+    SELECT id FROM reservations
+    WHERE state = 'draft' AND created_at < now() - %(retention_s)s * interval '1 second'
+    ORDER BY created_at LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+"""
