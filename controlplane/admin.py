@@ -9,11 +9,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import db, errors, iam, quota
+from controlplane import admin_queries as q
+from controlplane import db, db_errors, errors, iam, quota
 from controlplane.ids import new_id
 from controlplane.reservations.validate import LABEL, MODEL, POOL_ID, TENANT_ID, match
 from controlplane.runtime import Runtime
@@ -30,10 +30,8 @@ async def create_tenant(rt: Runtime, tenant_id: str, name: str) -> dict[str, Any
     match("id", tenant_id, TENANT_ID)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(
-            "INSERT INTO tenants (id, name) VALUES (%s, %s) ON CONFLICT DO NOTHING", (tenant_id, name or tenant_id)
-        )
-        return await (await conn.execute("SELECT id, name FROM tenants WHERE id = %s", (tenant_id,))).fetchone()
+        await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name or tenant_id})
+        return await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone()
 
     return await db.run_in_transaction(rt.pool, work)
 
@@ -50,34 +48,19 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     tenant_ids = [match("tenantIds", t, TENANT_ID) for t in raw.get("tenant_ids", [])]
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            await conn.execute(
-                "INSERT INTO identities (id, kind, name, delegator_id, confirm_actions)"
-                " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
-                (identity_id, kind, raw.get("name") or identity_id, person,
-                 list(delegation.get("confirm_actions") or [])),
-            )
-            for tenant_id in tenant_ids:
-                await conn.execute(
-                    "INSERT INTO memberships (tenant_id, identity_id) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                    (tenant_id, identity_id),
-                )
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such tenant or person identity") from None
-        row = await (
-            await conn.execute(
-                "SELECT i.*, coalesce(array_agg(m.tenant_id ORDER BY m.tenant_id)"
-                "  FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids"
-                " FROM identities i LEFT JOIN memberships m ON m.identity_id = i.id"
-                " WHERE i.id = %s GROUP BY i.id",
-                (identity_id,),
-            )
-        ).fetchone()
+        await conn.execute(q.INSERT_IDENTITY, {
+            "id": identity_id, "kind": kind, "name": raw.get("name") or identity_id, "delegator_id": person,
+            "confirm_actions": list(delegation.get("confirm_actions") or [])})
+        for tenant_id in tenant_ids:
+            await conn.execute(q.INSERT_MEMBERSHIP, {"tenant_id": tenant_id, "identity_id": identity_id})
+        row = await (await conn.execute(q.IDENTITY, {"id": identity_id})).fetchone()
         if row["kind"] != kind:
             raise errors.Conflict("an identity with this id exists with another kind", identityId=identity_id)
         return row
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(personIdentityId=person, tenantIds=",".join(tenant_ids)):
+        return await db.run_in_transaction(rt.pool, work)
+
 
 
 def _policy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -89,15 +72,6 @@ def _policy(raw: dict[str, Any]) -> dict[str, Any]:
             "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root"))}
 
 
-_POOL = """
-SELECT p.*, coalesce(array_agg(o.tenant_id ORDER BY o.tenant_id) FILTER (WHERE o.tenant_id IS NOT NULL),
-                     '{}') AS offered_to
-FROM pools p LEFT JOIN pool_offers o ON o.pool_id = p.id
-WHERE (%(id)s::text IS NULL OR p.id = %(id)s) AND (%(owner)s::text IS NULL OR p.owner_tenant_id = %(owner)s)
-GROUP BY p.id ORDER BY p.created_at, p.id
-"""
-
-
 async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     owner = match("ownerTenantId", raw.get("owner_tenant_id", ""), TENANT_ID)
     name = match("name", raw.get("name", ""), NODE_NAME)
@@ -105,16 +79,12 @@ async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     pool_id = new_id("pool")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            await conn.execute(
-                "INSERT INTO pools (id, owner_tenant_id, name, region, policy) VALUES (%s, %s, %s, %s, %s)",
-                (pool_id, owner, name, raw.get("region") or "", Jsonb(policy)),
-            )
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such tenant", tenantId=owner) from None
-        return await (await conn.execute(_POOL, {"id": pool_id, "owner": None})).fetchone()
+        await conn.execute(q.INSERT_POOL, {"id": pool_id, "owner": owner, "name": name,
+                                           "region": raw.get("region") or "", "policy": Jsonb(policy)})
+        return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(tenantId=owner):
+        return await db.run_in_transaction(rt.pool, work)
 
 
 async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any]:
@@ -122,21 +92,16 @@ async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any
     match("tenantId", tenant_id, TENANT_ID)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            await conn.execute(
-                "INSERT INTO pool_offers (pool_id, tenant_id) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                (pool_id, tenant_id),
-            )
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such pool or tenant", poolId=pool_id, tenantId=tenant_id) from None
-        return await (await conn.execute(_POOL, {"id": pool_id, "owner": None})).fetchone()
+        await conn.execute(q.INSERT_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
+        return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(poolId=pool_id, tenantId=tenant_id):
+        return await db.run_in_transaction(rt.pool, work)
 
 
 async def list_pools(rt: Runtime, owner: str | None) -> list[dict[str, Any]]:
     async with db.read_only(rt.pool) as conn:
-        return await (await conn.execute(_POOL, {"id": None, "owner": owner or None})).fetchall()
+        return await (await conn.execute(q.POOLS, {"id": None, "owner": owner or None})).fetchall()
 
 
 _NODE = """
@@ -175,17 +140,12 @@ async def register_node(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     node_id = new_id("node")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            await conn.execute(
-                "INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)"
-                " VALUES (%s, %s, %s, %s, %s, %s)",
-                (node_id, pool_id, name, Jsonb(labels), list(raw.get("capabilities") or []),
-                 Jsonb({"gpus": gpus})),
-            )
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such pool", poolId=pool_id) from None
-        except psycopg.errors.UniqueViolation:
-            raise errors.Conflict("a node with this name exists in the pool", name=name) from None
+        await conn.execute(
+            "INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)"
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            (node_id, pool_id, name, Jsonb(labels), list(raw.get("capabilities") or []),
+             Jsonb({"gpus": gpus})),
+        )
         async with conn.cursor() as cur:
             await cur.executemany(
                 "INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)"
@@ -195,7 +155,8 @@ async def register_node(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
             )
         return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(poolId=pool_id, name=name):
+        return await db.run_in_transaction(rt.pool, work)
 
 
 async def set_node_state(rt: Runtime, node_id: str, state: str) -> dict[str, Any]:
@@ -261,17 +222,11 @@ async def set_quota(rt: Runtime, tenant_id: str, resource: str, limit: int) -> d
         raise errors.InvalidInput("limit", "must be at least 0")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            await conn.execute(
-                'INSERT INTO quotas (tenant_id, resource, "limit") VALUES (%s, %s, %s)'
-                ' ON CONFLICT (tenant_id, resource) DO UPDATE SET "limit" = EXCLUDED."limit"',
-                (tenant_id, resource, limit),
-            )
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such tenant", tenantId=tenant_id) from None
+        await quota.set_limit(conn, tenant_id, resource, limit)
         return {"tenant_id": tenant_id, "resource": resource, "limit": limit}
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(tenantId=tenant_id):
+        return await db.run_in_transaction(rt.pool, work)
 
 
 async def quota_usage(rt: Runtime, tenant_id: str) -> list[dict[str, Any]]:
@@ -285,17 +240,7 @@ async def put_policy(rt: Runtime, tenant_id: str, cedar: str) -> dict[str, Any]:
     iam.validate_policy(cedar)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            return await (
-                await conn.execute(
-                    "INSERT INTO policies (tenant_id, cedar) VALUES (%s, %s)"
-                    " ON CONFLICT (tenant_id) DO UPDATE SET cedar = EXCLUDED.cedar,"
-                    " version = policies.version + 1, updated_at = now()"
-                    " RETURNING tenant_id, cedar, version",
-                    (tenant_id, cedar),
-                )
-            ).fetchone()
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such tenant", tenantId=tenant_id) from None
+        return await (await conn.execute(q.UPSERT_POLICY, {"tenant_id": tenant_id, "cedar": cedar})).fetchone()
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(tenantId=tenant_id):
+        return await db.run_in_transaction(rt.pool, work)

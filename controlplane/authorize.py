@@ -1,7 +1,9 @@
-"""Asking IAM about an existing resource: read the tenant's policy, decide, refuse.
+"""Asking IAM about an existing resource: the one place that does.
 
-The decision itself (controlplane.iam) is pure; this reads the policy in the caller's
-transaction (a read-only one: IAM is never asked while the caller holds a write lock).
+IAM is never called inside a database transaction (DESIGN section 8): the policy is read in a
+transaction of its own (or staged by the caller's transaction, which has ended), and the decision
+is taken with no transaction open in this task. `decide` checks that, so a caller that forgets
+fails loudly instead of holding a transaction open across the decision.
 """
 
 from __future__ import annotations
@@ -9,24 +11,46 @@ from __future__ import annotations
 from typing import Any
 
 from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
 
-from controlplane import errors, iam
+from controlplane import db, errors, iam
 from controlplane.auth import Caller
 
 _POLICY = "SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s"
 
 
 async def read_policy(conn: AsyncConnection, tenant_id: str) -> str | None:
+    """The tenant's policy, read in the caller's transaction (to stage a later decision)."""
     row = await (await conn.execute(_POLICY, {"tenant_id": tenant_id})).fetchone()
     return row["cedar"] if row else None
 
 
-async def require(
-    conn: AsyncConnection, caller: Caller, tenant_id: str, action: str, resource_type: str, resource_id: str,
-    attributes: dict[str, Any], *, message: str = "IAM refused this call", **details: Any,
-) -> None:
-    """ACCESS_DENIED (with `details`) unless the tenant's policy allows `action` on the resource."""
-    decision = iam.decide(await read_policy(conn, tenant_id), caller, action, resource_type, resource_id,
-                          attributes, tenant_id=tenant_id)
-    if not decision.allowed:
+async def fetch_policy(pool: AsyncConnectionPool, tenant_id: str) -> str | None:
+    """The tenant's policy, read in a read-only transaction that is closed on return."""
+    async with db.read_only(pool) as conn:
+        return await read_policy(conn, tenant_id)
+
+
+def decide(policy: str | None, caller: Caller, action: str, resource_type: str, resource_id: str,
+           attributes: dict[str, Any], *, tenant_id: str, approved: bool = False) -> iam.Decision:
+    """IAM's decision, taken with no transaction open in this task."""
+    db.require_no_transaction("IAM decision")
+    return iam.decide(policy, caller, action, resource_type, resource_id, attributes, tenant_id=tenant_id,
+                      approved=approved)
+
+
+def check(policy: str | None, caller: Caller, tenant_id: str, action: str, resource_type: str,
+          resource_id: str, attributes: dict[str, Any], *, message: str = "IAM refused this call",
+          **details: Any) -> None:
+    """ACCESS_DENIED (with `details`) unless `policy` allows `action` on the resource."""
+    if not decide(policy, caller, action, resource_type, resource_id, attributes, tenant_id=tenant_id).allowed:
         raise errors.AccessDenied(message, **details)
+
+
+async def require(
+    pool: AsyncConnectionPool, caller: Caller, tenant_id: str, action: str, resource_type: str,
+    resource_id: str, attributes: dict[str, Any], *, message: str = "IAM refused this call", **details: Any,
+) -> None:
+    """Read the tenant's policy (its own short transaction), then decide outside any transaction."""
+    policy = await fetch_policy(pool, tenant_id)
+    check(policy, caller, tenant_id, action, resource_type, resource_id, attributes, message=message, **details)

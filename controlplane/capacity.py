@@ -57,9 +57,11 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
         pool = await (await conn.execute(queries.VISIBLE_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
         if pool is None:
             raise errors.NotFound("no such pool", poolId=pool_id)
-        await authorize.require(conn, caller, tenant_id, "compute:capacity:read", "Pool", pool_id,
-                                {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
-                                message="IAM refused this read", poolId=pool_id)
+    # Decided with the read transaction closed; the buckets are read after the decision.
+    await authorize.require(rt.pool, caller, tenant_id, "compute:capacity:read", "Pool", pool_id,
+                            {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
+                            message="IAM refused this read", poolId=pool_id)
+    async with db.read_only(rt.pool) as conn:
         allocatable = (await (await conn.execute(_ALLOCATABLE, {"pool_id": pool_id})).fetchone())["n"]
         rows = await (await conn.execute(
             _BUCKETS, {"pool_id": pool_id, "from": start, "to": end, "step": step})).fetchall()

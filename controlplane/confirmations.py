@@ -1,4 +1,7 @@
-"""Delegated confirmation: the person an agent acts for approves or rejects a held request."""
+"""Delegated confirmation: the person an agent acts for approves or rejects a held request.
+
+This module owns the confirmations table: it alone writes it; admission and the reservation
+lifecycle call the functions below."""
 
 from __future__ import annotations
 
@@ -18,6 +21,60 @@ _SELECT = """
 SELECT c.*, epoch_ms(c.expires_at) AS expires_ms, (c.expires_at <= compute_now()) AS past_deadline
 FROM confirmations c WHERE c.id = %(id)s AND c.tenant_id = %(tenant_id)s
 """
+_DECIDE = "UPDATE confirmations SET state = %(state)s, decided_at = compute_now() WHERE id = %(id)s"
+_OPEN = """
+INSERT INTO confirmations (id, tenant_id, reservation_id, request_hash, action,
+                           agent_identity_id, person_identity_id, expires_at)
+VALUES (%(id)s, %(tenant_id)s, %(reservation_id)s, %(request_hash)s, %(action)s,
+        %(agent)s, %(person)s, from_epoch_ms(%(expires_ms)s))
+"""
+_LATEST = """
+SELECT id, state, epoch_ms(expires_at) AS expires_ms,
+       (state = 'pending' AND expires_at <= compute_now()) AS expired
+FROM confirmations WHERE reservation_id = %(reservation_id)s AND action = %(action)s
+ORDER BY created_at DESC LIMIT 1
+"""
+_DUE = """
+SELECT id FROM confirmations
+WHERE reservation_id = %(reservation_id)s AND state = 'pending' AND expires_at <= compute_now()
+FOR UPDATE
+"""
+_EXPIRE = "UPDATE confirmations SET state = 'expired' WHERE id = %(id)s"
+# An open confirmation dies with its request, so nobody approves a withdrawn reservation.
+_WITHDRAW = """
+UPDATE confirmations SET state = 'expired'
+WHERE reservation_id = %(reservation_id)s AND state IN ('pending', 'approved')
+"""
+
+
+async def open_confirmation(
+    conn: AsyncConnection, *, confirmation_id: str, row: dict[str, Any], action: str, agent: str, person: str | None,
+    expires_ms: int,
+) -> None:
+    """A pending confirmation of `action` on the reservation `row`, decided by `person`."""
+    await conn.execute(_OPEN, {"id": confirmation_id, "tenant_id": row["tenant_id"], "reservation_id": row["id"],
+                               "request_hash": row["request_hash"], "action": action, "agent": agent,
+                               "person": person, "expires_ms": expires_ms})
+
+
+async def latest(conn: AsyncConnection, reservation_id: str, action: str) -> dict[str, Any] | None:
+    """The newest confirmation of `action` on the reservation (with `expired` when past its deadline)."""
+    return await (await conn.execute(_LATEST, {"reservation_id": reservation_id, "action": action})).fetchone()
+
+
+async def lock_due(conn: AsyncConnection, reservation_id: str) -> str | None:
+    """The pending confirmation of the reservation whose deadline passed, locked; None if none."""
+    row = await (await conn.execute(_DUE, {"reservation_id": reservation_id})).fetchone()
+    return row["id"] if row else None
+
+
+async def expire(conn: AsyncConnection, confirmation_id: str) -> None:
+    await conn.execute(_EXPIRE, {"id": confirmation_id})
+
+
+async def withdraw(conn: AsyncConnection, reservation_id: str) -> None:
+    """Expire the reservation's open (pending or approved) confirmations."""
+    await conn.execute(_WITHDRAW, {"reservation_id": reservation_id})
 
 
 async def _visible(conn: AsyncConnection, caller: Caller, tenant_id: str, cid: str, *, lock: bool) -> dict[str, Any]:
@@ -48,10 +105,7 @@ async def decide(rt: Runtime, caller: Caller, tenant_id: str, cid: str, approve:
                                       state=row["state"])
         if row["past_deadline"]:
             raise errors.InvalidState("this confirmation has expired", confirmationId=cid, state="expired")
-        await conn.execute(
-            "UPDATE confirmations SET state = %s, decided_at = compute_now() WHERE id = %s",
-            ("approved" if approve else "rejected", cid),
-        )
+        await conn.execute(_DECIDE, {"state": "approved" if approve else "rejected", "id": cid})
         return await _visible(conn, caller, tenant_id, cid, lock=False)
 
     return await db.run_in_transaction(rt.pool, work)

@@ -9,6 +9,7 @@ import pathlib
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 import warnings
 from typing import Any, TypeVar
 
@@ -24,6 +25,21 @@ _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 _MIGRATION_LOCK = 7_311_001  # advisory lock key: one migrator at a time
 
 T = TypeVar("T")
+
+# The connection whose transaction this task has open through run_in_transaction or read_only.
+_OPEN: ContextVar[psycopg.AsyncConnection | None] = ContextVar("open_transaction", default=None)
+
+
+def open_transaction() -> psycopg.AsyncConnection | None:
+    """The connection of the transaction this task has open, if any."""
+    return _OPEN.get()
+
+
+def require_no_transaction(what: str) -> None:
+    """Raise if this task holds a transaction open (work that must never run inside one)."""
+    conn = _OPEN.get()
+    if conn is not None and not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise RuntimeError(f"{what} inside an open database transaction")
 
 
 def start_embedded(data_dir: str | pathlib.Path, *, fast: bool = False) -> str:
@@ -136,7 +152,11 @@ async def run_in_transaction(
         try:
             async with pool.connection() as conn:
                 async with conn.transaction():
-                    return await work(conn)
+                    token = _OPEN.set(conn)
+                    try:
+                        return await work(conn)
+                    finally:
+                        _OPEN.reset(token)
         except psycopg.errors.OperationalError as exc:
             if getattr(exc, "sqlstate", None) not in _RETRYABLE or attempt == attempts:
                 raise
@@ -150,4 +170,8 @@ async def read_only(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncCon
     async with pool.connection() as conn:
         async with conn.transaction():
             await conn.execute("SET TRANSACTION READ ONLY")
-            yield conn
+            token = _OPEN.set(conn)
+            try:
+                yield conn
+            finally:
+                _OPEN.reset(token)

@@ -11,13 +11,14 @@ _INSERT = """
 INSERT INTO events (tenant_id, type, subject, data)
 VALUES (%(tenant_id)s, %(type)s, %(subject)s, %(data)s)
 """
+_NOTIFY = "SELECT pg_notify('bc_events', %(tenant_id)s)"
 
 
 async def emit(conn: AsyncConnection, tenant_id: str, type_: str, subject: str, data: dict[str, Any]) -> None:
     await conn.execute(
         _INSERT, {"tenant_id": tenant_id, "type": type_, "subject": subject, "data": Jsonb(data)}
     )
-    await conn.execute("SELECT pg_notify('bc_events', %s)", (tenant_id,))
+    await conn.execute(_NOTIFY, {"tenant_id": tenant_id})
 
 
 async def emit_reservation(

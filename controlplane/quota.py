@@ -1,6 +1,6 @@
 """Quota: per tenant and resource; a missing row grants 0; charges are rows per reservation.
 
-Used is always the sum of live (unrefunded) charges, never a counter that can drift. A charge
+This module owns the quotas and quota_charges tables and their SQL. Used is always the sum of live (unrefunded) charges, never a counter that can drift. A charge
 locks the tenant's quota rows (in resource order) so concurrent charges are decided one at a time.
 """
 
@@ -10,19 +10,24 @@ from psycopg import AsyncConnection
 
 from controlplane import errors
 
-_LOCK_LIMIT = 'SELECT "limit" FROM quotas WHERE tenant_id = %s AND resource = %s FOR UPDATE'
+_SET_LIMIT = """
+INSERT INTO quotas (tenant_id, resource, "limit") VALUES (%(tenant_id)s, %(resource)s, %(limit)s)
+ON CONFLICT (tenant_id, resource) DO UPDATE SET "limit" = EXCLUDED."limit"
+"""
+_LOCK_LIMIT = 'SELECT "limit" FROM quotas WHERE tenant_id = %(tenant_id)s AND resource = %(resource)s FOR UPDATE'
 _USED = """
 SELECT coalesce(sum(amount), 0) AS used FROM quota_charges
-WHERE tenant_id = %s AND resource = %s AND refunded_at IS NULL
+WHERE tenant_id = %(tenant_id)s AND resource = %(resource)s AND refunded_at IS NULL
 """
 _CHARGE = """
-INSERT INTO quota_charges (reservation_id, tenant_id, resource, amount) VALUES (%s, %s, %s, %s)
+INSERT INTO quota_charges (reservation_id, tenant_id, resource, amount)
+VALUES (%(reservation_id)s, %(tenant_id)s, %(resource)s, %(amount)s)
 ON CONFLICT (reservation_id, resource) DO UPDATE
     SET amount = EXCLUDED.amount, charged_at = now(), refunded_at = NULL
 """
 _REFUND = """
 UPDATE quota_charges SET refunded_at = compute_now()
-WHERE reservation_id = %s AND refunded_at IS NULL
+WHERE reservation_id = %(reservation_id)s AND refunded_at IS NULL
 """
 _USAGE = """
 SELECT r.resource, coalesce(q."limit", 0) AS "limit", coalesce(sum(c.amount), 0)::bigint AS used
@@ -42,9 +47,10 @@ async def charge(
         amount = amounts[resource]
         if amount <= 0:
             continue
-        row = await (await conn.execute(_LOCK_LIMIT, (tenant_id, resource))).fetchone()
+        key = {"tenant_id": tenant_id, "resource": resource}
+        row = await (await conn.execute(_LOCK_LIMIT, key)).fetchone()
         limit = int(row["limit"]) if row else 0
-        used = int((await (await conn.execute(_USED, (tenant_id, resource))).fetchone())["used"])
+        used = int((await (await conn.execute(_USED, key)).fetchone())["used"])
         if used + amount > limit:
             raise errors.QuotaExceeded(
                 f"quota for {resource} is {limit}, {used} in use, {amount} requested",
@@ -53,11 +59,16 @@ async def charge(
                 used=used,
                 requested=amount,
             )
-        await conn.execute(_CHARGE, (reservation_id, tenant_id, resource, amount))
+        await conn.execute(_CHARGE, {**key, "reservation_id": reservation_id, "amount": amount})
 
 
 async def refund(conn: AsyncConnection, reservation_id: str) -> None:
-    await conn.execute(_REFUND, (reservation_id,))
+    await conn.execute(_REFUND, {"reservation_id": reservation_id})
+
+
+async def set_limit(conn: AsyncConnection, tenant_id: str, resource: str, limit: int) -> None:
+    """The tenant's limit for `resource` (an unknown tenant violates quotas_tenant_id_fkey)."""
+    await conn.execute(_SET_LIMIT, {"tenant_id": tenant_id, "resource": resource, "limit": limit})
 
 
 async def usage(conn: AsyncConnection, tenant_id: str) -> list[dict]:

@@ -105,11 +105,10 @@ def parse_types(field_name: str, types: list[str]) -> list[str]:
 
 async def authorize_tenant(rt: Runtime, caller: Caller, tenant_id: str, action: str,
                            attributes: dict[str, Any]) -> None:
-    """Membership, then IAM on the tenant (read in a read-only transaction, decided outside)."""
+    """Membership, then IAM on the tenant (policy read in its own transaction, decided outside)."""
     match("tenantId", tenant_id, TENANT_ID)
     caller.require_member(tenant_id)
-    async with db.read_only(rt.pool) as conn:
-        await authorize.require(conn, caller, tenant_id, action, "Tenant", tenant_id, attributes, tenantId=tenant_id)
+    await authorize.require(rt.pool, caller, tenant_id, action, "Tenant", tenant_id, attributes, tenantId=tenant_id)
 
 
 @dataclass

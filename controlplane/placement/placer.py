@@ -16,6 +16,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
+from controlplane import db_errors
 from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.metrics import Metrics
@@ -139,6 +140,8 @@ async def _commit(
                     raise _NodeChanged()
             return Placement(allocation_id, chosen.node_id, chosen.atom_ids, uuids)
         except (psycopg.errors.ExclusionViolation, _NodeChanged) as exc:
+            if isinstance(exc, psycopg.Error) and not db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP):
+                raise
             log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
                      why=type(exc).__name__)
             excluded.add(chosen.node_id)

@@ -16,7 +16,7 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import authorize, db, errors, events, iam, quota
+from controlplane import authorize, confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.reservations import placing, queries, schedule, states
@@ -27,18 +27,6 @@ from controlplane.reservations.wait import wait_for_operation
 from controlplane.runtime import Runtime
 
 CONFIRMATION_WINDOW_MS = 30 * 60 * 1000  # IAM's deadline is clamped to at most 30 minutes
-
-# The identity's live drafts, counted up to the cap (the partial index reservations_drafts), and
-# the seconds until the oldest leaves the retention window.
-_LIVE_DRAFTS = """
-SELECT count(*) AS n,
-       greatest(0, ceil(extract(epoch FROM min(created_at) + %(retention_s)s * interval '1 second'
-                                        - now())))::bigint AS expires_in_s
-FROM (SELECT created_at FROM reservations
-      WHERE owner_identity_id = %(identity_id)s AND state = 'draft'
-      ORDER BY created_at LIMIT %(cap)s) d
-"""
-
 
 @dataclass
 class Draft:
@@ -64,7 +52,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
         else:
-            decision = iam.decide(
+            decision = authorize.decide(
                 draft.policy, caller, iam.CREATE, "Reservation", rid, draft.attributes,
                 tenant_id=inp.tenant_id, approved=draft.approved,
             )
@@ -134,7 +122,7 @@ async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller
     """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates)
     until the retention window deletes them: QUOTA_EXCEEDED, retryable after the window."""
     cap = rt.settings.max_drafts_per_identity
-    live = await (await conn.execute(_LIVE_DRAFTS, {
+    live = await (await conn.execute(queries.LIVE_DRAFTS, {
         "identity_id": caller.identity_id, "cap": cap, "retention_s": rt.settings.draft_retention_hours * 3600,
     })).fetchone()
     if live["n"] >= cap:
@@ -219,15 +207,9 @@ async def _require_confirmation(
     if confirmation is None or confirmation["state"] not in ("pending",):
         confirmation_id = new_id("conf")
         expires_at = now_ms + CONFIRMATION_WINDOW_MS
-        await conn.execute(
-            """
-            INSERT INTO confirmations (id, tenant_id, reservation_id, request_hash, action,
-                                       agent_identity_id, person_identity_id, expires_at)
-            VALUES (%s, %s, %s, %s, %s, %s, %s, from_epoch_ms(%s))
-            """,
-            (confirmation_id, row["tenant_id"], row["id"], row["request_hash"], iam.CREATE,
-             caller.identity_id, caller.delegator_id, expires_at),
-        )
+        await confirmations.open_confirmation(conn, confirmation_id=confirmation_id, row=row, action=iam.CREATE,
+                                              agent=caller.identity_id, person=caller.delegator_id,
+                                              expires_ms=expires_at)
         await schedule.at(conn, row["id"], expires_at)  # the reconciler expires it at the deadline
     else:
         confirmation_id, expires_at = confirmation["id"], confirmation["expires_ms"]
@@ -248,17 +230,7 @@ async def _require_confirmation(
 
 
 async def _latest_confirmation(conn: AsyncConnection, rid: str) -> dict[str, Any] | None:
-    return await (
-        await conn.execute(
-            """
-            SELECT id, state, epoch_ms(expires_at) AS expires_ms,
-                   (state = 'pending' AND expires_at <= compute_now()) AS expired
-            FROM confirmations WHERE reservation_id = %s AND action = %s
-            ORDER BY created_at DESC LIMIT 1
-            """,
-            (rid, iam.CREATE),
-        )
-    ).fetchone()
+    return await confirmations.latest(conn, rid, iam.CREATE)
 
 
 async def _fetch(conn: AsyncConnection, rid: str, *, for_update: bool = False) -> dict[str, Any] | None:

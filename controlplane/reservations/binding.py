@@ -13,7 +13,7 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.placement import placer
-from controlplane.reservations import placing, reports, schedule, states
+from controlplane.reservations import placing, queries, reports, schedule, states
 from controlplane.reservations.lifecycle import end_bookings, free_capacity
 from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
@@ -24,47 +24,15 @@ MAX_BIND_FAILURES = 3
 class NeedsPoolLock(Exception):
     """This pass must place again; run it with the pool lock taken first."""
 
-_START_BINDING = """
-UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
-WHERE reservation_id = %(id)s AND state = 'placed'
-RETURNING node_id
-"""
-_LIVE = """
-SELECT id, node_id, state, epoch_ms(bind_deadline) AS bind_deadline_ms
-FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound') ORDER BY id
-"""
-_FAILED_NODES = "SELECT DISTINCT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'failed'"
-_NODE_FACTS = """
-SELECT n.id, n.name, n.connectivity FROM nodes n
-WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound'))
-ORDER BY n.id
-"""
-_UNHEALTHY = """
-SELECT DISTINCT n.name, at.device_uuid
-FROM allocations a
-JOIN bookings b ON b.allocation_id = a.id
-JOIN atoms at ON at.id = b.atom_id
-JOIN nodes n ON n.id = at.node_id
-WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND at.health = 'unhealthy'
-ORDER BY n.name, at.device_uuid
-"""
-# A later wake-up already due within the recheck interval (the one being handled is due now).
-_RECHECK_PENDING = """
-SELECT 1 FROM work_items
-WHERE kind = 'reservation' AND subject = %(id)s
-  AND run_at > compute_now() AND run_at <= compute_now() + %(within)s * interval '1 millisecond'
-LIMIT 1
-"""
-
 
 async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool) -> None:
     """At the start: allocations move to binding and the nodes' desired state gains them."""
     deadline = row["during_start"] + schedule.BIND_TIMEOUT_MS
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full five minutes
         deadline = now_ms + schedule.BIND_TIMEOUT_MS
-    nodes = await (await conn.execute(_START_BINDING, {"id": row["id"], "deadline": deadline})).fetchall()
+    nodes = await (await conn.execute(queries.START_BINDING, {"id": row["id"], "deadline": deadline})).fetchall()
     for node in nodes:
-        await conn.execute("SELECT bump_desired(%s)", (node["node_id"],))
+        await conn.execute(queries.BUMP_DESIRED, {"node_id": node["node_id"]})
     await move(conn, row, states.BINDING, operation_state="succeeded")
     await events.emit_reservation(conn, row, "reservation.binding")
     await schedule.at(conn, row["id"], deadline)
@@ -80,7 +48,7 @@ async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_
             raise NeedsPoolLock
         await bind_failed(conn, rt, row, now_ms, failed[0][1], [node for node, _ in failed])
         return
-    allocations = await (await conn.execute(_LIVE, {"id": row["id"]})).fetchall()
+    allocations = await (await conn.execute(queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
     if allocations and all(a["state"] == "bound" for a in allocations):
         await move(conn, row, states.ACTIVE, operation_state="succeeded")
         await events.emit_reservation(conn, row, "reservation.active")
@@ -97,16 +65,14 @@ async def bind_failed(
     conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, reason: str, nodes: list[str]
 ) -> None:
     """Release the bookings and place again (same end, from now), at most twice; then fail."""
-    failures = (await (await conn.execute(
-        "UPDATE reservations SET bind_failures = bind_failures + 1 WHERE id = %s RETURNING bind_failures",
-        (row["id"],))).fetchone())["bind_failures"]
+    failures = (await (await conn.execute(queries.COUNT_BIND_FAILURE, {"id": row["id"]})).fetchone())["bind_failures"]
     if failures >= MAX_BIND_FAILURES:
         await free_capacity(conn, row)
         await move(conn, row, states.FAILED, operation_state="failed", end_reason=reason)
         await events.emit_reservation(conn, row, "reservation.failed", reason=reason, failures=failures)
         return
     await end_bookings(conn, row["id"], allocation_state="failed")
-    failed_before = await (await conn.execute(_FAILED_NODES, {"id": row["id"]})).fetchall()
+    failed_before = await (await conn.execute(queries.FAILED_NODES, {"id": row["id"]})).fetchall()
     avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
     ask, placement = await placing.place_again(conn, rt, row, (now_ms, row["during_end"]), avoid, now_ms)
     if placement is None:
@@ -126,9 +92,9 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
     active reservation is only recorded. Rechecked every 15 minutes: one pending recheck is
     enough, so a wake-up adds none when another is already due within that time."""
     await reports.judge(conn, rt, row, now_ms)
-    facts = await (await conn.execute(_NODE_FACTS, {"id": row["id"]})).fetchall()
+    facts = await (await conn.execute(queries.NODE_FACTS, {"id": row["id"]})).fetchall()
     unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
-    sick = await (await conn.execute(_UNHEALTHY, {"id": row["id"]})).fetchall()
+    sick = await (await conn.execute(queries.UNHEALTHY_NODES, {"id": row["id"]})).fetchall()
     kept = [c for c in row["conditions"] if c.get("type") not in ("NodeUnreachable", "DeviceUnhealthy")]
     if unreachable:
         kept.append(_same_or_new(row, "NodeUnreachable", f"unreachable: {', '.join(unreachable)}", now_ms))
@@ -138,7 +104,7 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
     if kept != row["conditions"]:
         await set_conditions(conn, row, kept)
     pending = {"id": row["id"], "within": schedule.ACTIVE_RECHECK_MS}
-    if not await (await conn.execute(_RECHECK_PENDING, pending)).fetchone():
+    if not await (await conn.execute(queries.RECHECK_PENDING, pending)).fetchone():
         await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
 
 

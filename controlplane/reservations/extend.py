@@ -19,7 +19,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import authorize, db, errors, events, iam
+from controlplane import authorize, db, db_errors, errors, events, iam
 from controlplane.auth import Caller
 from controlplane.ids import new_id
 from controlplane.placement import placer
@@ -30,40 +30,6 @@ from controlplane.runtime import Runtime
 
 HOLD_TTL_S = 60
 EXTENDABLE = frozenset({states.PLACED, states.BINDING, states.ACTIVE})
-
-_TAKE_HOLD = """
-INSERT INTO extend_holds (reservation_id, hold, taken_at) VALUES (%(id)s, %(hold)s, compute_now())
-ON CONFLICT (reservation_id) DO UPDATE SET hold = EXCLUDED.hold, taken_at = EXCLUDED.taken_at
-WHERE extend_holds.taken_at < compute_now() - %(ttl)s * interval '1 second'
-RETURNING hold
-"""
-_OWNS_HOLD = "SELECT 1 FROM extend_holds WHERE reservation_id = %(id)s AND hold = %(hold)s FOR UPDATE"
-_DROP_HOLD = "DELETE FROM extend_holds WHERE reservation_id = %(id)s AND hold = %(hold)s"
-_SET_PENDING = """
-UPDATE authz_projection SET pending = %(pending)s WHERE reservation_id = %(id)s
-"""
-_CLEAR_PENDING = "UPDATE authz_projection SET pending = NULL WHERE reservation_id = %(id)s"
-_ATTRIBUTES = "SELECT attributes FROM authz_projection WHERE reservation_id = %(id)s"
-_MOVE_ENDS = """
-UPDATE bookings b SET during = tstzrange(lower(b.during), from_epoch_ms(%(to)s), '[)')
-FROM allocations a
-WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-  AND upper(b.during) = from_epoch_ms(%(from)s)
-"""
-# The earliest other booking on one of our atoms that starts at or after our end.
-_AVAILABLE_UNTIL = """
-SELECT epoch_ms(min(lower(o.during))) AS until
-FROM bookings b
-JOIN allocations a ON a.id = b.allocation_id
-JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
-WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-  AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)
-"""
-_SET_WINDOW = """
-UPDATE reservations SET during = tstzrange(lower(during), from_epoch_ms(%(to)s), '[)'),
-       version = version + 1, updated_at = clock_timestamp()
-WHERE id = %(id)s
-"""
 
 
 @dataclass(frozen=True)
@@ -102,7 +68,7 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
     staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change, limits))
     if staged.no_op:
         return {"reservation": staged.row, "extended": False}
-    decision = iam.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
+    decision = authorize.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
                           tenant_id=tenant_id)
     try:
         result = await db.run_in_transaction(rt.pool, lambda c: _apply(c, rid, staged, decision))
@@ -131,14 +97,14 @@ async def _stage(
     if new_end <= row["during_end"]:
         return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
     hold = new_id("hold")
-    taken = await (await conn.execute(_TAKE_HOLD, {"id": rid, "hold": hold, "ttl": HOLD_TTL_S})).fetchone()
+    taken = await (await conn.execute(queries.TAKE_EXTEND_HOLD, {"id": rid, "hold": hold, "ttl": HOLD_TTL_S})).fetchone()
     if taken is None:
         raise errors.Conflict("another extend of this reservation is in flight", reason="extend-in-flight",
                               retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
-    attributes = dict((await (await conn.execute(_ATTRIBUTES, {"id": rid})).fetchone())["attributes"])
+    attributes = dict((await (await conn.execute(queries.AUTHZ_ATTRIBUTES, {"id": rid})).fetchone())["attributes"])
     total_ms = new_end - row["during_start"]
     attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
-    await conn.execute(_SET_PENDING, {"id": rid, "pending": Jsonb(
+    await conn.execute(queries.SET_PENDING_EXTEND, {"id": rid, "pending": Jsonb(
         {"hold": hold, "until": new_end, "durationHours": attributes["durationHours"], "key": change.key})})
     return Staged(row, hold, new_end, attributes, await authorize.read_policy(conn, tenant_id))
 
@@ -146,7 +112,7 @@ async def _stage(
 async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.Decision) -> dict[str, Any]:
     await placer.pool_lock(conn, staged.row["pool_id"])
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
-    ours = await (await conn.execute(_OWNS_HOLD, {"id": rid, "hold": staged.hold})).fetchone()
+    ours = await (await conn.execute(queries.OWNS_EXTEND_HOLD, {"id": rid, "hold": staged.hold})).fetchone()
     if ours is None:
         raise errors.Conflict("another extend took over this one's slot", reason="extend-in-flight",
                               retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
@@ -159,12 +125,14 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
     params = {"id": rid, "from": row["during_end"], "to": staged.new_end}
     try:
         async with conn.transaction():  # savepoint: all allocations move, or none
-            await conn.execute(_MOVE_ENDS, params)
-    except psycopg.errors.ExclusionViolation:
-        available = (await (await conn.execute(_AVAILABLE_UNTIL, params)).fetchone())["until"]
+            await conn.execute(queries.MOVE_BOOKING_ENDS, params)
+    except psycopg.errors.ExclusionViolation as exc:
+        if not db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP):
+            raise
+        available = (await (await conn.execute(queries.AVAILABLE_UNTIL, params)).fetchone())["until"]
         await _release_slot(conn, rid, staged.hold)
         return {"reservation": await with_allocations(conn, row), "extended": False, "available_until": available}
-    await conn.execute(_SET_WINDOW, params)
+    await conn.execute(queries.SET_WINDOW_END, params)
     await conn.execute(queries.BUMP_DESIRED_OF_LIVE, {"id": rid})
     await _release_slot(conn, rid, staged.hold)
     await schedule.at(conn, rid, staged.new_end)
@@ -175,11 +143,11 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
 
 async def _release_slot(conn: AsyncConnection, rid: str, hold: str) -> None:
     """Clear the pending change and free the slot, only when the hold is still ours."""
-    gone = await conn.execute(_DROP_HOLD, {"id": rid, "hold": hold})
+    gone = await conn.execute(queries.DROP_EXTEND_HOLD, {"id": rid, "hold": hold})
     if gone.rowcount:
-        await conn.execute(_CLEAR_PENDING, {"id": rid})
+        await conn.execute(queries.CLEAR_PENDING_EXTEND, {"id": rid})
 
 
 async def _abandon(conn: AsyncConnection, rid: str, hold: str) -> None:
-    await conn.execute(_OWNS_HOLD, {"id": rid, "hold": hold})
+    await conn.execute(queries.OWNS_EXTEND_HOLD, {"id": rid, "hold": hold})
     await _release_slot(conn, rid, hold)

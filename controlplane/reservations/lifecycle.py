@@ -6,7 +6,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controlplane import db, errors, events, iam, quota
+from controlplane import confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
@@ -17,9 +17,11 @@ CANCELLABLE = frozenset({states.PENDING, states.QUEUED, states.PLACED})
 
 
 async def _authorized_row(rt: Runtime, caller: Caller, tenant_id: str, rid: str, action: str) -> None:
+    """Read (transaction closed), then decide with no transaction open. The write transaction
+    that follows re-reads the row under its lock and checks the state again."""
     async with db.read_only(rt.pool) as conn:
         row = await find_visible(conn, caller, tenant_id, rid)
-        await authorize_on(conn, caller, action, row)
+    await authorize_on(rt, caller, action, row)
 
 
 async def _locked(conn: AsyncConnection, rid: str) -> dict[str, Any]:
@@ -49,8 +51,7 @@ async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
 
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     # An open confirmation dies with the request, so nobody approves a withdrawn reservation.
-    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE reservation_id = %s"
-                       " AND state IN ('pending', 'approved')", (row["id"],))
+    await confirmations.withdraw(conn, row["id"])
     await free_capacity(conn, row)
     await move(conn, row, states.CANCELLED, operation_state="failed" if row["operation_state"] == "running"
                else row["operation_state"], end_reason=reason)

@@ -137,3 +137,182 @@ LIMIT %(limit)s
 POOLS_WITH_PENDING = "SELECT DISTINCT pool_id FROM reservations WHERE state = 'pending'"
 
 BOOKED_STATES = sorted(states.BOOKED)
+
+
+# extend ----------------------------------------------------------------------------------------
+
+TAKE_EXTEND_HOLD = """
+INSERT INTO extend_holds (reservation_id, hold, taken_at) VALUES (%(id)s, %(hold)s, compute_now())
+ON CONFLICT (reservation_id) DO UPDATE SET hold = EXCLUDED.hold, taken_at = EXCLUDED.taken_at
+WHERE extend_holds.taken_at < compute_now() - %(ttl)s * interval '1 second'
+RETURNING hold
+"""
+
+OWNS_EXTEND_HOLD = "SELECT 1 FROM extend_holds WHERE reservation_id = %(id)s AND hold = %(hold)s FOR UPDATE"
+
+DROP_EXTEND_HOLD = "DELETE FROM extend_holds WHERE reservation_id = %(id)s AND hold = %(hold)s"
+
+SET_PENDING_EXTEND = """
+UPDATE authz_projection SET pending = %(pending)s WHERE reservation_id = %(id)s
+"""
+
+CLEAR_PENDING_EXTEND = "UPDATE authz_projection SET pending = NULL WHERE reservation_id = %(id)s"
+
+AUTHZ_ATTRIBUTES = "SELECT attributes FROM authz_projection WHERE reservation_id = %(id)s"
+
+MOVE_BOOKING_ENDS = """
+UPDATE bookings b SET during = tstzrange(lower(b.during), from_epoch_ms(%(to)s), '[)')
+FROM allocations a
+WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+  AND upper(b.during) = from_epoch_ms(%(from)s)
+"""
+
+# The earliest other booking on one of our atoms that starts at or after our end.
+AVAILABLE_UNTIL = """
+SELECT epoch_ms(min(lower(o.during))) AS until
+FROM bookings b
+JOIN allocations a ON a.id = b.allocation_id
+JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
+WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+  AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)
+"""
+
+SET_WINDOW_END = """
+UPDATE reservations SET during = tstzrange(lower(during), from_epoch_ms(%(to)s), '[)'),
+       version = version + 1, updated_at = clock_timestamp()
+WHERE id = %(id)s
+"""
+
+
+# schedule --------------------------------------------------------------------------------------
+
+# A moment already past is due now, not at its past time: the queue runs due items oldest run_at
+# first, so a past run_at would jump ahead of every wake-up already waiting (node reports
+# included) and starve them while creates keep coming.
+# One statement (it runs inside create's pool-locked commit, where every round trip counts).
+WAKE_AT = """
+SELECT schedule_work('reservation', %(id)s, due)
+FROM (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
+      FROM unnest(%(moments)s::bigint[]) AS m) moments
+"""
+
+
+# binding ---------------------------------------------------------------------------------------
+
+START_BINDING = """
+UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
+WHERE reservation_id = %(id)s AND state = 'placed'
+RETURNING node_id
+"""
+
+LIVE_ALLOCATIONS = """
+SELECT id, node_id, state, epoch_ms(bind_deadline) AS bind_deadline_ms
+FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound') ORDER BY id
+"""
+
+FAILED_NODES = "SELECT DISTINCT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'failed'"
+
+NODE_FACTS = """
+SELECT n.id, n.name, n.connectivity FROM nodes n
+WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound'))
+ORDER BY n.id
+"""
+
+UNHEALTHY_NODES = """
+SELECT DISTINCT n.name, at.device_uuid
+FROM allocations a
+JOIN bookings b ON b.allocation_id = a.id
+JOIN atoms at ON at.id = b.atom_id
+JOIN nodes n ON n.id = at.node_id
+WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND at.health = 'unhealthy'
+ORDER BY n.name, at.device_uuid
+"""
+
+# A later wake-up already due within the recheck interval (the one being handled is due now).
+RECHECK_PENDING = """
+SELECT 1 FROM work_items
+WHERE kind = 'reservation' AND subject = %(id)s
+  AND run_at > compute_now() AND run_at <= compute_now() + %(within)s * interval '1 millisecond'
+LIMIT 1
+"""
+
+
+BUMP_DESIRED = "SELECT bump_desired(%(node_id)s)"
+
+COUNT_BIND_FAILURE = """
+UPDATE reservations SET bind_failures = bind_failures + 1 WHERE id = %(id)s RETURNING bind_failures
+"""
+
+
+# repair ----------------------------------------------------------------------------------------
+
+# Nodes of the reservation's live allocations that are no longer fit to serve them.
+BAD_NODES = """
+SELECT DISTINCT al.node_id
+FROM allocations al
+JOIN nodes n ON n.id = al.node_id
+LEFT JOIN bookings b ON b.allocation_id = al.id
+LEFT JOIN atoms a ON a.id = b.atom_id
+WHERE al.reservation_id = %(id)s AND al.state = 'placed'
+  AND (n.state <> 'ready' OR n.connectivity = 'unreachable' OR a.health <> 'healthy' OR NOT a.bookable)
+"""
+
+LIVE_NODES = "SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'placed' ORDER BY id"
+
+DROP_PLACED_BOOKINGS = """
+DELETE FROM bookings b USING allocations al
+WHERE al.id = b.allocation_id AND al.reservation_id = %(id)s AND al.state = 'placed'
+"""
+
+RELEASE_PLACED_ALLOCATIONS = "UPDATE allocations SET state = 'released' WHERE reservation_id = %(id)s AND state = 'placed'"
+
+
+BUMP_VERSION = "UPDATE reservations SET version = version + 1, updated_at = clock_timestamp() WHERE id = %(id)s"
+
+
+# reports ---------------------------------------------------------------------------------------
+
+MARK_BOUND = """
+UPDATE allocations SET state = 'bound', binding = %(binding)s,
+       bound_report = %(body)s, bound_sig_kid = %(kid)s, bound_sig = %(sig)s
+WHERE id = %(id)s
+"""
+
+MARK_BINDING_LOST = "UPDATE allocations SET state = 'binding' WHERE id = %(id)s AND state = 'bound'"
+
+ALL_LIVE_BOUND = """
+SELECT bool_and(state = 'bound') AS all_bound FROM allocations
+WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')
+"""
+
+# transitions -----------------------------------------------------------------------------------
+
+SET_CONDITIONS = """
+UPDATE reservations SET conditions = %(conditions)s, version = version + 1, updated_at = clock_timestamp()
+WHERE id = %(id)s
+"""
+
+
+# admission -------------------------------------------------------------------------------------
+
+# The identity's live drafts, counted up to the cap (the partial index reservations_drafts), and
+# the seconds until the oldest leaves the retention window.
+LIVE_DRAFTS = """
+SELECT count(*) AS n,
+       greatest(0, ceil(extract(epoch FROM min(created_at) + %(retention_s)s * interval '1 second'
+                                        - now())))::bigint AS expires_in_s
+FROM (SELECT created_at FROM reservations
+      WHERE owner_identity_id = %(identity_id)s AND state = 'draft'
+      ORDER BY created_at LIMIT %(cap)s) d
+"""
+
+# Draft expiry: one batch of drafts past the retention window (wall-clock, like created_at); rows
+# a create is deciding right now are locked and skipped.
+DELETE_EXPIRED_DRAFTS = """
+DELETE FROM reservations WHERE id IN (
+    SELECT id FROM reservations
+    WHERE state = 'draft' AND created_at < now() - %(retention_s)s * interval '1 second'
+    ORDER BY created_at LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+"""

@@ -30,12 +30,10 @@ def resource_attributes(row: dict[str, Any]) -> dict[str, Any]:
             "poolId": row["pool_id"], "state": row["state"]}
 
 
-async def authorize_on(
-    conn: AsyncConnection, caller: Caller, action: str, row: dict[str, Any]
-) -> None:
-    """Decide `action` on an existing reservation. The policy read is the only I/O here; the
-    decision itself is pure and holds no lock (callers use a read-only transaction)."""
-    await authorize.require(conn, caller, row["tenant_id"], action, "Reservation", row["id"],
+async def authorize_on(rt: Runtime, caller: Caller, action: str, row: dict[str, Any]) -> None:
+    """Decide `action` on an existing reservation, read before (its transaction closed): the
+    policy is read in a transaction of its own and the decision is taken outside any."""
+    await authorize.require(rt.pool, caller, row["tenant_id"], action, "Reservation", row["id"],
                             resource_attributes(row), reservationId=row["id"])
 
 
@@ -53,9 +51,9 @@ async def find_visible(conn: AsyncConnection, caller: Caller, tenant_id: str, ri
 
 async def get(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
     async with db.read_only(rt.pool) as conn:
-        row = await find_visible(conn, caller, tenant_id, rid)
-        await authorize_on(conn, caller, iam.READ, row)
-        return await with_allocations(conn, row)
+        row = await with_allocations(conn, await find_visible(conn, caller, tenant_id, rid))
+    await authorize_on(rt, caller, iam.READ, row)
+    return row
 
 
 async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
@@ -74,9 +72,9 @@ async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[
     cursor = raw.get("cursor") or None
     if cursor is not None:
         match("cursor", cursor, RESERVATION_ID)
+    await authorize.require(rt.pool, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
+                            message="IAM refused this listing", tenantId=tenant_id)
     async with db.read_only(rt.pool) as conn:
-        await authorize.require(conn, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
-                                message="IAM refused this listing", tenantId=tenant_id)
         rows = await (
             await conn.execute(
                 queries.LIST,

@@ -25,6 +25,7 @@ from bettercompute.node.v1 import node_pb2
 from controlplane import events
 from controlplane.pki import attest
 from controlplane.pki.config import PkiSettings
+from controlplane.reservations import queries
 from controlplane.reservations.transitions import condition, set_conditions
 from controlplane.runtime import Runtime
 
@@ -45,12 +46,6 @@ JOIN node_certs c ON c.key_id = nr.key_id
 WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
   AND c.signing_key = (SELECT signing_key FROM node_certs WHERE key_id = %(key_id)s)
 """
-_BOUND = """
-UPDATE allocations SET state = 'bound', binding = %(binding)s,
-       bound_report = %(body)s, bound_sig_kid = %(kid)s, bound_sig = %(sig)s
-WHERE id = %(id)s
-"""
-_LOST = "UPDATE allocations SET state = 'binding' WHERE id = %s AND state = 'bound'"
 
 
 async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> list[tuple[str, str]]:
@@ -72,7 +67,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":
-            await conn.execute(_BOUND, {"id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt)),
+            await conn.execute(queries.MARK_BOUND, {"id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt)),
                                         "body": rep["body"], "kid": rep["key_id"], "sig": rep["signature"]})
             rep["allocation_state"] = "bound"
         elif rep["kind"] == "failed":
@@ -118,7 +113,7 @@ def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime) -> dict[
 
 
 async def _binding_lost(conn: AsyncConnection, row: dict[str, Any], rep: dict[str, Any], why: str, now_ms: int) -> None:
-    await conn.execute(_LOST, (rep["allocation_id"],))
+    await conn.execute(queries.MARK_BINDING_LOST, {"id": rep["allocation_id"]})
     kept = [c for c in row["conditions"] if c.get("type") != "Degraded"]
     message = f"allocation {rep['allocation_id']} on {rep['node_id']}: {why}"
     await set_conditions(conn, row, [*kept, condition("Degraded", "BindingLost", message, now_ms)])
@@ -127,9 +122,7 @@ async def _binding_lost(conn: AsyncConnection, row: dict[str, Any], rep: dict[st
 async def _clear_binding_lost_when_all_bound(conn: AsyncConnection, row: dict[str, Any]) -> None:
     if not any(c.get("type") == "Degraded" for c in row["conditions"]):
         return
-    live = await (await conn.execute(
-        "SELECT bool_and(state = 'bound') AS all_bound FROM allocations"
-        " WHERE reservation_id = %s AND state IN ('binding', 'bound')", (row["id"],))).fetchone()
+    live = await (await conn.execute(queries.ALL_LIVE_BOUND, {"id": row["id"]})).fetchone()
     if live["all_bound"]:
         await set_conditions(conn, row, [c for c in row["conditions"] if c.get("type") != "Degraded"])
 

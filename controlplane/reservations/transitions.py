@@ -8,7 +8,7 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import errors, events
+from controlplane import confirmations, errors, events
 from controlplane.reservations import queries, states
 
 
@@ -54,9 +54,7 @@ async def move(
 
 async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions: list[dict[str, Any]]) -> None:
     """Replace the conditions of `row` (locked by the caller) without a state change."""
-    await conn.execute(
-        "UPDATE reservations SET conditions = %s, version = version + 1, updated_at = clock_timestamp()"
-        " WHERE id = %s", (Jsonb(conditions), row["id"]))
+    await conn.execute(queries.SET_CONDITIONS, {"id": row["id"], "conditions": Jsonb(conditions)})
     row["conditions"] = conditions
 
 
@@ -64,16 +62,12 @@ async def expire_confirmation(conn: AsyncConnection, row: dict[str, Any]) -> Non
     """A request awaiting confirmation whose deadline passed: the confirmation expires and the
     reservation with it. Called by the reconciler at the deadline and by admission when a late
     retry finds it past; a no-op when nothing is due or it was decided meanwhile."""
-    due = await (
-        await conn.execute(
-            "SELECT id FROM confirmations WHERE reservation_id = %s AND state = 'pending'"
-            " AND expires_at <= compute_now() FOR UPDATE", (row["id"],))
-    ).fetchone()
+    due = await confirmations.lock_due(conn, row["id"])
     if due is None:
         return
     locked = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": row["id"]})).fetchone()
     if locked["state"] != states.AWAITING_CONFIRMATION:
         return
-    await conn.execute("UPDATE confirmations SET state = 'expired' WHERE id = %s", (due["id"],))
+    await confirmations.expire(conn, due)
     await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
     await events.emit_reservation(conn, locked, "reservation.expired", reason="confirmation-expired")

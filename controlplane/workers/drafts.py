@@ -14,28 +14,19 @@ import asyncio
 import structlog
 
 from controlplane import db
+from controlplane.reservations import queries
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
 
 BATCH = 500
 
-_EXPIRE = """
-DELETE FROM reservations WHERE id IN (
-    SELECT id FROM reservations
-    WHERE state = 'draft' AND created_at < now() - %(retention_s)s * interval '1 second'
-    ORDER BY created_at LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
-)
-"""
-
-
 async def expire(rt: Runtime) -> int:
     """Delete the drafts older than the retention window; the number deleted."""
     params = {"retention_s": rt.settings.draft_retention_hours * 3600, "batch": BATCH}
     total = 0
     while True:
-        deleted = await db.run_in_transaction(rt.pool, lambda c: c.execute(_EXPIRE, params))
+        deleted = await db.run_in_transaction(rt.pool, lambda c: c.execute(queries.DELETE_EXPIRED_DRAFTS, params))
         total += deleted.rowcount
         if deleted.rowcount < BATCH:
             break

@@ -1,0 +1,44 @@
+"""The operator's SQL for tenants, identities, tokens, pools, offers and policies, in one
+place (the nodes' statements live with the nodes)."""
+
+INSERT_TENANT = "INSERT INTO tenants (id, name) VALUES (%(id)s, %(name)s) ON CONFLICT DO NOTHING"
+TENANT = "SELECT id, name FROM tenants WHERE id = %(id)s"
+
+INSERT_IDENTITY = """
+INSERT INTO identities (id, kind, name, delegator_id, confirm_actions)
+VALUES (%(id)s, %(kind)s, %(name)s, %(delegator_id)s, %(confirm_actions)s)
+ON CONFLICT (id) DO NOTHING
+"""
+INSERT_MEMBERSHIP = """
+INSERT INTO memberships (tenant_id, identity_id) VALUES (%(tenant_id)s, %(identity_id)s)
+ON CONFLICT DO NOTHING
+"""
+IDENTITY = """
+SELECT i.*, coalesce(array_agg(m.tenant_id ORDER BY m.tenant_id)
+                     FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids
+FROM identities i LEFT JOIN memberships m ON m.identity_id = i.id
+WHERE i.id = %(id)s GROUP BY i.id
+"""
+
+
+INSERT_POOL = """
+INSERT INTO pools (id, owner_tenant_id, name, region, policy)
+VALUES (%(id)s, %(owner)s, %(name)s, %(region)s, %(policy)s)
+"""
+INSERT_OFFER = """
+INSERT INTO pool_offers (pool_id, tenant_id) VALUES (%(pool_id)s, %(tenant_id)s) ON CONFLICT DO NOTHING
+"""
+POOLS = """
+SELECT p.*, coalesce(array_agg(o.tenant_id ORDER BY o.tenant_id) FILTER (WHERE o.tenant_id IS NOT NULL),
+                     '{}') AS offered_to
+FROM pools p LEFT JOIN pool_offers o ON o.pool_id = p.id
+WHERE (%(id)s::text IS NULL OR p.id = %(id)s) AND (%(owner)s::text IS NULL OR p.owner_tenant_id = %(owner)s)
+GROUP BY p.id ORDER BY p.created_at, p.id
+"""
+
+UPSERT_POLICY = """
+INSERT INTO policies (tenant_id, cedar) VALUES (%(tenant_id)s, %(cedar)s)
+ON CONFLICT (tenant_id) DO UPDATE SET cedar = EXCLUDED.cedar,
+    version = policies.version + 1, updated_at = now()
+RETURNING tenant_id, cedar, version
+"""
