@@ -6,18 +6,28 @@ Driven through the API against a real server; the database is read only to check
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
 
 from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import reservations_pb2 as pb
+from tests.conftest import module_stack
 from tests.invariants import check_invariants
-from tests.promise_support import SigningNodes
-from tests.support import Client, World, rpc_error
+from tests.promise_support import SigningNodes, poll
+from tests.support import Client, ServerThread, World, rpc_error
 from tests.test_confirmation import agent_world, require_confirmation
 from tests.test_watch import Stream
+from tests.test_webhooks import LOOPBACK, SECRET, Receiver, hooks
+
+
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """Loopback webhook receivers allowlisted, to see reservation.reassigned delivered."""
+    yield from module_stack(pg_uri, webhook_allow=LOOPBACK)
 
 
 def offboard(world: World, identity: str, successor: str) -> apb.OffboardIdentityResponse:
@@ -234,3 +244,19 @@ def test_drafts_are_deleted_and_a_watch_stream_of_the_leaver_ends(world: World) 
             stream.take(1)
     assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert world.sql(drafts, (world.user_id,)) == [(0,)]
+
+
+def test_a_webhook_subscribed_to_reservation_reassigned_receives_it(world: World) -> None:
+    successor_id, successor = world.identity()
+    moved = world.create(count=1, start=world.later(24))
+    receiver = Receiver()
+    try:
+        hooks(successor, "Create", epb.CreateWebhookRequest(
+            tenant_id=world.tenant, url=receiver.url, secret=SECRET, event_types=["reservation.reassigned"]))
+        offboard(world, world.user_id, successor_id)
+        hits = poll(lambda: receiver.of(subject=f"reservation/{moved.id}"), what="the webhook delivery")
+        assert [h.event["type"] for h in hits] == ["reservation.reassigned"] and hits[0].signed
+        assert hits[0].event["data"] == {"reservationId": moved.id, "from": world.user_id, "to": successor_id,
+                                         "reason": "offboarded", "state": "placed", "poolId": world.pool_id}
+    finally:
+        receiver.close()
