@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 
 import grpc
+import psycopg
 import pytest
 from google.protobuf.json_format import MessageToDict
 
@@ -260,3 +261,14 @@ def test_a_webhook_subscribed_to_reservation_reassigned_receives_it(world: World
                                          "reason": "offboarded", "state": "placed", "poolId": world.pool_id}
     finally:
         receiver.close()
+
+
+def test_the_schema_refuses_a_new_reservation_for_an_offboarded_identity(world: World) -> None:
+    """The guard for a create the identity authenticated just before it was offboarded."""
+    successor_id, _ = world.identity()
+    offboard(world, world.user_id, successor_id)
+    with pytest.raises(psycopg.errors.CheckViolation) as exc:
+        world.sql("INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,"
+                  " request_hash) VALUES ('rsv_late', %s, %s, %s, 'late', '{}', '')",
+                  (world.tenant, world.pool_id, world.user_id))
+    assert exc.value.diag.constraint_name == "reservations_owner_not_offboarded"

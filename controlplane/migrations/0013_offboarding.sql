@@ -27,3 +27,20 @@ CREATE INDEX reservations_by_owner ON reservations (owner_identity_id, tenant_id
 ALTER TABLE confirmations DROP CONSTRAINT confirmations_state_check;
 ALTER TABLE confirmations ADD CONSTRAINT confirmations_state_check
     CHECK (state IN ('pending', 'approved', 'rejected', 'expired', 'withdrawn'));
+
+-- No new reservation for an offboarded identity, even from a request it authenticated just
+-- before: the lock waits for an offboarding in progress (which holds the identity row) and then
+-- reads its outcome. A create that got in first is seen by the offboarding, which waits for it.
+CREATE FUNCTION reservations_owner_not_offboarded() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    gone timestamptz;
+BEGIN
+    SELECT offboarded_at INTO gone FROM identities WHERE id = NEW.owner_identity_id FOR KEY SHARE;
+    IF gone IS NOT NULL THEN
+        RAISE EXCEPTION 'identity % is offboarded', NEW.owner_identity_id
+            USING ERRCODE = 'check_violation', CONSTRAINT = 'reservations_owner_not_offboarded';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER reservations_owner_not_offboarded BEFORE INSERT ON reservations
+    FOR EACH ROW EXECUTE FUNCTION reservations_owner_not_offboarded();
