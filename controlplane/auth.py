@@ -1,5 +1,5 @@
 """Who is calling: bearer tokens (stored as SHA-256, with an expiry) resolved to an identity and its
-tenants. A revoked or expired token is UNAUTHENTICATED."""
+tenants. A revoked or expired token, or one of an offboarded identity, is UNAUTHENTICATED."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ SELECT i.id, i.kind, i.delegator_id, i.confirm_actions, t.id AS token_id,
 FROM api_tokens t
 JOIN identities i ON i.id = t.identity_id
 LEFT JOIN memberships m ON m.identity_id = i.id
-WHERE t.token_hash = %(hash)s AND t.revoked_at IS NULL
+WHERE t.token_hash = %(hash)s AND t.revoked_at IS NULL AND i.offboarded_at IS NULL
 GROUP BY i.id, t.token_hash
 """
 

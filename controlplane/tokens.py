@@ -57,13 +57,14 @@ WHERE id = ANY(%(ids)s) AND revoked_at IS NULL
 RETURNING {_COLUMNS}
 """
 
-_REVOKE_IDENTITY = f"""
+_REVOKE_IDENTITIES = f"""
 UPDATE api_tokens SET revoked_at = now()
-WHERE identity_id = %(identity_id)s AND revoked_at IS NULL
+WHERE identity_id = ANY(%(identity_ids)s) AND revoked_at IS NULL
 RETURNING {_COLUMNS}
 """
 
 _IDENTITY_EXISTS = "SELECT 1 FROM identities WHERE id = %s"
+_IDENTITY_OFFBOARDED = "SELECT offboarded_at IS NOT NULL AS offboarded FROM identities WHERE id = %s"
 
 # Open Watch streams end when a token they run on is revoked (controlplane.watch listens).
 REVOKED_CHANNEL = "bc_tokens_revoked"
@@ -122,6 +123,11 @@ async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str =
     match("identityId", identity_id, IDENTITY_ID)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        identity = await (await conn.execute(_IDENTITY_OFFBOARDED, (identity_id,))).fetchone()
+        if identity is None:
+            raise errors.NotFound("no such identity", identityId=identity_id)
+        if identity["offboarded"]:
+            raise errors.InvalidState("this identity is offboarded", identityId=identity_id, state="offboarded")
         now_ms = (await (await conn.execute(_NOW_MS)).fetchone())["now_ms"]
         secret, params = _mint_params(identity_id, _ttl_ms(rt, now_ms, expires_at_ms, ttl))
         try:
@@ -159,19 +165,28 @@ async def revoke(rt: Runtime, token_id: str, prefix: str, identity_id: str) -> l
         if identity_id:
             if await (await conn.execute(_IDENTITY_EXISTS, (identity_id,))).fetchone() is None:
                 raise errors.NotFound("no such identity", identityId=identity_id)
-            rows = await (await conn.execute(_REVOKE_IDENTITY, {"identity_id": identity_id})).fetchall()
-        else:
-            found = await (await conn.execute(_FIND, {"id": token_id or None, "prefix": prefix or None})).fetchall()
-            if not found:
-                raise errors.NotFound("no such token", tokenId=token_id or None, prefix=prefix or None)
-            if len(found) > 1:
-                raise errors.Conflict("the prefix names several tokens: revoke by id",
-                                      prefix=prefix, tokenIds=[r["id"] for r in found])
-            revoked = await (await conn.execute(_REVOKE, {"ids": [found[0]["id"]]})).fetchall()
-            rows = revoked or found
-        ids = [r["id"] for r in rows]
-        for i in range(0, len(ids), _IDS_PER_NOTIFY):  # a payload holds at most 8000 bytes
-            await conn.execute("SELECT pg_notify(%s, %s)", (REVOKED_CHANNEL, ",".join(ids[i:i + _IDS_PER_NOTIFY])))
-        return rows
+            return await revoke_identities(conn, [identity_id])
+        found = await (await conn.execute(_FIND, {"id": token_id or None, "prefix": prefix or None})).fetchall()
+        if not found:
+            raise errors.NotFound("no such token", tokenId=token_id or None, prefix=prefix or None)
+        if len(found) > 1:
+            raise errors.Conflict("the prefix names several tokens: revoke by id",
+                                  prefix=prefix, tokenIds=[r["id"] for r in found])
+        revoked = await (await conn.execute(_REVOKE, {"ids": [found[0]["id"]]})).fetchall()
+        await _notify_revoked(conn, revoked)
+        return revoked or found
 
     return await db.run_in_transaction(rt.pool, work)
+
+
+async def revoke_identities(conn: AsyncConnection, identity_ids: list[str]) -> list[dict[str, Any]]:
+    """Revoke every live token of these identities in the caller's transaction; the tokens revoked."""
+    rows = await (await conn.execute(_REVOKE_IDENTITIES, {"identity_ids": identity_ids})).fetchall()
+    await _notify_revoked(conn, rows)
+    return rows
+
+
+async def _notify_revoked(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    ids = [r["id"] for r in rows]
+    for i in range(0, len(ids), _IDS_PER_NOTIFY):  # a payload holds at most 8000 bytes
+        await conn.execute("SELECT pg_notify(%s, %s)", (REVOKED_CHANNEL, ",".join(ids[i:i + _IDS_PER_NOTIFY])))

@@ -29,8 +29,9 @@ JOIN pools p ON p.id = n.pool_id
 WHERE p.owner_tenant_id = %(t)s
 """
 
+# An idempotency key is its creator's, even after the reservation was reassigned (offboarding).
 KEYS = """
-SELECT owner_identity_id, idempotency_key, count(*)::int
+SELECT coalesce(creator_identity_id, owner_identity_id) AS creator, idempotency_key, count(*)::int
 FROM reservations WHERE tenant_id = %(t)s GROUP BY 1, 2
 """
 

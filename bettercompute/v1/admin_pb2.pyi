@@ -999,3 +999,82 @@ class Policy(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Policy: _TypeAlias = Policy  # noqa: Y015
+
+@_typing.final
+class OffboardIdentityRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    identity_id: _builtins.str
+    successor_identity_id: _builtins.str
+    """A member of every tenant where the identity owns a live reservation; not offboarded."""
+    def __init__(
+        self,
+        *,
+        identity_id: _builtins.str = ...,
+        successor_identity_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_id", b"identity_id", "successor_identity_id", b"successor_identity_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffboardIdentityRequest: _TypeAlias = OffboardIdentityRequest  # noqa: Y015
+
+@_typing.final
+class OffboardIdentityResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    OFFBOARDED_AT_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    REASSIGNED_RESERVATION_IDS_FIELD_NUMBER: _builtins.int
+    EXPIRED_RESERVATION_IDS_FIELD_NUMBER: _builtins.int
+    WITHDRAWN_CONFIRMATION_IDS_FIELD_NUMBER: _builtins.int
+    REVOKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    DISABLED_AGENT_IDS_FIELD_NUMBER: _builtins.int
+    identity_id: _builtins.str
+    successor_identity_id: _builtins.str
+    offboarded_at: _builtins.int
+    """Epoch ms of the (first) offboarding."""
+    changed: _builtins.bool
+    """False when the identity was already offboarded to this successor: nothing changed now."""
+    @_builtins.property
+    def reassigned_reservation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What this call did (empty when nothing changed)."""
+
+    @_builtins.property
+    def expired_reservation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Reservations that were awaiting a withdrawn confirmation and expired with it."""
+
+    @_builtins.property
+    def withdrawn_confirmation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def revoked_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def disabled_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The agents acting for the identity, disabled with it."""
+
+    def __init__(
+        self,
+        *,
+        identity_id: _builtins.str = ...,
+        successor_identity_id: _builtins.str = ...,
+        offboarded_at: _builtins.int = ...,
+        changed: _builtins.bool = ...,
+        reassigned_reservation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        expired_reservation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        withdrawn_confirmation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        revoked_token_ids: _abc.Iterable[_builtins.str] | None = ...,
+        disabled_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "disabled_agent_ids", b"disabled_agent_ids", "expired_reservation_ids", b"expired_reservation_ids", "identity_id", b"identity_id", "offboarded_at", b"offboarded_at", "reassigned_reservation_ids", b"reassigned_reservation_ids", "revoked_token_ids", b"revoked_token_ids", "successor_identity_id", b"successor_identity_id", "withdrawn_confirmation_ids", b"withdrawn_confirmation_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffboardIdentityResponse: _TypeAlias = OffboardIdentityResponse  # noqa: Y015

@@ -124,6 +124,11 @@ class AdminStub:
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.PutPolicyRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Policy.FromString,
                 _registered_method=True)
+        self.OffboardIdentity = channel.unary_unary(
+                '/bettercompute.v1.Admin/OffboardIdentity',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -249,6 +254,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OffboardIdentity(self, request, context):
+        """Offboards an identity: its live reservations pass to the successor (reservation.reassigned),
+        its tokens are revoked, its open confirmations withdrawn, and the agents acting for it are
+        disabled with it. The identity cannot authenticate or get tokens afterwards. Repeating the
+        call with the same successor changes nothing; with another successor it is INVALID_STATE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -341,6 +356,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.PutPolicy,
                     request_deserializer=bettercompute_dot_v1_dot_admin__pb2.PutPolicyRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_admin__pb2.Policy.SerializeToString,
+            ),
+            'OffboardIdentity': grpc.unary_unary_rpc_method_handler(
+                    servicer.OffboardIdentity,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -829,6 +849,33 @@ class Admin:
             '/bettercompute.v1.Admin/PutPolicy',
             bettercompute_dot_v1_dot_admin__pb2.PutPolicyRequest.SerializeToString,
             bettercompute_dot_v1_dot_admin__pb2.Policy.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OffboardIdentity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/OffboardIdentity',
+            bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.FromString,
             options,
             channel_credentials,
             insecure,

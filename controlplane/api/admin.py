@@ -7,7 +7,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bettercompute.v1 import admin_pb2 as pb
 from bettercompute.v1 import admin_pb2_grpc as rpc
-from controlplane import admin, clock, tokens
+from controlplane import admin, clock, offboarding, tokens
 from controlplane.api import convert
 from controlplane.api.interceptor import caller
 from controlplane.runtime import Runtime
@@ -109,3 +109,8 @@ class AdminServicer(rpc.AdminServicer):
     async def PutPolicy(self, request: pb.PutPolicyRequest, context: Ctx) -> pb.Policy:
         _root()
         return pb.Policy(**await admin.put_policy(self.rt, request.tenant_id, request.cedar))
+
+    async def OffboardIdentity(self, request: pb.OffboardIdentityRequest, context: Ctx) -> pb.OffboardIdentityResponse:
+        _root()
+        return pb.OffboardIdentityResponse(
+            **await offboarding.offboard(self.rt, request.identity_id, request.successor_identity_id))
