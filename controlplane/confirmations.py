@@ -46,6 +46,17 @@ UPDATE confirmations SET state = 'expired'
 WHERE reservation_id = %(reservation_id)s AND state IN ('pending', 'approved')
 """
 
+_WITHDRAW_OF_IDENTITIES = """
+UPDATE confirmations c SET state = 'withdrawn', decided_at = compute_now()
+WHERE c.id IN (
+    SELECT c2.id FROM confirmations c2 JOIN reservations r ON r.id = c2.reservation_id
+    WHERE (c2.agent_identity_id = ANY(%(ids)s) OR c2.person_identity_id = ANY(%(ids)s))
+      AND (c2.state = 'pending' OR (c2.state = 'approved' AND r.state = 'awaiting-confirmation'))
+    ORDER BY c2.id FOR UPDATE OF c2
+)
+RETURNING c.id
+"""
+
 
 async def open_confirmation(
     conn: AsyncConnection, *, confirmation_id: str, row: dict[str, Any], action: str, agent: str, person: str | None,
@@ -109,3 +120,10 @@ async def decide(rt: Runtime, caller: Caller, tenant_id: str, cid: str, approve:
         return await _visible(conn, caller, tenant_id, cid, lock=False)
 
     return await db.run_in_transaction(rt.pool, work)
+
+
+async def withdraw_of_identities(conn: AsyncConnection, identity_ids: list[str]) -> list[str]:
+    """Withdraw the open confirmations asked of, or asked by, these identities (offboarding): the
+    pending ones, and the approved ones whose request was not retried yet. Their ids."""
+    rows = await (await conn.execute(_WITHDRAW_OF_IDENTITIES, {"ids": identity_ids})).fetchall()
+    return [r["id"] for r in rows]

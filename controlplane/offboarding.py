@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 from psycopg import AsyncConnection
 
-from controlplane import db, errors, events, tokens
+from controlplane import confirmations, db, errors, events, tokens
 from controlplane.reservations import queries as reservation_queries
 from controlplane.reservations import states
 from controlplane.reservations.transitions import move
@@ -45,32 +45,6 @@ FROM identities i WHERE i.id = ANY(%(ids)s) ORDER BY i.id FOR UPDATE OF i
 
 _LOCK_AGENTS = """
 SELECT id FROM identities WHERE delegator_id = %(id)s AND offboarded_at IS NULL ORDER BY id FOR UPDATE
-"""
-
-_WITHDRAW_CONFIRMATIONS = """
-UPDATE confirmations c SET state = 'withdrawn', decided_at = compute_now()
-WHERE c.id IN (
-    SELECT c2.id FROM confirmations c2 JOIN reservations r ON r.id = c2.reservation_id
-    WHERE (c2.agent_identity_id = ANY(%(ids)s) OR c2.person_identity_id = ANY(%(ids)s))
-      AND (c2.state = 'pending' OR (c2.state = 'approved' AND r.state = 'awaiting-confirmation'))
-    ORDER BY c2.id FOR UPDATE OF c2
-)
-RETURNING c.id
-"""
-
-_LOCK_OWNED = f"""
-SELECT {reservation_queries.COLUMNS} FROM reservations r
-WHERE r.owner_identity_id = ANY(%(ids)s) AND r.state = ANY(%(states)s)
-ORDER BY r.id FOR UPDATE
-"""
-
-_DELETE_DRAFTS = "DELETE FROM reservations WHERE owner_identity_id = ANY(%(ids)s) AND state = 'draft'"
-
-_REASSIGN = """
-UPDATE reservations
-SET creator_identity_id = coalesce(creator_identity_id, owner_identity_id),
-    owner_identity_id = %(to)s, version = version + 1, updated_at = clock_timestamp()
-WHERE id = %(id)s
 """
 
 _MARK_OFFBOARDED = """
@@ -115,9 +89,9 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
                                   "and is disabled with it")
     ids = [identity_id, *agents]
 
-    withdrawn = [r["id"] for r in await (await conn.execute(_WITHDRAW_CONFIRMATIONS, {"ids": ids})).fetchall()]
+    withdrawn = await confirmations.withdraw_of_identities(conn, ids)
     owned = await (await conn.execute(
-        _LOCK_OWNED, {"ids": ids, "states": [states.AWAITING_CONFIRMATION, *REASSIGNABLE]})).fetchall()
+        reservation_queries.OWNED_BY_FOR_UPDATE, {"ids": ids, "states": [states.AWAITING_CONFIRMATION, *REASSIGNABLE]})).fetchall()
     moving = [r for r in owned if r["state"] != states.AWAITING_CONFIRMATION]
     missing = sorted({r["tenant_id"] for r in moving} - set(successor["tenant_ids"]))
     if missing:
@@ -130,9 +104,9 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
             await move(conn, row, states.EXPIRED, operation_state="failed", end_reason=WITHDRAWN_REASON)
             await events.emit_reservation(conn, row, "reservation.expired", reason=WITHDRAWN_REASON)
             expired.append(row["id"])
-    await conn.execute(_DELETE_DRAFTS, {"ids": ids})
+    await conn.execute(reservation_queries.DELETE_DRAFTS_OF, {"ids": ids})
     for row in moving:
-        await conn.execute(_REASSIGN, {"id": row["id"], "to": successor_id})
+        await conn.execute(reservation_queries.REASSIGN_OWNER, {"id": row["id"], "to": successor_id})
         reason = OFFBOARDED if row["owner_identity_id"] == identity_id else DELEGATOR_OFFBOARDED
         await events.emit_reservation(conn, row, "reservation.reassigned", reservationId=row["id"],
                                       **{"from": row["owner_identity_id"], "to": successor_id, "reason": reason})

@@ -316,3 +316,20 @@ DELETE FROM reservations WHERE id IN (
     FOR UPDATE SKIP LOCKED
 )
 """
+
+# Offboarding: an identity's reservations, locked; its drafts dropped; one handed to a successor
+# (the creator is kept, so its idempotency keys stay its own).
+OWNED_BY_FOR_UPDATE = f"""
+SELECT {COLUMNS} FROM reservations r
+WHERE r.owner_identity_id = ANY(%(ids)s) AND r.state = ANY(%(states)s)
+ORDER BY r.id FOR UPDATE
+"""
+
+DELETE_DRAFTS_OF = "DELETE FROM reservations WHERE owner_identity_id = ANY(%(ids)s) AND state = 'draft'"
+
+REASSIGN_OWNER = """
+UPDATE reservations
+SET creator_identity_id = coalesce(creator_identity_id, owner_identity_id),
+    owner_identity_id = %(to)s, version = version + 1, updated_at = clock_timestamp()
+WHERE id = %(id)s
+"""
