@@ -316,6 +316,12 @@ def test_booking_repair_with_nowhere_to_go_is_pending_booking_repair_failed(worl
     assert pending.conditions[0].type == "Unschedulable" and pending.conditions[0].reason == "BookingRepairFailed"
     assert used(world) == 16
     assert [a.node_id for a in get(world, filler.id).allocations if a.state == "placed"] == [other]
+    # Freed capacity retries it at once; still nothing fits, and it keeps the reason it went
+    # pending for: the retry only rewrites the message (from the repair's own to the placer's).
+    brief = world.create(count=1, duration="1m")
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=brief.id))
+    retried = eventually(world, r.id, lambda x: not x.conditions[0].message.startswith("booking repair"))
+    assert retried.state == "pending" and retried.conditions[0].reason == "BookingRepairFailed"
 
 
 # Confirmation deadline -----------------------------------------------------------------------

@@ -89,13 +89,13 @@ async def place_locked(
     placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics)
     if placement is None:
         reason = await placer.explain(conn, ask)
-        was_pending = row["state"] == states.PENDING
-        unchanged = was_pending and any(
-            c.get("type") == "Unschedulable" and c.get("message") == reason for c in row["conditions"]
-        )
-        if was_pending:
-            if not unchanged:
-                await set_conditions(conn, row, [condition("Unschedulable", "NoFit", reason, now_ms)])
+        if row["state"] == states.PENDING:
+            # A retry that still finds nothing keeps the reason it went pending for (NoFit, or
+            # BookingRepairFailed after a repair) and only refreshes the message.
+            held = next((c for c in row["conditions"] if c.get("type") == "Unschedulable"), None)
+            if held is None or held.get("message") != reason:
+                why = held.get("reason", "NoFit") if held else "NoFit"
+                await set_conditions(conn, row, [condition("Unschedulable", why, reason, now_ms)])
             return False
         await move(conn, row, states.PENDING, operation_state="succeeded",
                    conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)
