@@ -77,6 +77,8 @@ FROM events
 """
 
 # The safety net: tenants with events above a frontier (a range scan of the primary key).
+# "From now": the tenant's last committed event (the hub's frontier may still trail it).
+_LAST_VISIBLE = "SELECT coalesce(max(id), 0) AS id FROM events WHERE tenant_id = %(tenant_id)s"
 _TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
 
 _REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND revoked_at IS NOT NULL"
@@ -326,7 +328,11 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
     try:
         await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ,
                                {"types": req.types, "subject": req.subject})
-        after = await hub.ready() if req.from_now else req.after_id
+        after = req.after_id
+        if req.from_now:  # skip what committed before the call, even past the hub's frontier
+            async with db.read_only(rt.pool) as conn:
+                last = (await (await conn.execute(_LAST_VISIBLE, {"tenant_id": req.tenant_id})).fetchone())["id"]
+            after = max(await hub.ready(), last)
         while True:
             sub.woken.clear()  # before reading: a wake-up during the read is kept
             upto = hub.safe_id
