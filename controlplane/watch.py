@@ -33,7 +33,7 @@ import structlog
 
 from controlplane import authorize, db, errors
 from controlplane.auth import Caller
-from controlplane.reservations.validate import TENANT_ID, match
+from controlplane.common.names import TENANT_ID, match
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)

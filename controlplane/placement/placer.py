@@ -1,6 +1,6 @@
 """Placing one allocation: plan from a shortlist, commit under the pool lock, re-plan on a lost race.
 
-Lock order everywhere: pool advisory lock -> reservation row -> quota rows -> allocation rows.
+The pool lock and the lock order: controlplane.common.locks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
+from controlplane.common.locks import pool_lock  # noqa: F401  (placer.pool_lock: its callers' name)
 from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.placement import planner, queries
@@ -61,10 +62,6 @@ class Placement:
 class Planned:
     plan: planner.Plan | None
     uuids: dict[str, str] = field(default_factory=dict)
-
-
-async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
-    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
 
 
 async def plan(
