@@ -94,11 +94,6 @@ END_ALLOCATIONS = """
 UPDATE allocations SET state = %(state)s
 WHERE reservation_id = %(id)s AND state IN ('placed', 'binding', 'bound')
 """
-BUMP_DESIRED_OF_LIVE = """
-SELECT bump_desired(node_id) FROM (
-    SELECT DISTINCT node_id FROM allocations
-    WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')) live
-"""
 TRUNCATE_WINDOW = """
 UPDATE reservations SET during = tstzrange(lower(during), compute_now(), '[)')
 WHERE id = %(id)s AND during @> compute_now()
