@@ -1,4 +1,5 @@
 """The operator's domain: tenants, identities, pools, offers, nodes, quotas, policies.
+Node rows are written by their owner, controlplane.nodes; these check the operator's input and call it.
 
 Tokens live in `controlplane.tokens`. Callers must be members of the root tenant (checked by the
 servicer through `Caller.require_root`).
@@ -14,12 +15,13 @@ from psycopg.types.json import Jsonb
 
 from controlplane import admin_queries as q
 from controlplane import db, db_errors, errors, iam, quota
+from controlplane.common.names import IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
 from controlplane.ids import new_id
-from controlplane.reservations.validate import LABEL, MODEL, POOL_ID, TENANT_ID, match
+from controlplane.nodes import connectivity as node_connectivity
+from controlplane.nodes import health as node_health
+from controlplane.nodes import registry as node_registry
 from controlplane.runtime import Runtime
 
-IDENTITY_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 KINDS = {"user", "service", "agent"}
 SHARING_MODES = {"", "exclusive", "mig", "time-slice", "mps"}
 QUOTA_RESOURCES = re.compile(r"^(gpu(:[A-Za-z0-9._-]{1,64})?|vcpu|memoryGiB)$")
@@ -104,13 +106,6 @@ async def list_pools(rt: Runtime, owner: str | None) -> list[dict[str, Any]]:
         return await (await conn.execute(q.POOLS, {"id": None, "owner": owner or None})).fetchall()
 
 
-_NODE = """
-SELECT n.*, (SELECT count(*) FROM atoms a WHERE a.node_id = n.id AND a.kind = 'gpu') AS gpu_count
-FROM nodes n WHERE (%(id)s::text IS NULL OR n.id = %(id)s) AND (%(pool)s::text IS NULL OR n.pool_id = %(pool)s)
-ORDER BY n.name
-"""
-
-
 def _labels(raw: dict[str, Any]) -> dict[str, dict[str, str]]:
     labels: dict[str, dict[str, str]] = {}
     for key, value in (raw.get("labels") or {}).items():
@@ -137,82 +132,32 @@ async def register_node(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
         seen.add(gpu["uuid"])
         match(f"gpus[{i}].model", gpu.get("model") or "", MODEL)
     labels = _labels(raw)
-    node_id = new_id("node")
-
-    async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(
-            "INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)"
-            " VALUES (%s, %s, %s, %s, %s, %s)",
-            (node_id, pool_id, name, Jsonb(labels), list(raw.get("capabilities") or []),
-             Jsonb({"gpus": gpus})),
-        )
-        async with conn.cursor() as cur:
-            await cur.executemany(
-                "INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)"
-                " VALUES (%s, %s, 'gpu', %s, %s, %s, %s)",
-                [(new_id("atom"), node_id, g["uuid"], g.get("model") or "", g.get("numa_node") or 0,
-                  g.get("nvlink_domain") or "") for g in gpus],
-            )
-        return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
-
-    with db_errors.mapped(poolId=pool_id, name=name):
-        return await db.run_in_transaction(rt.pool, work)
+    return await node_registry.register(rt.pool, pool_id=pool_id, name=name, labels=labels,
+                                        capabilities=list(raw.get("capabilities") or []), gpus=gpus)
 
 
 async def set_node_state(rt: Runtime, node_id: str, state: str) -> dict[str, Any]:
     if state not in ("ready", "cordoned"):
         raise errors.InvalidInput("state", "must be 'ready' or 'cordoned'")
-
-    async def work(conn: AsyncConnection) -> dict[str, Any]:
-        cur = await conn.execute("UPDATE nodes SET state = %s WHERE id = %s", (state, node_id))
-        if cur.rowcount == 0:
-            raise errors.NotFound("no such node", nodeId=node_id)
-        await conn.execute("SELECT wake_node_reservations(%s)", (node_id,))
-        if state == "ready":
-            pool = await (await conn.execute("SELECT pool_id FROM nodes WHERE id = %s", (node_id,))).fetchone()
-            await conn.execute("SELECT pg_notify('bc_pool_freed', %s)", (pool["pool_id"],))
-        return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
-
-    return await db.run_in_transaction(rt.pool, work)
+    return await node_health.set_state(rt.pool, node_id, state)
 
 
 async def set_gpu_health(rt: Runtime, node_id: str, device_uuid: str, health: str) -> dict[str, Any]:
-    """Quarantine or restore a GPU (and its MIG instances and slots)."""
+    """Quarantine or restore a GPU (and its MIG instances and slots), under the pool lock."""
     if health not in ("healthy", "unhealthy"):
         raise errors.InvalidInput("health", "must be 'healthy' or 'unhealthy'")
-
-    async def work(conn: AsyncConnection) -> dict[str, Any]:
-        cur = await conn.execute(
-            "UPDATE atoms SET health = %s WHERE node_id = %s AND device_uuid = %s", (health, node_id, device_uuid)
-        )
-        if cur.rowcount == 0:
-            raise errors.NotFound("no such GPU on that node", nodeId=node_id, deviceUuid=device_uuid)
-        await conn.execute("SELECT wake_node_reservations(%s)", (node_id,))
-        return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
-
-    return await db.run_in_transaction(rt.pool, work)
+    return await node_health.set_gpu_health(rt.pool, node_id, device_uuid, health)
 
 
 async def set_node_connectivity(rt: Runtime, node_id: str, connectivity: str) -> dict[str, Any]:
     if connectivity not in ("connected", "unreachable"):
         raise errors.InvalidInput("connectivity", "must be 'connected' or 'unreachable'")
-
-    async def work(conn: AsyncConnection) -> dict[str, Any]:
-        cur = await conn.execute(
-            "UPDATE nodes SET connectivity = %s, last_seen = CASE WHEN %s = 'connected' THEN compute_now()"
-            " ELSE last_seen END WHERE id = %s", (connectivity, connectivity, node_id))
-        if cur.rowcount == 0:
-            raise errors.NotFound("no such node", nodeId=node_id)
-        await conn.execute("SELECT wake_node_reservations(%s)", (node_id,))
-        return await (await conn.execute(_NODE, {"id": node_id, "pool": None})).fetchone()
-
-    return await db.run_in_transaction(rt.pool, work)
+    return await node_connectivity.set_by_operator(rt.pool, node_id, connectivity)
 
 
 async def list_nodes(rt: Runtime, pool_id: str) -> list[dict[str, Any]]:
     match("poolId", pool_id, POOL_ID)
-    async with db.read_only(rt.pool) as conn:
-        return await (await conn.execute(_NODE, {"id": None, "pool": pool_id})).fetchall()
+    return await node_registry.list_pool(rt.pool, pool_id)
 
 
 async def set_quota(rt: Runtime, tenant_id: str, resource: str, limit: int) -> dict[str, Any]:

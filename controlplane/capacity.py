@@ -6,8 +6,9 @@ from typing import Any
 
 from controlplane import authorize, db, errors
 from controlplane.auth import Caller
+from controlplane.common.names import POOL_ID, TENANT_ID, match
 from controlplane.reservations import queries
-from controlplane.reservations.validate import POOL_ID, TENANT_ID, TimeLimits, epoch_ms, match
+from controlplane.reservations.validate import TimeLimits, epoch_ms
 from controlplane.runtime import Runtime
 
 HOUR_MS = 3_600_000

@@ -12,7 +12,7 @@ from psycopg import AsyncConnection
 
 from controlplane import db, errors
 from controlplane.auth import Caller
-from controlplane.reservations.validate import TENANT_ID, match
+from controlplane.common.names import TENANT_ID, match
 from controlplane.runtime import Runtime
 
 CONFIRMATION_ID = re.compile(r"^conf_[0-9a-hjkmnp-tv-z]{26}$")

@@ -1,6 +1,6 @@
 """The spec's error codes. Once set, a code is never renamed: clients match on it.
 
-Domain code raises `DomainError` subclasses; `controlplane.api.status` maps them to gRPC status
+Domain code raises `DomainError` subclasses; `controlplane.common.status` maps them to gRPC status
 with a `google.rpc.ErrorInfo` whose reason is the code and whose metadata holds the details.
 """
 

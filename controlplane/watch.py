@@ -40,7 +40,7 @@ import structlog
 
 from controlplane import authorize, db, errors, tokens
 from controlplane.auth import Caller
-from controlplane.reservations.validate import TENANT_ID, match
+from controlplane.common.names import TENANT_ID, match
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)

@@ -14,12 +14,12 @@ from collections import defaultdict
 import psycopg
 import structlog
 
-from controlplane.pki.store import SESSION_CHANNEL
+from controlplane.nodes.desired import DESIRED_CHANNEL
+from controlplane.nodes.sessions import SESSION_CHANNEL
 from gateway.session_state import CHECK, DESIRED, NodeSession
 
 log = structlog.get_logger("gateway.hub")
 
-DESIRED_CHANNEL = "bc_node_desired"
 _CHANNELS = {DESIRED_CHANNEL: DESIRED, SESSION_CHANNEL: CHECK}
 
 

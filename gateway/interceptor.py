@@ -1,5 +1,5 @@
 """One canonical log line per unary RPC of the node gateway, a request id, and domain errors
-mapped to gRPC status in one place (controlplane.api.status). Sessions log their own start and end."""
+mapped to gRPC status in one place (controlplane.common.status). Sessions log their own start and end."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import grpc
 import structlog
 
 from controlplane import errors
-from controlplane.api.status import to_status
+from controlplane.common.status import to_status
 from controlplane.metrics import RpcMetrics
 
 log = structlog.get_logger("gateway.rpc")

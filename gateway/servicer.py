@@ -12,7 +12,7 @@ from psycopg_pool import AsyncConnectionPool
 from bettercompute.node.v1 import node_pb2 as pb
 from bettercompute.node.v1 import node_pb2_grpc as rpc
 from controlplane import errors
-from controlplane.api.status import to_status
+from controlplane.common.status import to_status
 from controlplane.pki import enrolment, store
 from controlplane.pki.config import PkiSettings
 from gateway import tls

@@ -18,23 +18,13 @@ from psycopg_pool import AsyncConnectionPool
 from bettercompute.node.v1 import node_pb2
 from controlplane import db
 from controlplane.ids import new_id
+from controlplane.nodes import connectivity, desired, inventory, reports, sessions
 from controlplane.pki import store
 from controlplane.pki.enrolment import Peer
-from gateway import desired, inventory, reports
 from gateway.hub import Hub
 from gateway.session_state import ACK, CHECK, CLOSED, DESIRED, RENEW, NodeSession
 
 log = structlog.get_logger("gateway.session")
-
-_REGISTER = """
-UPDATE nodes SET session_id = %(session_id)s, session_gateway = %(gateway)s, session_started_at = now()
-WHERE id = %(node_id)s
-"""
-_UNREGISTER = """
-UPDATE nodes SET session_id = NULL, session_gateway = NULL
-WHERE id = %(node_id)s AND session_id = %(session_id)s
-"""
-_CURRENT = "SELECT session_id FROM nodes WHERE id = %(node_id)s"
 
 
 class SessionEnded(Exception):
@@ -58,7 +48,7 @@ class SessionRunner:
         try:
             # Listen first, then register: a newer session registering after us always wakes us.
             self.hub.add(session)
-            await self._register(session)
+            await sessions.open(self.pool, session.node_id, session.session_id, self.gateway_id)
             log.info("session started", serial=peer.serial, role=peer.role, gateway=self.gateway_id)
             timers = self._timers(session)
             reader = asyncio.create_task(self._read(session, requests), name=f"session-{session.session_id}")
@@ -117,15 +107,15 @@ class SessionRunner:
         kind = message.WhichOneof("msg")
         node_id = session.node_id
         if kind == "hello":
-            await db.run_in_transaction(self.pool, lambda c: inventory.apply_hello(c, node_id, message.hello))
-            await self._seen(node_id, None)
+            await inventory.apply_hello(self.pool, node_id, message.hello)
+            await connectivity.seen(self.pool, node_id)
             log.info("hello", daemon_version=message.hello.daemon_version,
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
-            await self._seen(node_id, message.heartbeat.applied_generation)
+            await connectivity.seen(self.pool, node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
-            await db.run_in_transaction(self.pool, lambda c: inventory.apply_inventory(c, node_id, message.inventory))
-            await self._seen(node_id, None)
+            await inventory.apply_inventory(self.pool, node_id, message.inventory)
+            await connectivity.seen(self.pool, node_id)
         elif kind == "report":
             ack = await reports.intake(self.pool, node_id, message.report)
             if ack.outcome == reports.IGNORED:
@@ -136,46 +126,24 @@ class SessionRunner:
             log.info("report " + node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower(),
                      key_id=ack.key_id, sequence=ack.sequence)
 
-    async def _seen(self, node_id: str, applied_generation: int | None) -> None:
-        async def work(conn) -> None:
-            changed = (await (await conn.execute("SELECT node_seen(%s) AS changed", (node_id,))).fetchone())["changed"]
-            if applied_generation is not None:
-                await conn.execute("UPDATE nodes SET applied_generation = %s WHERE id = %s",
-                                   (applied_generation, node_id))
-            if changed:
-                log.info("node connected")
-
-        await db.run_in_transaction(self.pool, work)
-
     async def release_all(self) -> None:
         """On shutdown: every session of this gateway, in one statement, before the pool closes."""
-        await db.run_in_transaction(self.pool, lambda c: c.execute(
-            "UPDATE nodes SET session_id = NULL, session_gateway = NULL WHERE session_gateway = %s",
-            (self.gateway_id,)))
-
-    async def _register(self, session: NodeSession) -> None:
-        async def work(conn) -> None:
-            await conn.execute(_REGISTER, {"session_id": session.session_id, "gateway": self.gateway_id,
-                                           "node_id": session.node_id})
-            await conn.execute("SELECT pg_notify(%s, %s)", (store.SESSION_CHANNEL, session.node_id))
-
-        await db.run_in_transaction(self.pool, work)
+        await sessions.close_gateway(self.pool, self.gateway_id)
 
     async def _unregister(self, session: NodeSession) -> None:
         if self.pool.closed:  # shutting down: Gateway.stop released this gateway's sessions at once
             return
         try:
-            await db.run_in_transaction(self.pool, lambda c: c.execute(
-                _UNREGISTER, {"node_id": session.node_id, "session_id": session.session_id}))
+            await sessions.close(self.pool, session.node_id, session.session_id)
         except Exception:
             log.exception("session unregister failed")  # a newer session overwrites it anyway
 
     async def _check(self, session: NodeSession) -> None:
         """Still the node's newest session, with a certificate neither revoked nor expired?"""
         async with db.read_only(self.pool) as conn:
-            node = await (await conn.execute(_CURRENT, {"node_id": session.node_id})).fetchone()
+            newest = await sessions.current(conn, session.node_id)
             cert = await store.certificate_by_key_id(conn, session.peer.key_id)
-        if node is None or node["session_id"] != session.session_id:
+        if newest != session.session_id:
             raise SessionEnded(grpc.StatusCode.ABORTED, "a newer session of this node took over")
         if cert is None or cert["revoked_at"] is not None:
             raise SessionEnded(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")

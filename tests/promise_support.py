@@ -18,8 +18,8 @@ import psycopg
 from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from gateway import desired
-from gateway import reports as gateway_reports
+from controlplane.nodes import desired
+from controlplane.nodes import reports as node_reports
 from tests.support import World, eventually
 from tests.test_pki import Enrolled, arun, enrol, sign
 
@@ -57,7 +57,7 @@ class SigningNodes:
             body.failed.CopyFrom(node_pb2.AllocationFailed(allocation_id=allocation_id, reason="device-missing"))
         raw = body.SerializeToString()
         attested = node_pb2.AttestedReport(body=raw, key_id=node.key_id, signature=sign(node.keys.signing, raw))
-        ack = arun(self.world.conninfo, lambda pool: gateway_reports.intake(pool, node_id, attested))
+        ack = arun(self.world.conninfo, lambda pool: node_reports.intake(pool, node_id, attested))
         return node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower()
 
     def activate(self, rid: str) -> pb.Reservation:
@@ -114,7 +114,7 @@ def wake_up_times(world: World, rid: str) -> list[int]:
 
 @contextlib.contextmanager
 def pool_locked(world: World) -> Iterator[None]:
-    """Hold the pool's lock (capacity's pg_advisory_xact_lock on 'pool:<id>', as placer.pool_lock
+    """Hold the pool's lock (pg_advisory_xact_lock on 'pool:<id>', as controlplane.common.locks.pool_lock
     takes it) in a transaction of the test's own, so a step that needs it waits until the block ends."""
     with psycopg.connect(world.conninfo) as conn, conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + world.pool_id,))

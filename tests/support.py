@@ -18,7 +18,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import admin_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import reservations_pb2_grpc
-from controlplane.api.status import error_info
+from controlplane.common.status import error_info
 from controlplane.config import Settings
 
 PERMISSIVE = "permit(principal, action, resource);"

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane.api.status import error_info
+from controlplane.common.status import error_info
 from controlplane.ids import draft_id
 from controlplane.reservations import states
 from tests.conftest import stateful_examples

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import errors
-from controlplane.api.status import error_info
+from controlplane.common.status import error_info
 from controlplane.app import SERVICES
 from tests.conftest import module_stack
 from tests.support import PERMISSIVE, Client, World, make_world

@@ -22,15 +22,14 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2 as pb
 from bettercompute.node.v1 import node_pb2_grpc
+from controlplane.nodes import connectivity
 from controlplane.pki import admin, attest, certs
 from controlplane.pki.config import PkiSettings
-from gateway import sweeper
 from gateway.config import GatewaySettings
 from gateway.server import Gateway, start_gateway
 from tests.nodes_support import ControlPlane
@@ -556,7 +555,7 @@ def test_the_unreachable_sweeper_flips_connectivity_and_wakes_reservations_once(
         cp.drain()
 
         def sweep_from_both(grace: float) -> list[str]:
-            calls = [asyncio.run_coroutine_threadsafe(sweeper.sweep(gw.gateway.pool, grace), gw.loop)
+            calls = [asyncio.run_coroutine_threadsafe(connectivity.sweep(gw.gateway.pool, grace), gw.loop)
                      for gw in (first, second) for _ in range(3)]
             return [node_id for call in calls for node_id in call.result(30)]
 

@@ -19,7 +19,7 @@ from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane.api.status import error_info
+from controlplane.common.status import error_info
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 

@@ -19,13 +19,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bettercompute.node.v1 import node_pb2 as npb
-from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.webhooks import delivery
 from gateway.config import GatewaySettings
 from tests.conftest import module_stack
 from tests.nodes_support import ControlPlane
 from tests.support import ServerThread, make_world
-from tests.test_gateway import GatewayThread, Node, _bound_body, binding, connected, eventually, join_token, sql
+from tests.test_gateway import GatewayThread, Node, _bound_body, binding, connected, eventually, sql
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, deliveries, reserve
 from tests.test_webhooks import eventually as until
 

@@ -30,7 +30,8 @@ from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.config import Settings
 from controlplane.ids import new_id
-from controlplane.pki import admin, attest, certs, enrolment, store
+from controlplane.nodes import sessions
+from controlplane.pki import admin, attest, certs, enrolment
 from controlplane.pki.config import PkiSettings
 from controlplane.runtime import Runtime
 from tests.support import rpc_error
@@ -291,7 +292,7 @@ def test_enrolling_the_same_name_again_reuses_the_node_and_revokes_its_earlier_c
     first = enrol(database, pool_id, "gpu-01")
     other = enrol(database, pool_id, "gpu-02")
     with psycopg.connect(database, autocommit=True) as listener:
-        listener.execute(f"LISTEN {store.SESSION_CHANNEL}")
+        listener.execute(f"LISTEN {sessions.SESSION_CHANNEL}")
         again = enrol(database, pool_id, "gpu-01")
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == [first.node_id]  # sessions re-check
     assert first.node_id == again.node_id != other.node_id
@@ -406,7 +407,7 @@ def test_revoking_a_node_revokes_all_its_certificates_and_wakes_its_sessions(dat
     a1, a2, b = enrol(database, pool_id, "a"), enrol(database, pool_id, "a"), enrol(database, pool_id, "b")
 
     with psycopg.connect(database, autocommit=True) as listener:
-        listener.execute(f"LISTEN {store.SESSION_CHANNEL}")
+        listener.execute(f"LISTEN {sessions.SESSION_CHANNEL}")
         serials = arun(database, lambda pool: admin.revoke_certificates(pool, a1.node_id, "", "decommissioned"))
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == [a1.node_id]
     # a1's certificates went when the name enrolled again (a2); this call revokes a2's.

@@ -16,11 +16,11 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from controlplane import errors
+from controlplane.common.names import shown_key
 from controlplane.config import Settings
 
 # Fields with a cap of their own (longer than the generic one), by full protobuf name.
 _POLICY_TEXT = frozenset({"bettercompute.v1.PutPolicyRequest.cedar"})
-_KEY_SHOWN = 40  # characters of a map key shown in a field path
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,6 @@ class InputLimits:
     @classmethod
     def of(cls, settings: Settings) -> InputLimits:
         return cls(settings.max_string_chars, settings.max_policy_chars, settings.max_list_entries)
-
-
-def shown_key(key: object) -> str:
-    """A map key as it appears in a field path: bounded, so an error never echoes a huge key."""
-    text = str(key)
-    return repr(text if len(text) <= _KEY_SHOWN else text[:_KEY_SHOWN] + "…")
 
 
 def decode(deserializer: Callable[[bytes], Any] | None, raw: Any) -> Any:

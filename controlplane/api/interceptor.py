@@ -19,10 +19,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from controlplane import auth, errors
 from controlplane.api import inputs
-from controlplane.api.status import to_status
+from controlplane.common.names import TENANT_ID
+from controlplane.common.status import to_status
 from controlplane.config import Settings
 from controlplane.metrics import RpcMetrics
-from controlplane.reservations.validate import TENANT_ID
 
 log = structlog.get_logger("rpc")
 

@@ -13,16 +13,15 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane import db, errors
-from controlplane.admin import NODE_NAME
+from controlplane.common.names import NODE_ID, NODE_NAME, POOL_ID, match
 from controlplane.ids import token_hash
+from controlplane.nodes import registry
 from controlplane.pki import NODE, NODE_ROLES, store
 from controlplane.pki.config import PkiSettings
-from controlplane.reservations.validate import POOL_ID, match
 
 DEFAULT_TTL_SECONDS = 3600
 MAX_TTL_SECONDS = 7 * 24 * 3600
 SERIAL = re.compile(r"^[0-9a-f]{1,40}$")
-NODE_ID = re.compile(r"^node_[0-9a-hjkmnp-tv-z]{26}$")
 
 
 async def create_join_token(pool: AsyncConnectionPool, pool_id: str, node_name: str, role: str,
@@ -48,7 +47,7 @@ async def create_join_token(pool: AsyncConnectionPool, pool_id: str, node_name: 
 
 
 async def _require_node(conn: AsyncConnection, node_id: str) -> None:
-    if await (await conn.execute("SELECT 1 FROM nodes WHERE id = %s", (node_id,))).fetchone() is None:
+    if not await registry.exists(conn, node_id):
         raise errors.NotFound("no such node", nodeId=node_id)
 
 
@@ -67,7 +66,7 @@ async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: s
     async def work(conn: AsyncConnection) -> list[str]:
         if node_id:
             await _require_node(conn, node_id)
-            await store.mark_node_revoked(conn, node_id, reason)
+            await registry.mark_revoked(conn, node_id, reason)
         elif await store.certificate_by_serial(conn, serial) is None:
             raise errors.NotFound("no such certificate", serial=serial)
         return await store.revoke(conn, node_id=node_id, serial=serial, reason=reason)
@@ -81,7 +80,7 @@ async def readmit_node(pool: AsyncConnectionPool, node_id: str) -> bool:
 
     async def work(conn: AsyncConnection) -> bool:
         await _require_node(conn, node_id)
-        return await store.readmit_node(conn, node_id)
+        return await registry.readmit(conn, node_id)
 
     return await db.run_in_transaction(pool, work)
 

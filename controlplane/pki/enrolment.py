@@ -14,7 +14,8 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane import db, errors
-from controlplane.ids import new_id, token_hash
+from controlplane.ids import token_hash
+from controlplane.nodes import registry
 from controlplane.pki import GATEWAY, NODE_ROLES, certs, store
 from controlplane.pki.config import PkiSettings
 
@@ -79,8 +80,8 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
         claim = await store.claim_join_token(conn, hashed)
         if claim is None:
             raise errors.Unauthenticated("invalid, used or expired join token")
-        node_id = await store.node_for_name(conn, new_id("node"), claim["pool_id"], claim["node_name"])
-        node = await store.lock_node(conn, node_id)
+        node = await registry.for_enrolment(conn, claim["pool_id"], claim["node_name"])
+        node_id = node["id"]
         if node["revoked_at"] is not None:
             raise errors.AccessDenied(
                 f"node {node['name']} ({node_id}) was revoked; an operator must readmit it"

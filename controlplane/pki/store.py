@@ -1,4 +1,5 @@
-"""The PKI's SQL: the CA row, join tokens, issued certificates and revocations.
+"""The PKI's SQL: the CA row, join tokens, issued certificates and revocations. Node rows belong
+to controlplane.nodes; the PKI calls it (enrolment's node, revoked marks, waking sessions).
 
 Every function takes a connection inside the caller's transaction.
 """
@@ -13,10 +14,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from psycopg import AsyncConnection
 
+from controlplane.nodes import sessions
 from controlplane.pki import certs
 
-# Sessions of a node re-check that they are still its newest, with a certificate not revoked.
-SESSION_CHANNEL = "bc_node_session"
 _CA_LOCK = "pki:ca"
 
 
@@ -88,37 +88,6 @@ async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: st
                        (node_id, token_hash))
 
 
-async def node_for_name(conn: AsyncConnection, node_id: str, pool_id: str, name: str) -> str:
-    """The node of this name in the pool, created (with `node_id`) when absent."""
-    await conn.execute("INSERT INTO nodes (id, pool_id, name) VALUES (%s, %s, %s) ON CONFLICT (pool_id, name) DO NOTHING",
-                       (node_id, pool_id, name))
-    row = await (await conn.execute("SELECT id FROM nodes WHERE pool_id = %s AND name = %s",
-                                    (pool_id, name))).fetchone()
-    return row["id"]
-
-
-async def lock_node(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
-    """The node row, locked: enrolments of one node run one after the other."""
-    return await (await conn.execute(
-        "SELECT id, pool_id, name, revoked_at, revoked_reason FROM nodes WHERE id = %s FOR UPDATE",
-        (node_id,))).fetchone()
-
-
-async def mark_node_revoked(conn: AsyncConnection, node_id: str, reason: str) -> None:
-    """The node may not enrol again until it is readmitted (the first revocation's time and reason stay)."""
-    await conn.execute(
-        "UPDATE nodes SET revoked_at = now(), revoked_reason = %s WHERE id = %s AND revoked_at IS NULL",
-        (reason, node_id))
-
-
-async def readmit_node(conn: AsyncConnection, node_id: str) -> bool:
-    """True when the node was revoked and may now enrol again."""
-    row = await (await conn.execute(
-        "UPDATE nodes SET revoked_at = NULL, revoked_reason = '' WHERE id = %s AND revoked_at IS NOT NULL"
-        " RETURNING id", (node_id,))).fetchone()
-    return row is not None
-
-
 # Certificates -------------------------------------------------------------------------------
 
 async def record_certificate(conn: AsyncConnection, cert: x509.Certificate, node_id: str | None) -> certs.CertFacts:
@@ -164,5 +133,5 @@ async def revoke(conn: AsyncConnection, *, node_id: str = "", serial: str = "", 
     nodes = await (await conn.execute(
         "SELECT DISTINCT node_id FROM node_certs WHERE serial = ANY(%s)", (serials,))).fetchall()
     for node in nodes:
-        await conn.execute("SELECT pg_notify(%s, %s)", (SESSION_CHANNEL, node["node_id"]))
+        await sessions.recheck(conn, node["node_id"])
     return serials

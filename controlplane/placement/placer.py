@@ -1,6 +1,6 @@
 """Placing one allocation: plan from a shortlist, commit under the pool lock, re-plan on a lost race.
 
-Lock order everywhere: pool advisory lock -> reservation row -> quota rows -> allocation rows.
+The pool lock and the lock order: controlplane.common.locks.
 """
 
 from __future__ import annotations
@@ -65,10 +65,6 @@ class Planned:
     plan: planner.Plan | None
     uuids: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)  # set again by `plan` before its reads
-
-
-async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
-    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
 
 
 async def plan(

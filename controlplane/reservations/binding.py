@@ -12,6 +12,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
+from controlplane.nodes import desired
 from controlplane.placement import placer
 from controlplane.reservations import placing, queries, reports, schedule, states
 from controlplane.reservations.lifecycle import end_bookings, free_capacity
@@ -32,7 +33,7 @@ async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
         deadline = now_ms + schedule.BIND_TIMEOUT_MS
     nodes = await (await conn.execute(queries.START_BINDING, {"id": row["id"], "deadline": deadline})).fetchall()
     for node in nodes:
-        await conn.execute(queries.BUMP_DESIRED, {"node_id": node["node_id"]})
+        await desired.bump(conn, node["node_id"])
     await move(conn, row, states.BINDING, operation_state="succeeded")
     await events.emit_reservation(conn, row, "reservation.binding")
     await schedule.at(conn, row["id"], deadline)

@@ -21,11 +21,13 @@ from psycopg.types.json import Jsonb
 
 from controlplane import authorize, db, db_errors, errors, events, iam
 from controlplane.auth import Caller
+from controlplane.common.locks import pool_lock
+from controlplane.common.names import IDEMPOTENCY_KEY, match
 from controlplane.ids import new_id
-from controlplane.placement import placer
+from controlplane.nodes import desired
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import find_visible, with_allocations
-from controlplane.reservations.validate import DAY_MS, IDEMPOTENCY_KEY, TimeLimits, duration_ms, match
+from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
 from controlplane.runtime import Runtime
 
 HOLD_TTL_S = 60
@@ -110,7 +112,7 @@ async def _stage(
 
 
 async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.Decision) -> dict[str, Any]:
-    await placer.pool_lock(conn, staged.row["pool_id"])
+    await pool_lock(conn, staged.row["pool_id"])
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     ours = await (await conn.execute(queries.OWNS_EXTEND_HOLD, {"id": rid, "hold": staged.hold})).fetchone()
     if ours is None:
@@ -133,7 +135,7 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
         await _release_slot(conn, rid, staged.hold)
         return {"reservation": await with_allocations(conn, row), "extended": False, "available_until": available}
     await conn.execute(queries.SET_WINDOW_END, params)
-    await conn.execute(queries.BUMP_DESIRED_OF_LIVE, {"id": rid})
+    await desired.bump_live_of(conn, rid)
     await _release_slot(conn, rid, staged.hold)
     await schedule.at(conn, rid, staged.new_end)
     fresh = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()

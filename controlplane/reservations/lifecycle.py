@@ -8,6 +8,7 @@ from psycopg import AsyncConnection
 
 from controlplane import confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.nodes import desired
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
 from controlplane.reservations.transitions import move
@@ -36,7 +37,7 @@ async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str
     params = {"id": rid}
     await conn.execute(queries.DELETE_FUTURE_BOOKINGS, params)
     await conn.execute(queries.TRUNCATE_RUNNING_BOOKINGS, params)
-    await conn.execute(queries.BUMP_DESIRED_OF_LIVE, params)
+    await desired.bump_live_of(conn, rid)
     await conn.execute(queries.END_ALLOCATIONS, {**params, "state": allocation_state})
 
 

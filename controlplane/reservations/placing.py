@@ -14,6 +14,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
+from controlplane.common.locks import pool_lock
 from controlplane.placement import placer
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.transitions import condition, move, set_conditions
@@ -33,7 +34,7 @@ async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_m
     in capacity's lock order."""
     ask = ask_for(row, now_ms)
     planned = await placer.plan(conn, ask, rt.settings)
-    await placer.pool_lock(conn, row["pool_id"])
+    await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
 
 

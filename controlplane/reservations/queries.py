@@ -94,11 +94,6 @@ END_ALLOCATIONS = """
 UPDATE allocations SET state = %(state)s
 WHERE reservation_id = %(id)s AND state IN ('placed', 'binding', 'bound')
 """
-BUMP_DESIRED_OF_LIVE = """
-SELECT bump_desired(node_id) FROM (
-    SELECT DISTINCT node_id FROM allocations
-    WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')) live
-"""
 TRUNCATE_WINDOW = """
 UPDATE reservations SET during = tstzrange(lower(during), compute_now(), '[)')
 WHERE id = %(id)s AND during @> compute_now()
@@ -237,7 +232,6 @@ LIMIT 1
 """
 
 
-BUMP_DESIRED = "SELECT bump_desired(%(node_id)s)"
 
 COUNT_BIND_FAILURE = """
 UPDATE reservations SET bind_failures = bind_failures + 1 WHERE id = %(id)s RETURNING bind_failures

@@ -9,7 +9,7 @@ from psycopg import AsyncConnection
 from controlplane import authorize, db, errors, iam
 from controlplane.auth import Caller
 from controlplane.reservations import queries, states
-from controlplane.reservations.validate import RESERVATION_ID, TENANT_ID, match
+from controlplane.common.names import RESERVATION_ID, TENANT_ID, match
 from controlplane.runtime import Runtime
 
 

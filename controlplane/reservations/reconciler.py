@@ -13,7 +13,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
-from controlplane.placement import placer
+from controlplane.common.locks import pool_lock
 from controlplane.reservations import binding, queries, repair, schedule, states
 from controlplane.reservations.lifecycle import free_capacity
 from controlplane.reservations.transitions import expire_confirmation, move
@@ -43,7 +43,7 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
     if row["state"] not in states.BOOKED:
         return
     if may_place:
-        await placer.pool_lock(conn, row["pool_id"])  # lock order: pool, then reservation
+        await pool_lock(conn, row["pool_id"])  # lock order: pool, then reservation
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] not in states.BOOKED:
         return

@@ -23,29 +23,13 @@ from psycopg.types.json import Jsonb
 
 from bettercompute.node.v1 import node_pb2
 from controlplane import events
+from controlplane.nodes import reports as stored_reports
 from controlplane.pki import attest
 from controlplane.pki.config import PkiSettings
 from controlplane.reservations import queries
 from controlplane.reservations.transitions import condition, set_conditions
 from controlplane.runtime import Runtime
 
-_UNJUDGED = """
-SELECT nr.id, nr.kind, nr.body, nr.key_id, nr.signature, nr.node_id AS reporter,
-       a.id AS allocation_id, a.node_id, a.state AS allocation_state
-FROM node_reports nr
-JOIN allocations a ON a.id = nr.allocation_id
-WHERE a.reservation_id = %(id)s AND nr.judged_at IS NULL AND a.state IN ('binding', 'bound')
-ORDER BY nr.id
-FOR UPDATE OF nr
-"""
-_JUDGED = "UPDATE node_reports SET judged_at = compute_now(), verdict = %s, sequence = %s WHERE id = %s"
-_LAST_ACCEPTED = """
-SELECT max(nr.sequence) AS sequence
-FROM node_reports nr
-JOIN node_certs c ON c.key_id = nr.key_id
-WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
-  AND c.signing_key = (SELECT signing_key FROM node_certs WHERE key_id = %(key_id)s)
-"""
 
 
 async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> list[tuple[str, str]]:
@@ -53,12 +37,12 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     the (node id, reason) of each verified AllocationFailed, for the caller's failure path."""
     failures: list[tuple[str, str]] = []
     pki = PkiSettings()
-    for rep in await (await conn.execute(_UNJUDGED, {"id": row["id"]})).fetchall():
+    for rep in await stored_reports.unjudged(conn, row["id"]):
         ok, reason, report = await _check(conn, rt, pki, rep)
         if ok and await _replayed(conn, rep, report):
             ok, reason = False, attest.REPLAYED
-        await conn.execute(_JUDGED, ("accepted" if ok else f"rejected: {reason}",
-                                     report.sequence if ok else None, rep["id"]))
+        await stored_reports.record_verdict(conn, rep["id"], "accepted" if ok else f"rejected: {reason}",
+                                          report.sequence if ok else None)
         rt.metrics.report_judged(ok, reason)
         if not ok:
             await events.emit_reservation(conn, row, "reservation.binding-rejected",
@@ -96,8 +80,8 @@ async def _check(conn: AsyncConnection, rt: Runtime, pki: PkiSettings, rep: dict
 
 
 async def _replayed(conn: AsyncConnection, rep: dict[str, Any], report: node_pb2.Report) -> bool:
-    last = await (await conn.execute(_LAST_ACCEPTED, rep)).fetchone()
-    return last["sequence"] is not None and report.sequence <= last["sequence"]
+    last = await stored_reports.last_accepted_sequence(conn, rep["allocation_id"], rep["key_id"])
+    return last is not None and report.sequence <= last
 
 
 def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime) -> dict[str, Any]:

@@ -6,22 +6,14 @@ defaulted to hold, topology defaulted to any, every optional key present.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from controlplane import errors
-from controlplane.api.inputs import shown_key
+from controlplane.common.names import IDEMPOTENCY_KEY, LABEL, MODEL, POOL_ID, TENANT_ID, match, shown_key
 from controlplane.config import Settings
 from controlplane.durations import parse_duration_ms
 from controlplane.placement.planner import ANY, TOPOLOGIES
-
-TENANT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-IDEMPOTENCY_KEY = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-POOL_ID = re.compile(r"^pool_[0-9a-hjkmnp-tv-z]{26,52}$")
-RESERVATION_ID = re.compile(r"^rsv_[0-9a-hjkmnp-tv-z]{26,52}$")
-LABEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
-MODEL = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 
 DAY_MS = 86_400_000
 MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
@@ -50,13 +42,6 @@ class TimeLimits:
     @classmethod
     def of(cls, settings: Settings) -> TimeLimits:
         return cls(settings.max_start_ahead_days * DAY_MS, settings.max_reservation_days * DAY_MS)
-
-
-def match(field: str, value: str, pattern: re.Pattern[str]) -> str:
-    """`value` when the whole of it matches `pattern` (a trailing newline does not)."""
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise errors.InvalidInput(field, f"must match {pattern.pattern}")
-    return value
 
 
 def epoch_ms(field: str, value: int, now_ms: int, limits: TimeLimits) -> int:

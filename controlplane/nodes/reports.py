@@ -1,6 +1,6 @@
 """Node reports in: the body is parsed only to route it, never trusted; the reservation worker
 verifies the signature (controlplane.pki.attest), decides, and alone writes the evidence
-(allocations.bound_report). The gateway changes no allocation.
+(allocations.bound_report). Intake changes no allocation.
 
 A report names an allocation. Unless that allocation is on the reporting session's own node, it
 is ignored exactly like an unknown one (spec "Bindings"). A report the node's own key signed whose
@@ -11,11 +11,14 @@ wakes. Every report is acknowledged with its outcome once that is committed.
 
 from __future__ import annotations
 
+from typing import Any
+
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
 from controlplane import db
+from controlplane.nodes import queries
 from controlplane.pki import attest
 
 STORED = node_pb2.REPORT_STORED
@@ -24,19 +27,6 @@ REPLAYED = node_pb2.REPORT_REPLAYED
 MAX_BODY = 64 * 1024
 MAX_KEY_ID = 128
 MAX_SIGNATURE = 1024
-
-_ALLOCATION = "SELECT reservation_id FROM allocations WHERE id = %(allocation_id)s AND node_id = %(node_id)s"
-# Moves the key's high-water mark only forwards; no row back means not newer (a replay).
-_ADVANCE = """
-INSERT INTO report_sequences AS s (signing_key, sequence) VALUES (%(signing_key)s, %(sequence)s)
-ON CONFLICT (signing_key) DO UPDATE SET sequence = excluded.sequence, updated_at = now()
-WHERE s.sequence < excluded.sequence
-RETURNING s.sequence
-"""
-_KEEP = """
-INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)
-VALUES (%(node_id)s, %(allocation_id)s, %(kind)s, %(body)s, %(key_id)s, %(signature)s)
-"""
 
 
 def parse(attested: node_pb2.AttestedReport) -> node_pb2.Report | None:
@@ -67,17 +57,36 @@ async def intake(pool: AsyncConnectionPool, node_id: str, attested: node_pb2.Att
               "sequence": report.sequence}
 
     async def work(conn: AsyncConnection) -> int:
-        row = await (await conn.execute(_ALLOCATION, params)).fetchone()
+        row = await (await conn.execute(queries.REPORTED_ALLOCATION, params)).fetchone()
         if row is None:
             return IGNORED
         signing_key = await attest.signing_key_of(conn, node_id, attested.body, attested.key_id, attested.signature)
         if signing_key is not None:
-            advanced = await (await conn.execute(_ADVANCE, {**params, "signing_key": signing_key})).fetchone()
+            advanced = await (await conn.execute(
+                queries.ADVANCE_SEQUENCE, {**params, "signing_key": signing_key})).fetchone()
             if advanced is None:
                 return REPLAYED
-        await conn.execute(_KEEP, params)
-        await conn.execute("SELECT wake_reservation(%s)", (row["reservation_id"],))
+        await conn.execute(queries.KEEP_REPORT, params)
+        await conn.execute(queries.WAKE_RESERVATION, row)
         return STORED
 
     ack.outcome = await db.run_in_transaction(pool, work)
     return ack
+
+
+# The reservation worker's side (controlplane.reservations.reports decides; these read and record).
+
+async def unjudged(conn: AsyncConnection, reservation_id: str) -> list[dict[str, Any]]:
+    """The reservation's live allocations' reports not judged yet, oldest first, locked."""
+    return await (await conn.execute(queries.UNJUDGED_REPORTS, {"id": reservation_id})).fetchall()
+
+
+async def record_verdict(conn: AsyncConnection, report_id: int, verdict: str, sequence: int | None) -> None:
+    await conn.execute(queries.JUDGED, {"id": report_id, "verdict": verdict, "sequence": sequence})
+
+
+async def last_accepted_sequence(conn: AsyncConnection, allocation_id: str, key_id: str) -> int | None:
+    """The newest sequence accepted about the allocation from the signing key behind `key_id`."""
+    row = await (await conn.execute(queries.LAST_ACCEPTED, {"allocation_id": allocation_id,
+                                                            "key_id": key_id})).fetchone()
+    return row["sequence"]

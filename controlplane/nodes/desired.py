@@ -1,29 +1,32 @@
-"""A node's desired state: its generation and every allocation it should hold now (binding or
-bound, with a booking that ends after compute_now()), read in one snapshot so a generation is
-never sent with assignments older than it."""
+"""A node's desired state: its generation, bumped whenever its allocations change (which tells
+the gateways holding its sessions to push it, on `bc_node_desired`), and every allocation it
+should hold now (binding or bound, with a booking that ends after compute_now()), read in one
+snapshot so a generation is never sent with assignments older than it."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
+from controlplane.nodes import queries
 
-_GENERATION = "SELECT desired_generation FROM nodes WHERE id = %(node_id)s"
-_ASSIGNMENTS = """
-SELECT a.id, a.device_ids, a.limits, r.request->>'binding' AS binding,
-       epoch_ms(max(upper(b.during))) AS until
-FROM allocations a
-JOIN reservations r ON r.id = a.reservation_id
-JOIN bookings b ON b.allocation_id = a.id
-WHERE a.node_id = %(node_id)s AND a.state IN ('binding', 'bound')
-GROUP BY a.id, r.request
-HAVING max(upper(b.during)) > compute_now()
-ORDER BY a.id
-"""
+# Sent by the SQL function bump_desired (controlplane/migrations/0002_work_queue.sql).
+DESIRED_CHANNEL = "bc_node_desired"
 
 _BINDINGS = {"kubernetes": node_pb2.BINDING_KUBERNETES}
+
+
+async def bump(conn: AsyncConnection, node_id: str) -> None:
+    """The node's desired state changed (its sessions push it once the caller commits)."""
+    await conn.execute(queries.BUMP_DESIRED, {"node_id": node_id})
+
+
+async def bump_live_of(conn: AsyncConnection, reservation_id: str) -> None:
+    """Bump every node holding a live (binding or bound) allocation of the reservation."""
+    await conn.execute(queries.BUMP_DESIRED_OF_LIVE, {"id": reservation_id})
 
 
 def _limits(raw: dict[str, Any]) -> node_pb2.Limits:
@@ -44,7 +47,7 @@ async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState
     async with pool.connection() as conn:
         async with conn.transaction():
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            generation = await (await conn.execute(_GENERATION, {"node_id": node_id})).fetchone()
-            rows = await (await conn.execute(_ASSIGNMENTS, {"node_id": node_id})).fetchall()
+            generation = await (await conn.execute(queries.DESIRED_GENERATION, {"node_id": node_id})).fetchone()
+            rows = await (await conn.execute(queries.DESIRED_ASSIGNMENTS, {"node_id": node_id})).fetchall()
     return node_pb2.DesiredState(generation=generation["desired_generation"] if generation else 0,
                                  assignments=[assignment(r) for r in rows])

@@ -1,8 +1,8 @@
 """What a node says about itself (Hello, Inventory) becomes its row, system labels, GPU atoms and
 host resources. The node is not trusted for more than its own facts: malformed entries are
-dropped, and only system labels the gateway owns are written (`bc.dev/cap.*`, `fabric.domain`).
+dropped, and only system labels inventory owns are written (`bc.dev/cap.*`, `fabric.domain`).
 
-Lock order (DESIGN §17): the pool's advisory lock first, then the node row, so a placement that
+The node's pool lock first, then its row (controlplane.common.locks), so a placement that
 re-reads labels and atoms under the pool lock never sees them change before it commits.
 """
 
@@ -14,13 +14,16 @@ from typing import Any
 import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
+from controlplane import db
+from controlplane.common.names import LABEL, MODEL
 from controlplane.ids import new_id
-from controlplane.placement.placer import pool_lock
-from controlplane.reservations.validate import LABEL, MODEL
+from controlplane.nodes import queries
+from controlplane.nodes.locking import lock_for_placement_change
 
-log = structlog.get_logger("gateway.inventory")
+log = structlog.get_logger("nodes.inventory")
 
 CAPABILITY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 DEVICE_UUID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -96,66 +99,52 @@ def host_resources(inventory: node_pb2.Inventory) -> dict[str, int]:
             "hugepages2Mi": max(0, inventory.hugepages_2mi), "hugepages1Gi": max(0, inventory.hugepages_1gi)}
 
 
-_UPSERT_ATOM = """
-INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)
-VALUES (%s, %s, 'gpu', %s, %s, %s, %s)
-ON CONFLICT (node_id, device_uuid, kind) DO UPDATE
-SET model = EXCLUDED.model, numa_node = EXCLUDED.numa_node, nvlink_domain = EXCLUDED.nvlink_domain, bookable = true
-"""
-# GPUs gone from the inventory (and their MIG instances and slots) stop being bookable; they are
-# never deleted, so their bookings and history stay.
-_GONE = """
-UPDATE atoms SET bookable = false
-WHERE node_id = %(node_id)s AND bookable
-  AND (CASE WHEN kind = 'gpu' THEN id ELSE parent_id END) IN (
-      SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu' AND NOT (device_uuid = ANY(%(present)s)))
-"""
-_HOST = """
-INSERT INTO host_resources (node_id, resource, allocatable) VALUES (%s, %s, %s)
-ON CONFLICT (node_id, resource) DO UPDATE SET allocatable = EXCLUDED.allocatable
-"""
-
-
-async def _lock_node(conn: AsyncConnection, node_id: str) -> dict[str, Any]:
-    pool_id = (await (await conn.execute("SELECT pool_id FROM nodes WHERE id = %s", (node_id,))).fetchone())["pool_id"]
-    await pool_lock(conn, pool_id)
-    return await (await conn.execute(
-        "SELECT id, pool_id, labels FROM nodes WHERE id = %s FOR UPDATE", (node_id,))).fetchone()
-
-
 async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:
     """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`."""
     gpu_list = gpus(inventory)
     async with conn.cursor() as cur:
-        await cur.executemany(_UPSERT_ATOM, [
-            (new_id("atom"), node["id"], g.uuid, g.model, max(0, g.numa_node), nvlink_domain(g)) for g in gpu_list])
-    gone = (await conn.execute(_GONE, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})).rowcount
+        await cur.executemany(queries.UPSERT_GPU, [
+            {"id": new_id("atom"), "node_id": node["id"], "uuid": g.uuid, "model": g.model,
+             "numa_node": max(0, g.numa_node), "nvlink_domain": nvlink_domain(g)} for g in gpu_list])
+    gone = (await conn.execute(queries.GPUS_GONE, {"node_id": node["id"],
+                                                   "present": [g.uuid for g in gpu_list]})).rowcount
     existing = {r["resource"] for r in await (await conn.execute(
-        "SELECT resource FROM host_resources WHERE node_id = %s", (node["id"],))).fetchall()}
+        queries.HOST_RESOURCE_NAMES, {"node_id": node["id"]})).fetchall()}
     async with conn.cursor() as cur:  # a resource that dropped to 0 keeps its row, at 0
-        await cur.executemany(_HOST, [(node["id"], k, v) for k, v in host_resources(inventory).items()
-                                      if v > 0 or k in existing])
-    await conn.execute(
-        "UPDATE nodes SET inventory = %s, inventory_generation = %s WHERE id = %s",
-        (Jsonb(inventory_json(inventory, gpu_list)), inventory.generation, node["id"]))
+        await cur.executemany(queries.UPSERT_HOST_RESOURCE, [
+            {"node_id": node["id"], "resource": k, "allocatable": v}
+            for k, v in host_resources(inventory).items() if v > 0 or k in existing])
+    await conn.execute(queries.SET_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, gpu_list)),
+                                               "generation": inventory.generation, "node_id": node["id"]})
     if gone:  # reservations booked on a vanished GPU hear of it
-        await conn.execute("SELECT wake_node_reservations(%s)", (node["id"],))
+        await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
     if gpu_list:  # new or returning GPUs: the pool's pending reservations retry now
-        await conn.execute("SELECT pg_notify('bc_pool_freed', %s)", (node["pool_id"],))
+        await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
     return fabric_label(node["labels"], gpu_list)
 
 
-async def apply_hello(conn: AsyncConnection, node_id: str, hello: node_pb2.Hello) -> None:
-    node = await _lock_node(conn, node_id)
-    caps = capabilities(hello)
-    if hello.HasField("inventory"):
-        node["labels"] = await _apply_inventory(conn, node, hello.inventory)
-    await conn.execute(
-        "UPDATE nodes SET daemon_version = %s, capabilities = %s, labels = %s WHERE id = %s",
-        (hello.daemon_version[:128], caps, Jsonb(cap_labels(node["labels"], caps)), node_id))
+async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
+    """The node's daemon version, capabilities (and their system labels) and, when the hello
+    carries one, its inventory."""
+
+    async def work(conn: AsyncConnection) -> None:
+        node = await lock_for_placement_change(conn, node_id)
+        caps = capabilities(hello)
+        if hello.HasField("inventory"):
+            node["labels"] = await _apply_inventory(conn, node, hello.inventory)
+        await conn.execute(queries.SET_HELLO, {
+            "daemon_version": hello.daemon_version[:128], "capabilities": caps,
+            "labels": Jsonb(cap_labels(node["labels"], caps)), "node_id": node_id})
+
+    await db.run_in_transaction(pool, work)
 
 
-async def apply_inventory(conn: AsyncConnection, node_id: str, inventory: node_pb2.Inventory) -> None:
-    node = await _lock_node(conn, node_id)
-    labels = await _apply_inventory(conn, node, inventory)
-    await conn.execute("UPDATE nodes SET labels = %s WHERE id = %s", (Jsonb(labels), node_id))
+async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: node_pb2.Inventory) -> None:
+    """A new inventory snapshot: atoms, host resources, `fabric.domain`."""
+
+    async def work(conn: AsyncConnection) -> None:
+        node = await lock_for_placement_change(conn, node_id)
+        labels = await _apply_inventory(conn, node, inventory)
+        await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
+
+    await db.run_in_transaction(pool, work)

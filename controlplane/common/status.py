@@ -1,4 +1,5 @@
-"""The one place where domain errors become gRPC status with a google.rpc.ErrorInfo."""
+"""The one place where domain errors become gRPC status with a google.rpc.ErrorInfo, for both
+servers (the control plane's API and the node gateway)."""
 
 from __future__ import annotations
 

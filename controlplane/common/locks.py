@@ -1,0 +1,22 @@
+"""The pool lock, and the one lock order every transaction follows.
+
+Lock order, everywhere (DESIGN §17):
+
+    pool advisory lock -> reservation row -> quota rows -> allocation rows -> node rows
+
+A transaction that needs the pool lock takes it first. Placement re-reads node state, labels and
+atom health under it, so every change that affects placement (inventory, atoms, host resources,
+GPU health, cordon, operator connectivity and labels) takes the node's pool lock before it locks
+or writes the node's rows (controlplane.nodes). Liveness alone (heartbeats, the unreachable
+sweeper) changes connectivity without it: placement re-checks connectivity under its lock, and
+the reconciler handles a node lost at any time after a placement anyway.
+"""
+
+from __future__ import annotations
+
+from psycopg import AsyncConnection
+
+
+async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
+    """The pool's transaction-scoped advisory lock (held until commit or rollback)."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))

@@ -1,0 +1,158 @@
+"""The nodes package's SQL, one named statement each: nodes, atoms, host resources, node
+sessions, desired state, node reports and report sequences. No other module writes these tables
+(tests/test_layering.py checks it); others read them freely (placement, capacity)."""
+
+# Nodes ----------------------------------------------------------------------------------------
+
+NODE = """
+SELECT n.*, (SELECT count(*) FROM atoms a WHERE a.node_id = n.id AND a.kind = 'gpu') AS gpu_count
+FROM nodes n WHERE (%(id)s::text IS NULL OR n.id = %(id)s) AND (%(pool)s::text IS NULL OR n.pool_id = %(pool)s)
+ORDER BY n.name
+"""
+POOL_OF = "SELECT pool_id FROM nodes WHERE id = %(node_id)s"
+EXISTS = "SELECT 1 FROM nodes WHERE id = %(node_id)s"
+LOCK = "SELECT id, pool_id, name, labels, revoked_at, revoked_reason FROM nodes WHERE id = %(node_id)s FOR UPDATE"
+
+REGISTER = """
+INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)
+VALUES (%(id)s, %(pool_id)s, %(name)s, %(labels)s, %(capabilities)s, %(inventory)s)
+"""
+# Enrolment: the node of this name in the pool, created when absent.
+CREATE_NAMED = """
+INSERT INTO nodes (id, pool_id, name) VALUES (%(id)s, %(pool_id)s, %(name)s)
+ON CONFLICT (pool_id, name) DO NOTHING
+"""
+BY_NAME = "SELECT id FROM nodes WHERE pool_id = %(pool_id)s AND name = %(name)s"
+
+SET_STATE = "UPDATE nodes SET state = %(state)s WHERE id = %(node_id)s"
+SET_CONNECTIVITY = """
+UPDATE nodes SET connectivity = %(connectivity)s,
+       last_seen = CASE WHEN %(connectivity)s = 'connected' THEN compute_now() ELSE last_seen END
+WHERE id = %(node_id)s
+"""
+# The first revocation's time and reason stay.
+MARK_REVOKED = """
+UPDATE nodes SET revoked_at = now(), revoked_reason = %(reason)s WHERE id = %(node_id)s AND revoked_at IS NULL
+"""
+READMIT = """
+UPDATE nodes SET revoked_at = NULL, revoked_reason = '' WHERE id = %(node_id)s AND revoked_at IS NOT NULL
+RETURNING id
+"""
+
+WAKE_RESERVATIONS = "SELECT wake_node_reservations(%(node_id)s)"
+NOTIFY_POOL_FREED = "SELECT pg_notify('bc_pool_freed', %(pool_id)s)"
+
+# Atoms and host resources ----------------------------------------------------------------------
+
+INSERT_GPU = """
+INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)
+VALUES (%(id)s, %(node_id)s, 'gpu', %(uuid)s, %(model)s, %(numa_node)s, %(nvlink_domain)s)
+"""
+UPSERT_GPU = INSERT_GPU + """
+ON CONFLICT (node_id, device_uuid, kind) DO UPDATE
+SET model = EXCLUDED.model, numa_node = EXCLUDED.numa_node, nvlink_domain = EXCLUDED.nvlink_domain, bookable = true
+"""
+# GPUs gone from the inventory (and their MIG instances and slots) stop being bookable; they are
+# never deleted, so their bookings and history stay.
+GPUS_GONE = """
+UPDATE atoms SET bookable = false
+WHERE node_id = %(node_id)s AND bookable
+  AND (CASE WHEN kind = 'gpu' THEN id ELSE parent_id END) IN (
+      SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu' AND NOT (device_uuid = ANY(%(present)s)))
+"""
+# A GPU and its MIG instances and slots (they share its device uuid).
+SET_GPU_HEALTH = """
+UPDATE atoms SET health = %(health)s WHERE node_id = %(node_id)s AND device_uuid = %(device_uuid)s
+"""
+HOST_RESOURCE_NAMES = "SELECT resource FROM host_resources WHERE node_id = %(node_id)s"
+UPSERT_HOST_RESOURCE = """
+INSERT INTO host_resources (node_id, resource, allocatable) VALUES (%(node_id)s, %(resource)s, %(allocatable)s)
+ON CONFLICT (node_id, resource) DO UPDATE SET allocatable = EXCLUDED.allocatable
+"""
+
+# Inventory (what the node says about itself) ---------------------------------------------------
+
+SET_INVENTORY = """
+UPDATE nodes SET inventory = %(inventory)s, inventory_generation = %(generation)s WHERE id = %(node_id)s
+"""
+SET_HELLO = """
+UPDATE nodes SET daemon_version = %(daemon_version)s, capabilities = %(capabilities)s, labels = %(labels)s
+WHERE id = %(node_id)s
+"""
+SET_LABELS = "UPDATE nodes SET labels = %(labels)s WHERE id = %(node_id)s"
+
+# Sessions and liveness -------------------------------------------------------------------------
+
+OPEN_SESSION = """
+UPDATE nodes SET session_id = %(session_id)s, session_gateway = %(gateway)s, session_started_at = now()
+WHERE id = %(node_id)s
+"""
+CLOSE_SESSION = """
+UPDATE nodes SET session_id = NULL, session_gateway = NULL
+WHERE id = %(node_id)s AND session_id = %(session_id)s
+"""
+CLOSE_GATEWAY_SESSIONS = "UPDATE nodes SET session_id = NULL, session_gateway = NULL WHERE session_gateway = %(gateway)s"
+CURRENT_SESSION = "SELECT session_id FROM nodes WHERE id = %(node_id)s"
+NOTIFY_SESSIONS = "SELECT pg_notify(%(channel)s, %(node_id)s)"
+
+# Connected again (controlplane/migrations/0003_pki.sql): wakes its reservations and the pool.
+SEEN = "SELECT node_seen(%(node_id)s) AS changed"
+SET_APPLIED_GENERATION = "UPDATE nodes SET applied_generation = %(generation)s WHERE id = %(node_id)s"
+SWEEP_UNREACHABLE = "SELECT sweep_unreachable(%(grace_seconds)s) AS node_id"
+
+# Desired state -----------------------------------------------------------------------------------
+
+BUMP_DESIRED = "SELECT bump_desired(%(node_id)s)"
+BUMP_DESIRED_OF_LIVE = """
+SELECT bump_desired(node_id) FROM (
+    SELECT DISTINCT node_id FROM allocations
+    WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')) live
+"""
+DESIRED_GENERATION = "SELECT desired_generation FROM nodes WHERE id = %(node_id)s"
+DESIRED_ASSIGNMENTS = """
+SELECT a.id, a.device_ids, a.limits, r.request->>'binding' AS binding,
+       epoch_ms(max(upper(b.during))) AS until
+FROM allocations a
+JOIN reservations r ON r.id = a.reservation_id
+JOIN bookings b ON b.allocation_id = a.id
+WHERE a.node_id = %(node_id)s AND a.state IN ('binding', 'bound')
+GROUP BY a.id, r.request
+HAVING max(upper(b.during)) > compute_now()
+ORDER BY a.id
+"""
+
+# Node reports ------------------------------------------------------------------------------------
+
+REPORTED_ALLOCATION = "SELECT reservation_id FROM allocations WHERE id = %(allocation_id)s AND node_id = %(node_id)s"
+# Moves the key's high-water mark only forwards; no row back means not newer (a replay).
+ADVANCE_SEQUENCE = """
+INSERT INTO report_sequences AS s (signing_key, sequence) VALUES (%(signing_key)s, %(sequence)s)
+ON CONFLICT (signing_key) DO UPDATE SET sequence = excluded.sequence, updated_at = now()
+WHERE s.sequence < excluded.sequence
+RETURNING s.sequence
+"""
+KEEP_REPORT = """
+INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)
+VALUES (%(node_id)s, %(allocation_id)s, %(kind)s, %(body)s, %(key_id)s, %(signature)s)
+"""
+WAKE_RESERVATION = "SELECT wake_reservation(%(reservation_id)s)"
+
+# The reservation worker's side: the unjudged reports of a reservation's live allocations, its
+# verdicts, and the newest sequence accepted from one signing key.
+UNJUDGED_REPORTS = """
+SELECT nr.id, nr.kind, nr.body, nr.key_id, nr.signature, nr.node_id AS reporter,
+       a.id AS allocation_id, a.node_id, a.state AS allocation_state
+FROM node_reports nr
+JOIN allocations a ON a.id = nr.allocation_id
+WHERE a.reservation_id = %(id)s AND nr.judged_at IS NULL AND a.state IN ('binding', 'bound')
+ORDER BY nr.id
+FOR UPDATE OF nr
+"""
+JUDGED = "UPDATE node_reports SET judged_at = compute_now(), verdict = %(verdict)s, sequence = %(sequence)s WHERE id = %(id)s"
+LAST_ACCEPTED = """
+SELECT max(nr.sequence) AS sequence
+FROM node_reports nr
+JOIN node_certs c ON c.key_id = nr.key_id
+WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
+  AND c.signing_key = (SELECT signing_key FROM node_certs WHERE key_id = %(key_id)s)
+"""

@@ -1,0 +1,69 @@
+"""Node rows: registered by an operator (with their GPUs), created at enrolment, listed, marked
+revoked and readmitted. Validation of the operator's input stays with the caller
+(controlplane.admin); these take checked values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane import db, db_errors
+from controlplane.common.locks import pool_lock
+from controlplane.ids import new_id
+from controlplane.nodes import queries
+
+
+async def node(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
+    """The node as the Admin API shows it (with its GPU count)."""
+    return await (await conn.execute(queries.NODE, {"id": node_id, "pool": None})).fetchone()
+
+
+async def list_pool(pool: AsyncConnectionPool, pool_id: str) -> list[dict[str, Any]]:
+    async with db.read_only(pool) as conn:
+        return await (await conn.execute(queries.NODE, {"id": None, "pool": pool_id})).fetchall()
+
+
+async def register(pool: AsyncConnectionPool, *, pool_id: str, name: str, labels: dict[str, Any],
+                   capabilities: list[str], gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    """A node and its GPU atoms, under the pool's lock (new atoms are new capacity)."""
+    node_id = new_id("node")
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        await pool_lock(conn, pool_id)
+        await conn.execute(queries.REGISTER, {
+            "id": node_id, "pool_id": pool_id, "name": name, "labels": Jsonb(labels),
+            "capabilities": capabilities, "inventory": Jsonb({"gpus": gpus})})
+        async with conn.cursor() as cur:
+            await cur.executemany(queries.INSERT_GPU, [
+                {"id": new_id("atom"), "node_id": node_id, "uuid": g["uuid"], "model": g.get("model") or "",
+                 "numa_node": g.get("numa_node") or 0, "nvlink_domain": g.get("nvlink_domain") or ""}
+                for g in gpus])
+        return await node(conn, node_id)
+
+    with db_errors.mapped(poolId=pool_id, name=name):  # nodes_pool_id_fkey, nodes_pool_id_name_key
+        return await db.run_in_transaction(pool, work)
+
+
+async def exists(conn: AsyncConnection, node_id: str) -> bool:
+    return await (await conn.execute(queries.EXISTS, {"node_id": node_id})).fetchone() is not None
+
+
+async def for_enrolment(conn: AsyncConnection, pool_id: str, name: str) -> dict[str, Any]:
+    """The node of this name in the pool (created, with no GPUs yet, when absent), its row locked:
+    enrolments of one node run one after the other."""
+    await conn.execute(queries.CREATE_NAMED, {"id": new_id("node"), "pool_id": pool_id, "name": name})
+    found = await (await conn.execute(queries.BY_NAME, {"pool_id": pool_id, "name": name})).fetchone()
+    return await (await conn.execute(queries.LOCK, {"node_id": found["id"]})).fetchone()
+
+
+async def mark_revoked(conn: AsyncConnection, node_id: str, reason: str) -> None:
+    """The node may not enrol again until it is readmitted (the first revocation's time and reason stay)."""
+    await conn.execute(queries.MARK_REVOKED, {"node_id": node_id, "reason": reason})
+
+
+async def readmit(conn: AsyncConnection, node_id: str) -> bool:
+    """True when the node was revoked and may now enrol again."""
+    return await (await conn.execute(queries.READMIT, {"node_id": node_id})).fetchone() is not None
