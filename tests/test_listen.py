@@ -248,7 +248,9 @@ def test_a_watch_stream_gets_events_missed_while_the_hub_was_disconnected_and_af
     world.add_node(gpus("w-watch"))
     monkeypatch.setattr(watch, "POLL_SECONDS", 3600.0)  # no safety net: only notifications and the marker
     with Stream(world.user, tenant_id=world.tenant) as stream:
-        until(lambda: server.app.hub.subscriptions(world.tenant), "the stream subscribed")
+        first = world.create(start=later(world))
+        # Streamed: the watcher has read up to the frontier and waits to be woken.
+        assert kinds(stream.take(1, timeout=WAIT)) == [("reservation.placed", f"reservation/{first.id}")]
         # Committed without a notification, as if sent while no one listened.
         world.sql("INSERT INTO events (tenant_id, type, subject, data) VALUES (%s, 'test.missed', 'test/m', '{}')",
                   (world.tenant,))
