@@ -18,7 +18,8 @@ from psycopg.conninfo import conninfo_to_dict
 from structlog.testing import capture_logs
 
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import db, listen as listen_module
+from controlplane import db, watch
+from controlplane import listen as listen_module
 from controlplane.config import Settings
 from controlplane.listen import RECONNECTED, TICK, Listener, listen
 from controlplane.runtime import Runtime
@@ -26,7 +27,8 @@ from controlplane.webhooks import delivery
 from controlplane.workers import queue
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, gpus, make_world
-from tests.test_gateway import GatewayThread, connected, gateway, latest, node_row, pool_id  # noqa: F401 - fixtures
+from tests.test_gateway import (  # noqa: F401 - fixtures
+    GatewayThread, _close_sessions, connected, gateway, latest, node_row, pool_id)
 from tests.test_watch import Stream, kinds
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, receiver  # noqa: F401 - fixture
 
@@ -243,7 +245,6 @@ def test_the_work_queue_handles_an_item_queued_after_its_listener_was_killed(
 
 def test_a_watch_stream_gets_events_missed_while_the_hub_was_disconnected_and_after(
         world: World, stack: tuple[ServerThread, Client], monkeypatch: pytest.MonkeyPatch) -> None:
-    from controlplane import watch
     server, _ = stack
     world.add_node(gpus("w-watch"))
     monkeypatch.setattr(watch, "POLL_SECONDS", 3600.0)  # no safety net: only notifications and the marker
@@ -290,9 +291,8 @@ def test_the_gateway_pushes_desired_state_after_its_listener_was_killed(
         gateway: GatewayThread, pool_id: str) -> None:  # noqa: F811 - the fixtures
     node, session = connected(gateway, pool_id, "gpu-listen")
     kill_listener(gateway.conninfo, "gateway")
-    notify_bump = "SELECT bump_desired(%s)"
     with psycopg.connect(gateway.conninfo, autocommit=True) as conn:
-        conn.execute(notify_bump, (node.node_id,))
+        conn.execute("SELECT bump_desired(%s)", (node.node_id,))
     state = latest(session, gateway.conninfo, node.node_id)
     assert state.generation == node_row(gateway.conninfo, node.node_id)["desired_generation"]
     session.close()
