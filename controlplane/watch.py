@@ -41,6 +41,7 @@ import structlog
 from controlplane import authorize, db, errors, tokens
 from controlplane.auth import Caller
 from controlplane.common.names import TENANT_ID, match
+from controlplane.listen import RECONNECTED, Item, Listener, listen
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -65,6 +66,7 @@ POLL_SECONDS = 10.0
 MAX_CANDIDATES = 64
 
 _ALL = "*"  # wake every watcher
+CHANNEL = "bc_events"
 
 # The lock of next_event_id(): (7311005, 1) in pg_advisory_xact_lock_shared's two-key form.
 _SNAPSHOT = """
@@ -205,44 +207,47 @@ class EventHub:
         return self.safe_id
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                async with await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True) as conn:
-                    await conn.execute("LISTEN bc_events")
-                    await conn.execute(f"LISTEN {tokens.REVOKED_CHANNEL}")
-                    # Anything may have committed, or been revoked, while no one listened.
-                    await self._recheck_tokens(conn)
-                    await self._tick(conn, {_ALL})
-                    self._checked_to = self.safe_id  # everyone was woken: the net starts from here
-                    await self._listen(conn, stop)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("event hub failed; reconnecting")
-                await asyncio.sleep(1)
+        async with listen(self._conninfo, [CHANNEL, tokens.REVOKED_CHANNEL], stop, name="event-hub") as listener:
+            recheck = RECHECK_SECONDS[0]
+            async for item in listener:
+                try:
+                    tenants = await self._handle(listener, item)
+                except Exception:
+                    log.exception("event hub failed; reconnecting")
+                    await listener.reset()  # and re-read everything once reconnected
+                    continue
+                busy = tenants or item is RECONNECTED
+                recheck = RECHECK_SECONDS[0] if busy else min(recheck * 2, RECHECK_SECONDS[1])
+                # While a candidate waits on writers still open, re-check soon; else the safety net.
+                listener.timeout = recheck if self._candidates else POLL_SECONDS
 
-    async def _listen(self, conn: psycopg.AsyncConnection, stop: asyncio.Event) -> None:
-        recheck = RECHECK_SECONDS[0]
-        while not stop.is_set():
-            pending = bool(self._candidates)
-            tenants: set[str] = set()
-            heard = False
-            async for note in conn.notifies(timeout=recheck if pending else POLL_SECONDS, stop_after=1):
-                heard = True
+    async def _handle(self, listener: Listener, item: Item) -> set[str]:
+        """One round: the tenants it woke or will wake. Queries run on the listening connection
+        (free between items; notifications that arrive meanwhile are kept for the next round)."""
+        conn = listener.connection
+        assert conn is not None
+        if item is RECONNECTED:
+            # Anything may have committed, or been revoked, while no one listened.
+            await self._recheck_tokens(conn)
+            await self._tick(conn, {_ALL})
+            self._checked_to = self.safe_id  # everyone was woken: the net starts from here
+            return set()
+        tenants: set[str] = set()
+        if isinstance(item, psycopg.Notify):
+            for note in [item, *listener.received()]:
                 if note.channel == tokens.REVOKED_CHANNEL:
                     self._revoke(note.payload.split(","))
                 else:
                     tenants.add(note.payload)
-            # Notifications that arrive during the tick are kept by psycopg for the next round.
-            if not heard and not pending:
-                # The safety net, in case a NOTIFY was lost: only tenants with unseen events.
-                frontier = self.safe_id
-                rows = await (await conn.execute(_TENANTS_SINCE, (self._checked_to,))).fetchall()
-                tenants = {row[0] for row in rows}
-                self._checked_to = frontier
-                self.safety_net_runs += 1
-            await self._tick(conn, tenants)
-            recheck = RECHECK_SECONDS[0] if tenants else min(recheck * 2, RECHECK_SECONDS[1])
+        elif not self._candidates:
+            # The safety net, in case a NOTIFY was lost: only tenants with unseen events.
+            frontier = self.safe_id
+            rows = await (await conn.execute(_TENANTS_SINCE, (self._checked_to,))).fetchall()
+            tenants = {row[0] for row in rows}
+            self._checked_to = frontier
+            self.safety_net_runs += 1
+        await self._tick(conn, tenants)
+        return tenants
 
     async def _tick(self, conn: psycopg.AsyncConnection, tenants: set[str]) -> None:
         """Take a snapshot, record it as a candidate frontier, advance to the resolved ones.

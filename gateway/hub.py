@@ -3,7 +3,8 @@
 `bc_node_desired` (payload: node id; sent by bump_desired) makes the node's sessions push their
 desired state; `bc_node_session` (a newer session registered, or a certificate was revoked) makes
 them check they are still the node's newest session with a good certificate. No polling: when
-the LISTEN connection is lost, every session re-pushes and re-checks once it is back.
+the LISTEN connection is lost, every session re-pushes and re-checks once it is back (the
+RECONNECTED of controlplane.listen).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import defaultdict
 import psycopg
 import structlog
 
+from controlplane.listen import RECONNECTED, listen
 from controlplane.nodes.desired import DESIRED_CHANNEL
 from controlplane.nodes.sessions import SESSION_CHANNEL
 from gateway.session_state import CHECK, DESIRED, NodeSession
@@ -48,21 +50,14 @@ class Hub:
             session.signal(kind)
 
     async def listen(self, conninfo: str, stopping: asyncio.Event) -> None:
-        """Fan notifications out to the sessions; reconnect on failure."""
-        while not stopping.is_set():
-            try:
-                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-                    for channel in _CHANNELS:
-                        await conn.execute(f"LISTEN {channel}")
-                    if self.listening.is_set():  # a reconnect: notifications may have been missed
-                        for session in self.sessions():
-                            session.signal(DESIRED)
-                            session.signal(CHECK)
+        """Fan notifications out to the sessions until `stopping`; after every (re)connect, every
+        session re-pushes and re-checks (notifications may have been missed meanwhile)."""
+        async with listen(conninfo, list(_CHANNELS), stopping, name="gateway") as listener:
+            async for item in listener:
+                if item is RECONNECTED:
+                    for session in self.sessions():
+                        session.signal(DESIRED)
+                        session.signal(CHECK)
                     self.listening.set()
-                    async for note in conn.notifies():
-                        self.wake(note.payload, _CHANNELS[note.channel])
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("gateway listen connection failed; reconnecting")
-                await asyncio.sleep(1)
+                elif isinstance(item, psycopg.Notify):
+                    self.wake(item.payload, _CHANNELS[item.channel])

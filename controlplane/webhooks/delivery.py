@@ -22,6 +22,7 @@ import psycopg
 import structlog
 
 from controlplane import db
+from controlplane.listen import listen
 from controlplane.runtime import Runtime
 from controlplane.webhooks import queries, sender, signing
 
@@ -151,18 +152,9 @@ class Worker:
             pass
 
     async def _listen(self, conninfo: str, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-                    await conn.execute("LISTEN bc_webhooks")
-                    self.wake.set()  # anything fanned out while no one listened
-                    async for _ in conn.notifies():
-                        self.wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("webhook listener failed; reconnecting")
-                await asyncio.sleep(1)
+        async with listen(conninfo, ["bc_webhooks"], stop, name="webhooks") as listener:
+            async for _ in listener:
+                self.wake.set()  # a NOTIFY, or RECONNECTED: the next claim re-reads every due delivery
 
 
 async def run(rt: Runtime, conninfo: str, stop: asyncio.Event) -> None:

@@ -9,17 +9,21 @@ state check make the loser skip it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import psycopg
 import structlog
 
 from controlplane import db
+from controlplane.listen import RECONNECTED, listen
 from controlplane.reservations import placing, queries, states
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
 
 BATCH = 100
+CHANNEL = "bc_pool_freed"
+COALESCE_SECONDS = 0.05  # wake-ups this close after the first are handled with it
 
 
 async def retry_pool(rt: Runtime, pool_id: str) -> int:
@@ -57,27 +61,28 @@ async def retry_all(rt: Runtime) -> None:
 
 
 async def run(rt: Runtime, conninfo: str, stop: asyncio.Event) -> None:
-    """Listen for freed pools; retry everything every pending_retry_seconds as the safety net."""
-    while not stop.is_set():
-        try:
-            async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as listen:
-                await listen.execute("LISTEN bc_pool_freed")
-                await retry_all(rt)
-                while not stop.is_set():
-                    woken: set[str] = set()
-                    async for note in listen.notifies(timeout=rt.settings.pending_retry_seconds):
-                        woken.add(note.payload)
-                        break
-                    if woken:
-                        # Coalesce a burst of wake-ups for the same pools.
-                        async for note in listen.notifies(timeout=0.05):
-                            woken.add(note.payload)
-                        for pool_id in woken:
-                            await retry_pool(rt, pool_id)
-                    else:
-                        await retry_all(rt)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("pending worker failed; restarting")
-            await asyncio.sleep(1)
+    """Listen for freed pools; retry everything every pending_retry_seconds as the safety net, and
+    after every (re)connect (a pool freed while no one listened)."""
+    quiet = rt.settings.pending_retry_seconds
+    async with listen(conninfo, [CHANNEL], stop, name="pending", timeout=quiet) as listener:
+        woken: set[str] = set()
+        coalesce_until = 0.0
+        async for item in listener:
+            if isinstance(item, psycopg.Notify):
+                if not woken:
+                    coalesce_until = time.monotonic() + COALESCE_SECONDS
+                woken.add(item.payload)
+                if time.monotonic() < coalesce_until:
+                    listener.timeout = coalesce_until - time.monotonic()
+                    continue  # coalesce a burst of wake-ups for the same pools
+            try:
+                if item is RECONNECTED or not woken:  # missed while disconnected, or the safety net
+                    await retry_all(rt)
+                else:  # the burst, once its window closed
+                    for pool_id in woken:
+                        await retry_pool(rt, pool_id)
+            except Exception:
+                log.exception("pending worker failed; continuing")
+                await listener.reset()  # re-read everything once reconnected
+            woken.clear()
+            listener.timeout = quiet

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import psycopg
 import structlog
 
+from controlplane.listen import listen
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -29,6 +30,7 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[psycopg.AsyncConnection, Runtime, str], Awaitable[None]]
 Handlers = Mapping[str, Handler]  # kind -> the handler of its items
 
+CHANNEL = "bc_work"
 SAFETY_POLL_S = 5.0
 MAX_BACKOFF_S = 300
 
@@ -98,19 +100,10 @@ async def run(rt: Runtime, conninfo: str, stop: asyncio.Event, handlers: Handler
         raise ValueError("the work queue needs at least one handler")
     wake = asyncio.Event()
 
-    async def listen() -> None:
-        while not stop.is_set():
-            try:
-                async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-                    await conn.execute("LISTEN bc_work")
-                    wake.set()
-                    async for _ in conn.notifies():
-                        wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("work listener failed; reconnecting")
-                await asyncio.sleep(1)
+    async def wake_on_notify() -> None:
+        async with listen(conninfo, [CHANNEL], stop, name="work-queue") as listener:
+            async for _ in listener:
+                wake.set()  # a NOTIFY, or RECONNECTED: the drain re-reads every due item either way
 
     async def drain() -> None:
         while not stop.is_set():
@@ -129,7 +122,7 @@ async def run(rt: Runtime, conninfo: str, stop: asyncio.Event, handlers: Handler
                 log.exception("work runner failed; continuing")
                 await asyncio.sleep(1)
 
-    tasks = [asyncio.create_task(listen())] + [asyncio.create_task(drain()) for _ in range(concurrency)]
+    tasks = [asyncio.create_task(wake_on_notify())] + [asyncio.create_task(drain()) for _ in range(concurrency)]
     try:
         await stop.wait()
     finally:
