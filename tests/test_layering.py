@@ -24,8 +24,11 @@ NODE_TABLE_WRITE = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+{NODE_
 NODE_ONLY_TABLES = re.compile(r"\b(node_reports|host_resources|report_sequences)\b")
 NODE_WRITING_FUNCTIONS = re.compile(r"\b(bump_desired|node_seen|sweep_unreachable)\s*\(")
 
+# The gateway is transport: it calls the node owner and PKI, and shares the process plumbing
+# (database, LISTEN helper, settings, logs, metrics, errors, ids); never reservations or the API.
 GATEWAY_MAY_IMPORT = ("controlplane.nodes", "controlplane.pki", "controlplane.common", "controlplane.db",
-                      "controlplane.config", "controlplane.logs", "controlplane.errors", "controlplane.ids")
+                      "controlplane.listen", "controlplane.metrics", "controlplane.config", "controlplane.logs",
+                      "controlplane.errors", "controlplane.ids")
 
 
 def sources(*packages: str) -> list[pathlib.Path]:
