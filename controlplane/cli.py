@@ -48,7 +48,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "dev":
-        from controlplane.dev import main as dev_main
+        from controlplane.devtools.dev import main as dev_main
 
         return dev_main(argv[1:])
     if argv and argv[0] in {"serve", "migrate", "bootstrap"}:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         from controlplane.client.mcp_server import main as mcp_main
 
         return mcp_main(argv[1:])
-    from controlplane.client_cli import main as client_main
+    from controlplane.client.main import main as client_main
 
     return client_main(argv)
 

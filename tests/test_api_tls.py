@@ -18,7 +18,8 @@ from cryptography.x509.oid import NameOID
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import admin_pb2_grpc
-from controlplane import bootstrap, client_cli
+from controlplane import bootstrap
+from controlplane.client import main as client_cli
 from controlplane.app import start_app
 from controlplane.config import Settings
 from tests.conftest import clone_database

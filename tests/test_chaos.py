@@ -20,7 +20,8 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import bootstrap, devstack
+from controlplane import bootstrap
+from controlplane.devtools import devstack
 from tests.conftest import clone_database
 from tests.invariants import check_invariants
 from tests.support import Client, make_world
@@ -35,7 +36,7 @@ REPLICA_ENV = {"BC_CLOCK_CONTROL": "1", "BC_PENDING_RETRY_SECONDS": "2"}
 
 
 class Replica:
-    """A `controlplane serve` process (controlplane.devstack) and the endpoint it listens on."""
+    """A `controlplane serve` process (controlplane.devtools.devstack) and the endpoint it listens on."""
 
     def __init__(self, conninfo: str, log_path: str) -> None:
         self.process, self.endpoint = devstack.controlplane(conninfo, pathlib.Path(log_path), env=REPLICA_ENV)

@@ -20,7 +20,8 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import bootstrap, devstack
+from controlplane import bootstrap
+from controlplane.devtools import devstack
 from tests.conftest import clone_database
 from tests.support import Client, World, get, make_world
 from tests.support import eventually as _eventually

@@ -888,7 +888,7 @@ def test_forged_reports(database: str, tmp_path: Path, mode: str) -> None:
 
 
 def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(database: str, tmp_path: Path) -> None:
-    from controlplane import devstack
+    from controlplane.devtools import devstack
     from tests.nodes_support import ControlPlane
     from tests.test_gateway import GatewayThread
 

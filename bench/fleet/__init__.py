@@ -1,7 +1,7 @@
 """`python -m bench.fleet`: a simulated fleet against one gateway, and placement-to-active latency.
 
 What docs/benchmarks-fleet.md describes: an embedded PostgreSQL, the control plane, one node
-gateway and `nodesim --sim N` as real processes on loopback (started by controlplane.devstack, as
+gateway and `nodesim --sim N` as real processes on loopback (started by controlplane.devtools.devstack, as
 `make dev` and the end-to-end tests start them). The tenant, pool, quota and policy are seeded
 through the Admin API; the N nodes enrol with one-time join tokens and hold mutual-TLS sessions.
 Measured: the time until all N are connected, the gateway's resident memory per session, the
@@ -18,7 +18,7 @@ figures), measure (process memory and CPU), main (one run, start to stop).
 
 import os
 
-# As in controlplane.dev: gRPC's fork handlers are of no use here (this process forks only to
+# As in controlplane.devtools.dev: gRPC's fork handlers are of no use here (this process forks only to
 # run pg_ctl and the children) and must be off before grpc is imported; every module of this
 # package is imported after this one.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

@@ -29,8 +29,8 @@ from bench.fleet.options import (
 )
 from bettercompute.v1 import admin_pb2 as a
 from bettercompute.v1 import admin_pb2_grpc
-from controlplane import devstack
-from controlplane.dev import _signals_deferred
+from controlplane.devtools import devstack
+from controlplane.devtools.dev import _signals_deferred
 
 @dataclass
 class Seeded:

@@ -37,7 +37,8 @@ import psycopg  # noqa: E402
 import structlog  # noqa: E402
 
 from bettercompute.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
-from controlplane import bootstrap, db, devstack, tokens  # noqa: E402
+from controlplane import bootstrap, db, tokens  # noqa: E402
+from controlplane.devtools import devstack  # noqa: E402
 from controlplane.config import Settings  # noqa: E402
 
 log = structlog.get_logger(__name__)
