@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,140 +23,36 @@ from typing import Any
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from psycopg.types.json import Jsonb
 
 from bettercompute.node.v1 import node_pb2 as pb
-from bettercompute.node.v1 import node_pb2_grpc
 from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import nodes_pb2_grpc
 from controlplane.ids import new_id
-from controlplane.pki import admin, attest, certs
-from gateway.config import GatewaySettings
-from gateway.server import Gateway, start_gateway
+from controlplane.pki import attest, certs
 from nodesim.config import parse_args
 from nodesim.fleet import Fleet
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, eventually, get, make_world, rpc_error
-from tests.test_pki import NodeKeys, arun, seed_pool, split, sql
+from tests.test_gateway import GatewayThread, Session, hello, join_token
+from tests.test_gateway import Node as GatewayNode
+from tests.test_gateway import eventually as eventually_
+from tests.test_pki import seed_pool, sql
 
-GIB = 1 << 30
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 10, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return result
 
 
 # A real gateway and a minimal node client --------------------------------------------------
 
-class GatewayThread:
-    """A real gateway (grpc.aio, TLS, psycopg pool, LISTEN) on its own event loop."""
-
-    def __init__(self, conninfo: str, listen: str = "127.0.0.1:0") -> None:
-        self.conninfo = conninfo
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.gateway: Gateway = self.call(start_gateway(GatewaySettings(), conninfo, listen=listen,
-                                                        enrol_listen="127.0.0.1:0"))
-        self.port = self.gateway.port
-        self.endpoint = f"127.0.0.1:{self.gateway.port}"
-        self.enrol_endpoint = f"127.0.0.1:{self.gateway.enrol_port}"
-        self.ca_pem = self.gateway.ca.pem
-
-    def call(self, coro: Any, timeout: float = 30) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.gateway.stop(0.2))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
-class Session:
-    """One Session stream: messages go out through a queue, answers come in on a thread."""
-
-    def __init__(self, channel: grpc.Channel) -> None:
-        self.channel = channel
-        self.outbox: queue.Queue[pb.NodeMessage | None] = queue.Queue()
-        self.inbox: queue.Queue[pb.GatewayMessage | None] = queue.Queue()
-        self.error: grpc.RpcError | None = None
-        self.call = node_pb2_grpc.NodeGatewayStub(channel).Session(iter(self.outbox.get, None))
-        self.pump = threading.Thread(target=self._pump, daemon=True)
-        self.pump.start()
-
-    def _pump(self) -> None:
-        try:
-            for message in self.call:
-                self.inbox.put(message)
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.inbox.put(None)
-
-    def send(self, message: pb.NodeMessage) -> None:
-        self.outbox.put(message)
-
-    def recv(self, kind: str, timeout: float = 10) -> Any:
-        """The next message of `kind` (others are skipped); None when the stream ended."""
-        deadline = time.monotonic() + timeout
-        while True:
-            message = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            if message is None:
-                self.inbox.put(None)
-                return None
-            if message.WhichOneof("msg") == kind:
-                return getattr(message, kind)
-
-    def ended(self, timeout: float = 10) -> grpc.RpcError | None:
-        deadline = time.monotonic() + timeout
-        while self.inbox.get(timeout=max(0.0, deadline - time.monotonic())) is not None:
-            pass
-        self.inbox.put(None)
-        return self.error
-
-    def close(self) -> None:
-        self.outbox.put(None)
-        self.pump.join(5)
-        self.channel.close()
-
-
-class Node:
-    """A node daemon in a few lines: its own keys, enrolment, mutual TLS, signed reports."""
+class Node(GatewayNode):
+    """The gateway tests' node, whose reports are numbered and dated like a daemon's, and signed
+    by its own key or, for a forgery, by another."""
 
     def __init__(self, gateway: GatewayThread) -> None:
-        self.gateway = gateway
-        self.keys = NodeKeys()
-        self.node_id = ""
-        self.cert_pem = b""
-        self.signing_pem = b""
+        super().__init__(gateway)
         self.sequence = 0
-
-    def enrol(self, token: str) -> None:
-        with grpc.secure_channel(self.gateway.enrol_endpoint, grpc.ssl_channel_credentials(self.gateway.ca_pem)) as ch:
-            response = node_pb2_grpc.NodeGatewayStub(ch).Enrol(
-                pb.EnrolRequest(join_token=token, csr_pem=self.keys.csr()), timeout=10)
-        self.node_id = response.node_id
-        signing, tls = split(response.certificate_pem)
-        self.signing_pem, self.cert_pem = certs.pem(signing), certs.pem(tls)
-
-    def session(self) -> Session:
-        key = self.keys.tls.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption())
-        creds = grpc.ssl_channel_credentials(self.gateway.ca_pem, key, self.cert_pem)
-        return Session(grpc.secure_channel(self.gateway.endpoint, creds))
-
-    @property
-    def key_id(self) -> str:
-        return certs.key_id(x509.load_pem_x509_certificate(self.signing_pem))
 
     def body(self, **event: Any) -> bytes:
         self.sequence += 1
@@ -169,20 +64,6 @@ class Node:
         return pb.NodeMessage(report=pb.AttestedReport(body=body, key_id=self.key_id, signature=signature))
 
 
-def join_token(conninfo: str, pool_id: str, name: str) -> str:
-    return arun(conninfo, lambda pool: admin.create_join_token(pool, pool_id, name, "node", 600))["secret"]
-
-
-def hello(gpus: int = 4) -> pb.NodeMessage:
-    inventory = pb.Inventory(
-        generation=1, vcpus=64, memory_bytes=512 * GIB, hugepages_1gi=16,
-        numa_nodes=[pb.NumaNode(id=0, cpulist="0-63", memory_bytes=512 * GIB)],
-        gpus=[pb.Gpu(uuid=f"GPU-{i}", model="H100-SXM5-80GB", memory_mib=81559) for i in range(gpus)])
-    return pb.NodeMessage(hello=pb.Hello(daemon_version="bcd 0.5.0", capabilities=["devices.limits"],
-                                         inventory=inventory))
-
-
-# Fixtures: one control plane and one gateway per module; a fresh pool and node per test -------
 
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client, GatewayThread]]:
@@ -210,7 +91,7 @@ def node(stack: tuple[ServerThread, Client, GatewayThread], world: World) -> Ite
     node.enrol(join_token(world.conninfo, world.pool_id, "gpu-01"))
     session = node.session()
     session.send(hello())
-    wait_for(lambda: world.sql("SELECT connectivity = 'connected' FROM nodes WHERE id = %s", (node.node_id,))[0][0],
+    eventually_(lambda: world.sql("SELECT connectivity = 'connected' FROM nodes WHERE id = %s", (node.node_id,))[0][0],
              what="hello")
     yield node, session
     session.close()
@@ -457,7 +338,7 @@ def test_reports_the_gateway_never_heard_are_sent_again_after_a_reconnect_in_ord
         database: str, tmp_path: Path) -> None:
     pool_id = seed_pool(database)
     gateway = GatewayThread(database)
-    relay = Relay(gateway.port)
+    relay = Relay(gateway.gateway.port)
     (tmp_path / "ca.pem").write_bytes(gateway.ca_pem)
     (tmp_path / "tokens.json").write_text(f'[{{"name": "sim-000", "joinToken": "{join_token(database, pool_id, "sim-000")}"}}]')
     config = parse_args(["--sim", "1", "--gateway", relay.endpoint, "--enrol-gateway", gateway.enrol_endpoint,
