@@ -111,7 +111,7 @@ def migrate(conninfo: str) -> list[str]:
             )
             done = {row[0] for row in conn.execute("SELECT name FROM schema_migrations")}
             for path in sorted(MIGRATIONS.glob("*.sql")):
-                if not _MIGRATION_NAME.match(path.name):
+                if not _MIGRATION_NAME.fullmatch(path.name):
                     raise RuntimeError(f"migration file name {path.name!r} is not NNNN_name.sql")
                 if path.name in done:
                     continue

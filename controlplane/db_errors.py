@@ -36,6 +36,7 @@ BY_CONSTRAINT: dict[str, Mapping] = {
     "nodes_pool_id_name_key": Mapping(errors.Conflict, "a node with this name exists in the pool", "name"),
     "quotas_tenant_id_fkey": Mapping(errors.NotFound, "no such tenant", "tenantId"),
     "policies_tenant_id_fkey": Mapping(errors.NotFound, "no such tenant", "tenantId"),
+    "join_tokens_pool_id_fkey": Mapping(errors.NotFound, "no such pool", "poolId"),
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg import AsyncConnection
 
-from controlplane import db, errors
+from controlplane import db, db_errors, errors
 from controlplane.durations import parse_duration_ms
 from controlplane.ids import new_id, token_hash
 from controlplane.reservations.validate import match
@@ -130,13 +130,11 @@ async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str =
             raise errors.InvalidState("this identity is offboarded", identityId=identity_id, state="offboarded")
         now_ms = (await (await conn.execute(_NOW_MS)).fetchone())["now_ms"]
         secret, params = _mint_params(identity_id, _ttl_ms(rt, now_ms, expires_at_ms, ttl))
-        try:
-            row = await (await conn.execute(MINT, params)).fetchone()
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such identity", identityId=identity_id) from None
+        row = await (await conn.execute(MINT, params)).fetchone()
         return {**row, "secret": secret}
 
-    return await db.run_in_transaction(rt.pool, work)
+    with db_errors.mapped(identityId=identity_id):  # api_tokens_identity_id_fkey: deleted meanwhile
+        return await db.run_in_transaction(rt.pool, work)
 
 
 async def list_(rt: Runtime, identity_id: str, include_inactive: bool) -> list[dict[str, Any]]:

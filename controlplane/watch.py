@@ -102,7 +102,7 @@ def parse_types(field_name: str, types: list[str]) -> list[str]:
     if len(types) > MAX_TYPE_FILTERS:
         raise errors.InvalidInput(field_name, f"at most {MAX_TYPE_FILTERS} entries")
     for t in types:
-        if len(t) > 128 or not TYPE_FILTER.match(t):
+        if len(t) > 128 or not TYPE_FILTER.fullmatch(t):
             raise errors.InvalidInput(field_name, f"{t!r} is not an event type or a prefix ending in '.'")
     return sorted(set(types))
 

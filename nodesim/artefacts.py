@@ -110,13 +110,13 @@ class Hold:
 
 def check_names(allocation_id: str, device_class: str, device_ids: list[str]) -> str | None:
     """Why an assignment cannot be written as CDI, or None."""
-    if not ALLOCATION_ID.match(allocation_id):
+    if not ALLOCATION_ID.fullmatch(allocation_id):
         return f"allocation id {allocation_id!r} is not a safe file name"
     if device_class not in DEVICE_CLASSES:
         return f"unknown device class {device_class!r}"
     if not device_ids:
         return "no devices"
-    bad = [d for d in device_ids if not DEVICE_NAME.match(d)]
+    bad = [d for d in device_ids if not DEVICE_NAME.fullmatch(d)]
     if bad:
         return f"device ids not valid CDI device names: {bad}"
     if len(set(device_ids)) != len(device_ids):

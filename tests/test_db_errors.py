@@ -11,6 +11,8 @@ import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import nodes_pb2 as npb
+from bettercompute.v1 import nodes_pb2_grpc
 from controlplane import db_errors
 from tests.support import World, rpc_error
 
@@ -21,6 +23,11 @@ NO_POOL = "pool_" + "0" * 26  # well formed, never created
 def _second_node(world: World) -> None:
     world.root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=world.pool_id, name="twin"))
     world.root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=world.pool_id, name="twin"))
+
+
+def _join_token_for_no_pool(world: World) -> None:
+    nodes_pb2_grpc.NodeAdminStub(world.root.channel).CreateJoinToken(
+        npb.CreateJoinTokenRequest(pool_id=NO_POOL, node_name="n"), metadata=world.root.metadata, timeout=30)
 
 
 # constraint -> (call that violates it, spec reason, detail field, its value)
@@ -45,6 +52,7 @@ CASES: dict[str, tuple[Callable[[World], object], str, str, str]] = {
         tenant_id="no-such-tenant", resource="gpu", limit=1)), "NOT_FOUND", "tenantId", "no-such-tenant"),
     "policies_tenant_id_fkey": (lambda w: w.root.admin("PutPolicy", apb.PutPolicyRequest(
         tenant_id="no-such-tenant", cedar=PERMIT_ALL)), "NOT_FOUND", "tenantId", "no-such-tenant"),
+    "join_tokens_pool_id_fkey": (_join_token_for_no_pool, "NOT_FOUND", "poolId", NO_POOL),
 }
 
 

@@ -128,6 +128,12 @@ def test_a_trailing_newline_never_passes_an_id_pattern(world: World) -> None:
         invalid("id", world.root.admin, "CreateTenant", apb.CreateTenantRequest(id=tenant_id, name="x"))
     invalid("ownerTenantId", world.root.admin, "CreatePool",
             apb.CreatePoolRequest(owner_tenant_id=world.tenant + "\n", name="p"))
+    hooks = events_pb2_grpc.WebhooksStub(world.user.channel)
+    invalid("webhookId", hooks.Get, epb.GetWebhookRequest(tenant_id=world.tenant, webhook_id="whk_" + "0" * 26 + "\n"),
+            metadata=world.user.metadata, timeout=30)
+    watch = events_pb2_grpc.EventsStub(world.user.channel).Watch
+    invalid("types", lambda *a, **kw: next(watch(*a, **kw)),
+            epb.WatchRequest(tenant_id=world.tenant, types=["reservation.placed\n"]), metadata=world.user.metadata, timeout=30)
     assert stored(world) == 0
 
 

@@ -37,7 +37,7 @@ GIB = 1 << 30
 
 
 def capabilities(hello: node_pb2.Hello) -> list[str]:
-    good = sorted({c for c in hello.capabilities if CAPABILITY.match(c)})
+    good = sorted({c for c in hello.capabilities if CAPABILITY.fullmatch(c)})
     if len(good) != len(hello.capabilities):
         log.info("capabilities dropped", advertised=len(hello.capabilities), kept=len(good))
     return good[:MAX_CAPABILITIES]
@@ -46,7 +46,7 @@ def capabilities(hello: node_pb2.Hello) -> list[str]:
 def gpus(inventory: node_pb2.Inventory) -> list[node_pb2.Gpu]:
     kept: dict[str, node_pb2.Gpu] = {}
     for gpu in inventory.gpus[:MAX_GPUS]:
-        if DEVICE_UUID.match(gpu.uuid) and MODEL.match(gpu.model) and gpu.uuid not in kept:
+        if DEVICE_UUID.fullmatch(gpu.uuid) and MODEL.fullmatch(gpu.model) and gpu.uuid not in kept:
             kept[gpu.uuid] = gpu
     if len(kept) != len(inventory.gpus):
         log.info("inventory gpus dropped", reported=len(inventory.gpus), kept=len(kept))
@@ -55,12 +55,12 @@ def gpus(inventory: node_pb2.Inventory) -> list[node_pb2.Gpu]:
 
 def nvlink_domain(gpu: node_pb2.Gpu) -> str:
     domain = f"{gpu.nvlink_cluster}/{gpu.nvlink_clique}"
-    return domain if gpu.nvlink_cluster and gpu.nvlink_clique and LABEL.match(domain) else ""
+    return domain if gpu.nvlink_cluster and gpu.nvlink_clique and LABEL.fullmatch(domain) else ""
 
 
 def cap_labels(labels: dict[str, Any], caps: list[str]) -> dict[str, Any]:
     kept = {k: v for k, v in labels.items() if not (k.startswith(CAP_PREFIX) and v.get("source") == SYSTEM)}
-    kept.update({CAP_PREFIX + c: {"value": "true", "source": SYSTEM} for c in caps if LABEL.match(CAP_PREFIX + c)})
+    kept.update({CAP_PREFIX + c: {"value": "true", "source": SYSTEM} for c in caps if LABEL.fullmatch(CAP_PREFIX + c)})
     return kept
 
 

@@ -8,11 +8,10 @@ import re
 import secrets
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import db, errors
+from controlplane import db, db_errors, errors
 from controlplane.common.names import NODE_ID, NODE_NAME, POOL_ID, match
 from controlplane.ids import token_hash
 from controlplane.nodes import registry
@@ -37,13 +36,11 @@ async def create_join_token(pool: AsyncConnectionPool, pool_id: str, node_name: 
     secret = "bcj_" + secrets.token_urlsafe(32)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        try:
-            row = await store.insert_join_token(conn, token_hash(secret), pool_id, node_name, role, ttl)
-        except psycopg.errors.ForeignKeyViolation:
-            raise errors.NotFound("no such pool", poolId=pool_id) from None
+        row = await store.insert_join_token(conn, token_hash(secret), pool_id, node_name, role, ttl)
         return {"secret": secret, **row}
 
-    return await db.run_in_transaction(pool, work)
+    with db_errors.mapped(poolId=pool_id):  # join_tokens_pool_id_fkey
+        return await db.run_in_transaction(pool, work)
 
 
 async def _require_node(conn: AsyncConnection, node_id: str) -> None:

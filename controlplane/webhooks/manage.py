@@ -53,7 +53,7 @@ def _limit(value: int) -> int:
 
 
 def _webhook_id(value: str, field: str = "webhookId") -> str:
-    if not WEBHOOK_ID.match(value or ""):
+    if not WEBHOOK_ID.fullmatch(value or ""):
         raise errors.InvalidInput(field, "not a webhook id")
     return value
 
