@@ -27,7 +27,7 @@ from controlplane import confirmations, db, errors, events, tokens
 from controlplane.reservations import queries as reservation_queries
 from controlplane.reservations import states
 from controlplane.reservations.transitions import move
-from controlplane.reservations.validate import match
+from controlplane.common.names import match
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)

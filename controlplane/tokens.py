@@ -18,7 +18,7 @@ from psycopg import AsyncConnection
 from controlplane import db, db_errors, errors
 from controlplane.durations import parse_duration_ms
 from controlplane.ids import new_id, token_hash
-from controlplane.reservations.validate import match
+from controlplane.common.names import match
 from controlplane.runtime import Runtime
 
 SECRET_PREFIX = "bct_"
