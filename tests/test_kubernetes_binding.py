@@ -217,6 +217,21 @@ def test_the_device_plugin_advertises_the_bound_devices_to_the_kubelet_until_rel
                 dp.ContainerAllocateRequest(devices_ids=devices[:1])]), timeout=10)
         assert gone.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         call.cancel()
+        channel.close()
+        path.close()
+        channel = path = None
+
+        # A restarted kubelet removes the plugins' sockets and listens anew: the plugin registers
+        # again, on a fresh socket.
+        kubelet.stop()
+        (kubelet.dir / registered.endpoint).unlink()
+        kubelet = Kubelet(kubelet.dir)
+        again = kubelet.requests.get(timeout=30)
+        assert (again.resource_name, again.endpoint) == ("bcd.dev/gpu", "bcd-gpu.sock")
+        channel, stub, path = kubelet.plugin(again.endpoint)
+        lists, call = watch(stub)
+        assert lists.get(timeout=30) == []
+        call.cancel()
     finally:
         if channel is not None:
             channel.close()
