@@ -76,6 +76,8 @@ class FleetConfig:
     heartbeat: float = 5.0
     # Nodes started per second (enrolment and first connection are staggered at this rate).
     connect_rate: float = 100.0
+    # How often each node's device plugin looks for a (new) kubelet socket in its sandbox; 0: no plugin.
+    kubelet_retry: float = 2.0
     inventory: InventorySpec = field(default_factory=InventorySpec)
     faults: Faults = NO_FAULTS
     log_format: str = "console"
@@ -152,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-name", help="TLS name to verify in the gateway certificate (default: the host)")
     p.add_argument("--heartbeat", type=_positive, default=5.0, metavar="SECONDS")
     p.add_argument("--connect-rate", type=_positive, default=100.0, metavar="PER_SECOND")
+    p.add_argument("--kubelet-retry", type=float, default=2.0, metavar="SECONDS",
+                   help="how often a node's device plugin looks for its kubelet's socket (0: no device plugin)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
@@ -238,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         server_name=a.server_name,
         heartbeat=a.heartbeat,
         connect_rate=a.connect_rate,
+        kubelet_retry=max(0.0, a.kubelet_retry),
         inventory=inventory,
         faults=faults,
         log_format=a.log_format,

@@ -26,6 +26,7 @@ from nodesim import DAEMON_VERSION, LEGACY_DAEMON_VERSION
 from nodesim.artefacts import Sandbox
 from nodesim.config import Faults, FleetConfig
 from nodesim.converge import Bound, Converger, Event
+from nodesim.deviceplugin import DevicePlugin
 from nodesim.identity import Identity, IdentityError, IdentityStore, KeyPair, Sequence
 from nodesim.inventory import Hardware, build
 from nodesim.reports import Reporter, now_ms
@@ -80,6 +81,7 @@ class SimNode:
         self.store = IdentityStore(self.root)
         self.sandbox = Sandbox(self.root)
         self.converger = Converger(self.sandbox, self.hardware, self.faults, name)
+        self.plugin = DevicePlugin(self.root, lambda: self.converger.holds.values(), name, config.kubelet_retry)
         self.identity: Identity | None = None
         self.reporter = Reporter(
             self._current_identity,
@@ -122,6 +124,9 @@ class SimNode:
         self.identity = self.store.load()
         events = self.converger.recover(now_ms())
         expiry = asyncio.create_task(self._expiry_loop(), name=f"{self.name}-expiry")
+        plugin = None
+        if self.config.kubelet_retry:
+            plugin = asyncio.create_task(self.plugin.run(), name=f"{self.name}-plugin")
         try:
             self._emit(events)
             if self.faults.unreachable_after is None and not self.faults.unreachable_on_signal:
@@ -142,6 +147,9 @@ class SimNode:
         finally:
             self.connected = False
             expiry.cancel()
+            if plugin is not None:
+                plugin.cancel()
+                await asyncio.gather(plugin, return_exceptions=True)
             await self._close_channel()
 
     def go_unreachable(self) -> None:
@@ -354,6 +362,7 @@ class SimNode:
                 self._outbox.put_nowait(_HEARTBEAT)
 
     def _emit(self, events: list[Event]) -> None:
+        self.plugin.changed()  # every change of the holds passes here
         if self.faults.never_answer or not events:
             return
         if self.identity is None:  # holds found on disk without keys: nothing can sign for them

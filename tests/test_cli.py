@@ -353,3 +353,15 @@ def test_a_large_pool_is_drawn_to_a_fixed_width() -> None:
     assert [len(bar) for bar in bars] == [BAR_WIDTH] * 4
     assert [bar.count("█") for bar in bars] == [0, 2, 39, 40]
     assert all(bar == "█" * bar.count("█") + "░" * bar.count("░") for bar in bars)
+
+
+def test_reserve_kubernetes_books_the_kubernetes_binding(cli, world: World) -> None:
+    error = cli("reserve", "--gpus", "1", "--kubernetes").error  # the pool has no policy.kubernetes yet
+    assert error["code"] == "INVALID_INPUT" and error["details"]["field"] == "binding"
+    world.sql("UPDATE pools SET policy = policy || '{\"kubernetes\": true}' WHERE id = %s", (world.pool_id,))
+    world.sql("UPDATE nodes SET labels = labels || jsonb_build_object('bc.dev/cap.binding.kubernetes',"
+              " jsonb_build_object('value', 'true', 'source', 'system')) WHERE id = %s", (world.nodes[1].id,))
+    placed = cli("reserve", "--gpus", "1", "--kubernetes").json
+    assert placed["request"]["binding"] == "kubernetes"
+    assert placed["allocations"][0]["nodeId"] == world.nodes[1].id  # the node whose daemon serves it
+    assert cli("reserve", "--gpus", "1").json["request"]["binding"] == "hold"

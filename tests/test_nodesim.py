@@ -359,8 +359,8 @@ def test_a_limited_hold_writes_the_cdi_spec_env_file_and_cgroup_slice_at_their_p
     run(scenario())
 
 
-# The test peer, not the real gateway: MIG and slot device classes and kubernetes bindings: the gateway
-# sends only whole GPUs, the control plane serves no kubernetes binding yet.
+# The test peer, not the real gateway: MIG and slot device classes (the gateway sends only whole GPUs)
+# beside a limited kubernetes binding (tests/test_kubernetes_binding.py runs one end to end).
 def test_unlimited_mig_slot_and_kubernetes_holds(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with simulated(tmp_path, ["sim-000"], "--mig-gpus", "2") as (peer, _):
@@ -971,6 +971,7 @@ def test_nodesim_imports_no_control_plane_or_gateway_code() -> None:
         allowed = (
             "nodesim",
             "bettercompute.node.v1",
+            "k8s.deviceplugin.v1beta1",  # the kubelet's device plugin API, for its device plugin
             "grpc",
             "google.protobuf",
             "cryptography",

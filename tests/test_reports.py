@@ -126,3 +126,18 @@ def test_a_release_signed_by_another_key_does_not_lose_the_binding(world: World,
                      " type = 'reservation.binding-rejected'", (f"reservation/{r.id}",)) == [
         ("certificate of another node",)]
     assert [a.state for a in get(world, r.id).allocations] == ["bound"]
+
+
+def test_a_kubernetes_binding_keeps_no_cgroup_parent_even_when_the_node_names_its_own_slice(
+    world: World, node: Enrolled
+) -> None:
+    """Its pods live in the kubelet's cgroups: Get shows no cgroupParent for it, whatever is reported."""
+    world.sql("UPDATE pools SET policy = policy || '{\"kubernetes\": true}' WHERE id = %s", (world.pool_id,))
+    world.sql("UPDATE nodes SET labels = labels || jsonb_build_object('bc.dev/cap.binding.kubernetes',"
+              " jsonb_build_object('value', 'true', 'source', 'system')) WHERE id = %s", (node.node_id,))
+    r = world.create(count=1, duration="8h", binding="kubernetes")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    report(node, world, alloc, "bound", cgroup_parent=f"bcd-alloc-{alloc}.slice",
+           cdi_devices=["bcd.dev/gpu=GPU-r-0"])
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    assert active.binding.cgroup_parent == "" and list(active.binding.cdi_devices) == ["bcd.dev/gpu=GPU-r-0"]

@@ -115,7 +115,9 @@ class CreateReservationRequest(_message.Message):
     duration_ms: _builtins.int
     start: _builtins.int
     binding: _builtins.str
-    """"hold" (default). "instance" is UNSUPPORTED; "kubernetes" and "node" are not served yet."""
+    """"hold" (default) or "kubernetes" (the owner of a pool with policy.kubernetes only).
+    "instance" is UNSUPPORTED; "node" is not served yet.
+    """
     idempotency_key: _builtins.str
     lease_seconds: _builtins.int
     @_builtins.property

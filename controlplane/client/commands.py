@@ -33,6 +33,7 @@ def reserve_request(
     key: str | None = None,
     pool: str | None = None,
     lease: str | None = None,
+    kubernetes: bool = False,
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -43,6 +44,7 @@ def reserve_request(
         devices=[pb.DeviceRequest(device_class="gpu", count=gpus, topology=topology)],
         duration=duration,
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
+        binding="kubernetes" if kubernetes else "",
     )
     if start:
         request.start = parse_moment("--start", start)
@@ -77,7 +79,7 @@ def create_and_wait(
 def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], None]) -> Message:
     request = reserve_request(
         client, gpus=args.gpus, topology=args.topology, duration=args.duration, start=args.start,
-        key=args.key, pool=args.pool, lease=args.lease,
+        key=args.key, pool=args.pool, lease=args.lease, kubernetes=args.kubernetes,
     )
     return create_and_wait(client, request, args.wait, on_state)
 

@@ -57,6 +57,8 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")
     p.add_argument("--key", help="idempotency key (default: a new random key)")
     p.add_argument("--lease", help="a renewable lease such as 10m (see `renew`)")
+    p.add_argument("--kubernetes", action="store_true",
+                   help="binding kubernetes: the node's kubelet gets the GPUs (an owned pool with policy.kubernetes)")
     p.add_argument("--wait", type=float, default=20.0, help="seconds to wait while queued (default 20)")
     p.set_defaults(run=commands.reserve, progress=True)
 

@@ -38,6 +38,8 @@ class Ask:
     selector: dict[str, str]
     start_ms: int
     end_ms: int
+    # Labels required beyond the selector, matched whole (value and source): a binding's capability.
+    required: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def params(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -45,7 +47,7 @@ class Ask:
             "count": self.count,
             "topology": self.topology,
             "model": self.model,
-            "selector": Jsonb({k: {"value": v} for k, v in self.selector.items()}),
+            "selector": Jsonb({**{k: {"value": v} for k, v in self.selector.items()}, **self.required}),
             "start": self.start_ms,
             "end": self.end_ms,
             **extra,

@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.ids import draft_id, new_id, request_hash
-from controlplane.reservations import placing, queries, schedule, states
+from controlplane.reservations import kubernetes, placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -79,6 +79,7 @@ async def _transaction_1(
         ).fetchone()
         if pool is None:
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
+        kubernetes.check_pool(inp.request, pool, inp.tenant_id)
         await _require_draft_room(conn, rt, caller)
         await conn.execute(
             queries.INSERT_DRAFT,

@@ -16,7 +16,7 @@ from psycopg import AsyncConnection
 from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.placement import placer
-from controlplane.reservations import queries, schedule, states
+from controlplane.reservations import kubernetes, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
 
@@ -72,6 +72,7 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
         topology=device["topology"],
         model=device.get("model") or "",
         selector=request.get("nodeSelector") or {},
+        required=kubernetes.required_labels(request),
         start_ms=begin,
         end_ms=begin + request["durationMs"],
     )

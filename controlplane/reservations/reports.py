@@ -51,7 +51,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":
-            await conn.execute(queries.MARK_BOUND, {"id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt)),
+            await conn.execute(queries.MARK_BOUND, {"id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt, row)),
                                         "body": rep["body"], "kid": rep["key_id"], "sig": rep["signature"]})
             rep["allocation_state"] = "bound"
         elif rep["kind"] == "failed":
@@ -84,14 +84,17 @@ async def _replayed(conn: AsyncConnection, rep: dict[str, Any], report: node_pb2
     return last is not None and report.sequence <= last
 
 
-def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime) -> dict[str, Any]:
+def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime, row: dict[str, Any]) -> dict[str, Any]:
     """The binding as the node signed it. A cgroup parent counts only when it is exactly this
-    allocation's slice, so a node cannot point a reservation at another allocation's slice."""
+    allocation's slice, so a node cannot point a reservation at another allocation's slice; a
+    kubernetes binding has none (its pods live in the kubelet's cgroups)."""
     own_slice = f"bcd-alloc-{rep['allocation_id']}.slice"
+    kubernetes = row["request"].get("binding") == "kubernetes"
+    keep_slice = report.bound.cgroup_parent == own_slice and not kubernetes
     return {
         "cdiDevices": list(report.bound.cdi_devices),
         "envFile": report.bound.env_file,
-        "cgroupParent": report.bound.cgroup_parent if report.bound.cgroup_parent == own_slice else "",
+        "cgroupParent": report.bound.cgroup_parent if keep_slice else "",
         "attested": rt.settings.attested_bindings,
     }
 

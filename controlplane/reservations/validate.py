@@ -20,8 +20,8 @@ MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
 SERVED_CLASSES = {"gpu"}
 RESERVED_CLASSES = {"gpu.mig", "gpu.slot"}
-SERVED_BINDINGS = {"hold"}
-UNSERVED_BINDINGS = {"instance", "kubernetes", "node"}
+SERVED_BINDINGS = {"hold", "kubernetes"}
+UNSERVED_BINDINGS = {"instance", "node"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
         hint = " (VPS instances are created with instances.create)" if binding == "instance" else ""
         raise errors.Unsupported(f"binding {binding!r} is not served{hint}", field="binding")
     if binding not in SERVED_BINDINGS:
-        raise errors.InvalidInput("binding", "must be 'hold'")
+        raise errors.InvalidInput("binding", "must be 'hold' or 'kubernetes'")
     devices = _devices(raw.get("devices") or [])
     duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"), limits.max_length_ms)
     start = raw.get("start")

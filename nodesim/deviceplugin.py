@@ -1,0 +1,193 @@
+"""The node's kubelet device plugin (device plugin API v1beta1; spec "Bindings", kubernetes).
+
+Under the node's root, in the kubelet's directory `var/lib/kubelet/device-plugins/`:
+- the plugin serves `DevicePlugin` on `bcd-gpu.sock`;
+- it registers with the kubelet's `Registration` service on `kubelet.sock` once that socket exists,
+  retrying while it does not, and again when a new kubelet (a new socket) appears.
+
+It advertises exactly the devices of the node's live kubernetes bindings (the holds whose CDI spec
+carries the kubernetes marker) as resource `bcd.dev/gpu`, Healthy, until the hold ends; ListAndWatch
+sends the whole list again whenever it changes. Allocate answers the devices' CDI names
+(`bcd.dev/gpu=<uuid>`, the names of the hold's CDI spec) and refuses a device it does not advertise.
+The plugin's socket is created when the kubelet is first found, so a node with no kubelet costs one
+stat per retry period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+
+import grpc
+import structlog
+
+from k8s.deviceplugin.v1beta1 import api_pb2 as dp
+from k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from nodesim.artefacts import VENDOR, Hold
+
+API_VERSION = "v1beta1"
+PLUGIN_DIR = Path("var/lib/kubelet/device-plugins")
+KUBELET_SOCKET = "kubelet.sock"
+PLUGIN_SOCKET = "bcd-gpu.sock"
+RESOURCE = f"{VENDOR}/gpu"
+HEALTHY = "Healthy"
+REGISTER_TIMEOUT = 5.0
+# A Unix socket path holds at most 107 bytes; a longer one is reached through the directory's fd.
+_SUN_PATH_MAX = 100
+
+
+def advertised(holds: Iterable[Hold]) -> list[str]:
+    """The device ids of live kubernetes bindings of whole GPUs, sorted, without repeats."""
+    return sorted({d for h in holds if h.kubernetes and h.device_class == "gpu" for d in h.device_ids})
+
+
+class UnixPath:
+    """A Unix socket address usable however deep the sandbox is: the path itself when short enough,
+    otherwise the same file through an open descriptor of its directory (/proc/self/fd/N/name)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._dir_fd: int | None = None
+
+    def address(self) -> str:
+        if len(str(self.path)) <= _SUN_PATH_MAX:
+            return f"unix://{self.path}"
+        if self._dir_fd is None:
+            self._dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        return f"unix:///proc/self/fd/{self._dir_fd}/{self.path.name}"
+
+    def close(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+
+class DevicePlugin(dp_grpc.DevicePluginServicer):
+    def __init__(self, root: Path, holds: Callable[[], Iterable[Hold]], node_name: str,
+                 retry: float = 2.0) -> None:
+        self.dir = root / PLUGIN_DIR
+        self.holds = holds
+        self.retry = retry
+        self.devices: list[str] = []
+        self.registrations = 0
+        self._changed = asyncio.Condition()
+        self._server: grpc.aio.Server | None = None
+        self._socket = UnixPath(self.dir / PLUGIN_SOCKET)
+        self._kubelet = UnixPath(self.dir / KUBELET_SOCKET)
+        self.log = structlog.get_logger("nodesim.deviceplugin").bind(node=node_name)
+
+    # -- the node's side ---------------------------------------------------------------------
+
+    def changed(self) -> None:
+        """The node's holds changed: wake the ListAndWatch streams when the device list did."""
+        devices = advertised(self.holds())
+        if devices == self.devices:
+            return
+        self.devices = devices
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def run(self) -> None:
+        """Register with the kubelet whenever one (a new kubelet.sock) appears; serve meanwhile."""
+        self.devices = advertised(self.holds())
+        registered_with: tuple[int, int] | None = None
+        try:
+            while True:
+                kubelet = self._kubelet_identity()
+                if kubelet is not None and kubelet != registered_with:
+                    if await self._register():
+                        registered_with = kubelet
+                await asyncio.sleep(self.retry)
+        finally:
+            await self._stop()
+
+    def _kubelet_identity(self) -> tuple[int, int] | None:
+        try:
+            st = (self.dir / KUBELET_SOCKET).stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    async def _register(self) -> bool:
+        await self._serve()
+        request = dp.RegisterRequest(
+            version=API_VERSION, endpoint=PLUGIN_SOCKET, resource_name=RESOURCE,
+            options=dp.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True))
+        try:
+            async with grpc.aio.insecure_channel(self._kubelet.address()) as channel:
+                await dp_grpc.RegistrationStub(channel).Register(request, timeout=REGISTER_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            self.log.info("kubelet registration failed; retrying", code=exc.code().name, details=exc.details())
+            return False
+        self.registrations += 1
+        self.log.info("registered with the kubelet", resource=RESOURCE, devices=len(self.devices))
+        return True
+
+    async def _serve(self) -> None:
+        path = self.dir / PLUGIN_SOCKET
+        if self._server is not None and path.exists():
+            return
+        await self._stop()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server = grpc.aio.server()
+        dp_grpc.add_DevicePluginServicer_to_server(self, server)
+        server.add_insecure_port(self._socket.address())
+        await server.start()
+        self._server = server
+
+    async def _stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace=0.5)
+        self._socket.close()
+        self._kubelet.close()
+
+    # -- the kubelet's side (DevicePlugin) ---------------------------------------------------
+
+    async def GetDevicePluginOptions(self, request: dp.Empty, context) -> dp.DevicePluginOptions:
+        return dp.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(self, request: dp.Empty, context) -> AsyncIterator[dp.ListAndWatchResponse]:
+        sent: list[str] | None = None
+        while True:
+            async with self._changed:
+                if sent == self.devices:
+                    await self._changed.wait()
+                devices = list(self.devices)
+            if devices != sent:
+                yield dp.ListAndWatchResponse(devices=[dp.Device(ID=d, health=HEALTHY) for d in devices])
+                sent = devices
+
+    async def GetPreferredAllocation(self, request: dp.PreferredAllocationRequest,
+                                     context) -> dp.PreferredAllocationResponse:
+        out = dp.PreferredAllocationResponse()
+        for req in request.container_requests:
+            chosen = list(dict.fromkeys(req.must_include_deviceIDs))
+            chosen += [d for d in sorted(req.available_deviceIDs) if d not in chosen]
+            out.container_responses.append(
+                dp.ContainerPreferredAllocationResponse(deviceIDs=chosen[:max(req.allocation_size, 0)]))
+        return out
+
+    async def Allocate(self, request: dp.AllocateRequest, context) -> dp.AllocateResponse:
+        offered = set(self.devices)
+        out = dp.AllocateResponse()
+        for req in request.container_requests:
+            unknown = [d for d in req.devices_ids if d not in offered]
+            if unknown:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"devices not advertised by this plugin: {', '.join(unknown)}")
+            out.container_responses.append(dp.ContainerAllocateResponse(
+                cdi_devices=[dp.CDIDevice(name=f"{RESOURCE}={d}") for d in req.devices_ids]))
+        return out
+
+    async def PreStartContainer(self, request: dp.PreStartContainerRequest,
+                                context) -> dp.PreStartContainerResponse:
+        return dp.PreStartContainerResponse()
