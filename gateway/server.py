@@ -17,6 +17,7 @@ from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import db
 from controlplane.metrics import GatewayMetrics, MetricsServer
 from controlplane.metrics import serve as serve_metrics
+from controlplane.nodes import connectivity
 from controlplane.pki import enrolment, store
 from gateway import sweeper
 from gateway.config import GatewaySettings
@@ -66,7 +67,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
 
     metrics = GatewayMetrics(lambda: len({s.node_id for s in hub.sessions()}))
     server = grpc.aio.server(interceptors=[GatewayInterceptor(metrics)])
-    runner = SessionRunner(pool, hub, settings.gateway_id)
+    liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
+    runner = SessionRunner(pool, hub, settings.gateway_id, liveness)
     node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -76,7 +78,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     tasks.append(asyncio.create_task(
-        sweeper.run(pool, settings.node_grace_seconds, settings.sweep_seconds, stopping), name="gateway-sweeper"))
+        sweeper.run(liveness, settings.sweep_seconds, stopping), name="gateway-sweeper"))
     tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)

@@ -34,8 +34,8 @@ class SessionEnded(Exception):
 
 
 class SessionRunner:
-    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str) -> None:
-        self.pool, self.hub, self.gateway_id = pool, hub, gateway_id
+    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness) -> None:
+        self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
 
     async def run(self, peer: Peer, requests: AsyncIterator[node_pb2.NodeMessage],
                   context: grpc.aio.ServicerContext) -> None:
@@ -68,6 +68,8 @@ class SessionRunner:
             for timer in timers:
                 timer.cancel()
             self.hub.remove(session)
+            if not self.hub.sessions(session.node_id):
+                self.liveness.ended(session.node_id)
             await self._unregister(session)
             log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
                      reports_replayed=session.reports_replayed,
@@ -108,14 +110,14 @@ class SessionRunner:
         node_id = session.node_id
         if kind == "hello":
             await inventory.apply_hello(self.pool, node_id, message.hello)
-            await connectivity.seen(self.pool, node_id)
+            await self.liveness.hello(node_id)
             log.info("hello", daemon_version=message.hello.daemon_version,
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
-            await connectivity.seen(self.pool, node_id, message.heartbeat.applied_generation)
+            await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
             await inventory.apply_inventory(self.pool, node_id, message.inventory)
-            await connectivity.seen(self.pool, node_id)
+            await self.liveness.hello(node_id)
         elif kind == "report":
             ack = await reports.intake(self.pool, node_id, message.report)
             if ack.outcome == reports.IGNORED:

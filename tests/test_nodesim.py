@@ -96,7 +96,7 @@ async def real_stack(
     from tests.nodes_support import ControlPlane
     from tests.test_gateway import GatewayThread, join_token
 
-    gateway = await asyncio.to_thread(GatewayThread, database)
+    gateway = await asyncio.to_thread(GatewayThread, database, every_beat())
     cp = await asyncio.to_thread(ControlPlane, database)
     try:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -164,6 +164,13 @@ async def applied_in_db(database: str, node_id: str) -> int:
     [row] = await rows(database, "SELECT desired_generation FROM nodes WHERE id = %s"
                                  " AND applied_generation = desired_generation", node_id)
     return row["desired_generation"]
+
+
+def every_beat() -> Any:
+    """Gateway settings under which every heartbeat moves `last_seen` (what heard_again watches)."""
+    from gateway.config import GatewaySettings
+
+    return GatewaySettings(node_seen_write_fraction=0)
 
 
 async def heard_again(database: str, node_ids: list[str], times: int = 2) -> None:
@@ -893,7 +900,7 @@ def test_the_nodesim_command_connects_fifty_nodes_and_stops_on_sigterm(database:
     from tests.test_gateway import GatewayThread
 
     names = [f"sim-{i:03d}" for i in range(50)]
-    gateway = GatewayThread(database)
+    gateway = GatewayThread(database, every_beat())
     cp = ControlPlane(database)
 
     async def scenario() -> None:
@@ -997,7 +1004,7 @@ def test_the_fleet_binds_through_the_real_gateway_and_its_reports_pass_the_attes
     from tests.test_gateway import GatewayThread, join_token, set_limits
     from tests.test_pki import arun, sql
 
-    gateway = GatewayThread(database)
+    gateway = GatewayThread(database, every_beat())
     cp = ControlPlane(database)
     try:
         names = ["sim-000", "sim-001"]
