@@ -45,6 +45,7 @@ class Gateway:
 
     async def stop(self, grace: float = 1.0) -> None:
         self.stopping.set()
+        self.runner.closing = True
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.server.stop(grace)

@@ -36,10 +36,11 @@ class SessionEnded(Exception):
 class SessionRunner:
     def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness) -> None:
         self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
+        self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
 
     async def run(self, peer: Peer, requests: AsyncIterator[node_pb2.NodeMessage],
-                  context: grpc.aio.ServicerContext) -> None:
-        session = NodeSession(peer, new_id("sess"))
+                  context: grpc.aio.ServicerContext, arrival: object = None) -> None:
+        session = NodeSession(peer, new_id("sess"), arrival=arrival)
         structlog.contextvars.bind_contextvars(node_id=peer.node_id, session_id=session.session_id)
         started = time.perf_counter()
         timers: list[asyncio.TimerHandle] = []
@@ -111,6 +112,7 @@ class SessionRunner:
         if kind == "hello":
             await inventory.apply_hello(self.pool, node_id, message.hello)
             await self.liveness.hello(node_id)
+            self.liveness.arrived(session.arrival)
             log.info("hello", daemon_version=message.hello.daemon_version,
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
@@ -129,11 +131,16 @@ class SessionRunner:
                      key_id=ack.key_id, sequence=ack.sequence)
 
     async def release_all(self) -> None:
-        """On shutdown: every session of this gateway, in one statement, before the pool closes."""
+        """On shutdown, once the server stopped: the freshest time each node was heard, then every
+        session of this gateway, one statement each, before the pool closes."""
+        try:
+            await self.liveness.store_all()
+        except Exception:
+            log.exception("storing the last heartbeats failed")
         await sessions.close_gateway(self.pool, self.gateway_id)
 
     async def _unregister(self, session: NodeSession) -> None:
-        if self.pool.closed:  # shutting down: Gateway.stop released this gateway's sessions at once
+        if self.closing or self.pool.closed:  # shutting down: release_all unregisters them all at once
             return
         try:
             await sessions.close(self.pool, session.node_id, session.session_id)

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.nodes.connectivity import Liveness
 from gateway.config import GatewaySettings
-from tests.test_gateway import GatewayThread, connected, node_row, pool_id  # noqa: F401 - a fixture
+from tests.test_gateway import GatewayThread, connected, eventually, node_row, pool_id  # noqa: F401 - a fixture
 from tests.test_pki import sql
 
 
@@ -106,4 +106,56 @@ def test_a_node_that_stops_is_marked_unreachable_after_the_grace(
     assert time.monotonic() - last_beat >= grace
     assert node_row(gw.conninfo, node.node_id)["connectivity"] == "unreachable"
     assert liveness.heard_at(node.node_id) is None
+    session.close()
+
+
+def test_a_stopping_gateway_stores_each_nodes_last_heartbeat_and_releases_its_sessions_at_once(
+    database: str, pool_id: str  # noqa: F811
+) -> None:
+    from tests.test_gateway import heartbeat
+
+    gw = GatewayThread(database)  # the defaults: heartbeats write no row for 7.5 s
+    try:
+        node, session = connected(gw, pool_id, "gpu-01")
+        liveness = gw.gateway.runner.liveness
+        session.send(heartbeat(generation=0))
+        eventually(lambda: node_row(gw.conninfo, node.node_id)["applied_generation"] == 0
+                   and liveness.heard_at(node.node_id), what="the first heartbeat")
+        first = liveness.heard_at(node.node_id)
+        stored = node_row(gw.conninfo, node.node_id)["last_seen"]
+        time.sleep(1.5)  # time passes between the two heartbeats (not a wait for nothing to happen)
+        session.send(heartbeat(generation=0))
+        eventually(lambda: liveness.heard_at(node.node_id) > first + 1, what="the second heartbeat")
+        assert node_row(gw.conninfo, node.node_id)["last_seen"] == stored  # in memory only
+        gw.stop()
+        row = node_row(gw.conninfo, node.node_id)
+        assert (row["last_seen"] - stored).total_seconds() >= 1.0  # the second heartbeat's time
+        assert row["session_id"] is None and row["connectivity"] == "connected"
+    finally:
+        gw.stop()
+
+
+def test_the_sweep_holds_after_start_and_while_sessions_wait_for_their_hello_never_longer_than_the_grace(
+    quiet_gateway: GatewayThread, pool_id: str  # noqa: F811
+) -> None:
+    gw = quiet_gateway
+    silent, session = connected(gw, pool_id, "gpu-01")
+    now = [0.0]
+    liveness = Liveness(gw.gateway.pool, grace_seconds=30, write_fraction=0.25, clock=lambda: now[0])
+    stale = "UPDATE nodes SET last_seen = now() - interval '1 hour', connectivity = 'connected' WHERE id = %s"
+    sql(gw.conninfo, stale, (silent.node_id,))
+    assert gw.call(liveness.sweep()) == []  # up for less than the grace (a restart's reconnect storm)
+    now[0] = 31.0
+    token = liveness.arriving()  # a session came in; its hello is not in yet
+    assert gw.call(liveness.sweep()) == []
+    assert node_row(gw.conninfo, silent.node_id)["connectivity"] == "connected"
+    liveness.arrived(token)
+    assert gw.call(liveness.sweep()) == [silent.node_id]
+    # A session that never says hello holds the sweep for the grace, no longer.
+    sql(gw.conninfo, stale, (silent.node_id,))
+    liveness.arriving()
+    now[0] = 45.0
+    assert gw.call(liveness.sweep()) == []
+    now[0] = 62.0
+    assert gw.call(liveness.sweep()) == [silent.node_id]
     session.close()

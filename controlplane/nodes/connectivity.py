@@ -25,6 +25,8 @@ from controlplane.nodes.locking import lock_for_placement_change
 
 log = structlog.get_logger("nodes.connectivity")
 
+STORE_BATCH = 1000  # nodes per `last_seen` refresh transaction
+
 
 async def seen(pool: AsyncConnectionPool, node_id: str, applied_generation: int | None = None) -> bool:
     """The node was heard from (and, from a heartbeat, converged to `applied_generation`).
@@ -74,17 +76,21 @@ class Liveness:
 
     A hello writes at once (node_seen: the node may become connected). A heartbeat only updates
     memory, and writes `applied_generation` when that changed. Each round (`sweep`) first stores,
-    in one statement, the time each node was last heard wherever the stored `last_seen` trails it
+    in a few batched statements, the time each node was last heard wherever the stored `last_seen` trails it
     by more than `every` seconds (the grace times the write fraction; exactly, for a node not
     heard within `every` or whose session ended), makes connected again the
-    nodes heard here that someone else marked otherwise, then sweeps, all in one transaction: a
-    node heard here within the grace is never swept, whatever its row said, and the stored time of
+    nodes heard here that someone else marked otherwise, then sweeps (in one transaction, after
+    the stores committed, with the rows of nodes heard here that still look half the grace old
+    stored again first): a node heard here within the grace is never swept, whatever its row
+    said, and the stored time of
     a node this gateway holds trails the truth by at most `every` plus a round, well inside the
     grace, so no other gateway's sweep marks it either. A node that stops is swept once its last
     heartbeat is older than the grace.
 
-    Nothing is swept before the gateway has been up for the grace: a node whose session was on a
-    gateway that restarted cannot have been heard before it came back (a reconnect storm)."""
+    Nothing is swept before the gateway has been up for the grace (a node whose session was on a
+    gateway that restarted cannot have been heard before it came back), nor while sessions that
+    arrived within the grace still wait for their hello: a gateway taking in a reconnect storm has
+    not heard the nodes still queued in it. The shutdown stores every node's exact last time."""
 
     def __init__(self, pool: AsyncConnectionPool, grace_seconds: float, write_fraction: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -94,6 +100,23 @@ class Liveness:
         self._heard: dict[str, float] = {}  # node id -> when last heard (clock)
         self._applied: dict[str, int] = {}  # node id -> the applied generation last written
         self._ended: set[str] = set()  # sessions gone: stored once more, then forgotten
+        self._arriving: dict[object, float] = {}  # sessions not past their hello yet -> when they came
+
+    def arriving(self) -> object:
+        """A session came in (its hello is still to be taken in); pass the token to `arrived`."""
+        token = object()
+        self._arriving[token] = self._clock()
+        return token
+
+    def arrived(self, token: object) -> None:
+        """Its hello was taken in, or the session ended before."""
+        self._arriving.pop(token, None)
+
+    def holding(self, now: float) -> bool:
+        """Whether the sweep holds: too soon after start, or sessions still waiting for their hello."""
+        for token in [t for t, at in self._arriving.items() if now - at >= self.grace]:
+            del self._arriving[token]  # a session that never says hello holds no sweep for longer
+        return now - self._started < self.grace or bool(self._arriving)
 
     def heard_at(self, node_id: str) -> float | None:
         return self._heard.get(node_id)
@@ -127,6 +150,22 @@ class Liveness:
         self._heard[node_id] = self._clock()
         self._ended.discard(node_id)
 
+    async def store_all(self) -> None:
+        """On shutdown (no more heartbeats come): the exact time each node was last heard, in one
+        statement, so the nodes of a gateway that restarts get their whole grace to come back."""
+        now = self._clock()
+        ages = {n: now - t for n, t in self._heard.items() if now - t < self.grace}
+        ids = list(ages)
+        await self._store(ids, [ages[n] for n in ids], [0.0] * len(ids))
+
+    async def _store(self, ids: list[str], ages: list[float], slack: list[float]) -> None:
+        """REFRESH_SEEN in batches, each its own short transaction (its row locks are brief)."""
+        for i in range(0, len(ids), STORE_BATCH):
+            params = {"ids": ids[i:i + STORE_BATCH], "ages": ages[i:i + STORE_BATCH],
+                      "slack": slack[i:i + STORE_BATCH]}
+            await db.run_in_transaction(self.pool, lambda conn, params=params: conn.execute(
+                queries.REFRESH_SEEN, params))
+
     async def sweep(self) -> list[str]:
         """One round; the ids of the nodes it made unreachable."""
         now = self._clock()
@@ -142,12 +181,16 @@ class Liveness:
             # sweep then marks it once the grace has passed since its last heartbeat, not earlier.
             return 0.0 if node_id in ended or ages[node_id] >= self.every else self.every
 
-        sweeping = now - self._started >= self.grace
+        sweeping = not self.holding(now)
+        if not sweeping and self._arriving:
+            log.info("sweep held: sessions arriving", arriving=len(self._arriving))
+
+        await self._store(ids, [ages[n] for n in ids], [slack(n) for n in ids])
 
         async def work(conn: AsyncConnection) -> tuple[list[str], list[str]]:
-            if ids:
-                await conn.execute(queries.REFRESH_SEEN, {"ids": ids, "ages": [ages[n] for n in ids],
-                                                          "slack": [slack(n) for n in ids]})
+            if sweeping and ids:
+                await conn.execute(queries.REFRESH_IN_DANGER, {"ids": ids, "ages": [ages[n] for n in ids],
+                                                               "danger": self.grace / 2})
             back = [r["id"] for r in await (await conn.execute(queries.RECONNECT_HEARD, {"ids": live})).fetchall()
                     if r["changed"]] if live else []
             gone = [r["node_id"] for r in await (await conn.execute(
