@@ -19,7 +19,7 @@ from controlplane.metrics import GatewayMetrics, MetricsServer
 from controlplane.metrics import serve as serve_metrics
 from controlplane.nodes import connectivity
 from controlplane.pki import enrolment, store
-from gateway import sweeper
+from gateway import session_gc, sweeper
 from gateway.config import GatewaySettings
 from gateway.hub import Hub
 from gateway.interceptor import GatewayInterceptor
@@ -58,6 +58,7 @@ class Gateway:
 
 async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str | None = None,
                         enrol_listen: str | None = None) -> Gateway:
+    session_gc.log_long_pauses()
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     ca = await enrolment.load_ca(pool, settings.pki)
     server_tls = ServerTls(pool, ca, settings.pki, settings.hosts)
