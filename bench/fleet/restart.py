@@ -2,8 +2,8 @@
 (SIGTERM: it closes its sessions) and start a new one on the same ports, then measure how long the
 fleet takes to reconnect (every node with a session opened after the restart), and check that no
 node was marked unreachable and no reservation released meanwhile. The phase holds until the new
-gateway's sweeper has had its first full look (the grace after its start, plus a margin), so a
-false unreachable would show."""
+gateway's sweeper has had its first full looks (the grace after its start, and two rounds after
+the last node is back, whichever is later), so a false unreachable would show."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ def restart_phase(args: argparse.Namespace, bench: Run, fleet: Fleet, conninfo: 
         if seconds is None and back >= args.nodes:
             seconds = now - started
             fleet.cpu.stop(token)
+            # The sweeper holds while sessions wait for their hello: it looks only from now on.
+            hold_until = max(hold_until, now + SWEEP_MARGIN)
             say(f"  all {args.nodes} reconnected {seconds:.1f}s after the SIGTERM; holding until the new "
                 f"gateway's sweeper has looked ({GRACE_SECONDS:.0f}s grace after its start)")
         if seconds is not None and now >= hold_until:
