@@ -76,16 +76,15 @@ class Liveness:
 
     A hello writes at once (node_seen: the node may become connected). A heartbeat only updates
     memory, and writes `applied_generation` when that changed. Each round (`sweep`) first stores,
-    in a few batched statements, the time each node was last heard wherever the stored `last_seen` trails it
-    by more than `every` seconds (the grace times the write fraction; exactly, for a node not
-    heard within `every` or whose session ended), makes connected again the
-    nodes heard here that someone else marked otherwise, then sweeps (in one transaction, after
-    the stores committed, with the rows of nodes heard here that still look half the grace old
-    stored again first): a node heard here within the grace is never swept, whatever its row
-    said, and the stored time of
-    a node this gateway holds trails the truth by at most `every` plus a round, well inside the
-    grace, so no other gateway's sweep marks it either. A node that stops is swept once its last
-    heartbeat is older than the grace.
+    in batched statements, the time each node was last heard wherever the stored `last_seen`
+    trails it by more than `every` seconds (the grace times the write fraction; exactly, for a
+    node not heard within `every` or whose session ended); then, in one transaction, it stores
+    again the rows of nodes heard here that still look half the grace old (a row skipped because
+    it was locked, or written by someone else), makes connected again the nodes heard here that
+    someone else marked otherwise, and sweeps. A node heard here within the grace is never swept,
+    whatever its row said; the stored time of a node this gateway holds trails the truth by at
+    most `every` plus a round, well inside the grace, so no other gateway's sweep marks it either;
+    a node that stops is swept once its last heartbeat is older than the grace.
 
     Nothing is swept before the gateway has been up for the grace (a node whose session was on a
     gateway that restarted cannot have been heard before it came back), nor while sessions that
@@ -151,45 +150,52 @@ class Liveness:
         self._ended.discard(node_id)
 
     async def store_all(self) -> None:
-        """On shutdown (no more heartbeats come): the exact time each node was last heard, in one
-        statement, so the nodes of a gateway that restarts get their whole grace to come back."""
-        now = self._clock()
-        ages = {n: now - t for n, t in self._heard.items() if now - t < self.grace}
-        ids = list(ages)
-        await self._store(ids, [ages[n] for n in ids], [0.0] * len(ids))
+        """On shutdown (no more heartbeats come): the exact time each node was last heard, so the
+        nodes of a gateway that restarts get their whole grace to come back."""
+        heard = {n: t for n, t in self._heard.items() if self._clock() - t < self.grace}
+        await self._store(heard, lambda node_id: 0.0)
 
-    async def _store(self, ids: list[str], ages: list[float], slack: list[float]) -> None:
+    def _ages(self, heard: dict[str, float], ids: list[str]) -> list[float]:
+        """Seconds since each was heard, taken when the statement is about to run."""
+        now = self._clock()
+        return [max(0.0, now - heard[n]) for n in ids]
+
+    async def _store(self, heard: dict[str, float], slack: Callable[[str], float]) -> None:
         """REFRESH_SEEN in batches, each its own short transaction (its row locks are brief)."""
+        ids = list(heard)
         for i in range(0, len(ids), STORE_BATCH):
-            params = {"ids": ids[i:i + STORE_BATCH], "ages": ages[i:i + STORE_BATCH],
-                      "slack": slack[i:i + STORE_BATCH]}
-            await db.run_in_transaction(self.pool, lambda conn, params=params: conn.execute(
-                queries.REFRESH_SEEN, params))
+            batch = ids[i:i + STORE_BATCH]
+
+            async def work(conn: AsyncConnection, batch: list[str] = batch) -> None:
+                await conn.execute(queries.REFRESH_SEEN, {"ids": batch, "ages": self._ages(heard, batch),
+                                                          "slack": [slack(n) for n in batch]})
+
+            await db.run_in_transaction(self.pool, work)
 
     async def sweep(self) -> list[str]:
         """One round; the ids of the nodes it made unreachable."""
         now = self._clock()
-        ages = {n: now - t for n, t in self._heard.items() if now - t < self.grace}
-        live = [n for n in ages if n not in self._ended]
-        for node_id in [n for n in self._heard if n not in ages or n in self._ended]:
+        heard = {n: t for n, t in self._heard.items() if now - t < self.grace}
+        live = [n for n in heard if n not in self._ended]
+        for node_id in [n for n in self._heard if n not in heard or n in self._ended]:
             del self._heard[node_id]
         ended, self._ended = self._ended, set()
-        ids = list(ages)
+        ids = list(heard)
 
         def slack(node_id: str) -> float:
             # Exact for a node gone quiet (no heartbeat within `every`, or its session ended): the
             # sweep then marks it once the grace has passed since its last heartbeat, not earlier.
-            return 0.0 if node_id in ended or ages[node_id] >= self.every else self.every
+            return 0.0 if node_id in ended or now - heard[node_id] >= self.every else self.every
 
         sweeping = not self.holding(now)
         if not sweeping and self._arriving:
             log.info("sweep held: sessions arriving", arriving=len(self._arriving))
 
-        await self._store(ids, [ages[n] for n in ids], [slack(n) for n in ids])
+        await self._store(heard, slack)
 
         async def work(conn: AsyncConnection) -> tuple[list[str], list[str]]:
             if sweeping and ids:
-                await conn.execute(queries.REFRESH_IN_DANGER, {"ids": ids, "ages": [ages[n] for n in ids],
+                await conn.execute(queries.REFRESH_IN_DANGER, {"ids": ids, "ages": self._ages(heard, ids),
                                                                "danger": self.grace / 2})
             back = [r["id"] for r in await (await conn.execute(queries.RECONNECT_HEARD, {"ids": live})).fetchall()
                     if r["changed"]] if live else []
