@@ -25,7 +25,11 @@ class GatewaySettings:
     hosts: tuple[str, ...] = field(default_factory=_hosts)
     # A node not heard from for this long is unreachable (nodes heartbeat well within it).
     node_grace_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_GRACE_SECONDS", "30")))
-    # How often the unreachable sweeper looks.
+    # A heartbeat writes no row: each sweep stores a node's freshest time only when `last_seen`
+    # trails it by more than this fraction of the grace (0: every heartbeat writes).
+    node_seen_write_fraction: float = field(
+        default_factory=lambda: float(os.environ.get("BC_NODE_SEEN_WRITE_FRACTION", "0.25")))
+    # How often the unreachable sweeper looks (and stores what the heartbeats said).
     sweep_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_SWEEP_SECONDS", "5")))
     db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_GATEWAY_DB_POOL_SIZE", "8")))
     # Names this process in nodes.session_gateway.

@@ -17,8 +17,9 @@ from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import db
 from controlplane.metrics import GatewayMetrics, MetricsServer
 from controlplane.metrics import serve as serve_metrics
+from controlplane.nodes import connectivity
 from controlplane.pki import enrolment, store
-from gateway import sweeper
+from gateway import session_gc, sweeper
 from gateway.config import GatewaySettings
 from gateway.hub import Hub
 from gateway.interceptor import GatewayInterceptor
@@ -44,6 +45,7 @@ class Gateway:
 
     async def stop(self, grace: float = 1.0) -> None:
         self.stopping.set()
+        self.runner.closing = True
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.server.stop(grace)
@@ -56,6 +58,7 @@ class Gateway:
 
 async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str | None = None,
                         enrol_listen: str | None = None) -> Gateway:
+    session_gc.log_long_pauses()
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     ca = await enrolment.load_ca(pool, settings.pki)
     server_tls = ServerTls(pool, ca, settings.pki, settings.hosts)
@@ -66,7 +69,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
 
     metrics = GatewayMetrics(lambda: len({s.node_id for s in hub.sessions()}))
     server = grpc.aio.server(interceptors=[GatewayInterceptor(metrics)])
-    runner = SessionRunner(pool, hub, settings.gateway_id)
+    liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
+    runner = SessionRunner(pool, hub, settings.gateway_id, liveness)
     node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -76,7 +80,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     tasks.append(asyncio.create_task(
-        sweeper.run(pool, settings.node_grace_seconds, settings.sweep_seconds, stopping), name="gateway-sweeper"))
+        sweeper.run(liveness, settings.sweep_seconds, stopping), name="gateway-sweeper"))
     tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)

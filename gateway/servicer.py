@@ -44,10 +44,14 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         return pb.RenewResponse(certificate_pem=issued.certificate_pem, not_after=issued.not_after_ms)
 
     async def Session(self, request_iterator: AsyncIterator[pb.NodeMessage], context: Ctx) -> None:
+        arrival = self.sessions.liveness.arriving()  # the sweeper holds until its hello is in
         try:
-            peer = await self._peer(context)
-        except errors.DomainError as exc:
-            log.info("session refused", code=exc.code, reason=exc.message)
-            await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
-            return
-        await self.sessions.run(peer, request_iterator, context)
+            try:
+                peer = await self._peer(context)
+            except errors.DomainError as exc:
+                log.info("session refused", code=exc.code, reason=exc.message)
+                await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+                return
+            await self.sessions.run(peer, request_iterator, context, arrival)
+        finally:
+            self.sessions.liveness.arrived(arrival)

@@ -34,12 +34,13 @@ class SessionEnded(Exception):
 
 
 class SessionRunner:
-    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str) -> None:
-        self.pool, self.hub, self.gateway_id = pool, hub, gateway_id
+    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness) -> None:
+        self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
+        self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
 
     async def run(self, peer: Peer, requests: AsyncIterator[node_pb2.NodeMessage],
-                  context: grpc.aio.ServicerContext) -> None:
-        session = NodeSession(peer, new_id("sess"))
+                  context: grpc.aio.ServicerContext, arrival: object = None) -> None:
+        session = NodeSession(peer, new_id("sess"), arrival=arrival)
         structlog.contextvars.bind_contextvars(node_id=peer.node_id, session_id=session.session_id)
         started = time.perf_counter()
         timers: list[asyncio.TimerHandle] = []
@@ -68,6 +69,8 @@ class SessionRunner:
             for timer in timers:
                 timer.cancel()
             self.hub.remove(session)
+            if not self.hub.sessions(session.node_id):
+                self.liveness.ended(session.node_id)
             await self._unregister(session)
             log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
                      reports_replayed=session.reports_replayed,
@@ -108,14 +111,15 @@ class SessionRunner:
         node_id = session.node_id
         if kind == "hello":
             await inventory.apply_hello(self.pool, node_id, message.hello)
-            await connectivity.seen(self.pool, node_id)
+            await self.liveness.hello(node_id)
+            self.liveness.arrived(session.arrival)
             log.info("hello", daemon_version=message.hello.daemon_version,
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
-            await connectivity.seen(self.pool, node_id, message.heartbeat.applied_generation)
+            await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
             await inventory.apply_inventory(self.pool, node_id, message.inventory)
-            await connectivity.seen(self.pool, node_id)
+            await self.liveness.hello(node_id)
         elif kind == "report":
             ack = await reports.intake(self.pool, node_id, message.report)
             if ack.outcome == reports.IGNORED:
@@ -127,11 +131,16 @@ class SessionRunner:
                      key_id=ack.key_id, sequence=ack.sequence)
 
     async def release_all(self) -> None:
-        """On shutdown: every session of this gateway, in one statement, before the pool closes."""
+        """On shutdown, once the server stopped: the freshest time each node was heard, then every
+        session of this gateway, one statement each, before the pool closes."""
+        try:
+            await self.liveness.store_all()
+        except Exception:
+            log.exception("storing the last heartbeats failed")
         await sessions.close_gateway(self.pool, self.gateway_id)
 
     async def _unregister(self, session: NodeSession) -> None:
-        if self.pool.closed:  # shutting down: Gateway.stop released this gateway's sessions at once
+        if self.closing or self.pool.closed:  # shutting down: release_all unregisters them all at once
             return
         try:
             await sessions.close(self.pool, session.node_id, session.session_id)

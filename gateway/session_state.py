@@ -22,6 +22,7 @@ class NodeSession:
     session_id: str
     _pending: set[str] = field(default_factory=set)
     _event: asyncio.Event = field(default_factory=asyncio.Event)
+    arrival: object = None  # the Liveness token until the hello is taken in
     reports_ignored: int = 0
     reports_replayed: int = 0
     # In the order the reports arrived; only the session's writer sends them.

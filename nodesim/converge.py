@@ -1,7 +1,8 @@
 """Convergence: from the gateway's desired state to holds on disk, and the events to report.
 
-The node never drops a hold on its own: a hold ends only when its assignment leaves the desired
-state or its `until` passes. A new assignment is admitted against the node's devices and memory
+The node never drops a hold on its own (the CDI spec is the hold itself): a hold ends only when
+its assignment leaves the desired state, never because the node's clock passed its `until` (the
+control plane ends the reservation and takes the assignment out). A new assignment is admitted against the node's devices and memory
 (beside its other holds) before anything is written.
 """
 
@@ -21,7 +22,6 @@ REASON_EXHAUSTED = "resources-exhausted"
 REASON_MISSING = "device-missing"
 REASON_INVALID = "invalid-assignment"
 RELEASE_UNASSIGNED = "unassigned"
-RELEASE_EXPIRED = "expired"
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,15 @@ class Converger:
 
     # -- inputs ------------------------------------------------------------------------------
 
-    def recover(self, now_ms: int) -> list[Event]:
-        """Adopt the holds on disk; those whose `until` passed while the daemon was down are released."""
+    def recover(self) -> None:
+        """Adopt the holds on disk, whatever their `until`: the next desired state decides."""
         for hold in self.sandbox.recover():
             self.holds[hold.allocation_id] = hold
         if self.holds:
             self.log.info("recovered holds", count=len(self.holds))
-        return self.expire(now_ms)
 
     def apply(self, desired: pb.DesiredState, now_ms: int) -> list[Event]:
-        events = self.expire(now_ms)
+        events: list[Event] = []
         wanted = {a.allocation_id: a for a in desired.assignments}
         for alloc in [a for a in self.holds if a not in wanted]:
             events.append(self._release(alloc, RELEASE_UNASSIGNED))
@@ -89,12 +88,6 @@ class Converger:
             if event is not None:
                 events.append(event)
         return events
-
-    def expire(self, now_ms: int) -> list[Event]:
-        return [self._release(a, RELEASE_EXPIRED) for a, h in list(self.holds.items()) if h.until <= now_ms]
-
-    def next_expiry(self) -> int | None:
-        return min((h.until for h in self.holds.values()), default=None)
 
     # -- one assignment ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ each keeps its own mutual-TLS channel, since each presents its own client certif
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import grpc
@@ -159,3 +160,6 @@ class Fleet:
             if now[1] == total and not announced:
                 log.info("all nodes connected", nodes=total, seconds=round(time.monotonic() - self._started_at, 2))
                 announced = True
+                # The fleet's objects live as long as the process: no full collection scans them again
+                # (with thousands of nodes one would stop every node's loop for seconds).
+                gc.freeze()

@@ -1,6 +1,6 @@
 """One simulated node: enrolment, the mutual-TLS session, heartbeats, convergence, reports, renewal.
 
-Tasks per node: `run` (connect loop), an expiry timer, and while connected a reader and a writer.
+Tasks per node: `run` (connect loop), and while connected a reader and a writer.
 All writes to the stream go through the writer, in order: Hello, then reports left from a broken
 session (oldest first), then a re-report of every hold, then whatever happens next.
 
@@ -104,7 +104,6 @@ class SimNode:
         self._pending: list[tuple[bool, pb.AttestedReport]] = []
         # Reports written to the current session, by sequence, until the gateway acknowledges them.
         self._unacked: dict[int, tuple[bool, pb.AttestedReport]] = {}
-        self._holds_changed = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None
         self._channel_key_id = ""
         self._failures_logged = False
@@ -122,13 +121,11 @@ class SimNode:
 
     async def run(self) -> None:
         self.identity = self.store.load()
-        events = self.converger.recover(now_ms())
-        expiry = asyncio.create_task(self._expiry_loop(), name=f"{self.name}-expiry")
+        self.converger.recover()
         plugin = None
         if self.config.kubelet_retry:
             plugin = asyncio.create_task(self.plugin.run(), name=f"{self.name}-plugin")
         try:
-            self._emit(events)
             if self.faults.unreachable_after is None and not self.faults.unreachable_on_signal:
                 await self._connect_loop()
                 return
@@ -143,10 +140,9 @@ class SimNode:
             self.state = "unreachable"
             self.log.info("unreachable (fault injection): no more sessions or heartbeats")
             await self._close_channel()
-            await asyncio.Event().wait()  # the process stays; holds stay and still expire
+            await asyncio.Event().wait()  # the process stays, and so do its holds
         finally:
             self.connected = False
-            expiry.cancel()
             if plugin is not None:
                 plugin.cancel()
                 await asyncio.gather(plugin, return_exceptions=True)
@@ -355,7 +351,6 @@ class SimNode:
     def _on_desired(self, desired: pb.DesiredState) -> None:
         if not self.faults.never_answer:
             self._emit(self.converger.apply(desired, now_ms()))
-            self._holds_changed.set()
         if desired.generation != self.applied_generation:
             self.applied_generation = desired.generation
             if self._outbox is not None:
@@ -374,16 +369,6 @@ class SimNode:
                 self._outbox.put_nowait(item)
             else:
                 self._pending.append(item)
-
-    async def _expiry_loop(self) -> None:
-        while True:
-            self._holds_changed.clear()
-            until = self.converger.next_expiry()
-            delay = 3600.0 if until is None else max(0.0, (until - now_ms()) / 1000) + 0.001
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._holds_changed.wait()
-            self._emit(self.converger.expire(now_ms()))
 
 
 def _sequence(report: pb.AttestedReport) -> int:

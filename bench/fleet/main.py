@@ -14,6 +14,7 @@ from bench.fleet.measure import rss_kib
 from bench.fleet.options import parse_args, say
 from bench.fleet.report import Ending, log_count, machine_line, report
 from bench.fleet.reserve import reservations_phase
+from bench.fleet.restart import restart_phase
 from bench.fleet.start import Run, raise_open_files, start_database, start_fleet
 
 def run(args: argparse.Namespace, bench: Run, conninfo: str, root_token: str) -> None:
@@ -55,6 +56,11 @@ def run(args: argparse.Namespace, bench: Run, conninfo: str, root_token: str) ->
         sessions_started=log_count(gateway_log, "session started"),
         sessions_ended=log_count(gateway_log, "session ended"))
     report(args, bench, conninfo, fleet, enrolment, lat, ending)
+    if args.restart:
+        say("")
+        restart_phase(args, bench, fleet, conninfo)
+        say("")
+        say(fleet.cpu.table())
     if args.pg_statements:
         say("")
         say(diag.statement_summary(pg_log, offset, calls=len(lat.created), top=20))

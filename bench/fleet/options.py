@@ -12,6 +12,7 @@ POLICY = "permit(principal, action, resource);"
 GPUS_PER_NODE = 8  # nodesim's default inventory: 8 x H100-SXM5-80GB on two NUMA nodes
 RPC_TIMEOUT = 30.0
 POLL_SECONDS = 2.0  # ListNodes of 1,000 nodes costs the control plane ~0.2 s: poll gently
+POLL_SECONDS_PER_1000 = 1.0  # ...and more gently with more nodes (5 s at 5,000)
 QUICK_POLL_SECONDS = 0.5  # up to 100 nodes
 PROGRESS_SECONDS = 5.0
 
@@ -38,6 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pg-statements", action="store_true",
                    help="diagnostic: log every SQL statement while the reservations run and print the top ones "
                    "(lock waits included; slows the run)")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
+                   help="after the reservations, restart the gateway and measure the reconnect storm "
+                   "(default on; off with --quick)")
+    p.add_argument("--restart-timeout", type=float, default=120.0,
+                   help="seconds after the gateway's SIGTERM for every node to reconnect (default 120)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (database, logs, sandbox)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 50 nodes, 50 reservations, 3 s hold (flags given win)")
@@ -47,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.restart is None:
+        args.restart = not args.quick
     if args.connect_timeout is None:
         args.connect_timeout = 60.0 + 0.25 * args.nodes
     if args.nodes < 1 or args.reservations < 0 or args.concurrency < 1 or args.rate < 0:

@@ -162,8 +162,8 @@ def report(args: argparse.Namespace, bench: Run, conninfo: str, fleet: Fleet, en
     say(f"fleet health at the end: {final['ready']}/{n} connected with 8 GPUs, {final.get('unreachable', 0)} "
         f"unreachable; 'node unreachable' in the gateway log: {ending.unreachable_logged}; "
         f"sessions started {ending.sessions_started}, ended {ending.sessions_ended}")
-    say(f"  oldest heartbeat at the end {ending.end_age or 0:.1f}s, worst seen {fleet.worst_age:.1f}s "
-        f"(unreachable after 30s); processes alive: "
+    say(f"  oldest stored last_seen at the end {ending.end_age or 0:.1f}s, worst seen {fleet.worst_age:.1f}s "
+        f"(it trails the last heartbeat by up to 7.5s + a 5s sweep round; unreachable after 30s); processes alive: "
         + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in ending.alive.items()))
     say(f"  verdict: {'HEALTHY' if healthy else 'UNHEALTHY'}")
     for path in (logs / "gateway.log", logs / "controlplane.log"):

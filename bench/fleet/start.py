@@ -21,6 +21,7 @@ from bench.fleet.options import (
     IDENTITY,
     POLICY,
     POLL_SECONDS,
+    POLL_SECONDS_PER_1000,
     PROGRESS_SECONDS,
     QUICK_POLL_SECONDS,
     RPC_TIMEOUT,
@@ -130,6 +131,8 @@ class Fleet:
     ns: devstack.Process
     nodes: Nodes
     cpu: CpuMeter
+    session_endpoint: str = ""  # the gateway's ports, kept across its restart
+    enrol_endpoint: str = ""
     worst_age: float = 0.0  # seconds: the stalest heartbeat sampled so far
 
     def processes(self) -> tuple[tuple[devstack.Process, str], ...]:
@@ -186,7 +189,7 @@ def start_fleet(args: argparse.Namespace, bench: Run, conninfo: str, root_token:
     if pg_pid is not None:
         watch["postgres"] = (pg_pid, True)
     fleet = Fleet(endpoint, root_token, seeded, cp, gw, ns, Nodes(endpoint, root_token, seeded.pool_id),
-                  CpuMeter(watch))
+                  CpuMeter(watch), session, enrol)
     bench.nodes = fleet.nodes
     wait_connected(args, fleet, result)
     return fleet, result
@@ -217,7 +220,8 @@ def wait_connected(args: argparse.Namespace, fleet: Fleet, result: Enrolment) ->
             say(f"  {elapsed:5.0f}s: {counts['registered']} enrolled, {ready} connected ({ready / elapsed:.1f}/s); "
                 f"gateway {mib(gw_rss)}, nodesim {mib(rss_kib(fleet.ns.proc.pid))}")
             last_progress = now
-        time.sleep(QUICK_POLL_SECONDS if args.nodes <= 100 else POLL_SECONDS)
+        time.sleep(QUICK_POLL_SECONDS if args.nodes <= 100
+                   else max(POLL_SECONDS, POLL_SECONDS_PER_1000 * args.nodes / 1000))
     result.connect_seconds = time.monotonic() - started
     fleet.cpu.stop(token)
     result.gw_connected, result.ns_connected = rss_kib(fleet.gw.proc.pid), rss_kib(fleet.ns.proc.pid)

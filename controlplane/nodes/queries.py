@@ -99,6 +99,39 @@ NOTIFY_SESSIONS = "SELECT pg_notify(%(channel)s, %(node_id)s)"
 SEEN = "SELECT node_seen(%(node_id)s) AS changed"
 SET_APPLIED_GENERATION = "UPDATE nodes SET applied_generation = %(generation)s WHERE id = %(node_id)s"
 SWEEP_UNREACHABLE = "SELECT sweep_unreachable(%(grace_seconds)s) AS node_id"
+# A gateway's batch of what it heard (controlplane.nodes.connectivity.Liveness): `last_seen` moves
+# to the time the node was last heard (now - its age) only when the stored one is older by more
+# than the node's slack, so an idle fleet writes a row per node every so often, not per heartbeat.
+# Rows another transaction holds (a desired-state bump, a heartbeat's write) are skipped, not waited
+# for: the next round stores them.
+REFRESH_SEEN = """
+UPDATE nodes n SET last_seen = now() - make_interval(secs => d.age)
+FROM (SELECT m.id, h.age
+      FROM unnest(%(ids)s::text[], %(ages)s::float8[], %(slack)s::float8[]) AS h(id, age, slack)
+      JOIN nodes m ON m.id = h.id
+      WHERE m.last_seen IS NULL OR m.last_seen < now() - make_interval(secs => h.age + h.slack)
+      ORDER BY m.id
+      FOR UPDATE OF m SKIP LOCKED) AS d
+WHERE n.id = d.id
+"""
+# In the sweep's own transaction, waiting for locks this time: the rows of nodes heard here whose
+# stored time is older than `danger` seconds (none, normally) are stored before the sweep looks.
+REFRESH_IN_DANGER = """
+UPDATE nodes n SET last_seen = now() - make_interval(secs => h.age)
+FROM unnest(%(ids)s::text[], %(ages)s::float8[]) AS h(id, age)
+WHERE n.id = h.id AND n.last_seen < now() - make_interval(secs => GREATEST(h.age, %(danger)s))
+"""
+# Nodes heard within the grace that someone else marked otherwise (an operator, another gateway):
+# connected again, as a heartbeat would make them.
+RECONNECT_HEARD = """
+SELECT id, node_seen(id) AS changed FROM nodes
+WHERE id = ANY(%(ids)s::text[]) AND connectivity <> 'connected'
+ORDER BY id
+"""
+SET_APPLIED_GENERATION_SEEN = """
+UPDATE nodes SET applied_generation = %(generation)s, last_seen = now()
+WHERE id = %(node_id)s AND connectivity = 'connected'
+"""
 
 # Desired state -----------------------------------------------------------------------------------
 
