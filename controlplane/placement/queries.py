@@ -48,19 +48,21 @@ JOIN free fr ON fr.node_id = s.node_id
 ORDER BY s.node_id, fr.id
 """
 
-INSERT_ALLOCATION = """
-INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
-VALUES (%(id)s, %(reservation_id)s, %(node_id)s, %(device_ids)s, 'placed')
-"""
-
-# Re-reads node state, labels and atom health under the pool lock: only atoms still schedulable
-# are inserted, and the EXCLUDE constraint has the last word on overlaps.
-INSERT_BOOKINGS = """
+# The allocation and its bookings in one statement (one round trip under the pool lock).
+# Re-reads node state, labels and atom health under the lock: only atoms still schedulable are
+# inserted (the caller compares the count), and the EXCLUDE constraint has the last word on overlaps.
+INSERT_PLACEMENT = """
+WITH allocation AS (
+    INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
+    VALUES (%(allocation_id)s, %(reservation_id)s, %(node_id)s, %(device_ids)s, 'placed')
+    RETURNING id
+)
 INSERT INTO bookings (atom_id, allocation_id, during)
-SELECT a.id, %(allocation_id)s, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
-FROM atoms a
+SELECT a.id, allocation.id, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
+FROM allocation, atoms a
 JOIN nodes n ON n.id = a.node_id
 WHERE a.id = ANY(%(atom_ids)s)
+  AND n.id = %(node_id)s
   AND n.pool_id = %(pool_id)s
   AND n.state = 'ready'
   AND n.connectivity <> 'unreachable'
