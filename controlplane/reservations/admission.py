@@ -58,7 +58,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
             )
         version = draft.row["version"]
         outcome = await db.run_in_transaction(
-            rt.pool, lambda c: _transaction_2(c, rt, caller, rid, version, decision)
+            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision)
         )
         outcome.raise_if_refused()
     if inp.wait_ms:
@@ -171,17 +171,17 @@ class Outcome:
 
 
 async def _transaction_2(
-    conn: AsyncConnection, rt: Runtime, caller: Caller, rid: str, version: int, decision: iam.Decision
+    conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision
 ) -> Outcome:
+    """Plans from the row transaction 1 read (its request never changes; the version is checked
+    under the lock), so the row is read once here, locked."""
+    rid, version = draft_row["id"], draft_row["version"]
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
-    row = await _fetch(conn, rid)
-    if row is None:  # an expired draft, deleted by the sweeper while IAM decided
-        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     prepared = None
     if decision.allowed:
-        prepared = await placing.prepare(conn, rt, row, now_ms)  # plans before any lock, then the pool lock
+        prepared = await placing.prepare(conn, rt, draft_row, now_ms)  # plans before any lock, then the pool lock
     row = await _fetch(conn, rid, for_update=True)
-    if row is None:
+    if row is None:  # an expired draft, deleted by the sweeper while IAM decided
         return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
