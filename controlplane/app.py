@@ -24,7 +24,7 @@ from bettercompute.v1 import (
     reservations_pb2,
     reservations_pb2_grpc,
 )
-from controlplane import db, metrics, watch
+from controlplane import db, iam, metrics, watch
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
 from controlplane.api.events import EventsServicer, WebhooksServicer
@@ -80,6 +80,7 @@ async def start_app(
     settings: Settings, conninfo: str, *, listen: str = "127.0.0.1:0", workers: bool = True
 ) -> App:
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
+    iam.POLICIES.entries = max(1, settings.policy_cache_entries)
     capacity = CapacityIndex(pool) if settings.placement_index else None
     rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds), capacity)
     server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)])

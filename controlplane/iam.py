@@ -7,7 +7,6 @@ one transaction, call `decide` outside it, and act on the decision in another.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,7 @@ class PolicyCache:
         return parsed
 
 
-POLICIES = PolicyCache(int(os.environ.get("BC_POLICY_CACHE_ENTRIES", "1024")))
+POLICIES = PolicyCache(1024)  # sized from Settings.policy_cache_entries when the server starts
 
 
 def validate_policy(text: str) -> None:

@@ -136,6 +136,9 @@ def test_the_index_answers_what_sql_answers(world: World, fleet: list[dict], ask
         base = _sql(conn, "SELECT epoch_ms(compute_now()) AS now")[0]["now"] + 2 * HOUR
         pool = _seed(conn, world, fleet, base)
         index = asyncio.run(_built(world.conninfo, pool))
+        single = _sql(conn, "SELECT min(a.model) AS m FROM atoms a JOIN nodes n ON n.id = a.node_id"
+                            " WHERE n.pool_id = %s AND a.kind = 'gpu' HAVING count(DISTINCT a.model) = 1", (pool,))
+        assert index.single_model() == (single[0]["m"] if single else None)
         for ask in asks:
             w = _window(ask, base)
             expected = _brute_force(conn, pool, w)

@@ -112,6 +112,7 @@ class PoolIndex:
         self._long: set[tuple[int, int, str, str]] = set()
         self._classes: dict[int, dict[str, None]] = defaultdict(dict)  # usable GPU count -> ordered node ids
         self._class_of: dict[str, int] = {}
+        self._models: dict[str, int] = defaultdict(int)  # GPU model -> whole-GPU atoms of it
 
     # -- keeping it current ------------------------------------------------------------------
 
@@ -124,6 +125,9 @@ class PoolIndex:
                 self._long.add(entry)
             else:
                 bisect.insort(self._touching, entry)
+        for atom in node.atoms.values():
+            if atom.kind == GPU:
+                self._models[atom.model] += 1
         usable = len(node.usable(""))
         self._classes[usable][node.id] = None
         self._class_of[node.id] = usable
@@ -139,10 +143,19 @@ class PoolIndex:
             i = bisect.bisect_left(self._touching, entry)
             if i < len(self._touching) and self._touching[i] == entry:
                 del self._touching[i]
+        for atom in old.atoms.values():
+            if atom.kind == GPU:
+                self._models[atom.model] -= 1
+                if not self._models[atom.model]:
+                    del self._models[atom.model]
         usable = self._class_of.pop(node_id)
         self._classes[usable].pop(node_id, None)
 
     # -- answering ---------------------------------------------------------------------------
+
+    def single_model(self) -> str | None:
+        """The pool's GPU model when all its whole GPUs are of one (any health), else None."""
+        return next(iter(self._models)) if len(self._models) == 1 else None
 
     def touched(self, start: int, end: int) -> set[str]:
         """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
