@@ -1,12 +1,13 @@
 -- One notification channel for every change the capacity index must see: bookings inserted,
 -- truncated or deleted by any path (create, release, cancel, extend, expiry, repair), atom changes
 -- (health, bookable, inventory) and the node facts placement filters on (pool, state,
--- connectivity, labels, capabilities), and host resources. Payload: "<pool id> <node id>"; the
--- index re-reads that node's rows. Heartbeats (last_seen) notify nothing.
+-- connectivity, labels, capabilities), and host resources. Payload: "<pool id> <node id> <what>",
+-- what = bookings (only the node's bookings changed) or node (anything else); the index re-reads
+-- that node's changed rows. Heartbeats (last_seen) notify nothing.
 
-CREATE FUNCTION capacity_changed(p_node_id text) RETURNS void
+CREATE FUNCTION capacity_changed(p_node_id text, p_what text DEFAULT 'node') RETURNS void
 LANGUAGE sql AS $$
-    SELECT pg_notify('bc_capacity', n.pool_id || ' ' || n.id) FROM nodes n WHERE n.id = p_node_id
+    SELECT pg_notify('bc_capacity', n.pool_id || ' ' || n.id || ' ' || p_what) FROM nodes n WHERE n.id = p_node_id
 $$;
 
 CREATE FUNCTION bookings_capacity_changed() RETURNS trigger
@@ -14,7 +15,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     row_atom text := CASE WHEN TG_OP = 'DELETE' THEN OLD.atom_id ELSE NEW.atom_id END;
 BEGIN
-    PERFORM capacity_changed(a.node_id) FROM atoms a WHERE a.id = row_atom;
+    PERFORM capacity_changed(a.node_id, 'bookings') FROM atoms a WHERE a.id = row_atom;
     RETURN NULL;
 END $$;
 
@@ -47,10 +48,10 @@ CREATE FUNCTION nodes_capacity_changed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'DELETE' OR (TG_OP = 'UPDATE' AND OLD.pool_id <> NEW.pool_id) THEN
-        PERFORM pg_notify('bc_capacity', OLD.pool_id || ' ' || OLD.id);
+        PERFORM pg_notify('bc_capacity', OLD.pool_id || ' ' || OLD.id || ' node');
     END IF;
     IF TG_OP <> 'DELETE' THEN
-        PERFORM pg_notify('bc_capacity', NEW.pool_id || ' ' || NEW.id);
+        PERFORM pg_notify('bc_capacity', NEW.pool_id || ' ' || NEW.id || ' node');
     END IF;
     RETURN NULL;
 END $$;

@@ -21,6 +21,7 @@ Per pool:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -97,6 +98,17 @@ class Node:
 
     def usable(self, model: str) -> list[Atom]:
         return [a for a in self.atoms.values() if a.usable(model)]
+
+    def with_bookings(self, rows: Iterable[dict], ticket: int) -> Node:
+        """This node with the booked intervals of `rows` (index_queries.BOOKINGS) instead of its own."""
+        atoms = {a.id: dataclasses.replace(a, intervals=[]) for a in self.atoms.values()}
+        for r in rows:
+            atom = atoms.get(r["atom_id"])
+            if atom is not None:
+                atom.intervals.append((r["start_ms"], r["end_ms"]))
+        for atom in atoms.values():
+            atom.intervals.sort()
+        return dataclasses.replace(self, atoms=atoms, ticket=ticket)
 
     def bookings(self) -> Iterator[tuple[int, int, str, str]]:
         for atom in self.atoms.values():

@@ -82,18 +82,24 @@ class CapacityIndex:
         log.info("capacity index built", pools=len(pools), nodes=sum(len(p.nodes) for p in pools.values()))
 
     async def _apply(self, payloads: list[str]) -> None:
-        node_ids: dict[str, str] = {}
+        node_ids: dict[str, str] = {}  # node -> pool: re-read all of it
+        booked: dict[str, str] = {}  # node -> pool: re-read its bookings only
         done: list[str] = []
         for payload in payloads:
             head, _, rest = payload.partition(" ")
             if head == "barrier":
                 done.append(rest)
-            else:
-                node_ids[rest] = head
-        if node_ids:
+                continue
+            node_id, _, what = rest.partition(" ")
+            (booked if what == "bookings" else node_ids)[node_id] = head
+        booked = {n: p for n, p in booked.items() if n not in node_ids}
+        if node_ids or booked:
             async with self._db.connection() as conn:
                 conn.row_factory = dict_row
-                await self.refresh(conn, node_ids)
+                if node_ids:
+                    await self.refresh(conn, node_ids)
+                if booked:
+                    await self.refresh_bookings(conn, booked)
         for token in done:
             event = self._barriers.get(token)
             if event is not None:
@@ -119,6 +125,25 @@ class CapacityIndex:
                     pool.put(fresh)
                 else:
                     pool.remove(node_id)
+
+    async def refresh_bookings(self, conn: AsyncConnection, node_ids: dict[str, str]) -> None:
+        """Re-read only the bookings of these nodes; a node the index does not hold is read whole."""
+        ticket = next(self._tickets)
+        known = {n: p for n, p in node_ids.items() if p in self.pools and n in self.pools[p].nodes}
+        rows = await (await conn.cursor(row_factory=dict_row).execute(
+            q.BOOKINGS, {"pool": None, "nodes": list(known)})).fetchall()
+        by_node: dict[str, list[dict]] = {n: [] for n in known}
+        for row in rows:
+            by_node.setdefault(row["node_id"], []).append(row)
+        for node_id, pool_id in known.items():
+            pool = self.pools.get(pool_id)
+            current = pool.nodes.get(node_id) if pool else None
+            if current is None or current.ticket > ticket:
+                continue
+            pool.put(current.with_bookings(by_node[node_id], ticket))
+        rest = {n: p for n, p in node_ids.items() if n not in known}
+        if rest:
+            await self.refresh(conn, rest)
 
     async def barrier(self, timeout: float = 10.0) -> None:
         """Return once every change committed before this call is in the index."""
