@@ -50,7 +50,8 @@ ORDER BY s.node_id, fr.id
 
 # The allocation and its bookings in one statement (one round trip under the pool lock).
 # Re-reads node state, labels and atom health under the lock: only atoms still schedulable are
-# inserted (the caller compares the count), and the EXCLUDE constraint has the last word on overlaps.
+# inserted, and a booking the EXCLUDE constraint refuses is skipped (ON CONFLICT DO NOTHING: no
+# error, no savepoint); the caller compares the count and deletes a partial allocation.
 INSERT_PLACEMENT = """
 WITH allocation AS (
     INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
@@ -68,7 +69,11 @@ WHERE a.id = ANY(%(atom_ids)s)
   AND n.connectivity <> 'unreachable'
   AND n.labels @> %(selector)s
   AND a.health = 'healthy' AND a.bookable
+ON CONFLICT DO NOTHING
 """
+
+# A placement that did not get all its bookings (its bookings go with it).
+DELETE_ALLOCATION = "DELETE FROM allocations WHERE id = %(id)s"
 
 # Why nothing fits: how many nodes each filter removed, and the most a node could give.
 DIAGNOSE = """
