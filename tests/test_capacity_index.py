@@ -247,3 +247,31 @@ def test_creates_are_planned_by_the_index(stack: tuple, small_world: World) -> N
     assert r.state == "placed"
     assert capacity.planned == before + 1
     assert _free(_live(stack, world), world.nodes[0].id, start, start + HOUR) == 6
+
+
+def test_a_stale_index_proposes_and_the_commit_decides(stack: tuple, small_world: World) -> None:
+    """The index believes a booked node is free (as if a notification were still on its way): the
+    create's insert finds the overlap, refreshes that node from the table under the lock and, with
+    nothing else fitting, the reservation goes pending; nothing is double-booked."""
+    world = small_world
+    server = stack[0]
+    capacity = server.app.runtime.capacity
+    node = world.nodes[0].id
+    start = world.later(40)
+    assert world.create(count=8, start=start, duration="1h").state == "placed"
+    pool = _live(stack, world)
+    stale = pool.nodes[node].with_bookings([], pool.nodes[node].ticket)
+
+    async def forget() -> None:
+        pool.put(stale)
+    server.call(forget())
+    assert _free(pool, node, start, start + HOUR) == 8
+    before = capacity.planned
+
+    r = world.create(count=8, start=start, duration="1h")
+    assert r.state == "pending"
+    assert capacity.planned == before + 1  # the stale index proposed the node
+    assert _free(capacity.pool(world.pool_id), node, start, start + HOUR) == 0  # refreshed by the lost race
+    booked = world.sql("SELECT count(*) FROM bookings b JOIN atoms a ON a.id = b.atom_id WHERE a.node_id = %s"
+                       " AND b.during && tstzrange(from_epoch_ms(%s), from_epoch_ms(%s))", (node, start, start + HOUR))
+    assert booked == [(8,)]

@@ -161,14 +161,15 @@ async def _commit(
             ask.params(allocation_id=allocation_id, reservation_id=reservation_id, node_id=chosen.node_id,
                        device_ids=list(uuids), atom_ids=list(chosen.atom_ids)),
         )
-        if cur.rowcount == len(chosen.atom_ids):
+        booked = len(await cur.fetchall())  # rows, not rowcount: also right in pipeline mode
+        if booked == len(chosen.atom_ids):
             return Placement(allocation_id, chosen.node_id, chosen.atom_ids, uuids)
         # Lost: an overlapping booking (skipped by ON CONFLICT DO NOTHING, the EXCLUDE constraint's
         # word) or an atom or the node no longer schedulable. The allocation goes, with whatever
         # bookings it got; no savepoint needed, so the won case is one round trip.
         await conn.execute(queries.DELETE_ALLOCATION, {"id": allocation_id})
         log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
-                 booked=cur.rowcount, wanted=len(chosen.atom_ids))
+                 booked=booked, wanted=len(chosen.atom_ids))
         excluded.add(chosen.node_id)
         if index is not None:  # what the index missed about that node, read under the lock
             await index.refresh(conn, {chosen.node_id: ask.pool_id})

@@ -70,6 +70,7 @@ WHERE a.id = ANY(%(atom_ids)s)
   AND n.labels @> %(selector)s
   AND a.health = 'healthy' AND a.bookable
 ON CONFLICT DO NOTHING
+RETURNING atom_id
 """
 
 # A placement that did not get all its bookings (its bookings go with it).
