@@ -1,4 +1,5 @@
-"""Placing one allocation: plan from a shortlist, commit under the pool lock, re-plan on a lost race.
+"""Placing one allocation: plan with the capacity index (or the SQL shortlist), commit under the
+pool lock, re-plan on a lost race.
 
 The pool lock and the lock order: controlplane.common.locks.
 """
@@ -136,8 +137,9 @@ async def commit(
     metrics: Metrics | None = None,
     index: CapacityIndex | None = None,
 ) -> Placement | None:
-    """Insert the planned bookings (the pool lock must be held). A lost race rolls back to a
-    savepoint, excludes that node and plans again, at most placement_max_attempts times.
+    """Insert the planned allocation and bookings (the pool lock must be held). A lost race
+    deletes the partial allocation, refreshes that node in the index, excludes it and plans again,
+    at most placement_max_attempts times.
     `metrics` gets the time from the first plan to the outcome."""
     placement = await _commit(conn, ask, reservation_id, planned, settings, exclude, index)
     if metrics is not None:
