@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="diagnostic: log every SQL statement during the creates and summarise (slower)")
     p.add_argument("--profile-server", action="store_true",
                    help="diagnostic: run the control plane under cProfile and print its hot spots (slower)")
+    p.add_argument("--placement-index", choices=["on", "off"], default="on",
+                   help="plan creates with the in-memory capacity index, or with the SQL shortlist (off)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (database, server log)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 100 nodes, 5 s of creates, 3 s per baseline (flags given win)")
@@ -146,6 +148,7 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.environ["BC_PLACEMENT_INDEX"] = args.placement_index  # the control plane's setting, in either server mode
     tmp = stack.make_tmpdir()
     say(f"temp dir {tmp}")
     try:

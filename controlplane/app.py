@@ -24,7 +24,7 @@ from bettercompute.v1 import (
     reservations_pb2,
     reservations_pb2_grpc,
 )
-from controlplane import db, metrics, watch
+from controlplane import db, iam, metrics, watch
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
 from controlplane.api.events import EventsServicer, WebhooksServicer
@@ -32,6 +32,7 @@ from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
+from controlplane.placement.index_sync import CapacityIndex
 from controlplane.reservations import reconciler
 from controlplane.runtime import Runtime
 from controlplane.webhooks import delivery
@@ -79,7 +80,9 @@ async def start_app(
     settings: Settings, conninfo: str, *, listen: str = "127.0.0.1:0", workers: bool = True
 ) -> App:
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
-    rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds))
+    iam.POLICIES.entries = max(1, settings.policy_cache_entries)
+    capacity = CapacityIndex(pool) if settings.placement_index else None
+    rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds), capacity)
     server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)])
     reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
@@ -109,6 +112,8 @@ async def start_app(
             await result
     app = App(server, port, pool, rt, hub, metrics_server=await metrics.serve(rt.metrics, settings.metrics_listen))
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
+    if capacity is not None:  # every role places (creates, repairs)
+        app.tasks.append(asyncio.create_task(capacity.run(conninfo, app.stopping), name="capacity-index"))
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, WORK_HANDLERS), name="work-queue"))

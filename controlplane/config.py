@@ -36,6 +36,14 @@ class Settings:
         default_factory=lambda: int(os.environ.get("BC_PLACEMENT_SHORTLIST", "24"))
     )
     placement_max_attempts: int = 5
+    # Parsed Cedar policy sets kept per process (one per tenant and policy version).
+    policy_cache_entries: int = field(
+        default_factory=lambda: int(os.environ.get("BC_POLICY_CACHE_ENTRIES", "1024"))
+    )
+    # The in-memory capacity index plans creates; off: the SQL shortlist plans every one.
+    placement_index: bool = field(
+        default_factory=lambda: os.environ.get("BC_PLACEMENT_INDEX", "on").lower() not in ("off", "0", "false")
+    )
     pending_retry_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_PENDING_RETRY_SECONDS", "30"))
     )

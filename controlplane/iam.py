@@ -6,6 +6,8 @@ one transaction, call `decide` outside it, and act on the decision in another.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,32 @@ class Decision:
     @property
     def allowed(self) -> bool:
         return self.outcome == ALLOW
+
+
+class PolicyCache:
+    """Parsed policy sets by (tenant, SHA-256 of the policy text): a tenant's policy is parsed once
+    per version, not at every decision. Least recently used entries leave first beyond `entries`."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = max(1, entries)
+        self.parses = 0  # policy texts parsed so far
+        self._sets: OrderedDict[tuple[str, bytes], cedarpy.PolicySet] = OrderedDict()
+
+    def get(self, tenant_id: str, text: str) -> cedarpy.PolicySet:
+        key = (tenant_id, hashlib.sha256(text.encode()).digest())
+        found = self._sets.get(key)
+        if found is not None:
+            self._sets.move_to_end(key)
+            return found
+        parsed = cedarpy.PolicySet.from_str(text)
+        self.parses += 1
+        self._sets[key] = parsed
+        while len(self._sets) > self.entries:
+            self._sets.popitem(last=False)
+        return parsed
+
+
+POLICIES = PolicyCache(1024)  # sized from Settings.policy_cache_entries when the server starts
 
 
 def validate_policy(text: str) -> None:
@@ -102,7 +130,11 @@ def decide(
             }
         ),
     }
-    result = cedarpy.is_authorized(request, policy, entities)
+    try:
+        policies: cedarpy.PolicySet | str = POLICIES.get(tenant_id, policy)
+    except ValueError:  # stored before validation existed: Cedar refuses it with its diagnostics
+        policies = policy
+    result = cedarpy.is_authorized(request, policies, entities)
     if result.decision == cedarpy.Decision.Allow:
         return Decision(ALLOW, tuple(result.diagnostics.reasons))
     detail = tuple(result.diagnostics.errors) or tuple(result.diagnostics.reasons)

@@ -8,6 +8,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from controlplane.config import Settings
 from controlplane.metrics import Metrics
+from controlplane.placement.index_sync import CapacityIndex
 
 
 @dataclass(frozen=True)
@@ -15,3 +16,4 @@ class Runtime:
     pool: AsyncConnectionPool
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)  # the process's own registry
+    capacity: CapacityIndex | None = None  # the placement engine's index (None: plan with SQL)

@@ -189,3 +189,11 @@ JOIN node_certs c ON c.key_id = nr.key_id
 WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
   AND c.signing_key = (SELECT signing_key FROM node_certs WHERE key_id = %(key_id)s)
 """
+
+# The capacity index's read (controlplane.placement.index_sync): allocatable host resources of one
+# pool (%(pool)s, nodes empty) or of some nodes (%(nodes)s, pool NULL).
+CAPACITY_HOST_RESOURCES = """
+SELECT h.node_id, h.resource, h.allocatable
+FROM host_resources h JOIN nodes n ON n.id = h.node_id
+WHERE n.pool_id = %(pool)s OR n.id = ANY(%(nodes)s)
+"""

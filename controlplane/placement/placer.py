@@ -1,4 +1,5 @@
-"""Placing one allocation: plan from a shortlist, commit under the pool lock, re-plan on a lost race.
+"""Placing one allocation: plan with the capacity index (or the SQL shortlist), commit under the
+pool lock, re-plan on a lost race.
 
 The pool lock and the lock order: controlplane.common.locks.
 """
@@ -11,16 +12,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import db_errors
 from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.metrics import Metrics
 from controlplane.placement import planner, queries
+from controlplane.placement.index import Window
+from controlplane.placement.index_sync import CapacityIndex
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,9 @@ class Ask:
             **extra,
         }
 
+    def window(self) -> Window:
+        return Window(self.count, self.topology, self.model, self.selector, self.start_ms, self.end_ms)
+
 
 @dataclass
 class Placement:
@@ -70,11 +74,42 @@ class Planned:
 
 
 async def plan(
-    conn: AsyncConnection, ask: Ask, settings: Settings, exclude: frozenset[str] = frozenset()
+    conn: AsyncConnection, ask: Ask, settings: Settings, exclude: frozenset[str] = frozenset(),
+    index: CapacityIndex | None = None,
 ) -> Planned:
-    """Reads only: the best node of a shortlist (placement_shortlist nodes, a random pick among
-    the placement_top_n best), or no plan when nothing fits."""
+    """The best node (a random pick among the placement_top_n best), or no plan when nothing fits.
+
+    With the capacity index: planned in memory, no read. When the index has no plan (its pool is
+    not built yet, or nothing fits there, which may be a change it has not heard of yet) the SQL
+    shortlist answers, so "does not fit" is always PostgreSQL's word."""
     started = time.perf_counter()
+    if index is not None:
+        planned = plan_from_index(index, ask, settings, exclude)
+        if planned is not None:
+            planned.started = started
+            return planned
+    return await plan_from_sql(conn, ask, settings, exclude, started)
+
+
+def plan_from_index(index: CapacityIndex, ask: Ask, settings: Settings, exclude: frozenset[str]) -> Planned | None:
+    pool = index.pool(ask.pool_id)
+    if pool is None:
+        return None
+    window = ask.window()
+    candidates = pool.candidates(window, enough=settings.placement_top_n, exclude=exclude, rng=_rng)
+    chosen = planner.choose(candidates, ask.count, ask.topology, top_n=settings.placement_top_n, rng=_rng,
+                            exclude=exclude)
+    if chosen is None:
+        return None
+    node = pool.nodes[chosen.node_id]
+    index.planned += 1
+    return Planned(chosen, {a: node.atoms[a].device_uuid for a in chosen.atom_ids})
+
+
+async def plan_from_sql(
+    conn: AsyncConnection, ask: Ask, settings: Settings, exclude: frozenset[str], started: float
+) -> Planned:
+    """The best node of a shortlist (placement_shortlist nodes) read from the tables."""
     rows = await (
         await conn.execute(queries.SHORTLIST, ask.params(exclude=list(exclude), limit=settings.placement_shortlist))
     ).fetchall()
@@ -102,11 +137,13 @@ async def commit(
     settings: Settings,
     exclude: frozenset[str] = frozenset(),
     metrics: Metrics | None = None,
+    index: CapacityIndex | None = None,
 ) -> Placement | None:
-    """Insert the planned bookings (the pool lock must be held). A lost race rolls back to a
-    savepoint, excludes that node and plans again, at most placement_max_attempts times.
+    """Insert the planned allocation and bookings (the pool lock must be held). A lost race
+    deletes the partial allocation, refreshes that node in the index, excludes it and plans again,
+    at most placement_max_attempts times.
     `metrics` gets the time from the first plan to the outcome."""
-    placement = await _commit(conn, ask, reservation_id, planned, settings, exclude)
+    placement = await _commit(conn, ask, reservation_id, planned, settings, exclude, index)
     if metrics is not None:
         metrics.placement(planned.started, placement is not None)
     return placement
@@ -114,7 +151,7 @@ async def commit(
 
 async def _commit(
     conn: AsyncConnection, ask: Ask, reservation_id: str, planned: Planned, settings: Settings,
-    exclude: frozenset[str],
+    exclude: frozenset[str], index: CapacityIndex | None,
 ) -> Placement | None:
     excluded: set[str] = set(exclude)
     for attempt in range(settings.placement_max_attempts):
@@ -123,32 +160,25 @@ async def _commit(
         chosen = planned.plan
         allocation_id = new_id("alloc")
         uuids = tuple(planned.uuids[a] for a in chosen.atom_ids)
-        try:
-            async with conn.transaction():  # a savepoint inside the caller's transaction
-                await conn.execute(
-                    queries.INSERT_ALLOCATION,
-                    {"id": allocation_id, "reservation_id": reservation_id,
-                     "node_id": chosen.node_id, "device_ids": list(uuids)},
-                )
-                cur = await conn.execute(
-                    queries.INSERT_BOOKINGS,
-                    ask.params(allocation_id=allocation_id, atom_ids=list(chosen.atom_ids)),
-                )
-                if cur.rowcount != len(chosen.atom_ids):
-                    raise _NodeChanged()
+        cur = await conn.execute(
+            queries.INSERT_PLACEMENT,
+            ask.params(allocation_id=allocation_id, reservation_id=reservation_id, node_id=chosen.node_id,
+                       device_ids=list(uuids), atom_ids=list(chosen.atom_ids)),
+        )
+        booked = len(await cur.fetchall())  # rows, not rowcount: also right in pipeline mode
+        if booked == len(chosen.atom_ids):
             return Placement(allocation_id, chosen.node_id, chosen.atom_ids, uuids)
-        except (psycopg.errors.ExclusionViolation, _NodeChanged) as exc:
-            if isinstance(exc, psycopg.Error) and not db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP):
-                raise
-            log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
-                     why=type(exc).__name__)
-            excluded.add(chosen.node_id)
-            planned = await plan(conn, ask, settings, exclude=frozenset(excluded))
+        # Lost: an overlapping booking (skipped by ON CONFLICT DO NOTHING, the EXCLUDE constraint's
+        # word) or an atom or the node no longer schedulable. The allocation goes, with whatever
+        # bookings it got; no savepoint needed, so the won case is one round trip.
+        await conn.execute(queries.DELETE_ALLOCATION, {"id": allocation_id})
+        log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
+                 booked=booked, wanted=len(chosen.atom_ids))
+        excluded.add(chosen.node_id)
+        if index is not None:  # what the index missed about that node, read under the lock
+            await index.refresh(conn, {chosen.node_id: ask.pool_id})
+        planned = await plan(conn, ask, settings, exclude=frozenset(excluded), index=index)
     return None
-
-
-class _NodeChanged(Exception):
-    """The node or an atom stopped being schedulable between plan and commit."""
 
 
 async def explain(conn: AsyncConnection, ask: Ask) -> str:

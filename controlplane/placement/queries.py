@@ -48,25 +48,33 @@ JOIN free fr ON fr.node_id = s.node_id
 ORDER BY s.node_id, fr.id
 """
 
-INSERT_ALLOCATION = """
-INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
-VALUES (%(id)s, %(reservation_id)s, %(node_id)s, %(device_ids)s, 'placed')
-"""
-
-# Re-reads node state, labels and atom health under the pool lock: only atoms still schedulable
-# are inserted, and the EXCLUDE constraint has the last word on overlaps.
-INSERT_BOOKINGS = """
+# The allocation and its bookings in one statement (one round trip under the pool lock).
+# Re-reads node state, labels and atom health under the lock: only atoms still schedulable are
+# inserted, and a booking the EXCLUDE constraint refuses is skipped (ON CONFLICT DO NOTHING: no
+# error, no savepoint); the caller compares the count and deletes a partial allocation.
+INSERT_PLACEMENT = """
+WITH allocation AS (
+    INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
+    VALUES (%(allocation_id)s, %(reservation_id)s, %(node_id)s, %(device_ids)s, 'placed')
+    RETURNING id
+)
 INSERT INTO bookings (atom_id, allocation_id, during)
-SELECT a.id, %(allocation_id)s, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
-FROM atoms a
+SELECT a.id, allocation.id, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
+FROM allocation, atoms a
 JOIN nodes n ON n.id = a.node_id
 WHERE a.id = ANY(%(atom_ids)s)
+  AND n.id = %(node_id)s
   AND n.pool_id = %(pool_id)s
   AND n.state = 'ready'
   AND n.connectivity <> 'unreachable'
   AND n.labels @> %(selector)s
   AND a.health = 'healthy' AND a.bookable
+ON CONFLICT DO NOTHING
+RETURNING atom_id
 """
+
+# A placement that did not get all its bookings (its bookings go with it).
+DELETE_ALLOCATION = "DELETE FROM allocations WHERE id = %(id)s"
 
 # Why nothing fits: how many nodes each filter removed, and the most a node could give.
 DIAGNOSE = """

@@ -58,7 +58,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
             )
         version = draft.row["version"]
         outcome = await db.run_in_transaction(
-            rt.pool, lambda c: _transaction_2(c, rt, caller, rid, version, decision)
+            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision)
         )
         outcome.raise_if_refused()
     if inp.wait_ms:
@@ -71,12 +71,11 @@ async def _transaction_1(
     conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str, digest: str
 ) -> Draft:
     row = await _fetch(conn, rid)
+    pool = None  # read once per create: before inserting a new draft, or below
     if row is None:
         now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
         check_start(inp, now_ms, TimeLimits.of(rt.settings))
-        pool = await (
-            await conn.execute(queries.POOL_IS_VISIBLE, {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id})
-        ).fetchone()
+        pool = await _visible_pool(conn, rt, inp.request["poolId"], inp.tenant_id)
         if pool is None:
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
@@ -107,9 +106,8 @@ async def _transaction_1(
     elif state != states.DRAFT:
         return draft  # past the draft stage: the stored reservation, no second decision
 
-    pool = await (
-        await conn.execute(queries.VISIBLE_POOL, {"pool_id": row["pool_id"], "tenant_id": row["tenant_id"]})
-    ).fetchone()
+    if pool is None:
+        pool = await _visible_pool(conn, rt, row["pool_id"], row["tenant_id"])
     if pool is None:
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
     draft.attributes = _attributes(row, pool)
@@ -132,6 +130,17 @@ async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller
             reason="draft-limit", limit=cap,
             retryAfterSeconds=max(1, live["expires_in_s"] + math.ceil(rt.settings.draft_sweep_seconds)),
         )
+
+
+async def _visible_pool(conn: AsyncConnection, rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any] | None:
+    """The pool if the tenant sees it, with its single GPU model (None when it has several or
+    none): from the capacity index when built, so no create scans the pool's atoms."""
+    params = {"pool_id": pool_id, "tenant_id": tenant_id}
+    index = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+    if index is None:
+        return await (await conn.execute(queries.VISIBLE_POOL, params)).fetchone()
+    pool = await (await conn.execute(queries.VISIBLE_POOL_FACTS, params)).fetchone()
+    return None if pool is None else {**pool, "single_model": index.single_model()}
 
 
 def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
@@ -172,17 +181,17 @@ class Outcome:
 
 
 async def _transaction_2(
-    conn: AsyncConnection, rt: Runtime, caller: Caller, rid: str, version: int, decision: iam.Decision
+    conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision
 ) -> Outcome:
+    """Plans from the row transaction 1 read (its request never changes; the version is checked
+    under the lock), so the row is read once here, locked."""
+    rid, version = draft_row["id"], draft_row["version"]
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
-    row = await _fetch(conn, rid)
-    if row is None:  # an expired draft, deleted by the sweeper while IAM decided
-        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     prepared = None
     if decision.allowed:
-        prepared = await placing.prepare(conn, rt, row, now_ms)  # plans before any lock, then the pool lock
+        prepared = await placing.prepare(conn, rt, draft_row, now_ms)  # plans before any lock, then the pool lock
     row = await _fetch(conn, rid, for_update=True)
-    if row is None:
+    if row is None:  # an expired draft, deleted by the sweeper while IAM decided
         return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row

@@ -33,7 +33,7 @@ async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_m
     """Plan the row's window (reads only), then take the pool lock: the caller locks the row next,
     in capacity's lock order."""
     ask = ask_for(row, now_ms)
-    planned = await placer.plan(conn, ask, rt.settings)
+    planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
     await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
 
@@ -49,8 +49,9 @@ async def place_again(
     woken at commit whatever happens to this one (DESIGN.md section 9), as after a release."""
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
-    planned = await placer.plan(conn, ask, rt.settings, exclude=avoid)
-    return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics)
+    planned = await placer.plan(conn, ask, rt.settings, exclude=avoid, index=rt.capacity)
+    return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics,
+                                    index=rt.capacity)
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
@@ -88,7 +89,8 @@ async def place_locked(
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
     Unschedulable condition. Emits the event in the same transaction. True when placed."""
     ask = prepared.ask
-    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics)
+    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
+                                    index=rt.capacity)
     if placement is None:
         reason = await placer.explain(conn, ask)
         if row["state"] == states.PENDING:

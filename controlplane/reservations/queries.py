@@ -36,6 +36,15 @@ WHERE p.id = %(pool_id)s
        OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
 """
 
+# VISIBLE_POOL without the model lookup, for a caller that knows the pool's models (the capacity index).
+VISIBLE_POOL_FACTS = """
+SELECT p.id, p.region, p.policy, p.owner_tenant_id
+FROM pools p
+WHERE p.id = %(pool_id)s
+  AND (p.owner_tenant_id = %(tenant_id)s
+       OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
+"""
+
 # Visibility only (owner or offered), without the model lookup of VISIBLE_POOL; the policy and
 # owner decide whether a kubernetes binding may be booked.
 POOL_IS_VISIBLE = """

@@ -1,0 +1,272 @@
+"""The capacity index: per pool, in memory, what placement needs to answer "which nodes fit this
+request for this window" without reading PostgreSQL (DESIGN.md section 9).
+
+Pure data and arithmetic; loading and keeping it current is controlplane.placement.index_sync.
+PostgreSQL stays the source of truth: the index only proposes, the commit under the pool lock
+decides.
+
+Per pool:
+- nodes with labels (value and source), capabilities, state and connectivity;
+- per node its atoms (any kind) with health, bookable, NUMA node and NVLink domain, and each
+  atom's booked intervals as a sorted list of [start, end) epoch ms;
+- per node its counted host resources (allocatable) and their booked intervals (nothing books
+  them yet; the structure is there for the planner that will);
+- `_touching`: every atom booking of the pool, sorted by start (bookings longer than LONG_MS in a
+  small list of their own), so the nodes with a booking overlapping a window are found by bisection
+  without visiting the others;
+- `_classes`: nodes by their count of healthy bookable whole-GPU atoms, so a node with no booking
+  in the window is planned from that count alone, and only the few best classes are visited.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.placement import planner
+
+GPU = "gpu"
+LONG_MS = 24 * 3600 * 1000  # bookings longer than this are kept in the pool's short list of long ones
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the index is asked: `count` atoms of `model` ('' any) for [start_ms, end_ms)."""
+
+    count: int
+    topology: str
+    model: str
+    selector: dict[str, str]
+    start_ms: int
+    end_ms: int
+    capabilities: frozenset[str] = frozenset()
+
+
+@dataclass
+class Atom:
+    id: str
+    node_id: str
+    kind: str
+    device_uuid: str
+    model: str
+    numa_node: int
+    nvlink_domain: str
+    healthy: bool
+    bookable: bool
+    intervals: list[tuple[int, int]] = field(default_factory=list)  # sorted, never overlapping
+
+    def usable(self, model: str) -> bool:
+        return self.kind == GPU and self.healthy and self.bookable and (not model or self.model == model)
+
+    def free_for(self, start: int, end: int) -> bool:
+        """No booked interval overlaps [start, end): the one starting last before `end` ends by `start`."""
+        i = bisect.bisect_left(self.intervals, (end,))
+        return i == 0 or self.intervals[i - 1][1] <= start
+
+
+@dataclass
+class Node:
+    id: str
+    pool_id: str
+    name: str
+    labels: dict[str, Any]  # {key: {"value": ..., "source": ...}}
+    capabilities: frozenset[str]
+    state: str
+    connectivity: str
+    atoms: dict[str, Atom] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)  # resource -> allocatable
+    host_booked: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)  # sorted per resource
+    ticket: int = 0  # the refresh that wrote this node (a later read never loses to an earlier one)
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == "ready" and self.connectivity != "unreachable"
+
+    def matches(self, window: Window) -> bool:
+        if not self.schedulable or not window.capabilities <= self.capabilities:
+            return False
+        for key, value in window.selector.items():
+            label = self.labels.get(key)
+            if not isinstance(label, dict) or label.get("value") != value:
+                return False
+        return True
+
+    def usable(self, model: str) -> list[Atom]:
+        return [a for a in self.atoms.values() if a.usable(model)]
+
+    def with_bookings(self, rows: Iterable[dict], ticket: int) -> Node:
+        """This node with the booked intervals of `rows` (index_queries.BOOKINGS) instead of its own."""
+        atoms = {a.id: dataclasses.replace(a, intervals=[]) for a in self.atoms.values()}
+        for r in rows:
+            atom = atoms.get(r["atom_id"])
+            if atom is not None:
+                atom.intervals.append((r["start_ms"], r["end_ms"]))
+        for atom in atoms.values():
+            atom.intervals.sort()
+        return dataclasses.replace(self, atoms=atoms, ticket=ticket)
+
+    def bookings(self) -> Iterator[tuple[int, int, str, str]]:
+        for atom in self.atoms.values():
+            for start, end in atom.intervals:
+                yield (start, end, self.id, atom.id)
+
+
+class PoolIndex:
+    def __init__(self, pool_id: str) -> None:
+        self.pool_id = pool_id
+        self.nodes: dict[str, Node] = {}
+        self._touching: list[tuple[int, int, str, str]] = []  # (start, end, node, atom), by start
+        self._long: set[tuple[int, int, str, str]] = set()
+        self._classes: dict[int, dict[str, None]] = defaultdict(dict)  # usable GPU count -> ordered node ids
+        self._class_of: dict[str, int] = {}
+        self._models: dict[str, int] = defaultdict(int)  # GPU model -> whole-GPU atoms of it
+
+    # -- keeping it current ------------------------------------------------------------------
+
+    def put(self, node: Node) -> None:
+        """Replace what the index knows of `node` (all of it: facts, atoms, intervals)."""
+        self.remove(node.id)
+        self.nodes[node.id] = node
+        for entry in node.bookings():
+            if entry[1] - entry[0] > LONG_MS:
+                self._long.add(entry)
+            else:
+                bisect.insort(self._touching, entry)
+        for atom in node.atoms.values():
+            if atom.kind == GPU:
+                self._models[atom.model] += 1
+        usable = len(node.usable(""))
+        self._classes[usable][node.id] = None
+        self._class_of[node.id] = usable
+
+    def remove(self, node_id: str) -> None:
+        old = self.nodes.pop(node_id, None)
+        if old is None:
+            return
+        for entry in old.bookings():
+            if entry in self._long:
+                self._long.discard(entry)
+                continue
+            i = bisect.bisect_left(self._touching, entry)
+            if i < len(self._touching) and self._touching[i] == entry:
+                del self._touching[i]
+        for atom in old.atoms.values():
+            if atom.kind == GPU:
+                self._models[atom.model] -= 1
+                if not self._models[atom.model]:
+                    del self._models[atom.model]
+        usable = self._class_of.pop(node_id)
+        self._classes[usable].pop(node_id, None)
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def single_model(self) -> str | None:
+        """The pool's GPU model when all its whole GPUs are of one (any health), else None."""
+        return next(iter(self._models)) if len(self._models) == 1 else None
+
+    def touched(self, start: int, end: int) -> set[str]:
+        """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
+        starting after start - LONG_MS and before end), a scan of the few long ones."""
+        lo = bisect.bisect_left(self._touching, (start - LONG_MS,))
+        hi = bisect.bisect_left(self._touching, (end,))
+        nodes = {e[2] for e in self._touching[lo:hi] if e[1] > start}
+        nodes.update(e[2] for e in self._long if e[0] < end and e[1] > start)
+        return nodes
+
+    def candidate(self, node: Node, window: Window) -> planner.Candidate:
+        free = tuple(
+            planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain)
+            for a in sorted(node.usable(window.model), key=lambda a: a.id)
+            if a.free_for(window.start_ms, window.end_ms)
+        )
+        return planner.Candidate(node.id, node.name, free)
+
+    def candidates(
+        self, window: Window, *, enough: int, exclude: frozenset[str] = frozenset(), rng: random.Random | None = None
+    ) -> list[planner.Candidate]:
+        """Every node with a booking in the window that fits (planned exactly), and from the nodes
+        with none, the fitting ones of the smallest usable-GPU classes until `enough` of them are
+        found (bin-pack prefers the fewest free atoms left, so larger classes cannot score better).
+        Within a class the walk starts at a random node so concurrent creates spread out."""
+        rng = rng or random.Random()
+        busy = self.touched(window.start_ms, window.end_ms)
+        out: list[planner.Candidate] = []
+        for node_id in busy:
+            node = self.nodes.get(node_id)
+            if node is None or node_id in exclude or not node.matches(window):
+                continue
+            cand = self.candidate(node, window)
+            if len(cand.free) >= window.count:
+                out.append(cand)
+        found = 0
+        for usable in sorted(c for c in self._classes if c >= window.count):
+            members = list(self._classes[usable])
+            if not members:
+                continue
+            begin = rng.randrange(len(members))
+            for k in range(len(members)):
+                node_id = members[(begin + k) % len(members)]
+                if node_id in busy or node_id in exclude:
+                    continue
+                node = self.nodes[node_id]
+                if not node.matches(window):
+                    continue
+                cand = self.candidate(node, window)
+                if planner.plan_node(cand, window.count, window.topology) is None:
+                    continue
+                out.append(cand)
+                found += 1
+                if found >= enough:
+                    return out
+        return out
+
+    def fits(self, window: Window, exclude: frozenset[str] = frozenset()) -> set[str]:
+        """Every node the request fits on for the window (each node checked: for tests and
+        diagnostics, not the create path)."""
+        return {
+            node.id for node in self.nodes.values()
+            if node.id not in exclude and node.matches(window)
+            and planner.plan_node(self.candidate(node, window), window.count, window.topology) is not None
+        }
+
+
+def build_nodes(
+    node_rows: Iterable[dict], atom_rows: Iterable[dict], booking_rows: Iterable[dict],
+    host_rows: Iterable[dict] = (), host_booking_rows: Iterable[dict] = (), ticket: int = 0,
+) -> dict[str, Node]:
+    """Nodes from the rows of controlplane.placement.index_queries."""
+    nodes = {
+        r["id"]: Node(r["id"], r["pool_id"], r["name"], dict(r["labels"] or {}), frozenset(r["capabilities"] or ()),
+                      r["state"], r["connectivity"], ticket=ticket)
+        for r in node_rows
+    }
+    atoms: dict[str, Atom] = {}
+    for r in atom_rows:
+        node = nodes.get(r["node_id"])
+        if node is None:
+            continue
+        atom = Atom(r["id"], r["node_id"], r["kind"], r["device_uuid"], r["model"], r["numa_node"],
+                    r["nvlink_domain"], r["health"] == "healthy", r["bookable"])
+        node.atoms[atom.id] = atoms[atom.id] = atom
+    for r in booking_rows:
+        atom = atoms.get(r["atom_id"])
+        if atom is not None:
+            atom.intervals.append((r["start_ms"], r["end_ms"]))
+    for atom in atoms.values():
+        atom.intervals.sort()
+    for r in host_rows:
+        if r["node_id"] in nodes:
+            nodes[r["node_id"]].host[r["resource"]] = float(r["allocatable"])
+    for r in host_booking_rows:
+        if r["node_id"] in nodes:
+            nodes[r["node_id"]].host_booked.setdefault(r["resource"], []).append(
+                (r["start_ms"], r["end_ms"], float(r["amount"])))
+    for node in nodes.values():
+        for booked in node.host_booked.values():
+            booked.sort()
+    return nodes

@@ -1,0 +1,277 @@
+"""The capacity index (controlplane.placement.index): its answer equals PostgreSQL's, and a change
+made by any path reaches it through the bc_capacity channel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.placement import planner
+from controlplane.placement.index import PoolIndex, Window
+from controlplane.placement.index_sync import _read
+from tests.support import World, make_world
+
+HOUR = 3_600_000
+
+# Brute force, independent of the index: per node, the free healthy bookable GPUs of the model for
+# the window grouped by topology; a node fits when one group holds the count.
+FITS_SQL = """
+WITH free AS (
+    SELECT a.node_id, a.numa_node, a.nvlink_domain
+    FROM atoms a JOIN nodes n ON n.id = a.node_id
+    WHERE n.pool_id = %(pool)s AND n.state = 'ready' AND n.connectivity <> 'unreachable'
+      AND n.labels @> %(selector)s
+      AND a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
+      AND (%(model)s = '' OR a.model = %(model)s)
+      AND NOT EXISTS (SELECT 1 FROM bookings b WHERE b.atom_id = a.id
+                        AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'))
+)
+SELECT DISTINCT node_id FROM (
+    SELECT node_id, CASE %(topology)s WHEN 'nvlink-all' THEN nvlink_domain
+                                      WHEN 'numa' THEN numa_node::text ELSE '' END AS grp, count(*) AS n
+    FROM free GROUP BY 1, 2) g
+WHERE n >= %(count)s AND NOT (%(topology)s = 'nvlink-all' AND grp = '')
+"""
+
+atom_st = st.fixed_dictionaries({
+    "model": st.sampled_from(["A", "B"]),
+    "numa": st.integers(0, 1),
+    "nvlink": st.sampled_from(["", "d0", "d1"]),
+    "healthy": st.booleans(),
+    "bookable": st.booleans(),
+    "bookings": st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6)), max_size=3),
+})
+node_st = st.fixed_dictionaries({
+    "state": st.sampled_from(["ready", "ready", "cordoned"]),
+    "connectivity": st.sampled_from(["connected", "unknown", "unreachable"]),
+    "zone": st.sampled_from(["a", "b"]),
+    "atoms": st.lists(atom_st, min_size=0, max_size=8),
+})
+ask_st = st.fixed_dictionaries({
+    "count": st.integers(1, 8),
+    "topology": st.sampled_from(sorted(planner.TOPOLOGIES)),
+    "model": st.sampled_from(["", "A", "B"]),
+    "zone": st.sampled_from(["", "a", "b"]),
+    "start": st.integers(0, 14),
+    "hours": st.integers(1, 6),
+})
+
+
+def _sql(conn: psycopg.Connection, query: str, params: object = None) -> list[dict]:
+    cur = conn.cursor(row_factory=dict_row)
+    cur.execute(query, params)
+    return cur.fetchall() if cur.description else []
+
+
+def _seed(conn: psycopg.Connection, world: World, fleet: list[dict], base: int) -> str:
+    """A fresh pool holding `fleet` (nodes, atoms, bookings written as rows); its id."""
+    tenant = world.tenant
+    pool = "pool_" + uuid.uuid4().hex[:12]
+    _sql(conn, "INSERT INTO pools (id, owner_tenant_id, name, region) VALUES (%s, %s, %s, 'eu-1')",
+         (pool, tenant, pool))
+    rid = "rsv_" + uuid.uuid4().hex[:16]
+    _sql(conn, "INSERT INTO identities (id, kind, name) VALUES ('u', 'user', 'u') ON CONFLICT DO NOTHING")
+    _sql(conn, "INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,"
+               " request_hash, state, during) VALUES (%s, %s, %s, 'u', %s, %s, 'h', 'placed',"
+               " tstzrange(compute_now(), compute_now() + interval '1 day'))",
+         (rid, tenant, pool, rid, Jsonb({})))
+    for i, node in enumerate(fleet):
+        node_id = f"{pool}-n{i}"
+        _sql(conn, "INSERT INTO nodes (id, pool_id, name, labels, state, connectivity) VALUES (%s, %s, %s, %s, %s, %s)",
+             (node_id, pool, node_id, Jsonb({"zone": {"value": node["zone"], "source": "operator"}}),
+              node["state"], node["connectivity"]))
+        alloc = f"alloc_{pool}_{i}"
+        _sql(conn, "INSERT INTO allocations (id, reservation_id, node_id, state, device_ids) VALUES (%s, %s, %s, 'placed', '{}')",
+             (alloc, rid, node_id))
+        for j, atom in enumerate(node["atoms"]):
+            atom_id = f"{node_id}-g{j}"
+            _sql(conn, "INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain, health, bookable)"
+                       " VALUES (%s, %s, 'gpu', %s, %s, %s, %s, %s, %s)",
+                 (atom_id, node_id, atom_id, atom["model"], atom["numa"], atom["nvlink"],
+                  "healthy" if atom["healthy"] else "unhealthy", atom["bookable"]))
+            for start, hours in atom["bookings"]:
+                _sql(conn, "INSERT INTO bookings (atom_id, allocation_id, during) VALUES (%s, %s,"
+                           " tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)')) ON CONFLICT DO NOTHING",
+                     (atom_id, alloc, base + start * HOUR, base + (start + hours) * HOUR))
+    return pool
+
+
+def _window(ask: dict, base: int) -> Window:
+    start = base + ask["start"] * HOUR
+    return Window(ask["count"], ask["topology"], ask["model"], {"zone": ask["zone"]} if ask["zone"] else {},
+                  start, start + ask["hours"] * HOUR)
+
+
+def _brute_force(conn: psycopg.Connection, pool: str, w: Window) -> set[str]:
+    selector = Jsonb({k: {"value": v} for k, v in w.selector.items()})
+    return {r["node_id"] for r in _sql(conn, FITS_SQL, {
+        "pool": pool, "selector": selector, "model": w.model, "start": w.start_ms, "end": w.end_ms,
+        "topology": w.topology, "count": w.count})}
+
+
+async def _built(conninfo: str, pool: str) -> PoolIndex:
+    async with await psycopg.AsyncConnection.connect(conninfo) as conn:
+        index = PoolIndex(pool)
+        for node in (await _read(conn, pool=pool, nodes=[], ticket=1)).values():
+            index.put(node)
+        return index
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fleet=st.lists(node_st, min_size=1, max_size=5), asks=st.lists(ask_st, min_size=1, max_size=6))
+def test_the_index_answers_what_sql_answers(world: World, fleet: list[dict], asks: list[dict]) -> None:
+    """On random fleets and bookings, the nodes the index says a request fits on are exactly the
+    nodes a brute-force query over the tables finds; `candidates` (the create path's walk) offers
+    a node whenever one fits, and only nodes that fit."""
+    with psycopg.connect(world.conninfo, autocommit=True) as conn:
+        base = _sql(conn, "SELECT epoch_ms(compute_now()) AS now")[0]["now"] + 2 * HOUR
+        pool = _seed(conn, world, fleet, base)
+        index = asyncio.run(_built(world.conninfo, pool))
+        single = _sql(conn, "SELECT min(a.model) AS m FROM atoms a JOIN nodes n ON n.id = a.node_id"
+                            " WHERE n.pool_id = %s AND a.kind = 'gpu' HAVING count(DISTINCT a.model) = 1", (pool,))
+        assert index.single_model() == (single[0]["m"] if single else None)
+        for ask in asks:
+            w = _window(ask, base)
+            expected = _brute_force(conn, pool, w)
+            assert index.fits(w) == expected, (ask, json.dumps(fleet))
+            offered = {c.node_id for c in index.candidates(w, enough=1)
+                       if planner.plan_node(c, w.count, w.topology) is not None}
+            assert offered <= expected
+            assert bool(offered) == bool(expected)
+
+
+# -- changes made elsewhere reach the live index ---------------------------------------------
+
+def _live(stack: tuple, world: World) -> PoolIndex:
+    server, _ = stack
+    capacity = server.app.runtime.capacity
+    server.call(capacity.barrier())
+    pool = capacity.pool(world.pool_id)
+    assert pool is not None
+    return pool
+
+
+def _free(pool: PoolIndex, node_id: str, start: int, end: int) -> int:
+    return sum(1 for a in pool.nodes[node_id].usable("") if a.free_for(start, end))
+
+
+@pytest.fixture
+def small_world(stack: tuple) -> World:
+    server, root = stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=1)
+    yield w
+    w.close()
+
+
+def test_a_create_cancel_and_extend_reach_the_index(stack: tuple, small_world: World) -> None:
+    world = small_world
+    node = world.nodes[0].id
+    start = world.later(24)
+    r = world.create(count=3, start=start, duration="2h")
+    assert r.state == "placed", r
+    pool = _live(stack, world)
+    assert _free(pool, node, start, start + 2 * HOUR) == 5
+    assert _free(pool, node, start + 2 * HOUR, start + 3 * HOUR) == 8
+
+    world.user.res("Extend", pb.ExtendReservationRequest(tenant_id=world.tenant, reservation_id=r.id, by="1h",
+                                                         idempotency_key="ext"))
+    pool = _live(stack, world)
+    assert _free(pool, node, start + 2 * HOUR, start + 3 * HOUR) == 5
+
+    world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    pool = _live(stack, world)
+    assert _free(pool, node, start, start + 3 * HOUR) == 8
+
+
+def test_a_cordon_and_a_gpu_health_change_reach_the_index(stack: tuple, small_world: World) -> None:
+    world = small_world
+    node = world.nodes[0]
+    start = world.later(24)
+    w = Window(1, planner.ANY, "", {}, start, start + HOUR)
+    assert _live(stack, world).fits(w) == {node.id}
+
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=node.id, state="cordoned"))
+    assert _live(stack, world).fits(w) == set()
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=node.id, state="ready"))
+    assert _live(stack, world).fits(w) == {node.id}
+
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(
+        node_id=node.id, device_uuid=f"GPU-{node.name}-0", health="unhealthy"))
+    pool = _live(stack, world)
+    assert len(pool.nodes[node.id].usable("")) == 7
+    assert pool.fits(Window(8, planner.ANY, "", {}, start, start + HOUR)) == set()
+
+
+def test_a_new_node_and_a_direct_booking_reach_the_index(stack: tuple, small_world: World) -> None:
+    """A node registered after the build and a booking written by some other path (here plain
+    SQL, as a repair or an expiry would) are in the index's next answer."""
+    world = small_world
+    added = world.add_node()
+    start = world.later(24)
+    assert added.id in _live(stack, world).nodes
+    world.sql("INSERT INTO identities (id, kind, name) VALUES ('u', 'user', 'u') ON CONFLICT DO NOTHING")
+    rid = "rsv_" + uuid.uuid4().hex[:16]
+    world.sql("INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,"
+              " request_hash, state, during) VALUES (%s, %s, %s, 'u', %s, %s, 'h', 'placed',"
+               " tstzrange(compute_now(), compute_now() + interval '1 day'))",
+              (rid, world.tenant, world.pool_id, rid, Jsonb({})))
+    world.sql("INSERT INTO allocations (id, reservation_id, node_id, state, device_ids) VALUES (%s, %s, %s, 'placed', '{}')",
+              ("alloc_" + rid, rid, added.id))
+    world.sql("INSERT INTO bookings (atom_id, allocation_id, during) SELECT id, %s,"
+              " tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)') FROM atoms WHERE node_id = %s",
+              ("alloc_" + rid, start, start + HOUR, added.id))
+    pool = _live(stack, world)
+    assert _free(pool, added.id, start, start + HOUR) == 0
+    assert pool.fits(Window(8, planner.ANY, "", {}, start, start + HOUR)) == {world.nodes[0].id}
+    world.sql("DELETE FROM allocations WHERE id = %s", ("alloc_" + rid,))
+    assert _free(_live(stack, world), added.id, start, start + HOUR) == 8
+
+
+def test_creates_are_planned_by_the_index(stack: tuple, small_world: World) -> None:
+    """With the index built, a create is planned in memory (the SQL shortlist is the fallback)."""
+    world = small_world
+    capacity = stack[0].app.runtime.capacity
+    _live(stack, world)
+    before = capacity.planned
+    start = world.later(30)
+    r = world.create(count=2, start=start, duration="1h")
+    assert r.state == "placed"
+    assert capacity.planned == before + 1
+    assert _free(_live(stack, world), world.nodes[0].id, start, start + HOUR) == 6
+
+
+def test_a_stale_index_proposes_and_the_commit_decides(stack: tuple, small_world: World) -> None:
+    """The index believes a booked node is free (as if a notification were still on its way): the
+    create's insert finds the overlap, refreshes that node from the table under the lock and, with
+    nothing else fitting, the reservation goes pending; nothing is double-booked."""
+    world = small_world
+    server = stack[0]
+    capacity = server.app.runtime.capacity
+    node = world.nodes[0].id
+    start = world.later(40)
+    assert world.create(count=8, start=start, duration="1h").state == "placed"
+    pool = _live(stack, world)
+    stale = pool.nodes[node].with_bookings([], pool.nodes[node].ticket)
+
+    async def forget() -> None:
+        pool.put(stale)
+    server.call(forget())
+    assert _free(pool, node, start, start + HOUR) == 8
+    before = capacity.planned
+
+    r = world.create(count=8, start=start, duration="1h")
+    assert r.state == "pending"
+    assert capacity.planned == before + 1  # the stale index proposed the node
+    assert _free(capacity.pool(world.pool_id), node, start, start + HOUR) == 0  # refreshed by the lost race
+    booked = world.sql("SELECT count(*) FROM bookings b JOIN atoms a ON a.id = b.atom_id WHERE a.node_id = %s"
+                       " AND b.during && tstzrange(from_epoch_ms(%s), from_epoch_ms(%s))", (node, start, start + HOUR))
+    assert booked == [(8,)]
