@@ -45,6 +45,8 @@ class Window:
     start_ms: int
     end_ms: int
     capabilities: frozenset[str] = frozenset()
+    # Labels required whole, value and source (a binding's system capability label).
+    required: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass
@@ -93,6 +95,10 @@ class Node:
         for key, value in window.selector.items():
             label = self.labels.get(key)
             if not isinstance(label, dict) or label.get("value") != value:
+                return False
+        for key, value, source in window.required:
+            label = self.labels.get(key)
+            if not isinstance(label, dict) or (label.get("value"), label.get("source")) != (value, source):
                 return False
         return True
 

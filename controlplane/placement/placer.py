@@ -55,7 +55,9 @@ class Ask:
         }
 
     def window(self) -> Window:
-        return Window(self.count, self.topology, self.model, self.selector, self.start_ms, self.end_ms)
+        required = tuple((k, v.get("value", ""), v.get("source", "")) for k, v in sorted(self.required.items()))
+        return Window(self.count, self.topology, self.model, self.selector, self.start_ms, self.end_ms,
+                      required=required)
 
 
 @dataclass
