@@ -123,6 +123,11 @@ def rpc_error(excinfo: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
 _counter = itertools.count()
 
 
+def clock_now(world: World) -> int:
+    """compute_now() in epoch ms, as the server's clock control reads it."""
+    return world.root.admin("GetClock", apb.GetClockRequest()).now
+
+
 def gpus(node: str, count: int = 8, model: str = "H100-SXM5-80GB", domains: int = 1) -> list[apb.Gpu]:
     per_domain = max(1, count // domains)
     return [

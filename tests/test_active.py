@@ -12,6 +12,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, advance_and_settle, settled, wake_up_times
+from tests.support import clock_now as now
 from tests.support import Client, ServerThread, World, get
 
 MIN = 60_000
@@ -20,10 +21,6 @@ MIN = 60_000
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, clock_control=True)
-
-
-def now(world: World) -> int:
-    return world.root.admin("GetClock", apb.GetClockRequest()).now
 
 
 def conditions(world: World, rid: str, type_: str) -> list:

@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, desired_state, poll, pool_locked, wake_up_times
+from tests.support import clock_now as now
 from tests.support import PERMISSIVE, Client, ServerThread, World, eventually, get, rpc_error
 
 HOUR = 3_600_000
@@ -27,10 +27,6 @@ HOUR = 3_600_000
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, clock_control=True)
-
-
-def now(world: World) -> int:
-    return world.root.admin("GetClock", apb.GetClockRequest()).now
 
 
 def extend(world: World, rid: str, key: str = "ext", **change) -> pb.ExtendReservationResponse:

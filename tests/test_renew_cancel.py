@@ -14,6 +14,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, advance_and_settle, wake_up_times
+from tests.support import clock_now as now
 from tests.support import Client, ServerThread, World, eventually, get, rpc_error
 
 MIN = 60_000
@@ -22,10 +23,6 @@ MIN = 60_000
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, clock_control=True)
-
-
-def now(world: World) -> int:
-    return world.root.admin("GetClock", apb.GetClockRequest()).now
 
 
 def started(world: World, state: str, **kw) -> pb.Reservation:

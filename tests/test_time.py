@@ -19,6 +19,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, advance_and_settle, poll, pool_locked, settled
+from tests.support import clock_now as now
 from tests.support import PERMISSIVE, Client, ServerThread, World, get, rpc_error
 from tests.support import eventually as _eventually
 
@@ -33,10 +34,6 @@ def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 
 def advance(world: World, ms: int) -> None:
     world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=ms))
-
-
-def now(world: World) -> int:
-    return world.root.admin("GetClock", apb.GetClockRequest()).now
 
 
 def eventually(world: World, rid: str, check, seconds: float = 10) -> pb.Reservation:
