@@ -16,7 +16,7 @@ from psycopg.types.json import Jsonb
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.placement import planner
-from controlplane.placement.index import PoolIndex, Window
+from controlplane.placement.index import Node, PoolIndex, Window
 from controlplane.placement.index_sync import _read
 from tests.support import World, make_world
 
@@ -275,3 +275,18 @@ def test_a_stale_index_proposes_and_the_commit_decides(stack: tuple, small_world
     booked = world.sql("SELECT count(*) FROM bookings b JOIN atoms a ON a.id = b.atom_id WHERE a.node_id = %s"
                        " AND b.during && tstzrange(from_epoch_ms(%s), from_epoch_ms(%s))", (node, start, start + HOUR))
     assert booked == [(8,)]
+
+
+def test_a_required_label_counts_only_with_its_value_and_source() -> None:
+    """A binding's capability label (e.g. bc.dev/cap.binding.kubernetes) must be the system's:
+    an operator label of the same name and value does not make a node fit."""
+    key = "bc.dev/cap.binding.kubernetes"
+    window = Window(1, "any", "", {}, 0, 1, required=((key, "true", "system"),))
+
+    def node(labels: dict) -> Node:
+        return Node("node_x", "pool_x", "x", labels, frozenset(), "ready", "connected")
+
+    assert node({key: {"value": "true", "source": "system"}}).matches(window)
+    assert not node({key: {"value": "true", "source": "operator"}}).matches(window)
+    assert not node({}).matches(window)
+    assert node({}).matches(Window(1, "any", "", {}, 0, 1))
