@@ -17,7 +17,7 @@ from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.placement import placer
 from controlplane.reservations import kubernetes, queries, schedule, states
-from controlplane.reservations.transitions import condition, move, set_conditions
+from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
 
 
@@ -107,14 +107,11 @@ async def place_locked(
         return False
     lease = row["request"].get("leaseSeconds")
     lease_deadline = now_ms + lease * 1000 if lease else None
-    await move(
+    await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
-        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline, attempt=True,
-    )
-    await schedule.booked_moments(conn, row["id"], ask.start_ms, ask.end_ms, lease_deadline)
-    await events.emit_reservation(
-        conn, row, "reservation.placed",
-        nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
+        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
+        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
+        event_type="reservation.placed", nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
     )
     return True
 

@@ -85,6 +85,26 @@ WHERE id = %(id)s AND state = ANY(%(from_states)s)
 RETURNING id
 """
 
+# TRANSITION, the wake-ups of schedule.at and the event of events.emit in one statement, for the
+# locked part of a placement: nothing is scheduled or emitted unless the row moved. `moved` says
+# whether it did (0 rows: the state table forbids the move, and the caller raises).
+TRANSITION_WAKE_EMIT = f"""
+WITH moved AS ({TRANSITION.strip()}),
+woken AS (
+    SELECT schedule_work('reservation', moved.id, due)
+    FROM moved, (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
+                 FROM unnest(%(moments)s::bigint[]) AS m) moments
+),
+emitted AS (
+    INSERT INTO events (tenant_id, type, subject, data)
+    SELECT %(tenant_id)s, %(event_type)s, %(subject)s, %(data)s FROM moved
+    RETURNING tenant_id
+)
+SELECT (SELECT count(*) FROM moved) AS moved,
+       (SELECT count(*) FROM woken) AS woken,
+       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified
+"""
+
 ALLOCATIONS = """
 SELECT id, node_id, device_ids, state, binding
 FROM allocations WHERE reservation_id = %(id)s ORDER BY created_at, id
