@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.reservations import kubernetes, placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
@@ -189,8 +190,12 @@ async def _transaction_2(
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     prepared = None
     if decision.allowed:
-        prepared = await placing.prepare(conn, rt, draft_row, now_ms)  # plans before any lock, then the pool lock
-    row = await _fetch(conn, rid, for_update=True)
+        prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
+        row = await (await conn.execute(queries.POOL_LOCK_THEN_BY_ID_FOR_UPDATE, {
+            "id": rid, "lock_key": pool_lock_key(draft_row["pool_id"]),
+        })).fetchone()  # the pool lock, then the row: one round trip
+    else:
+        row = await _fetch(conn, rid, for_update=True)
     if row is None:  # an expired draft, deleted by the sweeper while IAM decided
         return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
     if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:

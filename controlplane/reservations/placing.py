@@ -29,12 +29,14 @@ class Prepared:
     planned: placer.Planned
 
 
-async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> Prepared:
+async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, lock: bool = True) -> Prepared:
     """Plan the row's window (reads only), then take the pool lock: the caller locks the row next,
-    in capacity's lock order."""
+    in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
+    (admission does both in one statement)."""
     ask = ask_for(row, now_ms)
     planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
-    await pool_lock(conn, row["pool_id"])
+    if lock:
+        await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
 
 

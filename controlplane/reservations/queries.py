@@ -13,6 +13,13 @@ COLUMNS = """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
+# The pool lock, then the row locked, in one round trip and in the lock order: the row is locked
+# above the join, after the materialized lock was taken. FOR UPDATE returns the row's newest
+# committed version even though the statement's snapshot predates the wait for the pool lock.
+POOL_LOCK_THEN_BY_ID_FOR_UPDATE = f"""
+WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0)))
+SELECT {COLUMNS} FROM pool_lock, reservations r WHERE r.id = %(id)s FOR UPDATE OF r
+"""
 BY_ID_IN_TENANT = f"""
 SELECT {COLUMNS} FROM reservations r
 WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
