@@ -22,7 +22,10 @@ def test_a_charge_waiting_for_the_limit_row_sees_the_charge_committed_before_it(
             assert a.execute(CHARGE, (world.tenant, first.id)).fetchone() == (1, 0, True)
             b_pid = b.info.backend_pid
             answer: list[tuple] = []
-            waiter = threading.Thread(target=lambda: answer.append(b.execute(CHARGE, (world.tenant, second.id)).fetchone()))
+            def charge_second() -> None:
+                answer.append(b.execute(CHARGE, (world.tenant, second.id)).fetchone())
+
+            waiter = threading.Thread(target=charge_second)
             waiter.start()
             deadline = time.monotonic() + 30
             while not admin.execute(

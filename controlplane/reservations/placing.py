@@ -29,7 +29,9 @@ class Prepared:
     planned: placer.Planned
 
 
-async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, lock: bool = True) -> Prepared:
+async def prepare(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, lock: bool = True
+) -> Prepared:
     """Plan the row's window (reads only), then take the pool lock: the caller locks the row next,
     in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
     (admission does both in one statement)."""
