@@ -13,12 +13,19 @@ COLUMNS = """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
-# The pool lock, then the row locked, in one round trip and in the lock order: the row is locked
-# above the join, after the materialized lock was taken. FOR UPDATE returns the row's newest
-# committed version even though the statement's snapshot predates the wait for the pool lock.
+# The pool lock, then the row locked, and the decision recorded when the row is still the
+# undecided version transaction 1 read: one round trip, in the lock order (the row is locked above
+# the join, after the materialized lock was taken). FOR UPDATE returns the row's newest committed
+# version even though the statement's snapshot predates the wait for the pool lock.
 POOL_LOCK_THEN_BY_ID_FOR_UPDATE = f"""
-WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0)))
-SELECT {COLUMNS} FROM pool_lock, reservations r WHERE r.id = %(id)s FOR UPDATE OF r
+WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))),
+locked AS MATERIALIZED (SELECT {COLUMNS} FROM pool_lock, reservations r WHERE r.id = %(id)s FOR UPDATE OF r),
+recorded AS (
+    UPDATE authz_projection SET decision = %(decision)s, decided_at = compute_now()
+    WHERE reservation_id = %(id)s
+      AND EXISTS (SELECT 1 FROM locked WHERE locked.state = ANY(%(undecided)s) AND locked.version = %(version)s)
+)
+SELECT * FROM locked
 """
 BY_ID_IN_TENANT = f"""
 SELECT {COLUMNS} FROM reservations r
