@@ -14,16 +14,10 @@ _SET_LIMIT = """
 INSERT INTO quotas (tenant_id, resource, "limit") VALUES (%(tenant_id)s, %(resource)s, %(limit)s)
 ON CONFLICT (tenant_id, resource) DO UPDATE SET "limit" = EXCLUDED."limit"
 """
-_LOCK_LIMIT = 'SELECT "limit" FROM quotas WHERE tenant_id = %(tenant_id)s AND resource = %(resource)s FOR UPDATE'
-_USED = """
-SELECT coalesce(sum(amount), 0) AS used FROM quota_charges
-WHERE tenant_id = %(tenant_id)s AND resource = %(resource)s AND refunded_at IS NULL
-"""
+# Lock the limit row, sum the live charges, charge if it fits: one call (migration 0016).
 _CHARGE = """
-INSERT INTO quota_charges (reservation_id, tenant_id, resource, amount)
-VALUES (%(reservation_id)s, %(tenant_id)s, %(resource)s, %(amount)s)
-ON CONFLICT (reservation_id, resource) DO UPDATE
-    SET amount = EXCLUDED.amount, charged_at = now(), refunded_at = NULL
+SELECT quota_limit, used, charged
+FROM charge_quota(%(tenant_id)s, %(resource)s, %(reservation_id)s, %(amount)s)
 """
 _REFUND = """
 UPDATE quota_charges SET refunded_at = compute_now()
@@ -47,11 +41,11 @@ async def charge(
         amount = amounts[resource]
         if amount <= 0:
             continue
-        key = {"tenant_id": tenant_id, "resource": resource}
-        row = await (await conn.execute(_LOCK_LIMIT, key)).fetchone()
-        limit = int(row["limit"]) if row else 0
-        used = int((await (await conn.execute(_USED, key)).fetchone())["used"])
-        if used + amount > limit:
+        row = await (await conn.execute(_CHARGE, {
+            "tenant_id": tenant_id, "resource": resource, "reservation_id": reservation_id, "amount": amount,
+        })).fetchone()
+        if not row["charged"]:
+            limit, used = int(row["quota_limit"]), int(row["used"])
             raise errors.QuotaExceeded(
                 f"quota for {resource} is {limit}, {used} in use, {amount} requested",
                 resource=resource,
@@ -59,7 +53,6 @@ async def charge(
                 used=used,
                 requested=amount,
             )
-        await conn.execute(_CHARGE, {**key, "reservation_id": reservation_id, "amount": amount})
 
 
 async def refund(conn: AsyncConnection, reservation_id: str) -> None:

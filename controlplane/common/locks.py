@@ -17,6 +17,11 @@ from __future__ import annotations
 from psycopg import AsyncConnection
 
 
+def pool_lock_key(pool_id: str) -> str:
+    """The key of the pool's advisory lock, hashed with hashtextextended(key, 0)."""
+    return "pool:" + pool_id
+
+
 async def pool_lock(conn: AsyncConnection, pool_id: str) -> None:
     """The pool's transaction-scoped advisory lock (held until commit or rollback)."""
-    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (pool_lock_key(pool_id),))

@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.reservations import kubernetes, placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
@@ -188,14 +189,21 @@ async def _transaction_2(
     rid, version = draft_row["id"], draft_row["version"]
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     prepared = None
+    undecided = [states.DRAFT, states.AWAITING_CONFIRMATION]
     if decision.allowed:
-        prepared = await placing.prepare(conn, rt, draft_row, now_ms)  # plans before any lock, then the pool lock
-    row = await _fetch(conn, rid, for_update=True)
+        prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
+        row = await (await conn.execute(queries.POOL_LOCK_THEN_BY_ID_FOR_UPDATE, {
+            "id": rid, "lock_key": pool_lock_key(draft_row["pool_id"]),
+            "decision": decision.outcome, "undecided": undecided, "version": version,
+        })).fetchone()  # the pool lock, the row and the decision recorded if still undecided: one round trip
+    else:
+        row = await _fetch(conn, rid, for_update=True)
     if row is None:  # an expired draft, deleted by the sweeper while IAM decided
         return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
-    if row["state"] not in (states.DRAFT, states.AWAITING_CONFIRMATION) or row["version"] != version:
+    if row["state"] not in undecided or row["version"] != version:
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
-    await conn.execute(queries.RECORD_DECISION, {"id": rid, "decision": decision.outcome})
+    if not decision.allowed:
+        await conn.execute(queries.RECORD_DECISION, {"id": rid, "decision": decision.outcome})
 
     if decision.outcome == iam.DENY:
         await move(conn, row, states.DENIED, operation_state="failed")

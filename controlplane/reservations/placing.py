@@ -17,7 +17,7 @@ from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.placement import placer
 from controlplane.reservations import kubernetes, queries, schedule, states
-from controlplane.reservations.transitions import condition, move, set_conditions
+from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
 
 
@@ -29,12 +29,16 @@ class Prepared:
     planned: placer.Planned
 
 
-async def prepare(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> Prepared:
+async def prepare(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, lock: bool = True
+) -> Prepared:
     """Plan the row's window (reads only), then take the pool lock: the caller locks the row next,
-    in capacity's lock order."""
+    in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
+    (admission does both in one statement)."""
     ask = ask_for(row, now_ms)
     planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
-    await pool_lock(conn, row["pool_id"])
+    if lock:
+        await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
 
 
@@ -107,14 +111,11 @@ async def place_locked(
         return False
     lease = row["request"].get("leaseSeconds")
     lease_deadline = now_ms + lease * 1000 if lease else None
-    await move(
+    await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
-        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline, attempt=True,
-    )
-    await schedule.booked_moments(conn, row["id"], ask.start_ms, ask.end_ms, lease_deadline)
-    await events.emit_reservation(
-        conn, row, "reservation.placed",
-        nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
+        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
+        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
+        event_type="reservation.placed", nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
     )
     return True
 

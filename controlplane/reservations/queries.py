@@ -13,6 +13,20 @@ COLUMNS = """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
+# The pool lock, then the row locked, and the decision recorded when the row is still the
+# undecided version transaction 1 read: one round trip, in the lock order (the row is locked above
+# the join, after the materialized lock was taken). FOR UPDATE returns the row's newest committed
+# version even though the statement's snapshot predates the wait for the pool lock.
+POOL_LOCK_THEN_BY_ID_FOR_UPDATE = f"""
+WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))),
+locked AS MATERIALIZED (SELECT {COLUMNS} FROM pool_lock, reservations r WHERE r.id = %(id)s FOR UPDATE OF r),
+recorded AS (
+    UPDATE authz_projection SET decision = %(decision)s, decided_at = compute_now()
+    WHERE reservation_id = %(id)s
+      AND EXISTS (SELECT 1 FROM locked WHERE locked.state = ANY(%(undecided)s) AND locked.version = %(version)s)
+)
+SELECT * FROM locked
+"""
 BY_ID_IN_TENANT = f"""
 SELECT {COLUMNS} FROM reservations r
 WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
@@ -83,6 +97,26 @@ SET state = %(state)s,
     updated_at = clock_timestamp()
 WHERE id = %(id)s AND state = ANY(%(from_states)s)
 RETURNING id
+"""
+
+# TRANSITION, the wake-ups of schedule.at and the event of events.emit in one statement, for the
+# locked part of a placement: nothing is scheduled or emitted unless the row moved. `moved` says
+# whether it did (0 rows: the state table forbids the move, and the caller raises).
+TRANSITION_WAKE_EMIT = f"""
+WITH moved AS ({TRANSITION.strip()}),
+woken AS (
+    SELECT schedule_work('reservation', moved.id, due)
+    FROM moved, (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
+                 FROM unnest(%(moments)s::bigint[]) AS m) moments
+),
+emitted AS (
+    INSERT INTO events (tenant_id, type, subject, data)
+    SELECT %(tenant_id)s, %(event_type)s, %(subject)s, %(data)s FROM moved
+    RETURNING tenant_id
+)
+SELECT (SELECT count(*) FROM moved) AS moved,
+       (SELECT count(*) FROM woken) AS woken,
+       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified
 """
 
 ALLOCATIONS = """

@@ -22,4 +22,10 @@ async def booked_moments(
     conn: AsyncConnection, rid: str, start_ms: int, end_ms: int, lease_deadline_ms: int | None
 ) -> None:
     """start - 15 min, start, end and the lease deadline of a placed reservation."""
-    await at(conn, rid, start_ms - REPAIR_LEAD_MS, start_ms, end_ms, lease_deadline_ms)
+    await at(conn, rid, *booked_moment_list(start_ms, end_ms, lease_deadline_ms))
+
+
+def booked_moment_list(start_ms: int, end_ms: int, lease_deadline_ms: int | None) -> list[int]:
+    """The moments of `booked_moments`, for a caller that schedules them in its own statement."""
+    moments = [start_ms - REPAIR_LEAD_MS, start_ms, end_ms, lease_deadline_ms]
+    return [m for m in moments if m is not None]

@@ -52,6 +52,49 @@ async def move(
     row["state"] = target
 
 
+async def move_wake_emit(
+    conn: AsyncConnection,
+    row: dict[str, Any],
+    target: str,
+    *,
+    operation_state: str,
+    conditions: list[dict[str, Any]],
+    window: tuple[int, int],
+    lease_deadline: int | None,
+    moments: list[int],
+    event_type: str,
+    **extra: Any,
+) -> None:
+    """`move` with attempt=True, then schedule.at(moments) and events.emit_reservation(event_type,
+    **extra), in one statement: what a placement does while it holds the pool lock."""
+    data = {"state": target, "poolId": row["pool_id"], **extra}
+    result = await (await conn.execute(
+        queries.TRANSITION_WAKE_EMIT,
+        {
+            "id": row["id"],
+            "state": target,
+            "operation_state": operation_state,
+            "conditions": Jsonb(conditions),
+            "start": window[0],
+            "end": window[1],
+            "lease_deadline": lease_deadline,
+            "end_reason": None,
+            "attempt": 1,
+            "from_states": states.sources_of(target),
+            "moments": moments,
+            "tenant_id": row["tenant_id"],
+            "event_type": event_type,
+            "subject": f"reservation/{row['id']}",
+            "data": Jsonb(data),
+        },
+    )).fetchone()
+    if result["moved"] != 1:
+        raise errors.InvalidState(
+            f"a {row['state']} reservation cannot become {target}", state=row["state"]
+        )
+    row["state"] = target
+
+
 async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions: list[dict[str, Any]]) -> None:
     """Replace the conditions of `row` (locked by the caller) without a state change."""
     await conn.execute(queries.SET_CONDITIONS, {"id": row["id"], "conditions": Jsonb(conditions)})
