@@ -1,7 +1,5 @@
 """Reservation SQL, in one place."""
 
-from controlplane.reservations import states
-
 COLUMNS = """
     r.*,
     epoch_ms(lower(r.during)) AS during_start,
@@ -54,15 +52,6 @@ WHERE p.id = %(pool_id)s
 VISIBLE_POOL_FACTS = """
 SELECT p.id, p.region, p.policy, p.owner_tenant_id
 FROM pools p
-WHERE p.id = %(pool_id)s
-  AND (p.owner_tenant_id = %(tenant_id)s
-       OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
-"""
-
-# Visibility only (owner or offered), without the model lookup of VISIBLE_POOL; the policy and
-# owner decide whether a kubernetes binding may be booked.
-POOL_IS_VISIBLE = """
-SELECT p.id, p.policy, p.owner_tenant_id FROM pools p
 WHERE p.id = %(pool_id)s
   AND (p.owner_tenant_id = %(tenant_id)s
        OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
@@ -175,7 +164,6 @@ LIMIT %(limit)s
 
 POOLS_WITH_PENDING = "SELECT DISTINCT pool_id FROM reservations WHERE state = 'pending'"
 
-BOOKED_STATES = sorted(states.BOOKED)
 
 
 # extend ----------------------------------------------------------------------------------------
