@@ -13,14 +13,11 @@ import asyncio
 from collections import defaultdict
 
 import psycopg
-import structlog
 
 from controlplane.listen import RECONNECTED, listen
 from controlplane.nodes.desired import DESIRED_CHANNEL
 from controlplane.nodes.sessions import SESSION_CHANNEL
 from gateway.session_state import CHECK, DESIRED, NodeSession
-
-log = structlog.get_logger("gateway.hub")
 
 _CHANNELS = {DESIRED_CHANNEL: DESIRED, SESSION_CHANNEL: CHECK}
 
