@@ -24,6 +24,7 @@ from controlplane.runtime import Runtime
 
 KINDS = {"user", "service", "agent"}
 SHARING_MODES = {"", "exclusive", "mig", "time-slice", "mps"}
+PLACERS = {"inline", "lease"}  # pool policy placer (DESIGN.md section 9)
 QUOTA_RESOURCES = re.compile(r"^(gpu(:[A-Za-z0-9._-]{1,64})?|vcpu|memoryGiB)$")
 SYSTEM_LABEL_PREFIXES = ("bc.dev/", "fabric.domain")
 
@@ -65,19 +66,23 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def _policy(raw: dict[str, Any]) -> dict[str, Any]:
+def _policy(raw: dict[str, Any], default_placer: str = "inline") -> dict[str, Any]:
     sharing = raw.get("sharing") or {}
     mode = sharing.get("mode") or "exclusive"
     if mode not in SHARING_MODES:
         raise errors.InvalidInput("policy.sharing.mode", f"must be one of {sorted(SHARING_MODES - {''})}")
+    placer = raw.get("placer") or default_placer
+    if placer not in PLACERS:
+        raise errors.InvalidInput("policy.placer", f"must be one of {sorted(PLACERS)}")
     return {"sharing": {"mode": mode, "replicas": sharing.get("replicas") or 0},
-            "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root"))}
+            "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root")),
+            "placer": placer}
 
 
 async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     owner = match("ownerTenantId", raw.get("owner_tenant_id", ""), TENANT_ID)
     name = match("name", raw.get("name", ""), NODE_NAME)
-    policy = _policy(raw.get("policy") or {})
+    policy = _policy(raw.get("policy") or {}, rt.settings.default_placer)
     pool_id = new_id("pool")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:

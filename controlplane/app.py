@@ -32,8 +32,9 @@ from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
+from controlplane.placement import lease
 from controlplane.placement.index_sync import CapacityIndex
-from controlplane.reservations import reconciler
+from controlplane.reservations import queued, reconciler
 from controlplane.runtime import Runtime
 from controlplane.webhooks import delivery
 from controlplane.workers import drafts, pending, queue
@@ -79,10 +80,13 @@ class App:
 async def start_app(
     settings: Settings, conninfo: str, *, listen: str = "127.0.0.1:0", workers: bool = True
 ) -> App:
+    lease.check_default(settings)
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     iam.POLICIES.entries = max(1, settings.policy_cache_entries)
     capacity = CapacityIndex(pool) if settings.placement_index else None
-    rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds), capacity)
+    leases = lease.LeaseWorker(settings)
+    rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds), capacity, leases)
+    leases.drain = lambda pool_id, holder, epoch: queued.drain(rt, pool_id, holder, epoch)
     server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)])
     reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
@@ -114,6 +118,8 @@ async def start_app(
     app.tasks.append(asyncio.create_task(hub.run(app.stopping), name="event-hub"))  # Watch needs it in every role
     if capacity is not None:  # every role places (creates, repairs)
         app.tasks.append(asyncio.create_task(capacity.run(conninfo, app.stopping), name="capacity-index"))
+    # Every role holds pool leases (the lease placer) and wakes its waiting creates.
+    app.tasks.append(asyncio.create_task(leases.run(conninfo, app.stopping), name="placer-lease"))
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, WORK_HANDLERS), name="work-queue"))

@@ -113,3 +113,12 @@ class Settings:
     metrics_refresh_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_METRICS_REFRESH_SECONDS", "5"))
     )
+    # The placer of a pool created without policy.placer: "inline" or "lease".
+    default_placer: str = field(default_factory=lambda: os.environ.get("BC_DEFAULT_PLACER", "inline"))
+    # The pool-lease placer: a lease lasts this long and is renewed every third of it, so a killed
+    # holder's pools have a new holder within about this time.
+    placer_lease_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_PLACER_LEASE_SECONDS", "5"))
+    )
+    # Queued reservations a lease holder plans and commits in one transaction.
+    placer_batch: int = field(default_factory=lambda: _int("BC_PLACER_BATCH", 64))

@@ -82,6 +82,13 @@ class Metrics(RpcMetrics):
         self.webhooks = Counter("bc_webhook_deliveries", "Webhook delivery attempts by outcome: delivered,"
                                 " failed (retried later) or dead (the last attempt failed)", ["outcome"],
                                 registry=self.registry)
+        self.placer_statements = Counter(
+            "bc_placer_batch_statements", "Statements (round trips to PostgreSQL, BEGIN and COMMIT included) the"
+            " lease placer's batches sent; divided by bc_placer_batch_reservations_total: round trips per create",
+            registry=self.registry)
+        self.placer_reservations = Counter(
+            "bc_placer_batch_reservations", "Queued reservations the lease placer's batches decided, by outcome:"
+            " placed or pending", ["outcome"], registry=self.registry)
         self._pool = pool
         self._refresh_seconds = refresh_seconds
         self._refreshed = float("-inf")
@@ -91,6 +98,11 @@ class Metrics(RpcMetrics):
 
     def placement(self, started: float, placed: bool) -> None:
         self.placement_seconds.labels("placed" if placed else "nofit").observe(time.perf_counter() - started)
+
+    def placer_batch(self, statements: int, placed: int, pending: int) -> None:
+        self.placer_statements.inc(statements)
+        self.placer_reservations.labels("placed").inc(placed)
+        self.placer_reservations.labels("pending").inc(pending)
 
     def report_judged(self, ok: bool, reason: str) -> None:
         self.reports.labels(*(("accepted", "") if ok else ("rejected", reason_class(reason)))).inc()

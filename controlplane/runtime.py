@@ -9,6 +9,7 @@ from psycopg_pool import AsyncConnectionPool
 from controlplane.config import Settings
 from controlplane.metrics import Metrics
 from controlplane.placement.index_sync import CapacityIndex
+from controlplane.placement.lease import LeaseWorker
 
 
 @dataclass(frozen=True)
@@ -17,3 +18,4 @@ class Runtime:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)  # the process's own registry
     capacity: CapacityIndex | None = None  # the placement engine's index (None: plan with SQL)
+    leases: LeaseWorker | None = None  # the pool-lease placer's worker (and the waits it wakes)

@@ -101,6 +101,7 @@ def pool(row: dict[str, Any]) -> admin_pb2.Pool:
         policy=admin_pb2.PoolPolicy(
             sharing=admin_pb2.SharingPolicy(mode=sharing.get("mode", ""), replicas=sharing.get("replicas", 0)),
             kubernetes=policy.get("kubernetes", False), tenant_root=policy.get("tenantRoot", False),
+            placer=policy.get("placer", "inline"),
         ),
         offered_to=row["offered_to"],
     )

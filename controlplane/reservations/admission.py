@@ -20,7 +20,7 @@ from controlplane import authorize, confirmations, db, errors, events, iam, quot
 from controlplane.auth import Caller
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
-from controlplane.reservations import kubernetes, placing, queries, schedule, states
+from controlplane.reservations import kubernetes, placing, queries, queued, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -39,6 +39,7 @@ class Draft:
     attributes: dict[str, Any] = field(default_factory=dict)
     approved: bool = False
     rejected: bool = False
+    lease: bool = False  # queued for the pool's lease holder rather than placed inline
 
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +60,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
             )
         version = draft.row["version"]
         outcome = await db.run_in_transaction(
-            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision)
+            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, lease=draft.lease)
         )
         outcome.raise_if_refused()
     if inp.wait_ms:
@@ -112,6 +113,7 @@ async def _transaction_1(
     if pool is None:
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
     draft.attributes = _attributes(row, pool)
+    draft.lease = queued.uses_lease(pool, row["request"])
     await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
@@ -182,15 +184,20 @@ class Outcome:
 
 
 async def _transaction_2(
-    conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision
+    conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision,
+    *, lease: bool = False,
 ) -> Outcome:
     """Plans from the row transaction 1 read (its request never changes; the version is checked
-    under the lock), so the row is read once here, locked."""
+    under the lock), so the row is read once here, locked. With `lease` (a lease-policy pool) it
+    charges quota and queues the reservation for the pool's lease holder: no plan, no pool lock."""
     rid, version = draft_row["id"], draft_row["version"]
-    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    queueing = decision.allowed and lease  # needs no clock: nothing is placed or scheduled
+    now_ms = 0 if queueing else (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     prepared = None
     undecided = [states.DRAFT, states.AWAITING_CONFIRMATION]
-    if decision.allowed:
+    if queueing:
+        row = await queued.lock_undecided(conn, rid, decision.outcome, undecided, version)
+    elif decision.allowed:
         prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
         row = await (await conn.execute(queries.POOL_LOCK_THEN_BY_ID_FOR_UPDATE, {
             "id": rid, "lock_key": pool_lock_key(draft_row["pool_id"]),
@@ -211,9 +218,12 @@ async def _transaction_2(
     if decision.outcome == iam.CONFIRM:
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
-    assert prepared is not None
     device = row["request"]["devices"][0]
     await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
+    if queueing:
+        await queued.enqueue(conn, row)
+        return Outcome()
+    assert prepared is not None
     await placing.place_locked(conn, rt, row, prepared, now_ms)
     return Outcome()
 

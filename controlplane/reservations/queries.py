@@ -359,3 +359,104 @@ SET creator_identity_id = coalesce(creator_identity_id, owner_identity_id),
     owner_identity_id = %(to)s, version = version + 1, updated_at = clock_timestamp()
 WHERE id = %(id)s
 """
+
+
+# the pool-lease placer (controlplane/reservations/queued.py) ----------------------------------
+
+# Admission's locked read for a lease-policy pool: POOL_LOCK_THEN_BY_ID_FOR_UPDATE without the pool
+# lock (nothing is placed in this transaction, so creates of a lease pool never queue on it).
+BY_ID_FOR_UPDATE_RECORDING = f"""
+WITH locked AS MATERIALIZED (SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s FOR UPDATE OF r),
+recorded AS (
+    UPDATE authz_projection SET decision = %(decision)s, decided_at = compute_now()
+    WHERE reservation_id = %(id)s
+      AND EXISTS (SELECT 1 FROM locked WHERE locked.state = ANY(%(undecided)s) AND locked.version = %(version)s)
+)
+SELECT * FROM locked
+"""
+
+# Queue an admitted reservation: queued with its operation running, reservation.queued emitted,
+# watchers and the pool's lease holder woken. One statement.
+ENQUEUE = """
+WITH moved AS (
+    UPDATE reservations
+    SET state = 'queued', operation_state = 'running', conditions = '[]',
+        version = version + 1, updated_at = clock_timestamp()
+    WHERE id = %(id)s AND state = ANY(%(from_states)s)
+    RETURNING id, tenant_id, pool_id
+),
+emitted AS (
+    INSERT INTO events (tenant_id, type, subject, data)
+    SELECT tenant_id, 'reservation.queued', 'reservation/' || id,
+           jsonb_build_object('state', 'queued', 'poolId', pool_id)
+    FROM moved
+    RETURNING tenant_id
+)
+SELECT (SELECT count(*) FROM moved) AS moved,
+       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified,
+       (SELECT count(pg_notify('bc_queued', pool_id)) FROM moved) AS woken
+"""
+
+# A batch: the pool lock, the fencing check (this holder's lease at this epoch), then the oldest
+# queued reservations of the pool, locked; rows a cancel or release holds are skipped (the next
+# batch sees what is left of them). No row when the lease is no longer this holder's.
+QUEUED_BATCH = """
+WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))),
+fence AS MATERIALIZED (SELECT lease_current(%(pool_id)s, %(holder)s, %(epoch)s) AS current FROM pool_lock)
+SELECT r.id, r.tenant_id, r.pool_id, r.state, r.request, r.conditions, epoch_ms(compute_now()) AS now_ms
+FROM fence, reservations r
+WHERE fence.current AND r.pool_id = %(pool_id)s AND r.state = 'queued'
+ORDER BY r.created_at, r.id
+LIMIT %(limit)s
+FOR UPDATE OF r SKIP LOCKED
+"""
+
+# A batch's outcome in one statement: every member moved from queued (placed with its window and
+# lease deadline, or pending with its Unschedulable condition), the placed ones' wake-ups, one
+# event each in the batch's order, watchers woken, and the waiting creates told (bc_placed, ids
+# in chunks well under the 8000-byte payload limit). The fencing check again, at the end: a holder
+# whose lease was taken over meanwhile moves nothing, and the caller rolls the batch back.
+MOVE_BATCH = """
+WITH input AS (
+    SELECT * FROM unnest(%(ids)s::text[], %(states)s::text[], %(conditions)s::jsonb[], %(starts)s::bigint[],
+                         %(ends)s::bigint[], %(leases)s::bigint[], %(types)s::text[], %(data)s::jsonb[])
+        WITH ORDINALITY AS i(id, state, conditions, start_ms, end_ms, lease_ms, event_type, data, ord)
+),
+moved AS (
+    UPDATE reservations r
+    SET state = i.state,
+        operation_state = 'succeeded',
+        conditions = i.conditions,
+        during = CASE WHEN i.start_ms IS NULL THEN r.during
+                      ELSE tstzrange(from_epoch_ms(i.start_ms), from_epoch_ms(i.end_ms), '[)') END,
+        lease_deadline = CASE WHEN i.lease_ms IS NULL THEN r.lease_deadline ELSE from_epoch_ms(i.lease_ms) END,
+        attempts = r.attempts + 1,
+        version = r.version + 1,
+        updated_at = clock_timestamp()
+    FROM input i
+    WHERE r.id = i.id AND r.state = 'queued' AND lease_current(%(pool_id)s, %(holder)s, %(epoch)s)
+    RETURNING r.id, r.tenant_id
+),
+woken AS (
+    SELECT schedule_work('reservation', due.id, due.at)
+    FROM (SELECT DISTINCT w.id, greatest(from_epoch_ms(w.m), compute_now()) AS at
+          FROM unnest(%(wake_ids)s::text[], %(wake_at)s::bigint[]) AS w(id, m)
+          WHERE w.id IN (SELECT id FROM moved)) due
+),
+emitted AS (
+    INSERT INTO events (tenant_id, type, subject, data)
+    SELECT m.tenant_id, i.event_type, 'reservation/' || i.id, i.data
+    FROM moved m JOIN input i ON i.id = m.id
+    ORDER BY i.ord
+    RETURNING tenant_id
+),
+told AS (
+    SELECT pg_notify('bc_placed', string_agg(c.id, ','))
+    FROM (SELECT id, (row_number() OVER ()) / 100 AS chunk FROM moved) c
+    GROUP BY c.chunk
+)
+SELECT (SELECT count(*) FROM moved) AS moved,
+       (SELECT count(*) FROM woken) AS woken,
+       (SELECT count(pg_notify('bc_events', t.tenant_id)) FROM (SELECT DISTINCT tenant_id FROM emitted) t) AS notified,
+       (SELECT count(*) FROM told) AS told
+"""

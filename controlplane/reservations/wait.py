@@ -7,6 +7,7 @@ with its reads and the pauses between them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -27,23 +28,34 @@ def capped_ms(rt: Runtime, timeout_ms: int) -> int:
 
 
 async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: int) -> dict[str, Any]:
+    """A pause ends early when the lease placer decides the reservation (its batch notifies the
+    ids it moved; every process's lease worker wakes its own waiters), so a queued create answers
+    as soon as it is placed; the back-off stays as the safety net."""
     started = time.monotonic()
     deadline = started + capped_ms(rt, timeout_ms) / 1000
     delay = FIRST_DELAY_S
     pauses_ms: list[int] = []
+    watching = rt.leases.waiters.watching(rid) if rt.leases is not None else contextlib.nullcontext(None)
     try:
-        while True:
-            async with db.read_only(rt.pool) as conn:
-                view = await load_view(conn, rid)
-            remaining = deadline - time.monotonic()
-            if view["operation_state"] != "running" or remaining <= 0:
-                log.info("operation wait", reservation_id=rid, reads=len(pauses_ms) + 1, pauses_ms=pauses_ms,
-                         operation=view["operation_state"])
-                return view
-            pause = min(delay, remaining)
-            pauses_ms.append(round(pause * 1000))
-            await asyncio.sleep(pause)
-            delay = min(delay * 2, MAX_DELAY_S)
+        with watching as woken:
+            while True:
+                if woken is not None:
+                    woken.clear()  # before the read: a wake-up after it ends the next pause
+                async with db.read_only(rt.pool) as conn:
+                    view = await load_view(conn, rid)
+                remaining = deadline - time.monotonic()
+                if view["operation_state"] != "running" or remaining <= 0:
+                    log.info("operation wait", reservation_id=rid, reads=len(pauses_ms) + 1, pauses_ms=pauses_ms,
+                             operation=view["operation_state"])
+                    return view
+                pause = min(delay, remaining)
+                pauses_ms.append(round(pause * 1000))
+                if woken is None:
+                    await asyncio.sleep(pause)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(woken.wait(), pause)
+                delay = min(delay * 2, MAX_DELAY_S)
     except asyncio.CancelledError:
         log.info("create wait cancelled", reservation_id=rid, tenant_id=tenant_id,
                  waited_ms=int((time.monotonic() - started) * 1000))

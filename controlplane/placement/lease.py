@@ -1,0 +1,193 @@
+"""The pool-lease placer's lease worker (DESIGN.md section 9): every control-plane process runs one.
+
+It holds leases of lease-policy pools (`pool_leases`, one row per pool: holder, deadline, fencing
+epoch). Every third of BC_PLACER_LEASE_SECONDS one statement renews the leases it holds and takes
+every lapsed one, so a killed holder's pools have a new holder within about a lease. On shutdown
+its leases are dropped and the other replicas are told to take them at once.
+
+For each pool it holds, a drainer task places the pool's queued reservations: `drain(pool_id,
+holder, epoch)` (handed in by the server's assembly, controlplane.reservations.queued) places one
+batch and answers how many reservations it took; a full batch is followed by the next at once.
+Drainers are woken by `bc_queued` (a create queued a reservation in that pool), when the lease is
+taken, after a reconnect, and at every tick (the safety net for a lost notification).
+
+The worker also wakes the creates waiting for their operation (`wait`) in this process when a
+batch decided their reservations (`bc_placed`, the ids), so a wait answers without polling.
+
+The lease statements run on the listener's own connection: a busy connection pool never delays a
+renewal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+
+import psycopg
+import structlog
+from psycopg.rows import dict_row
+
+from controlplane.config import Settings
+from controlplane.listen import RECONNECTED, TICK, Listener, listen
+from controlplane.placement import lease_queries as q
+
+log = structlog.get_logger(__name__)
+
+PLACERS = frozenset({"inline", "lease"})
+QUEUED_CHANNEL = "bc_queued"  # payload: the pool id
+PLACED_CHANNEL = "bc_placed"  # payload: comma-separated reservation ids a batch decided
+LEASES_CHANNEL = "bc_pool_leases"  # payload: a pool whose lease was dropped
+RETRY_SECONDS = 0.5  # after a failed batch
+
+Drain = Callable[[str, str, int], Awaitable[int]]
+
+
+def check_default(settings: Settings) -> None:
+    """BC_DEFAULT_PLACER names a placer (checked at start, not at the first CreatePool)."""
+    if settings.default_placer not in PLACERS:
+        raise ValueError(f"BC_DEFAULT_PLACER must be one of {sorted(PLACERS)}, not {settings.default_placer!r}")
+
+
+class Waiters:
+    """Creates of this process waiting for their reservation's operation, by reservation id."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, set[asyncio.Event]] = {}
+
+    @contextlib.contextmanager
+    def watching(self, rid: str) -> Iterator[asyncio.Event]:
+        event = asyncio.Event()
+        self._events.setdefault(rid, set()).add(event)
+        try:
+            yield event
+        finally:
+            events = self._events.get(rid)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._events[rid]
+
+    def wake(self, ids: list[str]) -> None:
+        for rid in ids:
+            for event in self._events.get(rid, ()):
+                event.set()
+
+
+class LeaseWorker:
+    def __init__(self, settings: Settings, drain: Drain | None = None) -> None:
+        self.settings = settings
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.drain = drain
+        self.held: dict[str, int] = {}  # pool id -> epoch
+        self.waiters = Waiters()
+        self.ticks = 0
+        self._wanted: dict[str, asyncio.Event] = {}
+        self._drainers: dict[str, asyncio.Task] = {}
+
+    @property
+    def interval(self) -> float:
+        return self.settings.placer_lease_seconds / 3
+
+    async def run(self, conninfo: str, stopping: asyncio.Event) -> None:
+        next_tick = 0.0
+        try:
+            async with listen(conninfo, [QUEUED_CHANNEL, PLACED_CHANNEL, LEASES_CHANNEL], stopping,
+                              name="placer-lease", timeout=self.interval) as listener:
+                async for item in listener:
+                    due = item is RECONNECTED or item is TICK or time.monotonic() >= next_tick
+                    if isinstance(item, psycopg.Notify):
+                        due |= self._heard([item, *listener.received()])
+                    if due:
+                        try:
+                            await self._tick(listener)
+                        except psycopg.Error as exc:
+                            log.warning("pool lease tick failed; reconnecting", error=str(exc))
+                            await listener.reset()
+                        next_tick = time.monotonic() + self.interval
+                    listener.timeout = max(0.0, next_tick - time.monotonic())
+                await self._drop(listener)
+        finally:
+            for task in self._drainers.values():
+                task.cancel()
+            await asyncio.gather(*self._drainers.values(), return_exceptions=True)
+            self._drainers.clear()
+            self.held.clear()
+
+    def _heard(self, notes: list[psycopg.Notify]) -> bool:
+        """Wake drainers and waiters; True when a dropped lease asks for a tick now."""
+        tick = False
+        for note in notes:
+            if note.channel == QUEUED_CHANNEL:
+                self._want(note.payload)
+            elif note.channel == PLACED_CHANNEL:
+                self.waiters.wake(note.payload.split(","))
+            elif note.channel == LEASES_CHANNEL:
+                tick = True
+        return tick
+
+    async def _tick(self, listener: Listener) -> None:
+        conn = listener.connection
+        assert conn is not None
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(q.TAKE_AND_RENEW, {"holder": self.holder, "seconds": self.settings.placer_lease_seconds})
+        now = {r["pool_id"]: r["epoch"] for r in await cur.fetchall()}
+        self.ticks += 1
+        for pool_id in set(self.held) - set(now):
+            log.warning("pool lease lost", pool_id=pool_id, holder=self.holder, epoch=self.held[pool_id])
+            self._stop_draining(pool_id)
+        for pool_id, epoch in now.items():
+            if self.held.get(pool_id) != epoch:
+                log.info("pool lease taken", pool_id=pool_id, holder=self.holder, epoch=epoch)
+            self.held[pool_id] = epoch
+            if pool_id not in self._drainers:
+                self._wanted[pool_id] = asyncio.Event()
+                self._drainers[pool_id] = asyncio.create_task(self._drain_loop(pool_id), name=f"placer:{pool_id}")
+            self._want(pool_id)  # a new lease, a reconnect, or the safety net: anything queued is placed
+
+    def _want(self, pool_id: str) -> None:
+        event = self._wanted.get(pool_id)
+        if event is not None and pool_id in self.held:
+            event.set()
+
+    def _stop_draining(self, pool_id: str) -> None:
+        self.held.pop(pool_id, None)
+        self._wanted.pop(pool_id, None)
+        task = self._drainers.pop(pool_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def _drain_loop(self, pool_id: str) -> None:
+        wanted = self._wanted[pool_id]
+        while True:
+            await wanted.wait()
+            wanted.clear()
+            while pool_id in self.held and self.drain is not None:
+                try:
+                    taken = await self.drain(pool_id, self.holder, self.held[pool_id])
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - logged; the batch rolled back and is tried again
+                    log.exception("placer batch failed; retrying", pool_id=pool_id)
+                    await asyncio.sleep(RETRY_SECONDS)
+                    wanted.set()
+                    break
+                if taken < self.settings.placer_batch:
+                    break  # drained; the next queued create wakes it again
+
+    async def _drop(self, listener: Listener) -> None:
+        """Shutdown: drop this holder's leases, so another replica takes them now, not at lapse."""
+        for pool_id in list(self._drainers):
+            self._stop_draining(pool_id)
+        conn = listener.connection
+        if conn is None or conn.closed:
+            return
+        try:
+            await conn.execute(q.DROP, {"holder": self.holder})
+            log.info("pool leases dropped", holder=self.holder)
+        except psycopg.Error as exc:
+            log.warning("pool leases not dropped; they lapse", error=str(exc))

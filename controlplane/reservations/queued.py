@@ -1,0 +1,147 @@
+"""Queued reservations: the pool-lease placer's side of the reservation lifecycle (DESIGN.md
+sections 8 and 9).
+
+Admission of a lease-policy pool's create charges quota and `enqueue`s (queued, operation
+running, `reservation.queued`, the lease holder woken) instead of placing. The holder's lease
+worker (controlplane.placement.lease) calls `drain` for the pools it holds: one transaction per
+batch of at most BC_PLACER_BATCH reservations, in arrival order:
+
+1. the pool lock, the fencing check and the batch's rows, locked (SKIP LOCKED): one statement;
+2. the plans, in memory, and every allocation and booking in one statement
+   (controlplane.placement.batch; a lost race costs that member a re-plan);
+3. for the members nothing fits: the SQL shortlist and the reason (placer.explain);
+4. every member moved to placed or pending, with wake-ups, events and notifications: one
+   statement, fenced again.
+
+Gangs and repairs never come here: they place inline (BookingRepair, the binding failure path).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
+
+from controlplane.common.locks import pool_lock_key
+from controlplane.placement import batch as batches
+from controlplane.placement import placer
+from controlplane.reservations import placing, queries, schedule, states
+from controlplane.reservations.transitions import condition
+from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+LEASE = "lease"
+
+
+class Fenced(Exception):
+    """The holder's lease was taken over during the batch: nothing of it may commit."""
+
+
+def uses_lease(pool: dict[str, Any], request: dict[str, Any]) -> bool:
+    """Whether a create in this pool is queued for the pool's lease holder: a lease-policy pool,
+    and not a gang (gangs always place inline)."""
+    return (pool.get("policy") or {}).get("placer") == LEASE and not request.get("gang")
+
+
+async def lock_undecided(conn: AsyncConnection, rid: str, decision: str, undecided: list[str],
+                         version: int) -> dict[str, Any] | None:
+    """Admission's locked read for a lease pool: the row locked and an allowed decision recorded,
+    without the pool lock."""
+    return await (await conn.execute(queries.BY_ID_FOR_UPDATE_RECORDING, {
+        "id": rid, "decision": decision, "undecided": undecided, "version": version,
+    })).fetchone()
+
+
+async def enqueue(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """Queue the locked, charged row for its pool's lease holder."""
+    result = await (await conn.execute(queries.ENQUEUE, {
+        "id": row["id"], "from_states": states.sources_of(states.QUEUED),
+    })).fetchone()
+    if result["moved"] != 1:
+        raise AssertionError(f"a {row['state']} reservation cannot become queued")
+    row["state"] = states.QUEUED
+
+
+async def drain(rt: Runtime, pool_id: str, holder: str, epoch: int) -> int:
+    """Place one batch of the pool's queued reservations; how many it took (0: none queued, or the
+    lease is no longer this holder's)."""
+    started = time.perf_counter()
+    batch = batches.Batch(pool_id, [])
+    async with rt.pool.connection() as raw:
+        conn = batches.Counted(raw)
+        try:
+            async with raw.transaction():
+                taken, placed = await _batch(conn, rt, batch, holder, epoch)
+        except BaseException:
+            if batch.touched:
+                try:
+                    await batches.forget(rt.capacity, raw, batch)
+                except Exception:  # noqa: BLE001 - the next notification for those nodes re-reads them
+                    log.warning("capacity index not refreshed after a failed batch", pool_id=pool_id)
+            raise
+    if taken:
+        statements = conn.statements + 2  # BEGIN and COMMIT
+        rt.metrics.placer_batch(statements, placed, taken - placed)
+        for _ in range(taken):
+            rt.metrics.placement(started, True)
+        log.info("placer batch", pool_id=pool_id, epoch=epoch, reservations=taken, placed=placed,
+                 pending=taken - placed, lost_races=batch.lost_races, statements=statements,
+                 statements_per_reservation=round(statements / taken, 2),
+                 ms=round((time.perf_counter() - started) * 1000, 1))
+    return taken
+
+
+async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str, epoch: int) -> tuple[int, int]:
+    pool_id = batch.pool_id
+    fence = {"pool_id": pool_id, "holder": holder, "epoch": epoch}
+    rows = await (await conn.execute(queries.QUEUED_BATCH, {
+        **fence, "lock_key": pool_lock_key(pool_id), "limit": rt.settings.placer_batch,
+    })).fetchall()
+    if not rows:
+        return 0, 0
+    now_ms = rows[0]["now_ms"]
+    batch.members = [batches.Member(r["id"], placing.ask_for(r, now_ms)) for r in rows]
+    await batches.place(conn, batch, rt.settings, rt.capacity)
+
+    moves: dict[str, list[Any]] = {k: [] for k in (
+        "ids", "states", "conditions", "starts", "ends", "leases", "types", "data", "wake_ids", "wake_at")}
+    placed = 0
+    for row, member in zip(rows, batch.members):
+        ask, placement = member.ask, member.placement
+        moves["ids"].append(row["id"])
+        if placement is not None:
+            placed += 1
+            lease = row["request"].get("leaseSeconds")
+            lease_deadline = now_ms + lease * 1000 if lease else None
+            data = {"state": states.PLACED, "poolId": pool_id, "nodeIds": [placement.node_id],
+                    "start": ask.start_ms, "end": ask.end_ms}
+            _append(moves, states.PLACED, [], ask.start_ms, ask.end_ms, lease_deadline, "reservation.placed", data)
+            for moment in schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline):
+                moves["wake_ids"].append(row["id"])
+                moves["wake_at"].append(moment)
+        else:
+            reason = await placer.explain(conn, ask)
+            data = {"state": states.PENDING, "poolId": pool_id, "reason": reason}
+            _append(moves, states.PENDING, [condition("Unschedulable", "NoFit", reason, now_ms)],
+                    None, None, None, "reservation.pending", data)
+    result = await (await conn.execute(queries.MOVE_BATCH, {
+        **fence, **{k: v for k, v in moves.items()},
+    })).fetchone()
+    if result["moved"] != len(rows):
+        raise Fenced(f"the lease of pool {pool_id} at epoch {epoch} is no longer {holder}'s")
+    return len(rows), placed
+
+
+def _append(moves: dict[str, list[Any]], state: str, conditions: list[dict[str, Any]], start: int | None,
+            end: int | None, lease_deadline: int | None, event_type: str, data: dict[str, Any]) -> None:
+    moves["states"].append(state)
+    moves["conditions"].append(Jsonb(conditions))
+    moves["starts"].append(start)
+    moves["ends"].append(end)
+    moves["leases"].append(lease_deadline)
+    moves["types"].append(event_type)
+    moves["data"].append(Jsonb(data))

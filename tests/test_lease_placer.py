@@ -1,0 +1,191 @@
+"""The pool-lease placer (DESIGN.md section 9, spec "Waiting for placement"): a lease pool's create
+answers queued with a running operation and `reservation.queued`; the pool's lease holder places
+it in a batch; `wait` holds the answer until it is placed; queued reservations are cancellable and
+releasable with their quota refunded; a booking the index never heard of costs only the member
+that planned on it a re-plan. Real control plane, real PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.ids import draft_id
+from tests.conftest import module_stack
+from tests.invariants import check_invariants
+from tests.support import Client, ServerThread, World, eventually, get, make_world, rpc_error
+
+LEASE_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, default_placer="lease", placer_lease_seconds=LEASE_S, placement_top_n=1)
+
+
+def held_by_other(world: World) -> None:
+    """Another (absent) holder holds the pool's lease for a long while: nothing drains it."""
+    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+              "VALUES (%s, 'elsewhere', 7, clock_timestamp() + interval '1 hour') "
+              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'elsewhere', epoch = pool_leases.epoch + 1, "
+              "deadline = EXCLUDED.deadline", (world.pool_id,))
+
+
+def lapse(world: World) -> None:
+    """The absent holder's lease lapses: the server's lease worker takes it at its next tick."""
+    world.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (world.pool_id,))
+
+
+def lease_row(world: World) -> tuple[str, int]:
+    return world.sql("SELECT holder, epoch FROM pool_leases WHERE pool_id = %s", (world.pool_id,))[0]
+
+
+def events_of(world: World, rid: str) -> list[str]:
+    return [r[0] for r in world.sql("SELECT type FROM events WHERE subject = %s ORDER BY id", (f"reservation/{rid}",))]
+
+
+def test_pool_policy_names_the_placer(world: World) -> None:
+    pools = {p.id: p for p in world.root.admin("ListPools", apb.ListPoolsRequest(owner_tenant_id=world.tenant)).items}
+    assert pools[world.pool_id].policy.placer == "lease"  # this server's BC_DEFAULT_PLACER
+    inline = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="i", policy=apb.PoolPolicy(placer="inline")))
+    assert inline.policy.placer == "inline"
+    with pytest.raises(grpc.RpcError) as excinfo:
+        world.root.admin("CreatePool", apb.CreatePoolRequest(
+            owner_tenant_id=world.tenant, name="x", policy=apb.PoolPolicy(placer="fifo")))
+    code, reason, details = rpc_error(excinfo)
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "policy.placer")
+
+
+def test_a_queued_create_is_placed_by_the_lease_holder(world: World) -> None:
+    r = world.create(count=2, topology="nvlink-all", start=world.later(2))
+    assert (r.state, r.operation.state) == ("queued", "running")
+    placed = eventually(world, r.id, lambda x: x.state != "queued")
+    assert placed.state == "placed"
+    assert placed.operation.state == "succeeded" and len(placed.allocations) == 1
+    assert events_of(world, r.id) == ["reservation.queued", "reservation.placed"]
+    queued_data = world.sql("SELECT data FROM events WHERE subject = %s AND type = 'reservation.queued'",
+                            (f"reservation/{r.id}",))[0][0]
+    assert queued_data == {"state": "queued", "poolId": world.pool_id}
+    holder, _ = lease_row(world)
+    assert holder.split(":")[1].isdigit(), holder  # this server's worker holds it
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_wait_on_a_queued_create_returns_it_placed(world: World) -> None:
+    r = world.create(count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
+    assert (r.state, r.operation.state) == ("placed", "succeeded")
+    assert events_of(world, r.id) == ["reservation.queued", "reservation.placed"]
+
+
+def test_wait_returns_it_placed_once_a_holder_takes_the_lapsed_lease(world: World) -> None:
+    held_by_other(world)
+    _, old_epoch = lease_row(world)
+    request = world.create_request(key="waiting", count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
+    future = world.user._r.Create.future(request, metadata=world.user.metadata, timeout=60)
+    rid = draft_id(world.tenant, world.user_id, "waiting")
+    until(lambda: world.sql("SELECT state FROM reservations WHERE id = %s", (rid,)) == [("queued",)])
+    lapse(world)
+    r = future.result()
+    assert (r.id, r.state, r.operation.state) == (rid, "placed", "succeeded")
+    holder, epoch = lease_row(world)
+    assert holder != "elsewhere" and epoch == old_epoch + 1, "a takeover moves the fencing epoch"
+
+
+def until(check: Callable[[], bool], seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_queued_reservations_are_cancellable_and_releasable(world: World) -> None:
+    held_by_other(world)
+    world.quota(6)
+    start = world.later(2)
+    cancelled, released, kept = (world.create(count=2, start=start) for _ in range(3))
+    assert {cancelled.state, released.state, kept.state} == {"queued"}
+    with pytest.raises(grpc.RpcError) as excinfo:
+        world.create(count=2)
+    assert rpc_error(excinfo)[1] == "QUOTA_EXCEEDED", "queued reservations hold their quota"
+
+    out = world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=cancelled.id))
+    assert (out.state, out.operation.state) == ("cancelled", "failed")
+    out = world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=released.id))
+    assert out.state == "cancelled"
+    assert events_of(world, cancelled.id) == ["reservation.queued", "reservation.cancelled"]
+    again = world.create(count=4, start=start)  # the refunded quota is usable at once
+    assert again.state == "queued"
+    check_invariants(world.conninfo, world.tenant)
+
+    lapse(world)
+    for rid in (kept.id, again.id):
+        assert eventually(world, rid, lambda x: x.state != "queued").state == "placed"
+    assert get(world, cancelled.id).state == "cancelled" and get(world, released.id).state == "cancelled"
+    assert world.sql("SELECT count(*) FROM allocations a JOIN reservations r ON r.id = a.reservation_id "
+                     "WHERE r.id = ANY(%s)", ([cancelled.id, released.id],))[0][0] == 0
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_queued_reservation_nothing_fits_goes_pending_with_the_reason(world: World) -> None:
+    r = world.create(count=16, wait=pb.Wait(timeout_ms=20_000))
+    assert (r.state, r.operation.state) == ("pending", "succeeded")
+    unschedulable = [c for c in r.conditions if c.type == "Unschedulable"]
+    assert unschedulable and unschedulable[0].reason == "NoFit"
+    assert "no node has 16 free healthy GPUs" in unschedulable[0].message
+    assert events_of(world, r.id) == ["reservation.queued", "reservation.pending"]
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_booking_the_index_never_heard_of_costs_only_its_member_a_replan(world: World) -> None:
+    """Node A has 4 GPUs booked openly and the other 4 booked behind the index's back (no
+    notification): bin-packing (top-1) plans the 4-GPU member on A, whose insert the EXCLUDE
+    constraint refuses; only that member is planned again, on B, beside the batch's others."""
+    a, b = world.nodes
+    start = world.later(2)
+    opened = world.create(count=4, start=start, duration="2h", wait=pb.Wait(timeout_ms=20_000))
+    assert opened.state == "placed"
+    on_a = opened.allocations[0].node_id == a.id
+    if not on_a:  # keep the names: A is the node holding the open booking
+        a, b = b, a
+    free_on_a = [r[0] for r in world.sql(
+        "SELECT at.id FROM atoms at WHERE at.node_id = %s AND NOT EXISTS "
+        "(SELECT 1 FROM bookings bk WHERE bk.atom_id = at.id) ORDER BY at.id", (a.id,))]
+    assert len(free_on_a) == 4
+    held_by_other(world)
+    members = [world.create(count=c, start=start, duration="2h") for c in (4, 2, 2)]
+    assert all(m.state == "queued" for m in members)
+    secret = "rsv_secret" + world.tenant
+    world.sql("""
+        WITH r AS (INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,
+                                             request_hash, state, operation_state, during)
+                   SELECT %(id)s, tenant_id, pool_id, owner_identity_id, 'secret', request, 'x', 'placed',
+                          'succeeded', tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(start)s + 7200000), '[)')
+                   FROM reservations WHERE id = %(opened)s RETURNING id),
+             al AS (INSERT INTO allocations (id, reservation_id, node_id, device_ids)
+                    SELECT 'alloc_secret' || %(id)s, id, %(node)s, '{}' FROM r RETURNING id)
+        SELECT 1 FROM al""", {"id": secret, "start": start, "opened": opened.id, "node": a.id})
+    with world._conn.transaction():  # the booking without its trigger: the index never hears of it
+        world._conn.execute("SET LOCAL session_replication_role = replica")
+        world._conn.execute(
+            "INSERT INTO bookings (atom_id, allocation_id, during) SELECT unnest(%s::text[]), %s, "
+            "tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)')",
+            (free_on_a, "alloc_secret" + secret, start, start + 7_200_000))
+    world.sql("UPDATE reservations SET state = 'released', end_reason = 'test' WHERE id = %s", (secret,))
+
+    with capture_logs() as logs:
+        lapse(world)
+        placed = [eventually(world, m.id, lambda x: x.state != "queued") for m in members]
+    assert [m.state for m in placed] == ["placed"] * 3
+    assert {m.allocations[0].node_id for m in placed} == {b.id}, "the refused member was re-planned on B"
+    lost = [e for e in logs if e["event"] == "batch placement races lost"]
+    assert [(e["members"], e["nodes"]) for e in lost] == [(1, [a.id])]
+    batch = [e for e in logs if e["event"] == "placer batch"]
+    assert [(e["reservations"], e["placed"], e["lost_races"]) for e in batch] == [(3, 3, 1)]
+    assert world.sql("SELECT count(*) FROM bookings bk JOIN atoms at ON at.id = bk.atom_id "
+                     "WHERE at.node_id = %s", (a.id,))[0][0] == 8
