@@ -149,6 +149,9 @@ class World:
     user: Client | None = None
     user_id: str = ""
     nodes: list[apb.Node] = field(default_factory=list)
+    # Creates wait this long for their answer unless they say otherwise (a lease pool's create
+    # answers queued without one): tests written for either placer set it.
+    wait_ms: int = 0
     _conn: psycopg.Connection | None = field(default=None, repr=False)
     _clients: list[Client] = field(default_factory=list, repr=False)
 
@@ -193,6 +196,8 @@ class World:
             idempotency_key=key or f"k-{uuid.uuid4().hex[:12]}", **kw)
         if duration is not None and "duration_ms" not in kw:
             req.duration = duration
+        if self.wait_ms and not req.HasField("wait"):
+            req.wait.timeout_ms = self.wait_ms
         return req
 
     def later(self, hours: float = 24) -> int:
