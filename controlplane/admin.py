@@ -20,11 +20,11 @@ from controlplane.ids import new_id
 from controlplane.nodes import connectivity as node_connectivity
 from controlplane.nodes import health as node_health
 from controlplane.nodes import registry as node_registry
+from controlplane.placement import lease
 from controlplane.runtime import Runtime
 
 KINDS = {"user", "service", "agent"}
 SHARING_MODES = {"", "exclusive", "mig", "time-slice", "mps"}
-PLACERS = {"inline", "lease"}  # pool policy placer (DESIGN.md section 9)
 QUOTA_RESOURCES = re.compile(r"^(gpu(:[A-Za-z0-9._-]{1,64})?|vcpu|memoryGiB)$")
 SYSTEM_LABEL_PREFIXES = ("bc.dev/", "fabric.domain")
 
@@ -72,8 +72,8 @@ def _policy(raw: dict[str, Any], default_placer: str = "inline") -> dict[str, An
     if mode not in SHARING_MODES:
         raise errors.InvalidInput("policy.sharing.mode", f"must be one of {sorted(SHARING_MODES - {''})}")
     placer = raw.get("placer") or default_placer
-    if placer not in PLACERS:
-        raise errors.InvalidInput("policy.placer", f"must be one of {sorted(PLACERS)}")
+    if placer not in lease.PLACERS:
+        raise errors.InvalidInput("policy.placer", f"must be one of {sorted(lease.PLACERS)}")
     return {"sharing": {"mode": mode, "replicas": sharing.get("replicas") or 0},
             "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root")),
             "placer": placer}
@@ -88,6 +88,7 @@ async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         await conn.execute(q.INSERT_POOL, {"id": pool_id, "owner": owner, "name": name,
                                            "region": raw.get("region") or "", "policy": Jsonb(policy)})
+        await lease.announce(conn, pool_id, policy)
         return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
     with db_errors.mapped(tenantId=owner):

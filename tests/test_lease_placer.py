@@ -16,7 +16,9 @@ from structlog.testing import capture_logs
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.ids import draft_id
-from tests.conftest import module_stack
+from controlplane import bootstrap
+from controlplane.config import Settings
+from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, eventually, get, make_world, rpc_error
 
@@ -90,9 +92,12 @@ def test_wait_returns_it_placed_once_a_holder_takes_the_lapsed_lease(world: Worl
     future = world.user._r.Create.future(request, metadata=world.user.metadata, timeout=60)
     rid = draft_id(world.tenant, world.user_id, "waiting")
     until(lambda: world.sql("SELECT state FROM reservations WHERE id = %s", (rid,)) == [("queued",)])
-    lapse(world)
-    r = future.result()
+    with capture_logs() as logs:
+        lapse(world)
+        r = future.result()
     assert (r.id, r.state, r.operation.state) == (rid, "placed", "succeeded")
+    [line] = [e for e in logs if e["event"] == "operation wait" and e["reservation_id"] == rid]
+    assert line["woken"] == 1, "the batch's notification ended the pause, not the back-off"
     holder, epoch = lease_row(world)
     assert holder != "elsewhere" and epoch == old_epoch + 1, "a takeover moves the fencing epoch"
 
@@ -189,3 +194,31 @@ def test_a_booking_the_index_never_heard_of_costs_only_its_member_a_replan(world
     assert [(e["reservations"], e["placed"], e["lost_races"]) for e in batch] == [(3, 3, 1)]
     assert world.sql("SELECT count(*) FROM bookings bk JOIN atoms at ON at.id = bk.atom_id "
                      "WHERE at.node_id = %s", (a.id,))[0][0] == 8
+
+
+def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
+    """Two control planes on one database with 10-minute leases: the holder's lease could only
+    move by its own hand. Stopping it (as SIGTERM does) lapses its lease and tells the other,
+    which takes it, one epoch later, and places the next create."""
+    conninfo = clone_database(pg_uri)
+    settings = Settings(database_url=conninfo, default_placer="lease", placer_lease_seconds=600)
+    servers = [ServerThread(conninfo, settings) for _ in range(2)]
+    try:
+        root = Client(servers[0].endpoint, bootstrap.ensure_root(conninfo))
+        w = make_world(servers[0].endpoint, root, conninfo)
+        assert w.create(count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000)).state == "placed"
+        holder, epoch = lease_row(w)
+        first = next(s for s in servers if s.app.runtime.leases.holder == holder)
+        other = next(s for s in servers if s is not first)
+        first.stop()
+        servers.remove(first)
+        until(lambda: lease_row(w)[0] == other.app.runtime.leases.holder)
+        assert lease_row(w)[1] == epoch + 1
+        user = Client(other.endpoint, w.user.metadata[0][1].split(" ", 1)[1])
+        r = w.create(user, count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000))
+        assert r.state == "placed"
+        user.close()
+        root.close()
+    finally:
+        for server in servers:
+            server.stop()

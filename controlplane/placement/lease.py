@@ -3,7 +3,7 @@
 It holds leases of lease-policy pools (`pool_leases`, one row per pool: holder, deadline, fencing
 epoch). Every third of BC_PLACER_LEASE_SECONDS one statement renews the leases it holds and takes
 every lapsed one, so a killed holder's pools have a new holder within about a lease. On shutdown
-its leases are dropped and the other replicas are told to take them at once.
+its leases lapse at once and the other replicas are told to take them.
 
 For each pool it holds, a drainer task places the pool's queued reservations: `drain(pool_id,
 holder, epoch)` (handed in by the server's assembly, controlplane.reservations.queued) places one
@@ -41,7 +41,7 @@ log = structlog.get_logger(__name__)
 PLACERS = frozenset({"inline", "lease"})
 QUEUED_CHANNEL = "bc_queued"  # payload: the pool id
 PLACED_CHANNEL = "bc_placed"  # payload: comma-separated reservation ids a batch decided
-LEASES_CHANNEL = "bc_pool_leases"  # payload: a pool whose lease was dropped
+LEASES_CHANNEL = "bc_pool_leases"  # payload: a pool whose lease was dropped, or a new lease pool
 RETRY_SECONDS = 0.5  # after a failed batch
 
 Drain = Callable[[str, str, int], Awaitable[int]]
@@ -51,6 +51,12 @@ def check_default(settings: Settings) -> None:
     """BC_DEFAULT_PLACER names a placer (checked at start, not at the first CreatePool)."""
     if settings.default_placer not in PLACERS:
         raise ValueError(f"BC_DEFAULT_PLACER must be one of {sorted(PLACERS)}, not {settings.default_placer!r}")
+
+
+async def announce(conn: psycopg.AsyncConnection, pool_id: str, policy: dict) -> None:
+    """A pool was created: if it is a lease pool, the lease workers take it at once (at commit)."""
+    if policy.get("placer") == "lease":
+        await conn.execute(q.ANNOUNCE, {"pool_id": pool_id})
 
 
 class Waiters:

@@ -19,10 +19,16 @@ WHERE pool_leases.holder = EXCLUDED.holder OR pool_leases.deadline <= clock_time
 RETURNING pool_id, epoch
 """
 
-# Shutdown: the leases go at once, and the other replicas are told to take them.
+# Shutdown: this holder's leases lapse at once (the epoch stays, so the next holder's takeover
+# bumps it), and the other replicas are told to take them now.
 DROP = """
-WITH dropped AS (DELETE FROM pool_leases WHERE holder = %(holder)s RETURNING pool_id)
+WITH dropped AS (
+    UPDATE pool_leases SET deadline = clock_timestamp() - interval '1 millisecond'
+    WHERE holder = %(holder)s
+    RETURNING pool_id
+)
 SELECT count(pg_notify('bc_pool_leases', pool_id)) AS dropped FROM dropped
 """
 
-HOLDERS = "SELECT pool_id, holder, epoch FROM pool_leases ORDER BY pool_id"
+# A new lease-policy pool: the lease workers take it now, not at their next tick.
+ANNOUNCE = "SELECT pg_notify('bc_pool_leases', %(pool_id)s)"

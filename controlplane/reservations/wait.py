@@ -35,6 +35,7 @@ async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: 
     deadline = started + capped_ms(rt, timeout_ms) / 1000
     delay = FIRST_DELAY_S
     pauses_ms: list[int] = []
+    woken_early = 0  # pauses a batch's wake-up ended
     watching = rt.leases.waiters.watching(rid) if rt.leases is not None else contextlib.nullcontext(None)
     try:
         with watching as woken:
@@ -46,7 +47,7 @@ async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: 
                 remaining = deadline - time.monotonic()
                 if view["operation_state"] != "running" or remaining <= 0:
                     log.info("operation wait", reservation_id=rid, reads=len(pauses_ms) + 1, pauses_ms=pauses_ms,
-                             operation=view["operation_state"])
+                             woken=woken_early, operation=view["operation_state"])
                     return view
                 pause = min(delay, remaining)
                 pauses_ms.append(round(pause * 1000))
@@ -55,6 +56,7 @@ async def wait_for_operation(rt: Runtime, tenant_id: str, rid: str, timeout_ms: 
                 else:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(woken.wait(), pause)
+                        woken_early += 1
                 delay = min(delay * 2, MAX_DELAY_S)
     except asyncio.CancelledError:
         log.info("create wait cancelled", reservation_id=rid, tenant_id=tenant_id,
