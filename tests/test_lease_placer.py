@@ -80,9 +80,12 @@ def test_a_queued_create_is_placed_by_the_lease_holder(world: World) -> None:
 
 
 def test_wait_on_a_queued_create_returns_it_placed(world: World) -> None:
-    r = world.create(count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
+    with capture_logs() as logs:
+        r = world.create(count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
     assert (r.state, r.operation.state) == ("placed", "succeeded")
     assert events_of(world, r.id) == ["reservation.queued", "reservation.placed"]
+    [line] = [e for e in logs if e["event"] == "operation wait" and e["reservation_id"] == r.id]
+    assert line["reads"] == len(line["pauses_ms"]), "no read before the first pause: it was just queued"
 
 
 def test_wait_returns_it_placed_once_a_holder_takes_the_lapsed_lease(world: World) -> None:

@@ -94,6 +94,7 @@ class LeaseWorker:
         self.ticks = 0
         self._wanted: dict[str, asyncio.Event] = {}
         self._drainers: dict[str, asyncio.Task] = {}
+        self._stopped: list[asyncio.Task] = []  # cancelled drainers not yet awaited
 
     @property
     def interval(self) -> float:
@@ -118,11 +119,10 @@ class LeaseWorker:
                     listener.timeout = max(0.0, next_tick - time.monotonic())
                 await self._drop(listener)
         finally:
-            for task in self._drainers.values():
-                task.cancel()
-            await asyncio.gather(*self._drainers.values(), return_exceptions=True)
-            self._drainers.clear()
-            self.held.clear()
+            for pool_id in list(self._drainers):
+                self._stop_draining(pool_id)
+            tasks, self._stopped = self._stopped, []
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _heard(self, notes: list[psycopg.Notify]) -> bool:
         """Wake drainers and waiters; True when a dropped lease asks for a tick now."""
@@ -166,6 +166,7 @@ class LeaseWorker:
         task = self._drainers.pop(pool_id, None)
         if task is not None:
             task.cancel()
+            self._stopped = [t for t in self._stopped if not t.done()] + [task]  # awaited by `run`
 
     async def _drain_loop(self, pool_id: str) -> None:
         wanted = self._wanted[pool_id]
@@ -186,14 +187,15 @@ class LeaseWorker:
                     break  # drained; the next queued create wakes it again
 
     async def _drop(self, listener: Listener) -> None:
-        """Shutdown: drop this holder's leases, so another replica takes them now, not at lapse."""
+        """Shutdown: drop this holder's leases, so another replica takes them now, not at lapse.
+        First, so a batch still open fails its fencing check and rolls back; then the drainers
+        stop (awaited by `run`)."""
+        conn = listener.connection
+        if conn is not None and not conn.closed and self.held:
+            try:
+                await conn.execute(q.DROP, {"holder": self.holder})
+                log.info("pool leases dropped", holder=self.holder, pools=len(self.held))
+            except psycopg.Error as exc:
+                log.warning("pool leases not dropped; they lapse", error=str(exc))
         for pool_id in list(self._drainers):
             self._stop_draining(pool_id)
-        conn = listener.connection
-        if conn is None or conn.closed:
-            return
-        try:
-            await conn.execute(q.DROP, {"holder": self.holder})
-            log.info("pool leases dropped", holder=self.holder)
-        except psycopg.Error as exc:
-            log.warning("pool leases not dropped; they lapse", error=str(exc))

@@ -63,8 +63,11 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
             rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, lease=draft.lease)
         )
         outcome.raise_if_refused()
+        queued_now = outcome.queued
+    else:
+        queued_now = False
     if inp.wait_ms:
-        return await wait_for_operation(rt, inp.tenant_id, rid, inp.wait_ms)
+        return await wait_for_operation(rt, inp.tenant_id, rid, inp.wait_ms, just_queued=queued_now)
     async with db.read_only(rt.pool) as conn:
         return await load_view(conn, rid)
 
@@ -177,6 +180,7 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class Outcome:
     error: errors.DomainError | None = None
+    queued: bool = False  # queued for the pool's lease holder by this transaction
 
     def raise_if_refused(self) -> None:
         if self.error is not None:
@@ -222,7 +226,7 @@ async def _transaction_2(
     await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
     if queueing:
         await queued.enqueue(conn, row)
-        return Outcome()
+        return Outcome(queued=True)
     assert prepared is not None
     await placing.place_locked(conn, rt, row, prepared, now_ms)
     return Outcome()
