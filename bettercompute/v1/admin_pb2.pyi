@@ -349,8 +349,13 @@ class PoolPolicy(_message.Message):
     SHARING_FIELD_NUMBER: _builtins.int
     KUBERNETES_FIELD_NUMBER: _builtins.int
     TENANT_ROOT_FIELD_NUMBER: _builtins.int
+    PLACER_FIELD_NUMBER: _builtins.int
     kubernetes: _builtins.bool
     tenant_root: _builtins.bool
+    placer: _builtins.str
+    """Who places this pool's creates: "inline" (in the create call) or "lease" (the replica holding
+    the pool's lease, in batches; create answers "queued"). "" is the server's default.
+    """
     @_builtins.property
     def sharing(self) -> Global___SharingPolicy: ...
     def __init__(
@@ -359,10 +364,11 @@ class PoolPolicy(_message.Message):
         sharing: Global___SharingPolicy | None = ...,
         kubernetes: _builtins.bool = ...,
         tenant_root: _builtins.bool = ...,
+        placer: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sharing", b"sharing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kubernetes", b"kubernetes", "sharing", b"sharing", "tenant_root", b"tenant_root"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kubernetes", b"kubernetes", "placer", b"placer", "sharing", b"sharing", "tenant_root", b"tenant_root"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
