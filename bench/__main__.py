@@ -170,15 +170,17 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             seeded = await seed(channel, root_token, nodes=args.nodes, concurrency=args.seed_concurrency,
                                 placer=args.placer or "")
             if args.bookings:
-                say(f"preloading {args.bookings} bookings over {args.horizon_days:.0f} days")
-                preloaded = await preload.preload(
+                prepared = await preload.prepare(
                     channel, conninfo, root_token, pool_id=seeded.pool_id, bookings=args.bookings,
                     horizon_days=args.horizon_days, fill=args.bookings_fill, placer=args.placer or "",
                     charge_tenant=preload.TENANT if args.bookings_tenant == "other" else seeded.tenant_id)
-                say(f"  preloaded {preloaded.bookings} bookings ({preloaded.reservations} reservations) "
-                    f"in {preloaded.seconds:.1f}s")
     finally:
         await seeder.stop()
+    if args.bookings:
+        say(f"preloading {args.bookings} bookings over {args.horizon_days:.0f} days (no control plane up)")
+        preloaded = preload.preload(conninfo, prepared)
+        say(f"  preloaded {preloaded.bookings} bookings ({preloaded.reservations} reservations) "
+            f"in {preloaded.seconds:.1f}s")
     if not args.no_analyze:
         stack.analyze(conninfo)  # fresh statistics, as autovacuum would give within a minute
     say(f"starting {args.replicas} control plane(s) ({args.server}) for the measured phases")

@@ -42,6 +42,7 @@ FIRST_START_MS = 70 * 60_000
 # Ways one slot's 8 GPUs are split into reservations: (first GPU on the node, count).
 PATTERNS = (((0, 8),), ((0, 4), (4, 4)), ((0, 4), (4, 2), (6, 2)), ((0, 4), (4, 2), (6, 1), (7, 1)))
 WAIT_MS = 30_000
+QUOTA_LIMIT = 10**9  # far above any preload (a GPU per booking), and within a 32-bit integer
 
 
 @dataclass
@@ -98,8 +99,9 @@ async def make_templates(channel: grpc.aio.Channel, root_token: str, pool_id: st
         await admin.CreateIdentity(a.CreateIdentityRequest(id=IDENTITY, kind="user", name="Preload user",
                                                            tenant_ids=[TENANT]), metadata=md)
         await admin.OfferPool(a.OfferPoolRequest(pool_id=pool_id, tenant_id=TENANT), metadata=md)
-        for resource, limit in QUOTA.items():
-            await admin.SetQuota(a.SetQuotaRequest(tenant_id=TENANT, resource=resource, limit=limit), metadata=md)
+        for resource in QUOTA:
+            await admin.SetQuota(a.SetQuotaRequest(tenant_id=TENANT, resource=resource, limit=QUOTA_LIMIT),
+                                 metadata=md)
         await admin.PutPolicy(a.PutPolicyRequest(tenant_id=TENANT, cedar="permit(principal, action, resource);"),
                               metadata=md)
     else:
@@ -221,8 +223,23 @@ def write(conninfo: str, rows, *, pool_id: str, templates: dict[int, str], durat
     return count
 
 
-async def preload(channel: grpc.aio.Channel, conninfo: str, root_token: str, *, pool_id: str, bookings: int,
-                  horizon_days: float, fill: float, charge_tenant: str, placer: str) -> Preloaded:
+@dataclass
+class Prepared:
+    """What the SQL step needs, made through the API while a control plane runs."""
+
+    pool_id: str
+    bookings: int
+    node_ids: list[str]
+    tenant: str
+    identity: str
+    templates: dict[int, str]
+    now_ms: int
+    layout: Layout
+    started: float
+
+
+async def prepare(channel: grpc.aio.Channel, conninfo: str, root_token: str, *, pool_id: str, bookings: int,
+                  horizon_days: float, fill: float, charge_tenant: str, placer: str) -> Prepared:
     started = time.perf_counter()
     now_ms = int(time.time() * 1000)
     horizon_ms = int(horizon_days * 86_400_000)
@@ -232,10 +249,21 @@ async def preload(channel: grpc.aio.Channel, conninfo: str, root_token: str, *, 
     tenant, identity, templates = await make_templates(
         channel, root_token, pool_id, charge_tenant=charge_tenant, placer=placer,
         start_ms=now_ms + FIRST_START_MS + horizon_ms + 2 * 86_400_000, duration_ms=lay.duration_ms)
-    rows = plan_rows(bookings, node_ids, tenant, identity, now_ms, lay, run_id=f"preload-{now_ms}")
-    reservations = write(conninfo, rows, pool_id=pool_id, templates=templates, duration_ms=lay.duration_ms)
-    written = _rows(conninfo, "SELECT count(*) FROM bookings")[0][0]
-    return Preloaded(written, reservations, tenant, time.perf_counter() - started,
+    return Prepared(pool_id, bookings, node_ids, tenant, identity, templates, now_ms, lay, started)
+
+
+def preload(conninfo: str, prep: Prepared) -> Preloaded:
+    """The bulk write; run it with no control plane up, so no capacity index re-reads nodes while
+    it commits (the measured control planes build theirs from the rows when they start)."""
+    lay = prep.layout
+    rows = plan_rows(prep.bookings, prep.node_ids, prep.tenant, prep.identity, prep.now_ms, lay,
+                     run_id=f"preload-{prep.now_ms}")
+    reservations = write(conninfo, rows, pool_id=prep.pool_id, templates=prep.templates,
+                         duration_ms=lay.duration_ms)
+    written = _rows(conninfo, "SELECT count(*) FROM bookings b JOIN allocations a ON a.id = b.allocation_id "
+                              "JOIN reservations r ON r.id = a.reservation_id WHERE r.tenant_id = %s",
+                    (prep.tenant,))[0][0]
+    return Preloaded(written, reservations, prep.tenant, time.perf_counter() - prep.started,
                      lay.slot_ms / 3_600_000, lay.duration_ms / 3_600_000)
 
 
