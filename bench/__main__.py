@@ -243,6 +243,10 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
         p = out.preloaded
         say(f"preloaded: {p.bookings} bookings in {p.reservations} reservations of tenant {p.tenant_id!r}, "
             f"{p.seconds:.1f}s; slots of {p.slot_hours:.1f} h per node, each booked {p.booked_hours:.2f} h")
+        if p.slot_hours - p.booked_hours < creates.LONGEST_HOURS:
+            say(f"note: the free gap between preloaded bookings ({p.slot_hours - p.booked_hours:.1f} h) is shorter "
+                f"than the longest create ({creates.LONGEST_HOURS} h): some creates will be pending; "
+                "more nodes or a lower --bookings-fill keep them placed")
     say(out.startup)
     blocks = [report.phase_table(out.results)]
     for res in out.creates:

@@ -25,6 +25,7 @@ MINUTE_MS = 60_000
 # GPUs per request and how often: most jobs are small, a sizeable share wants a whole node.
 MIX = ((1, 40), (2, 25), (4, 20), (8, 15))
 NVLINK_ALL_SHARE = 0.3  # of the multi-GPU requests
+LONGEST_HOURS = 8  # durations are 1 to 8 whole hours
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def make_request(work: Workload, number: int, now_ms: int) -> r.CreateReservatio
         tenant_id=work.tenant_id,
         pool_id=work.pool_id,
         devices=[r.DeviceRequest(device_class="gpu", count=gpus, topology=topology)],
-        duration=f"{rng.randint(1, 8)}h",
+        duration=f"{rng.randint(1, LONGEST_HOURS)}h",
         start=start,
         idempotency_key=f"{work.run_id}-{number:08d}",
     )

@@ -132,7 +132,8 @@ CREATE TEMP TABLE preload_plan (
 # The window as a range, and each node's GPUs numbered 0-7 in NUMA order.
 PREPARE = """
 CREATE TEMP TABLE preload_rows ON COMMIT DROP AS
-SELECT p.*, t.id AS template, tstzrange(from_epoch_ms(p.start_ms), from_epoch_ms(p.start_ms + %(duration)s), '[)') AS during,
+SELECT p.*, t.id AS template,
+       tstzrange(from_epoch_ms(p.start_ms), from_epoch_ms(p.start_ms + %(duration)s), '[)') AS during,
        (p.start_ms - epoch_ms(lower(t.during))) * interval '1 millisecond' AS shift
 FROM preload_plan p JOIN reservations t ON t.id = (%(templates)s::jsonb ->> p.count::text);
 CREATE TEMP TABLE preload_atoms ON COMMIT DROP AS

@@ -57,7 +57,8 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return out
 
 
-def watch_for(*, server_pid: int | tuple[int, ...] | None, postmaster_pid: int | None, in_process: bool = False) -> Watch:
+def watch_for(*, server_pid: int | tuple[int, ...] | None, postmaster_pid: int | None,
+              in_process: bool = False) -> Watch:
     """The benchmark process (with the servers when they run inside it), the server, PostgreSQL."""
     watch: Watch = {"bench+servers" if in_process else "bench client": (os.getpid(), False)}
     if server_pid is not None:
