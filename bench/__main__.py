@@ -209,8 +209,7 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             out.echo = await phases.echo_phase(args, tmp, conninfo, watch)
             out.sql = await phases.sql_phase(args, conninfo, work, watch)
         out.pg_log_offset = diag.log_offset(out.pg_log)
-        out.creates = await phases.create_phases(args, channels, seeded, work, conninfo, out.pg_log, watch,
-                                          servers, tmp, out)
+        out.creates = await phases.create_phases(args, channels, seeded, work, conninfo, watch, servers, tmp, out)
         out.create = out.creates[0]
         out.states = stack.count_rows(
             conninfo,

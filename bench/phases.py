@@ -62,7 +62,7 @@ async def sql_phase(args: argparse.Namespace, conninfo: str, work: creates.Workl
 
 
 async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channel], seeded: Seeded,
-                        work: creates.Workload, conninfo: str, pg_log: pathlib.Path, watch: procstat.Watch,
+                        work: creates.Workload, conninfo: str, watch: procstat.Watch,
                         servers: list[stack.Running], tmp: pathlib.Path, out: Any) -> list[Result]:
     """The closed loop (unless --rate is a number), then the open loop (with --rate)."""
     results: list[Result] = []
