@@ -25,6 +25,7 @@ MINUTE_MS = 60_000
 # GPUs per request and how often: most jobs are small, a sizeable share wants a whole node.
 MIX = ((1, 40), (2, 25), (4, 20), (8, 15))
 NVLINK_ALL_SHARE = 0.3  # of the multi-GPU requests
+LONGEST_HOURS = 8  # durations are 1 to 8 whole hours
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def make_request(work: Workload, number: int, now_ms: int) -> r.CreateReservatio
         tenant_id=work.tenant_id,
         pool_id=work.pool_id,
         devices=[r.DeviceRequest(device_class="gpu", count=gpus, topology=topology)],
-        duration=f"{rng.randint(1, 8)}h",
+        duration=f"{rng.randint(1, LONGEST_HOURS)}h",
         start=start,
         idempotency_key=f"{work.run_id}-{number:08d}",
     )
@@ -68,17 +69,30 @@ def error_label(exc: grpc.aio.AioRpcError) -> str:
     return f"error {code}/{reason}" if reason else f"error {code}"
 
 
-def create_call(channel: grpc.aio.Channel, token: str, work: Workload, *, timeout: float = 30) -> Call:
-    stub = reservations_pb2_grpc.ReservationsStub(channel)
+def create_call(channels: grpc.aio.Channel | list[grpc.aio.Channel], token: str, work: Workload, *,
+                timeout: float = 30, wait_ms: int = 0) -> Call:
+    """Call number n goes to channel n mod len(channels) (one per control-plane replica). With
+    `wait_ms` the call asks the server to hold the answer until the reservation is placed (or
+    pending) for up to that long: a `queued` answer (the lease placer) then counts when placed,
+    and one still `queued` at the end of the wait is labelled so."""
+    channels = channels if isinstance(channels, list) else [channels]
+    stubs = [reservations_pb2_grpc.ReservationsStub(channel) for channel in channels]
     md = bearer(token)
     now_ms = int(time.time() * 1000)
+    wait = r.Wait(timeout_ms=wait_ms) if wait_ms else None
+    if wait_ms:
+        timeout = max(timeout, wait_ms / 1000 + 10)
 
     async def call(number: int) -> str:
         request = make_request(work, number, now_ms)
+        if wait is not None:
+            request.wait.CopyFrom(wait)
         try:
-            reply = await stub.Create(request, metadata=md, timeout=timeout)
+            reply = await stubs[number % len(stubs)].Create(request, metadata=md, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             return error_label(exc)
+        if reply.state == "queued" and wait is not None:
+            return "queued (not placed within the wait)"
         return reply.state or "(no state)"
 
     return call

@@ -98,3 +98,70 @@ async def warm_up(call: Call, *, concurrency: int, calls: int, first_call: int) 
     """A few calls first, not counted: connections opened, statements prepared, imports done."""
     await drive("warm-up", call, concurrency=concurrency, max_calls=calls, max_seconds=10,
                 first_call=first_call, progress_every=3600)
+
+
+async def drive_open(
+    name: str,
+    call: Call,
+    *,
+    rate: float,
+    max_calls: int,
+    max_seconds: float,
+    first_call: int = 0,
+    max_in_flight: int = 5000,
+    progress_every: float = 5.0,
+    cpu_of: procstat.Watch | None = None,
+) -> Result:
+    """Open loop: call i starts at t0 + i / rate whether or not earlier calls have answered, until
+    `max_calls` started or `max_seconds` passed; then the calls in flight are awaited. A call's
+    latency runs from the moment it was due, so a client that falls behind shows in the figure
+    (no coordinated omission). Above `max_in_flight` a due call is not sent but counted as
+    "not sent: N in flight"; `concurrency` in the result is the most calls seen in flight."""
+    result = Result(name, 0)
+    started = time.perf_counter()
+    deadline = started + max_seconds
+    in_flight: set[asyncio.Task] = set()
+    peak = 0
+
+    async def one(number: int, due: float) -> None:
+        try:
+            outcome = await call(number)
+        except Exception as exc:  # noqa: BLE001 - a benchmark counts failures, it does not stop
+            outcome = f"exception:{type(exc).__name__}"
+        result.latencies.append(time.perf_counter() - due)
+        result.outcomes[outcome] += 1
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(progress_every)
+            done = len(result.latencies)
+            elapsed = time.perf_counter() - started
+            print(f"  {name}: {done} calls in {elapsed:.0f}s ({done / elapsed:.0f}/s), "
+                  f"{len(in_flight)} in flight", flush=True)
+
+    before = procstat.sample(cpu_of or {})
+    reporter = asyncio.create_task(progress())
+    try:
+        for i in range(max_calls):
+            due = started + i / rate
+            if due >= deadline:
+                break
+            pause = due - time.perf_counter()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            if len(in_flight) >= max_in_flight:
+                result.outcomes[f"not sent: {max_in_flight} in flight"] += 1
+                continue
+            task = asyncio.create_task(one(first_call + i, due))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            peak = max(peak, len(in_flight))
+        if in_flight:
+            await asyncio.gather(*in_flight)
+    finally:
+        reporter.cancel()
+    result.seconds = time.perf_counter() - started
+    result.calls = len(result.latencies)
+    result.concurrency = peak
+    result.cpu = procstat.delta(before, procstat.sample(cpu_of or {}))
+    return result

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import pathlib
+import signal
 import time
+from typing import Any
 
 import grpc
 
-from bench import creates, diag, echo, procstat, sqlpath, stack
-from bench.load import Result, drive, warm_up
+from bench import creates, diag, echo, pgstat, procstat, sqlpath, stack
+from bench.load import Result, drive, drive_open, warm_up
 from bench.seed import Seeded
 
 
@@ -58,17 +61,66 @@ async def sql_phase(args: argparse.Namespace, conninfo: str, work: creates.Workl
         sqlpath.teardown(conninfo)
 
 
-async def create_phase(args: argparse.Namespace, channel: grpc.aio.Channel, seeded: Seeded,
-                       work: creates.Workload, conninfo: str, pg_log: pathlib.Path,
-                       watch: procstat.Watch) -> Result:
-    call = creates.create_call(channel, seeded.token, work)
+async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channel], seeded: Seeded,
+                        work: creates.Workload, conninfo: str, watch: procstat.Watch,
+                        servers: list[stack.Running], tmp: pathlib.Path, out: Any) -> list[Result]:
+    """The closed loop (unless --rate is a number), then the open loop (with --rate)."""
+    results: list[Result] = []
+    call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms)
+    stat = not args.no_pg_stat
     await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=90_000_000)
-    say(f"creates: {args.concurrency} in flight, up to {args.seconds:.0f}s or {args.max_calls} calls")
-    if args.pg_statements:
-        diag.enable_statement_log(conninfo)
-    try:
-        return await drive("Reservations.Create", call, concurrency=args.concurrency,
-                           max_calls=args.max_calls, max_seconds=args.seconds, cpu_of=watch)
-    finally:
-        if args.pg_statements:
-            diag.disable_statement_log(conninfo)
+
+    async def measured(name: str, drive_it) -> Result:
+        if stat:
+            pgstat.reset(conninfo)
+        profiling = args.profile_server and out.profiled is None
+        if profiling:
+            for server in servers:
+                os.kill(server.pid, signal.SIGUSR1)
+        if args.pg_statements and not results:
+            diag.enable_statement_log(conninfo)
+        try:
+            res = await drive_it()
+        finally:
+            if args.pg_statements and not results:
+                diag.disable_statement_log(conninfo)
+            if profiling:
+                paths = [tmp / f"controlplane-{i}.prof" for i in range(1, len(servers) + 1)]
+                for server in servers:
+                    os.kill(server.pid, signal.SIGUSR2)
+        if profiling:
+            await _written(paths)
+            out.profiled = (paths, res.calls)
+        if stat:
+            out.statements[name] = pgstat.collect(conninfo)
+        results.append(res)
+        return res
+
+    closed = None
+    if not isinstance(args.rate, float):
+        say(f"creates: {args.concurrency} in flight, up to {args.seconds:.0f}s or {args.max_calls} calls")
+        closed = await measured("Reservations.Create", lambda: drive(
+            "Reservations.Create", call, concurrency=args.concurrency, max_calls=args.max_calls,
+            max_seconds=args.seconds, cpu_of=watch))
+    if args.rate is not None:
+        rate = args.rate if isinstance(args.rate, float) else max(1.0, closed.rate / 2)  # type: ignore[union-attr]
+        name = f"Create open loop {rate:.0f}/s"
+        say(f"creates, open loop: {rate:.1f} calls/s{' (half the closed-loop rate)' if args.rate == 'half' else ''}, "
+            f"up to {args.seconds:.0f}s")
+        await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 2, first_call=91_000_000)
+        await measured(name, lambda: drive_open(name, call, rate=rate, max_calls=args.max_calls,
+                                                max_seconds=args.seconds, first_call=50_000_000, cpu_of=watch))
+    return results
+
+
+async def _written(paths: list[pathlib.Path], timeout: float = 30) -> None:
+    """Until every profile file exists and stopped growing (the dump follows the signal)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    sizes: list[int] = []
+    while loop.time() < deadline:
+        now = [p.stat().st_size if p.exists() else -1 for p in paths]
+        if -1 not in now and now == sizes:
+            return
+        sizes = now
+        await asyncio.sleep(0.3)

@@ -12,10 +12,13 @@ import os
 
 import psutil
 
-Watch = dict[str, tuple[int, bool]]  # label -> (root pid, include descendants)
+# label -> (root pid or pids, include descendants)
+Watch = dict[str, tuple[int | tuple[int, ...], bool]]
 
 
-def _cpu(pid: int, descendants: bool) -> float:
+def _cpu(pid: int | tuple[int, ...], descendants: bool) -> float:
+    if isinstance(pid, tuple):  # several processes under one label (control-plane replicas)
+        return sum(_cpu(one, descendants) for one in pid)
     try:
         root = psutil.Process(pid)
         procs = [root, *(root.children(recursive=True) if descendants else [])]
@@ -54,7 +57,8 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return out
 
 
-def watch_for(*, server_pid: int | None, postmaster_pid: int | None, in_process: bool = False) -> Watch:
+def watch_for(*, server_pid: int | tuple[int, ...] | None, postmaster_pid: int | None,
+              in_process: bool = False) -> Watch:
     """The benchmark process (with the servers when they run inside it), the server, PostgreSQL."""
     watch: Watch = {"bench+servers" if in_process else "bench client": (os.getpid(), False)}
     if server_pid is not None:

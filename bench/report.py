@@ -69,32 +69,33 @@ def ratios(create: Result, echo: Result | None, sql: Result | None) -> str:
     return "ratios: " + ", ".join(parts) if parts else ""
 
 
-def server_log_summary(path: pathlib.Path | None, top: int = 8) -> str:
+def server_log_summary(paths: list[pathlib.Path], top: int = 8) -> str:
     """What the control plane logged (BC_LOG_FORMAT=json): its canonical "rpc" line per call, by
-    method and code, with the server-side duration; then the other events by count. The whole
-    run is included: seeding, warm-ups and the measured phase."""
-    if path is None or not path.exists():
+    method and code, with the server-side duration; then the other events by count. Every
+    measured control plane (the replicas, not the one that seeded), warm-ups included."""
+    paths = [p for p in paths if p.exists()]
+    if not paths:
         return ""
     rpcs: dict[str, list[float]] = defaultdict(list)
     codes: dict[str, Counter[str]] = defaultdict(Counter)
     events: Counter[str] = Counter()
     other = 0
-    with path.open(errors="replace") as handle:
-        for line in handle:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                other += 1
-                continue
-            if not isinstance(entry, dict):
-                other += 1
-            elif entry.get("event") == "rpc" and isinstance(entry.get("duration_ms"), (int, float)):
-                method = str(entry.get("method", "")).rsplit(".", 1)[-1]
-                rpcs[method].append(float(entry["duration_ms"]))
-                codes[method][str(entry.get("code", ""))] += 1
-            else:
-                events[f"{entry.get('level', '')} {entry.get('event', '')}"[:70]] += 1
-    lines = [f"server log ({path.name}), whole run; server-side time of each RPC:"]
+    for line in _lines(paths):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            other += 1
+            continue
+        if not isinstance(entry, dict):
+            other += 1
+        elif entry.get("event") == "rpc" and isinstance(entry.get("duration_ms"), (int, float)):
+            method = str(entry.get("method", "")).rsplit(".", 1)[-1]
+            rpcs[method].append(float(entry["duration_ms"]))
+            codes[method][str(entry.get("code", ""))] += 1
+        else:
+            events[f"{entry.get('level', '')} {entry.get('event', '')}"[:70]] += 1
+    names = ", ".join(p.name for p in paths)
+    lines = [f"server log ({names}), measured phases and warm-ups; server-side time of each RPC:"]
     for method, values in sorted(rpcs.items(), key=lambda kv: -len(kv[1])):
         values.sort()
         pct = {q: values[min(len(values) - 1, int(len(values) * q / 100))] for q in (50, 95, 99)}
@@ -106,3 +107,9 @@ def server_log_summary(path: pathlib.Path | None, top: int = 8) -> str:
     if other:
         lines.append(f"  {other:>7}  lines that are not JSON")
     return "\n".join(lines)
+
+
+def _lines(paths: list[pathlib.Path]):
+    for path in paths:
+        with path.open(errors="replace") as handle:
+            yield from handle

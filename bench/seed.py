@@ -30,6 +30,7 @@ class Seeded:
     nodes: int
     gpus: int
     seconds: float
+    placer: str = ""  # pool.policy.placer as the server answered it ("" = its default)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -65,6 +66,7 @@ async def seed(
     nodes: int,
     gpus_per_node: int = 8,
     concurrency: int = 16,
+    placer: str = "",
 ) -> Seeded:
     admin = admin_pb2_grpc.AdminStub(channel)
     md = bearer(root_token)
@@ -81,7 +83,7 @@ async def seed(
             owner_tenant_id=TENANT,
             name="h100-bench",
             region="bench-1",
-            policy=a.PoolPolicy(sharing=a.SharingPolicy(mode="exclusive")),
+            policy=a.PoolPolicy(sharing=a.SharingPolicy(mode="exclusive"), placer=placer),
         ),
         metadata=md,
     )
@@ -112,4 +114,4 @@ async def seed(
         reporter.cancel()
     elapsed = time.perf_counter() - started
     print(f"  seeding: {nodes}/{nodes} nodes, {nodes * gpus_per_node} GPUs in {elapsed:.1f}s", flush=True)
-    return Seeded(TENANT, pool.id, token, nodes, nodes * gpus_per_node, elapsed)
+    return Seeded(TENANT, pool.id, token, nodes, nodes * gpus_per_node, elapsed, pool.policy.placer)

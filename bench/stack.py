@@ -65,6 +65,28 @@ def remove_tmpdir(tmp: pathlib.Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def restart_database(tmp: pathlib.Path, *, fast: bool) -> str:
+    """Stop and start the embedded server again (settings that need a restart)."""
+    stop_database(tmp)
+    return start_database(tmp, fast=fast)
+
+
+async def wait_log_event(path: pathlib.Path, event: str, *, timeout: float) -> float | None:
+    """Seconds until a JSON line with this "event" appears in the log (polled), None on timeout."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    needle = f'"event": "{event}"'
+    while loop.time() - started < timeout:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        if needle in text or f'"event":"{event}"' in text:
+            return loop.time() - started
+        await asyncio.sleep(0.1)
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -170,12 +192,15 @@ async def start_process(
 
 
 async def start_controlplane(
-    mode: str, tmp: pathlib.Path, conninfo: str, *, python_args: list[str] | None = None
+    mode: str, tmp: pathlib.Path, conninfo: str, *, profile_to: pathlib.Path | None = None,
+    name: str = "controlplane",
 ) -> Running:
+    """The control plane; with `profile_to` under bench.profiled (cProfile switched by signals)."""
     if mode == "subprocess":
         port = free_port()
-        args = [*(python_args or []), "-m", "controlplane.cli", "serve", "--listen", f"127.0.0.1:{port}"]
-        return await start_process("controlplane", args, tmp, conninfo, port)
+        serve = ["controlplane.cli", "serve", "--listen", f"127.0.0.1:{port}"]
+        args = ["-m", "bench.profiled", str(profile_to), *serve] if profile_to else ["-m", *serve]
+        return await start_process(name, args, tmp, conninfo, port)
 
     import structlog
 

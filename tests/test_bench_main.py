@@ -1,0 +1,123 @@
+"""The create benchmark (`python -m bench`, docs/benchmarks.md): its flags, the bookings preload
+(rows that keep every invariant of the booking store), and, marked `bench` (run with
+`pytest -m bench`), one very small run with every new flag that exits 0 and prints its figures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import grpc
+import psycopg
+import pytest
+
+from bench import preload, stack
+from bench.__main__ import parse_args
+from bench.load import drive_open
+from bench.seed import seed
+from tests.invariants import check_invariants
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_new_flags_parse() -> None:
+    args = parse_args(["--quick", "--placer", "lease", "--bookings", "1000000", "--rate", "half",
+                       "--replicas", "3"])
+    assert (args.placer, args.bookings, args.rate, args.replicas) == ("lease", 1_000_000, "half", 3)
+    assert args.wait_ms == 30_000, "a lease placer's creates wait for placement by default"
+    assert parse_args(["--rate", "250"]).rate == 250.0
+    assert parse_args(["--placer", "inline"]).wait_ms == 0
+    defaults = parse_args([])
+    assert (defaults.nodes, defaults.placer, defaults.bookings, defaults.rate, defaults.replicas) == (
+        1000, None, 0, None, 1)
+
+
+@pytest.mark.parametrize("argv", [["--rate", "fast"], ["--rate", "0"], ["--replicas", "0"],
+                                  ["--placer", "batch"], ["--server", "inprocess", "--replicas", "2"]])
+def test_bad_flags_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_open_loop_starts_calls_on_time_whatever_the_answers() -> None:
+    """Calls are started at the rate while earlier ones are still unanswered (a closed loop of
+    one would manage 5 calls in this time), and latency counts from when a call was due."""
+    started: list[int] = []
+
+    async def slow(number: int) -> str:
+        started.append(number)
+        await asyncio.sleep(0.5)
+        return "ok"
+
+    result = asyncio.run(drive_open("open", slow, rate=40, max_calls=1000, max_seconds=1.0))
+    assert result.calls == len(started) == 40
+    assert result.outcomes == {"ok": 40}
+    assert result.concurrency >= 15, "calls overlapped: the driver did not wait for answers"
+    assert min(result.latencies) >= 0.5
+
+
+def test_layout_spreads_the_bookings_over_the_horizon() -> None:
+    lay = preload.layout(1_000_000, 1000, 60 * 86_400_000, 0.25)
+    assert lay.slots == 125
+    assert lay.slot_ms == 60 * 86_400_000 // 125
+    assert lay.duration_ms == int(lay.slot_ms * 0.25) // 60_000 * 60_000
+    rows = list(preload.plan_rows(100, ["n1", "n2"], "t", "i", 0, lay, run_id="r"))
+    assert sum(row[5] for row in rows) == 100
+    assert len({row[0] for row in rows}) == len(rows)
+
+
+def test_preloaded_bookings_keep_the_invariants(database: str, tmp_path: pathlib.Path) -> None:
+    """A real control plane (a child process) seeds a pool and makes the templates; the bulk
+    write then adds 2,000 bookings; the invariants hold for the preload tenant, no atom is
+    double-booked, and the control plane started afterwards places a create around them."""
+    root = stack.ensure_root(database)
+
+    async def scenario() -> preload.Preloaded:
+        server = await stack.start_controlplane("subprocess", tmp_path, database, name="cp-seed")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                seeded = await seed(channel, root, nodes=4)
+                prepared = await preload.prepare(channel, database, root, pool_id=seeded.pool_id,
+                                                 bookings=2000, horizon_days=10, fill=0.25,
+                                                 charge_tenant=preload.TENANT, placer="")
+        finally:
+            await server.stop()
+        return preload.preload(database, prepared)
+
+    done = asyncio.run(scenario())
+    # 2,000 preloaded (the plan stops at a whole reservation) and the templates' 1 + 2 + 4 + 8.
+    assert done.bookings == 2000 + 15 and done.reservations > 2000 / 8
+    check_invariants(database, preload.TENANT)
+    with psycopg.connect(database) as conn:
+        charged = conn.execute("SELECT sum(amount) FROM quota_charges WHERE tenant_id = %s AND resource = 'gpu' "
+                               "AND refunded_at IS NULL", (preload.TENANT,)).fetchone()[0]
+        assert charged == done.bookings, "one GPU charged per booking"
+        future = conn.execute("SELECT count(*) FROM bookings WHERE lower(during) < now() + interval '1 hour'"
+                              ).fetchone()[0]
+        assert future == 0, "no preloaded window starts within the hour"
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(400)
+def test_tiny_run_with_every_new_flag() -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "bench", "--quick", "--nodes", "20", "--seconds", "2", "--baseline-seconds", "1",
+            "--concurrency", "4", "--bookings", "2000", "--rate", "half", "--replicas", "2", "--placer", "inline",
+            "--profile-server"]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
+    out = done.stdout
+    assert done.returncode == 0, f"exit {done.returncode}\n{out[-6000:]}\n{done.stderr[-3000:]}"
+    assert re.search(r"^Reservations\.Create\s+4\s+\d+", out, re.M), out
+    assert re.search(r"^Create open loop \d+/s\s+\d+\s+\d+", out, re.M), out
+    assert re.search(r"^grpc echo \(bytes\)", out, re.M) and re.search(r"^raw SQL 3-tx create", out, re.M), out
+    assert re.search(r"preloaded: \d+ bookings in \d+ reservations", out), out
+    assert re.search(r"control plane start \(2 processes.*gRPC ready after [0-9.]+s, capacity index built", out), out
+    assert re.search(r"PostgreSQL per create, Reservations\.Create \(\d+ creates.*: [0-9.]+ statements", out), out
+    assert "control plane profile over the create phase" in out, out
+    assert "ratios: create/echo" in out, out
+    temp = re.search(r"^temp dir (\S+)$", out, re.M)
+    assert temp and not pathlib.Path(temp.group(1)).exists(), out
