@@ -8,16 +8,23 @@ end through nodesim (tests/test_shared_gpus_e2e.py)."""
 
 from __future__ import annotations
 
+import uuid
 from fractions import Fraction
 
 import grpc
+import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import capacity_pb2_grpc
 from controlplane.common import devices
+from controlplane.nodes import inventory
 from tests.support import World, gpus, rpc_error
+from tests.test_pki import arun
 
 
 def shared_pool(world: World, mode: str, replicas: int = 0, nodes: int = 1) -> str:
@@ -189,3 +196,65 @@ def test_the_timeline_counts_whole_gpus_only(world: World) -> None:
                              metadata=world.user.metadata)
     assert timeline.allocatable == 0  # no whole GPU is bookable in a shared pool
     assert {b.booked for b in timeline.buckets} == {0}  # slot bookings are not counted
+
+
+# -- inventory -----------------------------------------------------------------------------------
+
+
+def _mig_inventory(generation: int, layout: dict[str, list[tuple[int, str]]]) -> node_pb2.Inventory:
+    return node_pb2.Inventory(generation=generation, gpus=[
+        node_pb2.Gpu(uuid=uuid, model="H100-SXM5-80GB", memory_mib=81559, numa_node=0, mig_mode=bool(instances),
+                     mig_instances=[node_pb2.MigInstance(index=i, profile=p) for i, p in instances])
+        for uuid, instances in layout.items()])
+
+
+def test_mig_instances_follow_the_inventory_and_repartitioned_ones_stop_being_bookable(world: World) -> None:
+    shared_pool(world, "mig", nodes=0)
+    node = world.add_node(gpus("mig-node", count=2))
+    first, second = (g.uuid for g in gpus("mig-node", count=2))
+    apply = lambda inv: arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv))  # noqa: E731
+    # GPU instance ids as NVIDIA numbers them: 1-2 for 3g.40gb, 7-13 for 1g.10gb on an H100.
+    apply(_mig_inventory(2, {first: [(1, "3g.40gb"), (2, "3g.40gb")], second: []}))
+    assert atoms(world, node.id)["gpu.mig"] == [(f"{first}:1", True, "healthy", "3g.40gb"),
+                                                (f"{first}:2", True, "healthy", "3g.40gb")]
+    held = world.create(device_class="gpu.mig", count=1, profile="3g.40gb")
+    assert held.state == "placed"
+    # Repartitioned: seven small instances, the big ones gone (kept, not bookable; their bookings stay).
+    apply(_mig_inventory(3, {first: [(k, "1g.10gb") for k in range(7, 14)], second: [(0, "7g.80gb")]}))
+    found = {d: (bookable, profile) for d, bookable, _, profile in atoms(world, node.id)["gpu.mig"]}
+    assert found[f"{second}:0"] == (True, "7g.80gb")
+    assert [found[f"{first}:{k}"] for k in range(7, 14)] == [(True, "1g.10gb")] * 7
+    assert [found[f"{first}:{k}"] for k in (1, 2)] == [(False, "3g.40gb")] * 2
+    assert world.sql("SELECT count(*) FROM bookings b JOIN allocations a ON a.id = b.allocation_id "
+                     "WHERE a.reservation_id = %s", (held.id,)) == [(1,)]
+    assert world.create(device_class="gpu.mig", count=1, profile="3g.40gb").state == "pending"
+    assert world.create(device_class="gpu.mig", count=7, profile="1g.10gb").state == "placed"
+    # A GPU taken out of MIG mode gives nothing in a mig pool.
+    apply(_mig_inventory(4, {first: [], second: []}))
+    assert {b for _, b, _, _ in atoms(world, node.id)["gpu.mig"]} == {False}
+    assert {b for _, b, _, _ in atoms(world, node.id)["gpu"]} == {False}
+
+
+# -- exact quota arithmetic ------------------------------------------------------------------------
+
+_CHARGE = "SELECT charged FROM charge_quota(%s, %s, %s, %s, %s)"
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])  # a resource per example
+@given(limit=st.integers(0, 3), parts=st.lists(st.tuples(st.integers(1, 9), st.sampled_from([1, 3, 4, 7, 10])),
+                                                max_size=12))
+def test_charges_are_decided_on_exact_fractions(world: World, limit: int, parts: list[tuple[int, int]]) -> None:
+    """charge_quota admits a charge exactly when the exact sum of the live charges and it stays
+    within the limit, whatever the denominators (a float or rounded sum would drift)."""
+    resource = f"gpu:p{uuid.uuid4().hex[:12]}"  # a limit row of its own, so examples never meet
+    world.quota(limit, resource)
+    rids = [r for (r,) in world.sql("SELECT id FROM reservations WHERE tenant_id = %s", (world.tenant,))]
+    for _ in range(len(parts) - len(rids)):
+        rids.append(world.create(count=1, start=world.later()).id)
+    used = Fraction(0)
+    with psycopg.connect(world.conninfo, autocommit=True) as conn:
+        for (amount, per), rid in zip(parts, rids, strict=False):
+            charged = conn.execute(_CHARGE, (world.tenant, resource, rid, amount, per)).fetchone()[0]
+            assert charged == (used + Fraction(amount, per) <= limit), (used, amount, per, limit)
+            if charged:
+                used += Fraction(amount, per)

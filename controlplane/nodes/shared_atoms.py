@@ -82,4 +82,7 @@ async def apply(conn: AsyncConnection, node_id: str, pool_id: str, gpus: Sequenc
             "node_id": node_id, "kind": kind, "parts": devices.parts_per_gpu(kind, policy),
             "ids": [new_id("atom") for _ in wanted], "parents": [w[0] for w in wanted],
             "devices": [w[1] for w in wanted], "profiles": [w[2] for w in wanted]})
-    await conn.execute(queries.CHILDREN_GONE, {"node_id": node_id, "kind": kind, "devices": [w[1] for w in wanted]})
+    gone = (await conn.execute(queries.CHILDREN_GONE, {
+        "node_id": node_id, "kind": kind, "devices": [w[1] for w in wanted]})).rowcount
+    if gone:  # reservations booked on a vanished instance or slot hear of it, as on a vanished GPU
+        await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node_id})
