@@ -258,3 +258,14 @@ def test_charges_are_decided_on_exact_fractions(world: World, limit: int, parts:
             assert charged == (used + Fraction(amount, per) <= limit), (used, amount, per, limit)
             if charged:
                 used += Fraction(amount, per)
+
+
+def test_an_exclusive_pool_does_not_book_a_gpu_in_mig_mode_whole(world: World) -> None:
+    node = world.add_node(gpus("excl-node", count=2))
+    first, second = (g.uuid for g in gpus("excl-node", count=2))
+    apply = lambda inv: arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv))  # noqa: E731
+    apply(_mig_inventory(2, {first: [(7, "1g.10gb")], second: []}))
+    assert dict((d, b) for d, b, _, _ in atoms(world, node.id)["gpu"]) == {first: False, second: True}
+    assert "gpu.mig" not in atoms(world, node.id)
+    apply(_mig_inventory(3, {first: [], second: []}))  # out of MIG mode: whole again
+    assert {b for _, b, _, _ in atoms(world, node.id)["gpu"]} == {True}

@@ -206,8 +206,12 @@ WHERE n.pool_id = %(pool)s OR n.id = ANY(%(nodes)s)
 # MIG instances and slots (controlplane.nodes.shared_atoms) ------------------------------------
 
 POOL_POLICY = "SELECT policy FROM pools WHERE id = %(pool_id)s"
-# A shared pool's GPUs are not bookable whole (only their MIG instances or slots are).
-GPUS_NOT_WHOLE = "UPDATE atoms SET bookable = false WHERE node_id = %(node_id)s AND kind = 'gpu' AND bookable"
+# GPUs not bookable whole: all of a shared pool's (only their MIG instances or slots are), and an
+# exclusive pool's GPUs in MIG mode (a workload given the whole GPU would see no device).
+GPUS_NOT_WHOLE = """
+UPDATE atoms SET bookable = false
+WHERE node_id = %(node_id)s AND kind = 'gpu' AND bookable AND device_uuid = ANY(%(uuids)s)
+"""
 # The children of present GPUs (device "<uuid>:<n>"), with their parent's model, placement and
 # health; bookable again if they were not.
 UPSERT_CHILDREN = """

@@ -2,7 +2,8 @@
 17: children atoms of a GPU). Called wherever GPU atoms are written (inventory, registration),
 under the pool lock that write already holds.
 
-- exclusive: whole GPUs are bookable; no children are.
+- exclusive: whole GPUs are bookable, except GPUs in MIG mode (given whole, a workload would see
+  no device); no children are.
 - mig: each MIG instance of a GPU in MIG mode is a `gpu.mig` atom, device "<uuid>:<instance>", with
   its profile; whole GPUs are not bookable (a GPU not in MIG mode gives nothing).
 - time-slice, mps: each GPU not in MIG mode gives `replicas` `gpu.slot` atoms, "<uuid>:<n>";
@@ -75,8 +76,9 @@ async def apply(conn: AsyncConnection, node_id: str, pool_id: str, gpus: Sequenc
     policy = row["policy"] if row else None
     kind = devices.pool_class(policy)
     wanted = children(gpus, policy)
-    if kind != devices.GPU:
-        await conn.execute(queries.GPUS_NOT_WHOLE, {"node_id": node_id})
+    not_whole = [g.uuid for g in gpus if kind != devices.GPU or g.mig_instances is not None]
+    if not_whole:
+        await conn.execute(queries.GPUS_NOT_WHOLE, {"node_id": node_id, "uuids": not_whole})
     if wanted:
         await conn.execute(queries.UPSERT_CHILDREN, {
             "node_id": node_id, "kind": kind, "parts": devices.parts_per_gpu(kind, policy),
