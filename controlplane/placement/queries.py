@@ -2,9 +2,9 @@
 the diagnostics behind an Unschedulable reason."""
 
 # Free, healthy, bookable atoms of the asked kind (whole GPUs, MIG instances of a profile, slots)
-# of schedulable nodes for the window; nodes whose best
-# topology group fits the count; the fullest of them first (bin-pack), ties in random order so
-# concurrent creates spread out; then every free atom of the shortlisted nodes.
+# of schedulable nodes for the window; nodes whose best topology group fits the count; the fullest
+# of them first (bin-pack), ties in random order so concurrent creates spread out; then every free
+# atom of the shortlisted nodes.
 SHORTLIST = """
 WITH free AS MATERIALIZED (
     SELECT a.id, a.node_id, a.device_uuid, a.numa_node, a.nvlink_domain

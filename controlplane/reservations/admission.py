@@ -113,7 +113,7 @@ async def _transaction_1(
         pool = await _visible_pool(conn, rt, row["pool_id"], row["tenant_id"])
     if pool is None:
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
-    if not model_known(row["request"], pool):  # several models: a model quota may refuse it
+    if not _model_known(row["request"], pool):  # several models: a model quota may refuse it
         pool = {**pool, "models": await _pool_models(conn, rt, row["pool_id"])}
     draft.attributes = _attributes(row, pool)
     draft.charges = devices.charges(row["request"], pool)
@@ -149,7 +149,7 @@ async def _visible_pool(conn: AsyncConnection, rt: Runtime, pool_id: str, tenant
     return None if pool is None else {**pool, "single_model": index.single_model()}
 
 
-def model_known(request: dict[str, Any], pool: dict[str, Any]) -> bool:
+def _model_known(request: dict[str, Any], pool: dict[str, Any]) -> bool:
     return bool(devices.model_of(request["devices"][0], pool))
 
 
