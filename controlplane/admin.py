@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane import admin_queries as q
 from controlplane import db, db_errors, errors, iam, quota
+from controlplane.common import devices
 from controlplane.common.names import IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity as node_connectivity
@@ -24,7 +25,6 @@ from controlplane.placement import lease
 from controlplane.runtime import Runtime
 
 KINDS = {"user", "service", "agent"}
-SHARING_MODES = {"", "exclusive", "mig", "time-slice", "mps"}
 QUOTA_RESOURCES = re.compile(r"^(gpu(:[A-Za-z0-9._-]{1,64})?|vcpu|memoryGiB)$")
 SYSTEM_LABEL_PREFIXES = ("bc.dev/", "fabric.domain")
 
@@ -66,15 +66,26 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def _policy(raw: dict[str, Any], default_placer: str = "inline") -> dict[str, Any]:
-    sharing = raw.get("sharing") or {}
-    mode = sharing.get("mode") or "exclusive"
-    if mode not in SHARING_MODES:
-        raise errors.InvalidInput("policy.sharing.mode", f"must be one of {sorted(SHARING_MODES - {''})}")
+def _sharing(raw: dict[str, Any], max_replicas: int) -> dict[str, Any]:
+    """policy.sharing: a mode of controlplane.common.devices ("time-slicing" read as "time-slice"),
+    and replicas (0: the mode's default) only for the slot modes, at most max_replicas."""
+    mode = raw.get("mode") or devices.EXCLUSIVE
+    mode = devices.ALIASES.get(mode, mode)
+    if mode not in devices.MODES:
+        raise errors.InvalidInput("policy.sharing.mode", f"must be one of {list(devices.MODES)}")
+    replicas = raw.get("replicas") or 0
+    if replicas and mode not in devices.DEFAULT_REPLICAS:
+        raise errors.InvalidInput("policy.sharing.replicas", "applies to the time-slice and mps modes only")
+    if not 0 <= replicas <= max_replicas:
+        raise errors.InvalidInput("policy.sharing.replicas", f"must be 0 (the mode's default) to {max_replicas}")
+    return {"mode": mode, "replicas": replicas}
+
+
+def _policy(raw: dict[str, Any], max_replicas: int = 64, default_placer: str = "inline") -> dict[str, Any]:
     placer = raw.get("placer") or default_placer
     if placer not in lease.PLACERS:
         raise errors.InvalidInput("policy.placer", f"must be one of {sorted(lease.PLACERS)}")
-    return {"sharing": {"mode": mode, "replicas": sharing.get("replicas") or 0},
+    return {"sharing": _sharing(raw.get("sharing") or {}, max_replicas),
             "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root")),
             "placer": placer}
 
@@ -82,7 +93,7 @@ def _policy(raw: dict[str, Any], default_placer: str = "inline") -> dict[str, An
 async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     owner = match("ownerTenantId", raw.get("owner_tenant_id", ""), TENANT_ID)
     name = match("name", raw.get("name", ""), NODE_NAME)
-    policy = _policy(raw.get("policy") or {}, rt.settings.default_placer)
+    policy = _policy(raw.get("policy") or {}, rt.settings.max_sharing_replicas, rt.settings.default_placer)
     pool_id = new_id("pool")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:

@@ -73,6 +73,8 @@ class Settings:
         default_factory=lambda: float(os.environ.get("BC_DRAFT_RETENTION_HOURS", "24"))
     )
     max_drafts_per_identity: int = field(default_factory=lambda: _int("BC_MAX_DRAFTS_PER_IDENTITY", 1000))
+    # Slots per GPU a time-slice or mps pool may set (policy.sharing.replicas).
+    max_sharing_replicas: int = field(default_factory=lambda: _int("BC_MAX_SHARING_REPLICAS", 64))
     draft_sweep_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_DRAFT_SWEEP_SECONDS", "60"))
     )

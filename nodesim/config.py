@@ -12,6 +12,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 FORGE_MODES = ("unsigned", "foreign-key", "other-allocation", "other-node")
+# The smallest MIG profile of MIG-capable models (seven of them fill the GPU).
+SMALLEST_MIG_PROFILE = {
+    "A100-SXM4-40GB": "1g.5gb", "A100-PCIE-40GB": "1g.5gb",
+    "A100-SXM4-80GB": "1g.10gb", "A100-PCIE-80GB": "1g.10gb",
+    "H100-SXM5-80GB": "1g.10gb", "H100-PCIE-80GB": "1g.10gb", "H100-NVL-94GB": "1g.12gb",
+    "H200-SXM5-141GB": "1g.18gb",
+}
 
 
 @dataclass(frozen=True)
@@ -29,10 +36,15 @@ class InventorySpec:
     isolated_cpus: str = ""
     # Nodes per NVLink fabric cluster (consecutive nodes of the fleet share one); 0: no fabric.
     fabric_size: int = 1
-    # The last `mig_gpus` GPUs of each node are in MIG mode with `mig_instances` instances.
+    # The last `mig_gpus` GPUs of each node are in MIG mode with `mig_instances` instances of
+    # `mig_profile` ('' : the smallest profile of the model, e.g. 1g.10gb on an H100 80GB, 1g.5gb
+    # on an A100 40GB).
     mig_gpus: int = 0
-    mig_profile: str = "1g.10gb"
+    mig_profile: str = ""
     mig_instances: int = 7
+
+    def instance_profile(self) -> str:
+        return self.mig_profile or SMALLEST_MIG_PROFILE.get(self.gpu_model, "1g.10gb")
 
 
 @dataclass(frozen=True)
@@ -172,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--isolated-cpus", default=d.isolated_cpus, metavar="CPULIST")
     inv.add_argument("--fabric-size", type=int, default=d.fabric_size, help="nodes per NVLink cluster; 0: none")
     inv.add_argument("--mig-gpus", type=int, default=d.mig_gpus, help="GPUs per node in MIG mode (the last ones)")
-    inv.add_argument("--mig-profile", default=d.mig_profile)
-    inv.add_argument("--mig-instances", type=int, default=d.mig_instances)
+    inv.add_argument("--mig-profile", default=d.mig_profile,
+                     help="profile of every MIG instance (default: the model's smallest, e.g. 1g.10gb on H100 80GB, "
+                          "1g.5gb on A100-SXM4-40GB)")
+    inv.add_argument("--mig-instances", type=int, default=d.mig_instances, help="MIG instances per GPU (0 to 7)")
 
     f = p.add_argument_group("fault injection")
     f.add_argument("--fault-nodes", type=_names, metavar="NAME,NAME", help="apply faults to these nodes only")
@@ -253,8 +267,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
 def check_inventory(spec: InventorySpec) -> str | None:
     if spec.gpus < 0 or spec.numa_nodes < 1 or spec.vcpus < spec.numa_nodes * 2 or spec.vcpus % (2 * spec.numa_nodes):
         return "--vcpus must be a positive multiple of 2 x --numa-nodes (two threads per core), --gpus >= 0"
-    if not 0 <= spec.mig_gpus <= spec.gpus or spec.mig_instances < 0:
-        return "--mig-gpus must be between 0 and --gpus"
+    if not 0 <= spec.mig_gpus <= spec.gpus or not 0 <= spec.mig_instances <= 7:
+        return "--mig-gpus must be between 0 and --gpus, --mig-instances between 0 and 7"
     if spec.fabric_size < 0 or spec.memory_gib < 1 or spec.hugepages_1gi < 0 or spec.hugepages_2mi < 0:
         return "--fabric-size, --hugepages-* must be >= 0 and --memory-gib >= 1"
     if spec.hugepages_1gi + spec.hugepages_2mi * 2 / 1024 > spec.memory_gib:

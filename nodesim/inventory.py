@@ -64,7 +64,7 @@ def build(spec: InventorySpec, node_name: str, position: int) -> Hardware:
         uid = gpu_uuid(node_name, i)
         mig_mode = i >= spec.gpus - spec.mig_gpus
         instances = (
-            [pb.MigInstance(index=k, profile=spec.mig_profile) for k in range(spec.mig_instances)] if mig_mode else []
+            [pb.MigInstance(index=k, profile=spec.instance_profile()) for k in range(spec.mig_instances)] if mig_mode else []
         )
         gpus.append(
             pb.Gpu(

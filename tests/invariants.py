@@ -37,7 +37,7 @@ FROM reservations WHERE tenant_id = %(t)s GROUP BY 1, 2
 
 CHARGES = """
 SELECT r.id, r.state, (r.request #>> '{devices,0,count}')::int AS count,
-       coalesce(sum(c.amount) FILTER (WHERE c.refunded_at IS NULL), 0)::int AS live,
+       coalesce(sum(c.amount) FILTER (WHERE c.refunded_at IS NULL AND c.resource = 'gpu'), 0)::int AS live,
        count(c.*) FILTER (WHERE c.refunded_at IS NULL AND c.resource = 'gpu')::int AS live_rows
 FROM reservations r LEFT JOIN quota_charges c ON c.reservation_id = r.id
 WHERE r.tenant_id = %(t)s

@@ -192,7 +192,7 @@ class World:
         req = pb.CreateReservationRequest(
             tenant_id=self.tenant, pool_id=kw.pop("pool_id", self.pool_id),
             devices=[pb.DeviceRequest(device_class=kw.pop("device_class", "gpu"), count=count, topology=topology,
-                                      model=kw.pop("model", ""))],
+                                      model=kw.pop("model", ""), profile=kw.pop("profile", ""))],
             idempotency_key=key or f"k-{uuid.uuid4().hex[:12]}", **kw)
         if duration is not None and "duration_ms" not in kw:
             req.duration = duration

@@ -139,7 +139,9 @@ def test_drafts_are_not_found_and_not_listed(world: World) -> None:
         ({"count": 65}, "devices[0].count", "INVALID_INPUT"),
         ({"topology": "ring"}, "devices[0].topology", "INVALID_INPUT"),
         ({"device_class": "tpu"}, "devices[0].class", "INVALID_INPUT"),
-        ({"device_class": "gpu.mig"}, "devices[0].class", "UNSUPPORTED"),
+        ({"device_class": "gpu.mig"}, "devices[0].class", "INVALID_INPUT"),  # the pool is exclusive
+        ({"profile": "1g.10gb"}, "devices[0].profile", "INVALID_INPUT"),  # whole GPUs have no profile
+        ({"device_class": "gpu.slot", "binding": "kubernetes"}, "devices[0].class", "UNSUPPORTED"),
         ({"duration": "8 hours"}, "duration", "INVALID_INPUT"),
         ({"duration": "0h"}, "duration", "INVALID_INPUT"),
         ({"duration": None}, "duration", "INVALID_INPUT"),

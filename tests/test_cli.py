@@ -365,3 +365,16 @@ def test_reserve_kubernetes_books_the_kubernetes_binding(cli, world: World) -> N
     assert placed["request"]["binding"] == "kubernetes"
     assert placed["allocations"][0]["nodeId"] == world.nodes[1].id  # the node whose daemon serves it
     assert cli("reserve", "--gpus", "1").json["request"]["binding"] == "hold"
+
+
+def test_reserve_books_slots_of_a_shared_pool_with_class(cli, world: World) -> None:
+    from bettercompute.v1 import admin_pb2 as apb
+
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="ts", policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice")))).id
+    world.add_node()
+    placed = cli("reserve", "--gpus", "2", "--class", "gpu.slot").json
+    assert placed["state"] == "placed" and placed["request"]["devices"][0]["class"] == "gpu.slot"
+    assert all(":" in d for d in placed["allocations"][0]["deviceIds"])
+    refused = cli("reserve", "--gpus", "1").error  # whole GPUs: the pool does not book them
+    assert refused["code"] == "INVALID_INPUT" and refused["details"]["field"] == "devices[0].class"

@@ -51,7 +51,8 @@ def test_confirmation_required_then_approved_retry_places_it(world: World) -> No
     assert approved.state == "approved"
     placed = world.create(agent, key="agent-run", count=2)
     assert placed.id == rid and placed.state == "placed"
-    assert world.sql("SELECT sum(amount) FROM quota_charges WHERE reservation_id = %s", (rid,))[0][0] == 2
+    assert world.sql("SELECT sum(amount) FROM quota_charges WHERE reservation_id = %s AND resource = 'gpu'",
+                     (rid,))[0][0] == 2
 
 
 def test_rejected_confirmation_denies_the_retry(world: World) -> None:

@@ -34,7 +34,7 @@ def started(world: World, state: str, **kw) -> pb.Reservation:
 
 def used(world: World) -> int:
     return world.sql("SELECT coalesce(sum(amount), 0) FROM quota_charges WHERE tenant_id = %s"
-                     " AND refunded_at IS NULL", (world.tenant,))[0][0]
+                     " AND resource = 'gpu' AND refunded_at IS NULL", (world.tenant,))[0][0]
 
 
 @pytest.mark.parametrize("state", ["binding", "active"])

@@ -50,7 +50,7 @@ def event_types(world: World, rid: str) -> list[str]:
 
 def used(world: World) -> int:
     return world.sql("SELECT coalesce(sum(amount), 0) FROM quota_charges WHERE tenant_id = %s"
-                     " AND refunded_at IS NULL", (world.tenant,))[0][0]
+                     " AND resource = 'gpu' AND refunded_at IS NULL", (world.tenant,))[0][0]
 
 
 def extend(world: World, rid: str, **change) -> pb.ExtendReservationResponse:

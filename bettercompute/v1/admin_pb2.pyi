@@ -326,8 +326,11 @@ class SharingPolicy(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
-    """"exclusive" (default), "mig", "time-slice", "mps"."""
+    """"exclusive" (default: whole GPUs), "mig" (MIG instances), "time-slice" or "mps" (slots).
+    Fixed when the pool is created. "time-slicing" is read as "time-slice".
+    """
     replicas: _builtins.int
+    """Slots per GPU for time-slice and mps (0: the default, 4 for time-slice, 10 for mps)."""
     def __init__(
         self,
         *,
@@ -850,7 +853,9 @@ class SetQuotaRequest(_message.Message):
     LIMIT_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     resource: _builtins.str
-    """"gpu", "vcpu", "memoryGiB"."""
+    """"gpu", "gpu:<model>" (e.g. "gpu:H100-SXM5-80GB", that model in addition to "gpu"), "vcpu",
+    "memoryGiB".
+    """
     limit: _builtins.int
     def __init__(
         self,
@@ -918,19 +923,24 @@ class QuotaLine(_message.Message):
     RESOURCE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     USED_FIELD_NUMBER: _builtins.int
+    USED_EXACT_FIELD_NUMBER: _builtins.int
     resource: _builtins.str
     limit: _builtins.int
     used: _builtins.int
+    """Rounded up to a whole unit: MIG instances and slots are charged as fractions of a GPU."""
+    used_exact: _builtins.float
+    """The exact figure (e.g. 0.5714 GPUs for four MIG instances)."""
     def __init__(
         self,
         *,
         resource: _builtins.str = ...,
         limit: _builtins.int = ...,
         used: _builtins.int = ...,
+        used_exact: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "resource", b"resource", "used", b"used"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "resource", b"resource", "used", b"used", "used_exact", b"used_exact"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,8 +29,11 @@ class DeviceRequest(_message.Message):
     COUNT_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
     device_class: _builtins.str
-    """"gpu" (whole GPUs). "gpu.mig" and "gpu.slot" are reserved."""
+    """"gpu" (whole GPUs, pools with sharing mode exclusive), "gpu.mig" (MIG instances, mode mig) or
+    "gpu.slot" (time-slice or MPS slots, modes time-slice and mps).
+    """
     count: _builtins.int
     topology: _builtins.str
     """"" or "any": no constraint; "nvlink-all": all devices in one NVLink domain;
@@ -38,6 +41,8 @@ class DeviceRequest(_message.Message):
     """
     model: _builtins.str
     """Optional device model, e.g. "H100-SXM5-80GB"."""
+    profile: _builtins.str
+    """Optional MIG profile of the instances, e.g. "1g.10gb" (class "gpu.mig" only)."""
     def __init__(
         self,
         *,
@@ -45,10 +50,11 @@ class DeviceRequest(_message.Message):
         count: _builtins.int = ...,
         topology: _builtins.str = ...,
         model: _builtins.str = ...,
+        profile: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "device_class", b"device_class", "model", b"model", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "device_class", b"device_class", "model", b"model", "profile", b"profile", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,7 +14,8 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "tenant_id": m.tenant_id,
         "pool_id": m.pool_id,
         "devices": [
-            {"class": d.device_class, "count": d.count, "topology": d.topology, "model": d.model}
+            {"class": d.device_class, "count": d.count, "topology": d.topology, "model": d.model,
+             "profile": d.profile}
             for d in m.devices
         ],
         "duration": m.duration if which == "duration" else None,
@@ -44,7 +45,7 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             pool_id=request["poolId"],
             devices=[
                 pb.DeviceRequest(device_class=d["class"], count=d["count"], topology=d["topology"],
-                                 model=d.get("model") or "")
+                                 model=d.get("model") or "", profile=d.get("profile") or "")
                 for d in request["devices"]
             ],
             duration=format_duration_ms(request["durationMs"]),

@@ -34,6 +34,8 @@ def reserve_request(
     pool: str | None = None,
     lease: str | None = None,
     kubernetes: bool = False,
+    device_class: str = "gpu",
+    profile: str = "",
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -41,7 +43,7 @@ def reserve_request(
     request = pb.CreateReservationRequest(
         tenant_id=client.conn.tenant_id,
         pool_id=pool_id,
-        devices=[pb.DeviceRequest(device_class="gpu", count=gpus, topology=topology)],
+        devices=[pb.DeviceRequest(device_class=device_class, count=gpus, topology=topology, profile=profile)],
         duration=duration,
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
         binding="kubernetes" if kubernetes else "",
@@ -80,6 +82,7 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
     request = reserve_request(
         client, gpus=args.gpus, topology=args.topology, duration=args.duration, start=args.start,
         key=args.key, pool=args.pool, lease=args.lease, kubernetes=args.kubernetes,
+        device_class=args.device_class, profile=args.profile,
     )
     return create_and_wait(client, request, args.wait, on_state)
 

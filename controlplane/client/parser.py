@@ -51,7 +51,11 @@ def build() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("reserve", parents=[common], help="reserve GPUs")
-    p.add_argument("--gpus", type=int, required=True, help="how many whole GPUs")
+    p.add_argument("--gpus", type=int, required=True,
+                   help="how many GPUs (or MIG instances with --class gpu.mig, slots with --class gpu.slot)")
+    p.add_argument("--class", dest="device_class", default="gpu", choices=("gpu", "gpu.mig", "gpu.slot"),
+                   help="whole GPUs (default); MIG instances or time-slice/MPS slots in a pool that shares its GPUs")
+    p.add_argument("--profile", default="", help="the MIG profile of the instances, e.g. 1g.10gb (--class gpu.mig)")
     p.add_argument("--topology", default="", help="nvlink-all, numa or any (default any)")
     p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 3d... (default 1h)")
     p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")

@@ -102,7 +102,8 @@ def _state(state: str) -> Text:
 
 def _devices(request: pb.StoredRequest) -> str:
     return ", ".join(
-        f"{d.count} × {d.device_class}" + (f" ({d.topology})" if d.topology else "") for d in request.devices
+        f"{d.count} × {d.device_class}" + (f" {d.profile}" if d.profile else "")
+        + (f" ({d.topology})" if d.topology else "") for d in request.devices
     )
 
 

@@ -16,6 +16,8 @@ RESERVATION_ID = re.compile(r"^rsv_[0-9a-hjkmnp-tv-z]{26,52}$")
 NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 LABEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
 MODEL = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+# A MIG profile as NVIDIA names it: "1g.10gb", "3g.40gb", "1g.10gb+me", "1c.3g.40gb".
+MIG_PROFILE = re.compile(r"^[0-9a-z][0-9a-z.+]{0,31}$")
 
 _KEY_SHOWN = 40  # characters of a map key shown in a field path
 

@@ -40,7 +40,7 @@ def assignment(row: dict[str, Any]) -> node_pb2.DeviceAssignment:
     return node_pb2.DeviceAssignment(
         allocation_id=row["id"], device_ids=row["device_ids"], until=row["until"],
         binding=_BINDINGS.get(row["binding"] or "", node_pb2.BINDING_HOLD),
-        limits=_limits(row["limits"] or {}), device_class="gpu")
+        limits=_limits(row["limits"] or {}), device_class=row.get("device_class") or "gpu")
 
 
 async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState:

@@ -20,7 +20,7 @@ from bettercompute.node.v1 import node_pb2
 from controlplane import db
 from controlplane.common.names import LABEL, MODEL
 from controlplane.ids import new_id
-from controlplane.nodes import queries
+from controlplane.nodes import queries, shared_atoms
 from controlplane.nodes.locking import lock_for_placement_change
 
 log = structlog.get_logger("nodes.inventory")
@@ -108,6 +108,7 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
              "numa_node": max(0, g.numa_node), "nvlink_domain": nvlink_domain(g)} for g in gpu_list])
     gone = (await conn.execute(queries.GPUS_GONE, {"node_id": node["id"],
                                                    "present": [g.uuid for g in gpu_list]})).rowcount
+    await shared_atoms.apply(conn, node["id"], node["pool_id"], shared_atoms.from_inventory(gpu_list))
     existing = {r["resource"] for r in await (await conn.execute(
         queries.HOST_RESOURCE_NAMES, {"node_id": node["id"]})).fetchall()}
     async with conn.cursor() as cur:  # a resource that dropped to 0 keeps its row, at 0

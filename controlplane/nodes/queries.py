@@ -60,9 +60,13 @@ WHERE node_id = %(node_id)s AND bookable
   AND (CASE WHEN kind = 'gpu' THEN id ELSE parent_id END) IN (
       SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu' AND NOT (device_uuid = ANY(%(present)s)))
 """
-# A GPU and its MIG instances and slots (they share its device uuid).
+# A GPU and its MIG instances and slots (its children, "<uuid>:<n>").
 SET_GPU_HEALTH = """
-UPDATE atoms SET health = %(health)s WHERE node_id = %(node_id)s AND device_uuid = %(device_uuid)s
+UPDATE atoms SET health = %(health)s
+WHERE node_id = %(node_id)s
+  AND (device_uuid = %(device_uuid)s
+       OR parent_id IN (SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu'
+                        AND device_uuid = %(device_uuid)s))
 """
 HOST_RESOURCE_NAMES = "SELECT resource FROM host_resources WHERE node_id = %(node_id)s"
 UPSERT_HOST_RESOURCE = """
@@ -144,6 +148,7 @@ SELECT bump_desired(node_id) FROM (
 DESIRED_GENERATION = "SELECT desired_generation FROM nodes WHERE id = %(node_id)s"
 DESIRED_ASSIGNMENTS = """
 SELECT a.id, a.device_ids, a.limits, r.request->>'binding' AS binding,
+       r.request->'devices'->0->>'class' AS device_class,
        epoch_ms(max(upper(b.during))) AS until
 FROM allocations a
 JOIN reservations r ON r.id = a.reservation_id
@@ -196,4 +201,40 @@ CAPACITY_HOST_RESOURCES = """
 SELECT h.node_id, h.resource, h.allocatable
 FROM host_resources h JOIN nodes n ON n.id = h.node_id
 WHERE n.pool_id = %(pool)s OR n.id = ANY(%(nodes)s)
+"""
+
+# MIG instances and slots (controlplane.nodes.shared_atoms) ------------------------------------
+
+POOL_POLICY = "SELECT policy FROM pools WHERE id = %(pool_id)s"
+# GPUs not bookable whole: all of a shared pool's (only their MIG instances or slots are), and an
+# exclusive pool's GPUs in MIG mode (a workload given the whole GPU would see no device).
+GPUS_NOT_WHOLE = """
+UPDATE atoms SET bookable = false
+WHERE node_id = %(node_id)s AND kind = 'gpu' AND bookable AND device_uuid = ANY(%(uuids)s)
+"""
+# The children of present GPUs (device "<uuid>:<n>"), with their parent's model, placement and
+# health; bookable again if they were not.
+UPSERT_CHILDREN = """
+INSERT INTO atoms (id, node_id, kind, parent_id, device_uuid, model, numa_node, nvlink_domain, health,
+                   profile, gpu_equivalent)
+SELECT c.id, p.node_id, %(kind)s, p.id, c.device_uuid, p.model, p.numa_node, p.nvlink_domain, p.health,
+       c.profile, 1::numeric / %(parts)s
+FROM unnest(%(ids)s::text[], %(parents)s::text[], %(devices)s::text[], %(profiles)s::text[])
+     AS c(id, parent_uuid, device_uuid, profile)
+JOIN atoms p ON p.node_id = %(node_id)s AND p.kind = 'gpu' AND p.device_uuid = c.parent_uuid
+ON CONFLICT (node_id, device_uuid, kind) DO UPDATE
+SET parent_id = EXCLUDED.parent_id, model = EXCLUDED.model, numa_node = EXCLUDED.numa_node,
+    nvlink_domain = EXCLUDED.nvlink_domain, health = EXCLUDED.health, profile = EXCLUDED.profile,
+    gpu_equivalent = EXCLUDED.gpu_equivalent, bookable = true
+WHERE (atoms.parent_id, atoms.model, atoms.numa_node, atoms.nvlink_domain, atoms.health, atoms.profile,
+       atoms.gpu_equivalent, atoms.bookable)
+      IS DISTINCT FROM (EXCLUDED.parent_id, EXCLUDED.model, EXCLUDED.numa_node, EXCLUDED.nvlink_domain,
+                        EXCLUDED.health, EXCLUDED.profile, EXCLUDED.gpu_equivalent, true)
+"""
+# Children the inventory no longer has (or of a kind the pool does not book) stop being bookable;
+# like GPUs, they are never deleted, so their bookings and history stay.
+CHILDREN_GONE = """
+UPDATE atoms SET bookable = false
+WHERE node_id = %(node_id)s AND kind <> 'gpu' AND bookable
+  AND NOT (kind = %(kind)s AND device_uuid = ANY(%(devices)s))
 """

@@ -13,7 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 from controlplane import db, db_errors
 from controlplane.common.locks import pool_lock
 from controlplane.ids import new_id
-from controlplane.nodes import queries
+from controlplane.nodes import queries, shared_atoms
 
 
 async def node(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
@@ -41,6 +41,7 @@ async def register(pool: AsyncConnectionPool, *, pool_id: str, name: str, labels
                 {"id": new_id("atom"), "node_id": node_id, "uuid": g["uuid"], "model": g.get("model") or "",
                  "numa_node": g.get("numa_node") or 0, "nvlink_domain": g.get("nvlink_domain") or ""}
                 for g in gpus])
+        await shared_atoms.apply(conn, node_id, pool_id, [shared_atoms.GpuParts(g["uuid"]) for g in gpus])
         return await node(conn, node_id)
 
     with db_errors.mapped(poolId=pool_id, name=name):  # nodes_pool_id_fkey, nodes_pool_id_name_key

@@ -14,8 +14,9 @@ Per pool:
 - `_touching`: every atom booking of the pool, sorted by start (bookings longer than LONG_MS in a
   small list of their own), so the nodes with a booking overlapping a window are found by bisection
   without visiting the others;
-- `_classes`: nodes by their count of healthy bookable whole-GPU atoms, so a node with no booking
-  in the window is planned from that count alone, and only the few best classes are visited.
+- `_classes`: nodes by their count of healthy bookable atoms (a pool books one kind: whole GPUs,
+  MIG instances or slots), so a node with no booking in the window is planned from that count
+  alone, and only the few best classes are visited.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Window:
     capabilities: frozenset[str] = frozenset()
     # Labels required whole, value and source (a binding's system capability label).
     required: tuple[tuple[str, str, str], ...] = ()
+    device_class: str = GPU  # the atoms' kind: gpu, gpu.mig or gpu.slot
+    profile: str = ""  # a MIG profile ('' any)
 
 
 @dataclass
@@ -61,9 +64,11 @@ class Atom:
     healthy: bool
     bookable: bool
     intervals: list[tuple[int, int]] = field(default_factory=list)  # sorted, never overlapping
+    profile: str = ""  # a MIG instance's profile
 
-    def usable(self, model: str) -> bool:
-        return self.kind == GPU and self.healthy and self.bookable and (not model or self.model == model)
+    def usable(self, model: str, kind: str = GPU, profile: str = "") -> bool:
+        return (self.kind == kind and self.healthy and self.bookable and (not model or self.model == model)
+                and (not profile or self.profile == profile))
 
     def free_for(self, start: int, end: int) -> bool:
         """No booked interval overlaps [start, end): the one starting last before `end` ends by `start`."""
@@ -102,8 +107,12 @@ class Node:
                 return False
         return True
 
-    def usable(self, model: str) -> list[Atom]:
-        return [a for a in self.atoms.values() if a.usable(model)]
+    def usable(self, model: str, kind: str = GPU, profile: str = "") -> list[Atom]:
+        return [a for a in self.atoms.values() if a.usable(model, kind, profile)]
+
+    def bookable_count(self) -> int:
+        """Healthy bookable atoms of any kind (its pool books one kind)."""
+        return sum(1 for a in self.atoms.values() if a.healthy and a.bookable)
 
     def with_bookings(self, rows: Iterable[dict], ticket: int) -> Node:
         """This node with the booked intervals of `rows` (index_queries.BOOKINGS) instead of its own."""
@@ -146,7 +155,7 @@ class PoolIndex:
         for atom in node.atoms.values():
             if atom.kind == GPU:
                 self._models[atom.model] += 1
-        usable = len(node.usable(""))
+        usable = node.bookable_count()
         self._classes[usable][node.id] = None
         self._class_of[node.id] = usable
 
@@ -175,6 +184,10 @@ class PoolIndex:
         """The pool's GPU model when all its whole GPUs are of one (any health), else None."""
         return next(iter(self._models)) if len(self._models) == 1 else None
 
+    def models(self) -> list[str]:
+        """Every GPU model of the pool's whole GPUs (any health), sorted."""
+        return sorted(self._models)
+
     def touched(self, start: int, end: int) -> set[str]:
         """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
         starting after start - LONG_MS and before end), a scan of the few long ones."""
@@ -187,7 +200,7 @@ class PoolIndex:
     def candidate(self, node: Node, window: Window) -> planner.Candidate:
         free = tuple(
             planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain)
-            for a in sorted(node.usable(window.model), key=lambda a: a.id)
+            for a in sorted(node.usable(window.model, window.device_class, window.profile), key=lambda a: a.id)
             if a.free_for(window.start_ms, window.end_ms)
         )
         return planner.Candidate(node.id, node.name, free)
@@ -257,7 +270,7 @@ def build_nodes(
         if node is None:
             continue
         atom = Atom(r["id"], r["node_id"], r["kind"], r["device_uuid"], r["model"], r["numa_node"],
-                    r["nvlink_domain"], r["health"] == "healthy", r["bookable"])
+                    r["nvlink_domain"], r["health"] == "healthy", r["bookable"], profile=r.get("profile") or "")
         node.atoms[atom.id] = atoms[atom.id] = atom
     for r in booking_rows:
         atom = atoms.get(r["atom_id"])

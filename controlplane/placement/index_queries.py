@@ -10,7 +10,8 @@ WHERE n.pool_id = %(pool)s OR n.id = ANY(%(nodes)s)
 """
 
 ATOMS = """
-SELECT a.id, a.node_id, a.kind, a.device_uuid, a.model, a.numa_node, a.nvlink_domain, a.health, a.bookable
+SELECT a.id, a.node_id, a.kind, a.device_uuid, a.model, a.numa_node, a.nvlink_domain, a.health, a.bookable,
+       a.profile
 FROM atoms a JOIN nodes n ON n.id = a.node_id
 WHERE n.pool_id = %(pool)s OR n.id = ANY(%(nodes)s)
 """

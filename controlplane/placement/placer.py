@@ -41,10 +41,14 @@ class Ask:
     end_ms: int
     # Labels required beyond the selector, matched whole (value and source): a binding's capability.
     required: dict[str, dict[str, str]] = field(default_factory=dict)
+    device_class: str = "gpu"  # the atoms' kind: gpu, gpu.mig or gpu.slot
+    profile: str = ""  # a MIG profile ('' any)
 
     def params(self, **extra: Any) -> dict[str, Any]:
         return {
             "pool_id": self.pool_id,
+            "device_class": self.device_class,
+            "profile": self.profile,
             "count": self.count,
             "topology": self.topology,
             "model": self.model,
@@ -57,7 +61,7 @@ class Ask:
     def window(self) -> Window:
         required = tuple((k, v.get("value", ""), v.get("source", "")) for k, v in sorted(self.required.items()))
         return Window(self.count, self.topology, self.model, self.selector, self.start_ms, self.end_ms,
-                      required=required)
+                      required=required, device_class=self.device_class, profile=self.profile)
 
 
 @dataclass
@@ -183,10 +187,16 @@ async def _commit(
     return None
 
 
+_NOUNS = {"gpu": "GPU", "gpu.mig": "MIG instance", "gpu.slot": "GPU slot"}
+
+
 async def explain(conn: AsyncConnection, ask: Ask) -> str:
     """A human reason for an Unschedulable condition."""
     facts = await (await conn.execute(queries.DIAGNOSE, ask.params())).fetchone()
-    shape = f"{ask.count} free healthy GPU{'s' if ask.count != 1 else ''}"
+    noun = _NOUNS.get(ask.device_class, "GPU")
+    shape = f"{ask.count} free healthy {noun}{'s' if ask.count != 1 else ''}"
+    if ask.profile:
+        shape += f" of profile {ask.profile}"
     if ask.model:
         shape += f" of model {ask.model}"
     if ask.topology == planner.NVLINK_ALL:
@@ -201,5 +211,5 @@ async def explain(conn: AsyncConnection, ask: Ask) -> str:
                        ("unlabelled", "without the selected labels")):
         if facts[key]:
             parts.append(f"{facts[key]} {words}")
-    parts.append(f"at most {facts['most_free']} free GPUs on one eligible node")
+    parts.append(f"at most {facts['most_free']} free {noun}s on one eligible node")
     return "; ".join(parts)

@@ -1,9 +1,10 @@
 """Placement SQL: the shortlist of nodes that can fit a request, the guarded booking insert, and
 the diagnostics behind an Unschedulable reason."""
 
-# Free, healthy, bookable whole-GPU atoms of schedulable nodes for the window; nodes whose best
-# topology group fits the count; the fullest of them first (bin-pack), ties in random order so
-# concurrent creates spread out; then every free atom of the shortlisted nodes.
+# Free, healthy, bookable atoms of the asked kind (whole GPUs, MIG instances of a profile, slots)
+# of schedulable nodes for the window; nodes whose best topology group fits the count; the fullest
+# of them first (bin-pack), ties in random order so concurrent creates spread out; then every free
+# atom of the shortlisted nodes.
 SHORTLIST = """
 WITH free AS MATERIALIZED (
     SELECT a.id, a.node_id, a.device_uuid, a.numa_node, a.nvlink_domain
@@ -14,8 +15,9 @@ WITH free AS MATERIALIZED (
       AND n.connectivity <> 'unreachable'
       AND n.labels @> %(selector)s
       AND NOT (n.id = ANY(%(exclude)s))
-      AND a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
+      AND a.kind = %(device_class)s AND a.health = 'healthy' AND a.bookable
       AND (%(model)s = '' OR a.model = %(model)s)
+      AND (%(profile)s = '' OR a.profile = %(profile)s)
       AND NOT EXISTS (
           SELECT 1 FROM bookings b
           WHERE b.atom_id = a.id
@@ -80,10 +82,11 @@ DELETE_ALLOCATION = "DELETE FROM allocations WHERE id = %(id)s"
 DIAGNOSE = """
 WITH node_facts AS (
     SELECT n.id, n.state, n.connectivity, n.labels @> %(selector)s AS labels_ok,
-           count(a.id) FILTER (WHERE a.kind = 'gpu' AND (%(model)s = '' OR a.model = %(model)s)) AS gpus,
+           count(a.id) FILTER (WHERE a.kind = %(device_class)s AND (%(model)s = '' OR a.model = %(model)s)) AS gpus,
            count(a.id) FILTER (
-               WHERE a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
+               WHERE a.kind = %(device_class)s AND a.health = 'healthy' AND a.bookable
                  AND (%(model)s = '' OR a.model = %(model)s)
+                 AND (%(profile)s = '' OR a.profile = %(profile)s)
                  AND NOT EXISTS (
                      SELECT 1 FROM bookings b WHERE b.atom_id = a.id
                        AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'))

@@ -20,7 +20,7 @@ from controlplane import authorize, confirmations, db, errors, events, iam, quot
 from controlplane.auth import Caller
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
-from controlplane.reservations import kubernetes, placing, queries, queued, schedule, states
+from controlplane.reservations import devices, kubernetes, placing, queries, queued, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -40,6 +40,7 @@ class Draft:
     approved: bool = False
     rejected: bool = False
     lease: bool = False  # queued for the pool's lease holder rather than placed inline
+    charges: devices.Charges | None = None  # the quota transaction 2 charges
 
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
@@ -58,9 +59,9 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                 draft.policy, caller, iam.CREATE, "Reservation", rid, draft.attributes,
                 tenant_id=inp.tenant_id, approved=draft.approved,
             )
-        version = draft.row["version"]
         outcome = await db.run_in_transaction(
-            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, lease=draft.lease)
+            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, lease=draft.lease,
+                                              charges=draft.charges)
         )
         outcome.raise_if_refused()
         queued_now = outcome.queued
@@ -84,6 +85,7 @@ async def _transaction_1(
         if pool is None:
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
+        devices.check_pool(inp.request, pool)
         await _require_draft_room(conn, rt, caller)
         await conn.execute(
             queries.INSERT_DRAFT,
@@ -115,8 +117,11 @@ async def _transaction_1(
         pool = await _visible_pool(conn, rt, row["pool_id"], row["tenant_id"])
     if pool is None:
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
+    if not _model_known(row["request"], pool):  # several models: a model quota may refuse it
+        pool = {**pool, "models": await _pool_models(conn, rt, row["pool_id"])}
     draft.attributes = _attributes(row, pool)
     draft.lease = queued.uses_lease(pool, row["request"])
+    draft.charges = devices.charges(row["request"], pool)
     await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
@@ -149,6 +154,18 @@ async def _visible_pool(conn: AsyncConnection, rt: Runtime, pool_id: str, tenant
     return None if pool is None else {**pool, "single_model": index.single_model()}
 
 
+def _model_known(request: dict[str, Any], pool: dict[str, Any]) -> bool:
+    return bool(devices.model_of(request["devices"][0], pool))
+
+
+async def _pool_models(conn: AsyncConnection, rt: Runtime, pool_id: str) -> list[str]:
+    """The pool's GPU models: from the capacity index when built, else read."""
+    index = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+    if index is not None:
+        return index.models()
+    return [r["model"] for r in await (await conn.execute(queries.POOL_MODELS, {"pool_id": pool_id})).fetchall()]
+
+
 def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
     """What IAM sees of the reservation: everything it asks for."""
     request = row["request"]
@@ -159,11 +176,8 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
         "ownerIdentityId": row["owner_identity_id"],
         "poolId": row["pool_id"],
         "region": pool["region"],
-        "deviceClass": device["class"],
-        "deviceModel": device["model"] or pool["single_model"] or "",
+        **devices.attributes(request, pool, gang_size),
         "topology": device["topology"],
-        "gpuCount": device["count"] * gang_size,
-        "gpuEquivalent": float(device["count"] * gang_size),
         "gangSize": gang_size,
         "durationHours": math.ceil(request["durationMs"] / 3_600_000),
         "durationMs": request["durationMs"],
@@ -189,7 +203,7 @@ class Outcome:
 
 async def _transaction_2(
     conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision,
-    *, lease: bool = False,
+    *, lease: bool = False, charges: devices.Charges | None = None,
 ) -> Outcome:
     """Plans from the row transaction 1 read (its request never changes; the version is checked
     under the lock), so the row is read once here, locked. With `lease` (a lease-policy pool) it
@@ -222,8 +236,9 @@ async def _transaction_2(
     if decision.outcome == iam.CONFIRM:
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
-    device = row["request"]["devices"][0]
-    await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
+    assert charges is not None
+    await quota.charge(conn, row["tenant_id"], rid, charges.amounts,  # QUOTA_EXCEEDED rolls back
+                       unnamed_models=charges.unnamed_models)
     if queueing:
         await queued.enqueue(conn, row)
         return Outcome(queued=True)

@@ -80,6 +80,8 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
         required=kubernetes.required_labels(request),
         start_ms=begin,
         end_ms=begin + request["durationMs"],
+        device_class=device.get("class") or "gpu",
+        profile=device.get("profile") or "",
     )
 
 

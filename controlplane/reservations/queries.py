@@ -57,6 +57,13 @@ WHERE p.id = %(pool_id)s
        OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
 """
 
+# The pool's GPU models (whole GPUs, any health), for a caller without the capacity index.
+POOL_MODELS = """
+SELECT DISTINCT a.model FROM atoms a JOIN nodes n ON n.id = a.node_id
+WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
+ORDER BY a.model
+"""
+
 UPSERT_AUTHZ = """
 INSERT INTO authz_projection (reservation_id, attributes) VALUES (%(id)s, %(attributes)s)
 ON CONFLICT (reservation_id) DO UPDATE SET attributes = EXCLUDED.attributes

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane import errors
-from controlplane.common.names import IDEMPOTENCY_KEY, LABEL, MODEL, POOL_ID, TENANT_ID, match, shown_key
+from controlplane.common import devices as device_classes
+from controlplane.common.names import IDEMPOTENCY_KEY, LABEL, MIG_PROFILE, MODEL, POOL_ID, TENANT_ID, match, shown_key
 from controlplane.config import Settings
 from controlplane.durations import parse_duration_ms
 from controlplane.placement.planner import ANY, TOPOLOGIES
@@ -18,8 +19,7 @@ from controlplane.placement.planner import ANY, TOPOLOGIES
 DAY_MS = 86_400_000
 MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
-SERVED_CLASSES = {"gpu"}
-RESERVED_CLASSES = {"gpu.mig", "gpu.slot"}
+SERVED_CLASSES = set(device_classes.CLASSES)
 SERVED_BINDINGS = {"hold", "kubernetes"}
 UNSERVED_BINDINGS = {"instance", "node"}
 
@@ -61,10 +61,8 @@ def _devices(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, device in enumerate(raw):
         field = f"devices[{i}]"
         cls = device.get("class") or ""
-        if cls in RESERVED_CLASSES:
-            raise errors.Unsupported(f"{field}.class {cls!r} is not served yet", field=f"{field}.class")
         if cls not in SERVED_CLASSES:
-            raise errors.InvalidInput(f"{field}.class", "must be 'gpu'")
+            raise errors.InvalidInput(f"{field}.class", f"must be one of {sorted(SERVED_CLASSES)}")
         count = device.get("count", 0)
         if not isinstance(count, int) or not 1 <= count <= MAX_GPUS:
             raise errors.InvalidInput(f"{field}.count", f"must be 1 to {MAX_GPUS}")
@@ -72,7 +70,13 @@ def _devices(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if topology not in TOPOLOGIES:
             raise errors.InvalidInput(f"{field}.topology", f"must be one of {sorted(TOPOLOGIES)}")
         model = match(f"{field}.model", device.get("model") or "", MODEL)
-        out.append({"class": cls, "count": count, "topology": topology, "model": model})
+        normalised = {"class": cls, "count": count, "topology": topology, "model": model}
+        profile = device.get("profile") or ""
+        if cls == device_classes.MIG:  # only MIG requests carry the key: the others' hashes stay as they were
+            normalised["profile"] = match(f"{field}.profile", profile, MIG_PROFILE) if profile else ""
+        elif profile:
+            raise errors.InvalidInput(f"{field}.profile", "is for class 'gpu.mig' only")
+        out.append(normalised)
     return out
 
 
@@ -104,6 +108,9 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
     if binding not in SERVED_BINDINGS:
         raise errors.InvalidInput("binding", "must be 'hold' or 'kubernetes'")
     devices = _devices(raw.get("devices") or [])
+    if binding == "kubernetes" and devices[0]["class"] != device_classes.GPU:
+        raise errors.Unsupported("the kubernetes binding books whole GPUs only (its device plugin serves bcd.dev/gpu)",
+                                 field="devices[0].class")
     duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"), limits.max_length_ms)
     start = raw.get("start")
     if start is not None and start < 0:
