@@ -113,3 +113,8 @@ class Settings:
     metrics_refresh_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_METRICS_REFRESH_SECONDS", "5"))
     )
+    # Host resources: the capacity.hosts reconciler's pass (inventory also syncs its host at once),
+    # and the most a request's resources may ask per node (README "Limits").
+    host_sync_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_HOST_SYNC_SECONDS", "30")))
+    max_host_vcpu: int = field(default_factory=lambda: _int("BC_MAX_HOST_VCPU", 4096))
+    max_host_memory_gib: int = field(default_factory=lambda: _int("BC_MAX_HOST_MEMORY_GIB", 65536))

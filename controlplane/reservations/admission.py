@@ -20,7 +20,7 @@ from controlplane import authorize, confirmations, db, errors, events, iam, quot
 from controlplane.auth import Caller
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
-from controlplane.reservations import kubernetes, placing, queries, schedule, states
+from controlplane.reservations import hostshare, kubernetes, placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -81,11 +81,12 @@ async def _transaction_1(
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
         await _require_draft_room(conn, rt, caller)
+        request, share = await _with_host_resources(conn, rt, inp.request, pool)
         await conn.execute(
             queries.INSERT_DRAFT,
             {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
              "identity_id": caller.identity_id, "key": inp.idempotency_key,
-             "request": Jsonb(inp.request), "hash": digest},
+             "request": Jsonb(request), "hash": digest, "host_share": Jsonb(share)},
         )
         row = await _fetch(conn, rid)  # ours, or a concurrent twin's
         assert row is not None
@@ -116,6 +117,16 @@ async def _transaction_1(
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
     return draft
+
+
+async def _with_host_resources(
+    conn: AsyncConnection, rt: Runtime, request: dict[str, Any], pool: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """The request as stored, with the host resources it books resolved once (the pool's per-GPU
+    share, the floor of what it asks), and the share itself (the hash stays the input's)."""
+    gpus = request["devices"][0]["count"]
+    booked, share = hostshare.resolve(request.get("resources"), await hostshare.per_gpu(conn, rt, pool), gpus)
+    return {**request, "resources": booked}, share
 
 
 async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller) -> None:
@@ -167,8 +178,7 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
         "hasStart": request.get("start") is not None,
         "start": request.get("start") or 0,
         "leaseSeconds": request.get("leaseSeconds") or 0,
-        "vcpu": 0,
-        "memoryGiB": 0,
+        **hostshare.attributes(row),
     }
 
 
@@ -213,7 +223,8 @@ async def _transaction_2(
 
     assert prepared is not None
     device = row["request"]["devices"][0]
-    await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
+    # QUOTA_EXCEEDED rolls back; host resources above the share are charged beside the GPUs.
+    await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"], **hostshare.excess(row)})
     await placing.place_locked(conn, rt, row, prepared, now_ms)
     return Outcome()
 

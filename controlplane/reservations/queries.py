@@ -32,8 +32,8 @@ WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
 
 INSERT_DRAFT = """
 INSERT INTO reservations
-    (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash)
-VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s)
+    (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
+VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s, %(host_share)s)
 ON CONFLICT DO NOTHING
 """
 
@@ -109,7 +109,7 @@ SELECT (SELECT count(*) FROM moved) AS moved,
 """
 
 ALLOCATIONS = """
-SELECT id, node_id, device_ids, state, binding
+SELECT id, node_id, device_ids, state, binding, limits
 FROM allocations WHERE reservation_id = %(id)s ORDER BY created_at, id
 """
 
