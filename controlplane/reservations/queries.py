@@ -194,14 +194,22 @@ WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND a.state IN ('plac
   AND upper(b.during) = from_epoch_ms(%(from)s)
 """
 
-# The earliest other booking on one of our atoms that starts at or after our end.
+# The earliest other booking on one of our atoms that starts at or after our end, or of a host
+# resource we book on our node (where its load may rise past what the node can give).
 AVAILABLE_UNTIL = """
-SELECT epoch_ms(min(lower(o.during))) AS until
-FROM bookings b
-JOIN allocations a ON a.id = b.allocation_id
-JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
-WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-  AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)
+SELECT epoch_ms(least(
+    (SELECT min(lower(o.during))
+     FROM bookings b
+     JOIN allocations a ON a.id = b.allocation_id
+     JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
+     WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+       AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)),
+    (SELECT min(lower(o.during))
+     FROM host_bookings h
+     JOIN allocations a ON a.id = h.allocation_id
+     JOIN host_bookings o ON o.node_id = h.node_id AND o.resource = h.resource AND o.allocation_id <> h.allocation_id
+     WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+       AND upper(h.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)))) AS until
 """
 
 SET_WINDOW_END = """
