@@ -12,9 +12,13 @@ import time
 import uuid
 from fractions import Fraction
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import psycopg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
@@ -22,7 +26,7 @@ from controlplane.nodes import cpulist, hosts
 from controlplane.nodes.inventory import inventory_json
 from controlplane.placement import queries as placement_queries
 from controlplane.reservations import hostshare
-from tests.support import PERMISSIVE, ServerThread, World, get, rpc_error
+from tests.support import PERMISSIVE, ServerThread, World, get, make_world, rpc_error
 
 LIMITS_LABEL = "bc.dev/cap.devices.limits"
 GIB = 1 << 30
@@ -393,3 +397,79 @@ def test_the_reconciler_keeps_rows_in_step_with_the_applied_inventory(world: Wor
     server.call(hosts.sync_pass(server.app.runtime.pool))
     assert world.sql("SELECT allocatable::int FROM host_resources WHERE node_id = %s AND resource = 'hugepages2Mi'",
                      (node.id,)) == [(0,)]
+
+
+# -- the property: booked host resources never exceed what a node can give --------------------
+
+
+def peak_over_capacity(world: World) -> list[str]:
+    """Every (node, resource) whose bookings, at some instant, add up past what it can give."""
+    rows = world.sql(
+        "SELECT h.node_id, h.resource, h.amount, epoch_ms(lower(h.during)), epoch_ms(upper(h.during)),"
+        " host_capacity(h.node_id, h.resource) FROM host_bookings h JOIN nodes n ON n.id = h.node_id"
+        " WHERE n.pool_id = %s", (world.pool_id,))
+    by_key: dict[tuple[str, str], list[tuple]] = {}
+    for node, resource, amount, start, end, capacity in rows:
+        by_key.setdefault((node, resource), []).append((start, end, amount, capacity))
+    over = []
+    for key, booked in by_key.items():
+        capacity = booked[0][3]
+        for start, *_ in booked:  # the load peaks where a booking starts
+            load = sum(a for s, e, a, _ in booked if s <= start < e)
+            if load > capacity:
+                over.append(f"{key}: {load} booked at {start}, {capacity} can be given")
+    return over
+
+
+create_step = st.fixed_dictionaries({
+    "count": st.integers(1, 8), "vcpu": st.integers(0, 48), "memory": st.integers(0, 600),
+    "pages": st.integers(0, 10), "start_h": st.integers(1, 8), "hours": st.integers(1, 6)})
+step = st.one_of(
+    st.tuples(st.just("create"), st.lists(create_step, min_size=1, max_size=4)),  # concurrently
+    st.tuples(st.just("release"), st.integers(0, 30)),
+    st.tuples(st.just("extend"), st.tuples(st.integers(0, 30), st.integers(1, 6))),
+)
+
+
+@given(steps=st.lists(step, min_size=1, max_size=8))
+@settings(max_examples=12)
+def test_booked_host_resources_never_exceed_what_a_node_can_give(stack, steps) -> None:
+    server, root = stack
+    world = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    try:
+        for i in range(2):
+            host_node(world, server, vcpu=34 + 32 * i, memory=512 * (i + 1), pages=8 * (i + 1))
+        world.quota(100_000, "vcpu")
+        world.quota(100_000, "memoryGiB")
+        made: list[str] = []
+        for kind, arg in steps:
+            if kind == "create":
+                def one(c: dict) -> str | None:
+                    try:
+                        return world.create(count=c["count"], duration=f"{c['hours']}h", start=world.later(c["start_h"]),
+                                            resources=resources(vcpu=c["vcpu"], memory_gib=c["memory"],
+                                                                hugepages_1gi=c["pages"])).id
+                    except grpc.RpcError:
+                        return None
+                with ThreadPoolExecutor(len(arg)) as pool:
+                    made += [rid for rid in pool.map(one, arg) if rid]
+            elif made and kind == "release":
+                world.user.res("Release", pb.ReleaseReservationRequest(
+                    tenant_id=world.tenant, reservation_id=made[arg % len(made)]))
+            elif made and kind == "extend":
+                rid = made[arg[0] % len(made)]
+                try:
+                    world.user.res("Extend", pb.ExtendReservationRequest(
+                        tenant_id=world.tenant, reservation_id=rid, by=f"{arg[1]}h", idempotency_key=uuid.uuid4().hex))
+                except grpc.RpcError as exc:  # not extendable in its state (pending, released)
+                    assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert peak_over_capacity(world) == []
+        # Every placed reservation books exactly what its request says, on its devices' node.
+        for rid in made:
+            r = get(world, rid)
+            if r.state in ("placed", "binding", "active"):
+                want = {k: v for k, v in (("vcpu", r.request.resources.vcpu), ("memoryGiB", r.request.resources.memory_gib),
+                                          ("hugepages1Gi", r.request.resources.hugepages_1gi)) if v}
+                assert host_bookings(world, rid) == want
+    finally:
+        world.close()
