@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench import creates, diag, phases, procstat, report, stack
+from bench import creates, diag, hostres, phases, procstat, report, stack
 from bench.load import Result
 from bench.phases import say
 from bench.seed import Seeded, seed
@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="diagnostic: run the control plane under cProfile and print its hot spots (slower)")
     p.add_argument("--placement-index", choices=["on", "off"], default="on",
                    help="plan creates with the in-memory capacity index, or with the SQL shortlist (off)")
+    p.add_argument("--resources", action="store_true",
+                   help="after the creates, the same on hosts with resources booked (reported next to them)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (database, server log)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 100 nodes, 5 s of creates, 3 s per baseline (flags given win)")
@@ -110,6 +112,8 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             pg_log = tmp / "pgdata" / "log"
             offset = diag.log_offset(pg_log)
             create_res = await phases.create_phase(args, channel, seeded, work, conninfo, pg_log, watch)
+            hostres_res = (await hostres.resources_phase(args, channel, seeded, work, conninfo, watch)
+                           if args.resources else None)
         states = stack.count_rows(
             conninfo,
             "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
@@ -118,7 +122,7 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
         bookings = stack.count_rows(conninfo, "SELECT count(*) FROM bookings")[0][0]
     finally:
         await server.stop()
-    results = [create_res, *(r for r in (echo_res, sql_res) if r)]
+    results = [create_res, *(r for r in (hostres_res, echo_res, sql_res) if r)]
     return Run(seeded, results, create_res, echo_res, sql_res, states, bookings,
                server.log_path, pg_log, offset)
 
@@ -134,6 +138,7 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
         report.phase_table(out.results),
         report.outcome_table(out.create) + "\n  in the database (incl. warm-up): "
         + ", ".join(f"{s} {n}" for s, n in out.states) + f"; {out.bookings} bookings",
+        report.outcome_table(out.results[1]) if args.resources else "",
         report.cpu_table(out.results),
         report.ratios(out.create, out.echo, out.sql),
         report.server_log_summary(out.server_log),
