@@ -40,7 +40,7 @@ def allocation_resources(limits: dict[str, Any] | None) -> pb.HostResources | No
     if not limits:
         return None
     return resources_message({"vcpu": limits.get("vcpu", 0), "memoryGiB": limits.get("memoryGiB", 0),
-                           "hugepages1Gi": limits.get("hugepages_1gi", 0)})
+                              "hugepages1Gi": limits.get("hugepages_1gi", 0)})
 
 
 def resources_message(raw: dict[str, Any] | None) -> pb.HostResources:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import random
-from fractions import Fraction
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from controlplane.placement import planner

@@ -18,12 +18,11 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
+from controlplane.reservations import queries
 from controlplane.reservations.validate import HOST_RESOURCES
 from controlplane.runtime import Runtime
 
 SHARED = ("vcpu", "memoryGiB")  # what a GPU carries a share of
-
-PER_GPU_OF_HOSTS = "SELECT resource, per_gpu FROM pool_host_share_per_gpu(%(pool_id)s)"
 
 
 async def per_gpu(conn: AsyncConnection, rt: Runtime, pool: dict[str, Any]) -> dict[str, Fraction]:
@@ -36,7 +35,7 @@ async def per_gpu(conn: AsyncConnection, rt: Runtime, pool: dict[str, Any]) -> d
     if index is not None:
         hosts = index.host_share_per_gpu()
     else:
-        rows = await (await conn.execute(PER_GPU_OF_HOSTS, {"pool_id": pool["id"]})).fetchall()
+        rows = await (await conn.execute(queries.HOST_SHARE_PER_GPU, {"pool_id": pool["id"]})).fetchall()
         hosts = {r["resource"]: Fraction(r["per_gpu"]) for r in rows}
     return {**hosts, **out}
 

@@ -57,6 +57,10 @@ WHERE p.id = %(pool_id)s
        OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
 """
 
+# The smallest per-GPU share of vcpu and memoryGiB any GPU host of the pool gives (migration 0018),
+# for a draft's host share while the capacity index is not built.
+HOST_SHARE_PER_GPU = "SELECT resource, per_gpu FROM pool_host_share_per_gpu(%(pool_id)s)"
+
 UPSERT_AUTHZ = """
 INSERT INTO authz_projection (reservation_id, attributes) VALUES (%(id)s, %(attributes)s)
 ON CONFLICT (reservation_id) DO UPDATE SET attributes = EXCLUDED.attributes
