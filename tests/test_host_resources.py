@@ -27,6 +27,7 @@ from controlplane.nodes.inventory import inventory_json
 from controlplane.placement import queries as placement_queries
 from controlplane.reservations import hostshare
 from tests.support import PERMISSIVE, ServerThread, World, get, make_world, rpc_error
+from tests.test_cli import cli, tty  # noqa: F401 (fixtures)
 
 LIMITS_LABEL = "bc.dev/cap.devices.limits"
 GIB = 1 << 30
@@ -475,3 +476,22 @@ def test_booked_host_resources_never_exceed_what_a_node_can_give(stack, steps) -
                 assert host_bookings(world, rid) == want
     finally:
         world.close()
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def test_reserve_cpus_and_memory_send_resources(cli, tty, world: World, server: ServerThread) -> None:
+    host_world(world, server)
+    world.quota(100, "vcpu")
+    world.quota(1000, "memoryGiB")
+    placed = cli("reserve", "--gpus", "2", "--cpus", "20", "--memory", "200").json
+    assert placed["request"]["resources"] == {"vcpu": 20, "memoryGiB": 200, "hugepages1Gi": 0}
+    assert placed["hostShare"] == {"vcpu": 16, "memoryGiB": 128}
+    only_cpus = cli("reserve", "--gpus", "1", "--cpus", "2").json  # memory: the share
+    assert only_cpus["request"]["resources"] == {"vcpu": 8, "memoryGiB": 64, "hugepages1Gi": 0}
+    for flag, value in (("--cpus", "4097"), ("--memory", "65537"), ("--cpus", "-1"), ("--memory", "lots")):
+        run = cli("reserve", "--gpus", "1", flag, value)
+        assert run.code == 2 and flag in run.err
+    screen = tty("get", placed["id"]).out
+    assert "20 vCPUs, 200 GiB per node (share 16 vCPUs, 128 GiB)" in screen
