@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench import creates, diag, phases, pgstat, preload, procstat, report, stack
+from bench import creates, diag, hostres, phases, pgstat, preload, procstat, report, stack
 from bench.load import Result
 from bench.phases import say
 from bench.seed import Seeded, seed
@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="control-plane processes on the one database")
     p.add_argument("--no-pg-stat", action="store_true",
                    help="do not load pg_stat_statements (saves a restart of PostgreSQL)")
+    p.add_argument("--resources", action="store_true",
+                   help="after the creates, the same on hosts with resources booked (reported next to them)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (database, server log)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 100 nodes, 5 s of creates, 3 s per baseline (flags given win)")
@@ -132,6 +134,7 @@ class Run:
     preloaded: preload.Preloaded | None = None
     statements: dict[str, pgstat.Statements] = field(default_factory=dict)  # phase name -> counters
     profiled: tuple[list[pathlib.Path], int] | None = None  # profile files, creates they cover
+    hostres: Result | None = None  # --resources: the create phase again with host resources booked
 
 
 async def start_replicas(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str) -> tuple[list, str]:
@@ -211,6 +214,8 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
         out.pg_log_offset = diag.log_offset(out.pg_log)
         out.creates = await phases.create_phases(args, channels, seeded, work, conninfo, watch, servers, tmp, out)
         out.create = out.creates[0]
+        if args.resources:
+            out.hostres = await hostres.resources_phase(args, channels[0], seeded, work, conninfo, watch)
         out.states = stack.count_rows(
             conninfo,
             "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
@@ -222,7 +227,7 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             await channel.close()
         for server in servers:
             await server.stop()
-    out.results = [*out.creates, *(r for r in (out.echo, out.sql) if r)]
+    out.results = [*out.creates, *(r for r in (out.hostres, out.echo, out.sql) if r)]
     return out
 
 
@@ -250,6 +255,8 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
     blocks = [report.phase_table(out.results)]
     for res in out.creates:
         blocks.append(report.outcome_table(res))
+    if out.hostres:
+        blocks.append(report.outcome_table(out.hostres))
     blocks[-1] += ("\n  in the database (incl. warm-up): " + ", ".join(f"{s} {n}" for s, n in out.states)
                    + f"; {out.bookings} bookings in all")
     blocks.append(report.cpu_table(out.results))

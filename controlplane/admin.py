@@ -87,7 +87,28 @@ def _policy(raw: dict[str, Any], max_replicas: int = 64, default_placer: str = "
         raise errors.InvalidInput("policy.placer", f"must be one of {sorted(lease.PLACERS)}")
     return {"sharing": _sharing(raw.get("sharing") or {}, max_replicas),
             "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root")),
-            "placer": placer}
+            "placer": placer, **_host_policy(raw)}
+
+
+def _host_policy(raw: dict[str, Any]) -> dict[str, Any]:
+    """policy.perGpu {vcpu, memoryGiB} (each optional) and policy.hostReserve {vcpu} (default 2)."""
+    out: dict[str, Any] = {}
+    per_gpu = raw.get("per_gpu")
+    if per_gpu is not None:
+        share = {}
+        for field, key, cap in (("vcpu", "vcpu", 4096), ("memory_gib", "memoryGiB", 65536)):
+            value = per_gpu.get(field)
+            if value is not None:
+                if not 0 <= int(value) <= cap:
+                    raise errors.InvalidInput(f"policy.perGpu.{key}", f"must be 0 to {cap}")
+                share[key] = int(value)
+        out["perGpu"] = share
+    reserve = raw.get("host_reserve")
+    if reserve is not None and reserve.get("vcpu") is not None:
+        if not 0 <= int(reserve["vcpu"]) <= 4096:
+            raise errors.InvalidInput("policy.hostReserve.vcpu", "must be 0 to 4096")
+        out["hostReserve"] = {"vcpu": int(reserve["vcpu"])}
+    return out
 
 
 async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:

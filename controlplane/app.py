@@ -33,6 +33,7 @@ from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
 from controlplane.placement import lease
+from controlplane.nodes import hosts
 from controlplane.placement.index_sync import CapacityIndex
 from controlplane.reservations import queued, reconciler
 from controlplane.runtime import Runtime
@@ -125,6 +126,8 @@ async def start_app(
         app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, WORK_HANDLERS), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
         app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
+        app.tasks.append(asyncio.create_task(hosts.run(rt.pool, settings.host_sync_seconds, app.stopping),
+                                             name="capacity-hosts"))
     log.info("control plane serving", port=port, workers=workers, tls=bool(settings.tls_cert))
     return app
 

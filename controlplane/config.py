@@ -124,3 +124,13 @@ class Settings:
     )
     # Queued reservations a lease holder plans and commits in one transaction.
     placer_batch: int = field(default_factory=lambda: _int("BC_PLACER_BATCH", 64))
+    # Host resources: the capacity.hosts reconciler's pass (inventory also syncs its host at once),
+    # and the most a request's resources may ask per node (README "Limits").
+    host_sync_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_HOST_SYNC_SECONDS", "30")))
+    max_host_vcpu: int = field(default_factory=lambda: _int("BC_MAX_HOST_VCPU", 4096))
+    max_host_memory_gib: int = field(default_factory=lambda: _int("BC_MAX_HOST_MEMORY_GIB", 65536))
+    # A node's cpulists (its NUMA nodes' CPUs, isolated CPUs) are read within these bounds; a longer
+    # list reads as empty, so an oversized one cannot stall the control plane.
+    cpulist_max_cpu: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CPU", 8191))
+    cpulist_max_chars: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CHARS", 32 * 1024))
+    cpulist_max_parts: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_PARTS", 4096))

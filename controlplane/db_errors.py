@@ -17,6 +17,8 @@ import psycopg
 from controlplane import errors
 
 BOOKINGS_NO_OVERLAP = "bookings_no_overlap"
+# A host booking past what its node can give (the guard of migration 0018).
+HOST_BOOKINGS_WITHIN_ALLOCATABLE = "host_bookings_within_allocatable"
 
 
 class Mapping(NamedTuple):

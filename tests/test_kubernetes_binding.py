@@ -35,10 +35,13 @@ CAP_LABEL = "bc.dev/cap.binding.kubernetes"
 
 @pytest.fixture
 def world(stack: Stack) -> Iterator[World]:  # noqa: F811
-    """A tenant whose own pool has policy.kubernetes (and no nodes until a fleet joins it)."""
+    """A tenant whose own pool has policy.kubernetes (and no nodes until a fleet joins it). Its GPUs
+    carry no host share (perGpu 0), so a plain hold books no host resources and may place on an
+    older daemon (spec "Host resources")."""
     w = make_world(stack.endpoint, stack.root, stack.conninfo, nodes=0)
     w.pool_id = stack.root.admin("CreatePool", apb.CreatePoolRequest(
-        owner_tenant_id=w.tenant, name="k8s", region="eu-1", policy=apb.PoolPolicy(kubernetes=True))).id
+        owner_tenant_id=w.tenant, name="k8s", region="eu-1",
+        policy=apb.PoolPolicy(kubernetes=True, per_gpu=apb.PerGpuShare(vcpu=0, memory_gib=0)))).id
     yield w
     w.close()
 

@@ -225,3 +225,35 @@ def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_batch_books_host_resources_through_the_guarded_statement(world: World) -> None:
+    """A lease pool's batch books each member's host resources like an inline commit: what a node
+    cannot give is not booked there (the guard of migration 0018 decides), and the member goes to a
+    node that can."""
+    from tests.test_host_resources import host_bookings, resources
+
+    world.wait_ms = 20_000
+    for node in world.nodes:
+        world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=node.id, state="cordoned"))
+    hosts = []
+    for vcpu in (40, 40):
+        name = f"hr{len(world.nodes):03d}-{world.tenant[-6:]}"
+        from tests.support import gpus as gpu_list
+        node = world.add_node(gpu_list(name, 8), name=name, system_labels={"bc.dev/cap.devices.limits": "true"})
+        world.sql("INSERT INTO host_resources (node_id, resource, allocatable) VALUES"
+                  " (%(n)s, 'vcpu', %(v)s), (%(n)s, 'memoryGiB', 512)", {"n": node.id, "v": vcpu})
+        hosts.append(node.id)
+    world.quota(1000, "vcpu")
+    start = world.later(2)
+    # Each node gives 38 vCPUs (40 less the default reserve of 2): two asks of 30 need both nodes.
+    first = world.create(count=1, resources=resources(vcpu=30), start=start)
+    second = world.create(count=1, resources=resources(vcpu=30), start=start)
+    placed = [eventually(world, r.id, lambda x: x.state != "queued") for r in (first, second)]
+    assert [p.state for p in placed] == ["placed", "placed"]
+    assert {p.allocations[0].node_id for p in placed} == set(hosts)
+    assert [host_bookings(world, p.id)["vcpu"] for p in placed] == [30, 30]
+    third = world.create(count=1, resources=resources(vcpu=30), start=start)
+    assert eventually(world, third.id, lambda x: x.state != "queued").state == "pending"
+    assert host_bookings(world, third.id) == {}
+    check_invariants(world.conninfo, world.tenant)

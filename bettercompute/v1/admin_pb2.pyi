@@ -353,6 +353,8 @@ class PoolPolicy(_message.Message):
     KUBERNETES_FIELD_NUMBER: _builtins.int
     TENANT_ROOT_FIELD_NUMBER: _builtins.int
     PLACER_FIELD_NUMBER: _builtins.int
+    PER_GPU_FIELD_NUMBER: _builtins.int
+    HOST_RESERVE_FIELD_NUMBER: _builtins.int
     kubernetes: _builtins.bool
     tenant_root: _builtins.bool
     placer: _builtins.str
@@ -361,6 +363,16 @@ class PoolPolicy(_message.Message):
     """
     @_builtins.property
     def sharing(self) -> Global___SharingPolicy: ...
+    @_builtins.property
+    def per_gpu(self) -> Global___PerGpuShare:
+        """Host resources each GPU carries without a request's resources; unset: the smallest share any
+        GPU host of the pool can give.
+        """
+
+    @_builtins.property
+    def host_reserve(self) -> Global___HostReserve:
+        """CPUs of each host never booked nor in a cpuset (the lowest non-isolated ones); default 2."""
+
     def __init__(
         self,
         *,
@@ -368,14 +380,66 @@ class PoolPolicy(_message.Message):
         kubernetes: _builtins.bool = ...,
         tenant_root: _builtins.bool = ...,
         placer: _builtins.str = ...,
+        per_gpu: Global___PerGpuShare | None = ...,
+        host_reserve: Global___HostReserve | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sharing", b"sharing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["host_reserve", b"host_reserve", "per_gpu", b"per_gpu", "sharing", b"sharing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kubernetes", b"kubernetes", "placer", b"placer", "sharing", b"sharing", "tenant_root", b"tenant_root"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_reserve", b"host_reserve", "kubernetes", b"kubernetes", "per_gpu", b"per_gpu", "placer", b"placer", "sharing", b"sharing", "tenant_root", b"tenant_root"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolPolicy: _TypeAlias = PoolPolicy  # noqa: Y015
+
+@_typing.final
+class PerGpuShare(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VCPU_FIELD_NUMBER: _builtins.int
+    MEMORY_GIB_FIELD_NUMBER: _builtins.int
+    vcpu: _builtins.int
+    memory_gib: _builtins.int
+    def __init__(
+        self,
+        *,
+        vcpu: _builtins.int | None = ...,
+        memory_gib: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_memory_gib", b"_memory_gib", "_vcpu", b"_vcpu", "memory_gib", b"memory_gib", "vcpu", b"vcpu"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_memory_gib", b"_memory_gib", "_vcpu", b"_vcpu", "memory_gib", b"memory_gib", "vcpu", b"vcpu"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__memory_gib: _TypeAlias = _typing.Literal["memory_gib"]  # noqa: Y015
+    _WhichOneofArgType__memory_gib: _TypeAlias = _typing.Literal["_memory_gib", b"_memory_gib"]  # noqa: Y015
+    _WhichOneofReturnType__vcpu: _TypeAlias = _typing.Literal["vcpu"]  # noqa: Y015
+    _WhichOneofArgType__vcpu: _TypeAlias = _typing.Literal["_vcpu", b"_vcpu"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_gib) -> _WhichOneofReturnType__memory_gib | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vcpu) -> _WhichOneofReturnType__vcpu | None: ...
+
+Global___PerGpuShare: _TypeAlias = PerGpuShare  # noqa: Y015
+
+@_typing.final
+class HostReserve(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VCPU_FIELD_NUMBER: _builtins.int
+    vcpu: _builtins.int
+    def __init__(
+        self,
+        *,
+        vcpu: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_vcpu", b"_vcpu", "vcpu", b"vcpu"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_vcpu", b"_vcpu", "vcpu", b"vcpu"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__vcpu: _TypeAlias = _typing.Literal["vcpu"]  # noqa: Y015
+    _WhichOneofArgType__vcpu: _TypeAlias = _typing.Literal["_vcpu", b"_vcpu"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vcpu) -> _WhichOneofReturnType__vcpu | None: ...
+
+Global___HostReserve: _TypeAlias = HostReserve  # noqa: Y015
 
 @_typing.final
 class Pool(_message.Message):

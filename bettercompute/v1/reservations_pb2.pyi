@@ -115,6 +115,7 @@ class CreateReservationRequest(_message.Message):
     WAIT_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     pool_id: _builtins.str
     duration: _builtins.str
@@ -134,6 +135,12 @@ class CreateReservationRequest(_message.Message):
     def node_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Node labels every chosen node must carry with exactly these values."""
 
+    @_builtins.property
+    def resources(self) -> Global___HostResources:
+        """Host CPUs, memory and 1 GiB huge pages booked per node with the devices. Unset: the pool's
+        per-GPU share; below the share (or {}): raised to it.
+        """
+
     def __init__(
         self,
         *,
@@ -148,10 +155,11 @@ class CreateReservationRequest(_message.Message):
         wait: Global___Wait | None = ...,
         lease_seconds: _builtins.int | None = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        resources: Global___HostResources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "lease_seconds", b"lease_seconds", "start", b"start", "wait", b"wait"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "lease_seconds", b"lease_seconds", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node_selector", b"node_selector", "pool_id", b"pool_id", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
@@ -167,6 +175,44 @@ class CreateReservationRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_duration_spec) -> _WhichOneofReturnType_duration_spec | None: ...
 
 Global___CreateReservationRequest: _TypeAlias = CreateReservationRequest  # noqa: Y015
+
+@_typing.final
+class HostResources(_message.Message):
+    """Host resources booked on the devices' node (spec "Host resources")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VCPU_FIELD_NUMBER: _builtins.int
+    MEMORY_GIB_FIELD_NUMBER: _builtins.int
+    HUGEPAGES_1GI_FIELD_NUMBER: _builtins.int
+    vcpu: _builtins.int
+    memory_gib: _builtins.int
+    hugepages_1gi: _builtins.int
+    def __init__(
+        self,
+        *,
+        vcpu: _builtins.int | None = ...,
+        memory_gib: _builtins.int | None = ...,
+        hugepages_1gi: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_hugepages_1gi", b"_hugepages_1gi", "_memory_gib", b"_memory_gib", "_vcpu", b"_vcpu", "hugepages_1gi", b"hugepages_1gi", "memory_gib", b"memory_gib", "vcpu", b"vcpu"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hugepages_1gi", b"_hugepages_1gi", "_memory_gib", b"_memory_gib", "_vcpu", b"_vcpu", "hugepages_1gi", b"hugepages_1gi", "memory_gib", b"memory_gib", "vcpu", b"vcpu"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__hugepages_1gi: _TypeAlias = _typing.Literal["hugepages_1gi"]  # noqa: Y015
+    _WhichOneofArgType__hugepages_1gi: _TypeAlias = _typing.Literal["_hugepages_1gi", b"_hugepages_1gi"]  # noqa: Y015
+    _WhichOneofReturnType__memory_gib: _TypeAlias = _typing.Literal["memory_gib"]  # noqa: Y015
+    _WhichOneofArgType__memory_gib: _TypeAlias = _typing.Literal["_memory_gib", b"_memory_gib"]  # noqa: Y015
+    _WhichOneofReturnType__vcpu: _TypeAlias = _typing.Literal["vcpu"]  # noqa: Y015
+    _WhichOneofArgType__vcpu: _TypeAlias = _typing.Literal["_vcpu", b"_vcpu"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__hugepages_1gi) -> _WhichOneofReturnType__hugepages_1gi | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_gib) -> _WhichOneofReturnType__memory_gib | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__vcpu) -> _WhichOneofReturnType__vcpu | None: ...
+
+Global___HostResources: _TypeAlias = HostResources  # noqa: Y015
 
 @_typing.final
 class GetReservationRequest(_message.Message):
@@ -412,6 +458,7 @@ class StoredRequest(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     duration: _builtins.str
     """Milliseconds with an "ms" suffix, e.g. "28800000ms"."""
@@ -422,6 +469,10 @@ class StoredRequest(_message.Message):
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceRequest]: ...
     @_builtins.property
     def node_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def resources(self) -> Global___HostResources:
+        """What is booked per node: the request's resources raised to the pool's per-GPU share."""
+
     def __init__(
         self,
         *,
@@ -432,10 +483,11 @@ class StoredRequest(_message.Message):
         start: _builtins.int | None = ...,
         lease_seconds: _builtins.int | None = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        resources: Global___HostResources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "lease_seconds", b"lease_seconds", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "lease_seconds", b"lease_seconds", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "lease_seconds", b"lease_seconds", "node_selector", b"node_selector", "pool_id", b"pool_id", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "lease_seconds", b"lease_seconds", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
@@ -564,11 +616,16 @@ class Allocation(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     DEVICE_IDS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     node_id: _builtins.str
     state: _builtins.str
     @_builtins.property
     def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def resources(self) -> Global___HostResources:
+        """The host resources booked on this allocation's node."""
+
     def __init__(
         self,
         *,
@@ -576,10 +633,11 @@ class Allocation(_message.Message):
         node_id: _builtins.str = ...,
         device_ids: _abc.Iterable[_builtins.str] | None = ...,
         state: _builtins.str = ...,
+        resources: Global___HostResources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "id", b"id", "node_id", b"node_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_ids", b"device_ids", "id", b"id", "node_id", b"node_id", "resources", b"resources", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -605,6 +663,7 @@ class Reservation(_message.Message):
     ALLOCATIONS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    HOST_SHARE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant_id: _builtins.str
     pool_id: _builtins.str
@@ -627,6 +686,10 @@ class Reservation(_message.Message):
     def operation(self) -> Global___Operation: ...
     @_builtins.property
     def allocations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Allocation]: ...
+    @_builtins.property
+    def host_share(self) -> Global___HostResources:
+        """The pool's per-GPU share the GPUs carry without quota ({} when the pool has none)."""
+
     def __init__(
         self,
         *,
@@ -646,10 +709,11 @@ class Reservation(_message.Message):
         allocations: _abc.Iterable[Global___Allocation] | None = ...,
         created_at: _builtins.int = ...,
         updated_at: _builtins.int = ...,
+        host_share: Global___HostResources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "binding", b"binding", "during", b"during", "lease_deadline", b"lease_deadline", "operation", b"operation", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "binding", b"binding", "during", b"during", "host_share", b"host_share", "lease_deadline", b"lease_deadline", "operation", b"operation", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "allocations", b"allocations", "binding", b"binding", "conditions", b"conditions", "created_at", b"created_at", "during", b"during", "id", b"id", "idempotency_key", b"idempotency_key", "lease_deadline", b"lease_deadline", "operation", b"operation", "owner_identity_id", b"owner_identity_id", "pool_id", b"pool_id", "request", b"request", "state", b"state", "tenant_id", b"tenant_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "allocations", b"allocations", "binding", b"binding", "conditions", b"conditions", "created_at", b"created_at", "during", b"during", "host_share", b"host_share", "id", b"id", "idempotency_key", b"idempotency_key", "lease_deadline", b"lease_deadline", "operation", b"operation", "owner_identity_id", b"owner_identity_id", "pool_id", b"pool_id", "request", b"request", "state", b"state", "tenant_id", b"tenant_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_deadline: _TypeAlias = _typing.Literal["lease_deadline"]  # noqa: Y015
     _WhichOneofArgType__lease_deadline: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline"]  # noqa: Y015

@@ -26,7 +26,28 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "wait_timeout_ms": m.wait.timeout_ms if m.HasField("wait") else None,
         "lease_seconds": m.lease_seconds if m.HasField("lease_seconds") else None,
         "node_selector": dict(m.node_selector),
+        "resources": host_resources_input(m.resources) if m.HasField("resources") else None,
     }
+
+
+def host_resources_input(m: pb.HostResources) -> dict[str, int | None]:
+    return {"vcpu": m.vcpu if m.HasField("vcpu") else None,
+            "memoryGiB": m.memory_gib if m.HasField("memory_gib") else None,
+            "hugepages1Gi": m.hugepages_1gi if m.HasField("hugepages_1gi") else None}
+
+
+def allocation_resources(limits: dict[str, Any] | None) -> pb.HostResources | None:
+    """What an allocation booked on its node, from its limits (None: a hold that books none)."""
+    if not limits:
+        return None
+    return resources_message({"vcpu": limits.get("vcpu", 0), "memoryGiB": limits.get("memoryGiB", 0),
+                              "hugepages1Gi": limits.get("hugepages_1gi", 0)})
+
+
+def resources_message(raw: dict[str, Any] | None) -> pb.HostResources:
+    raw = raw or {}
+    return pb.HostResources(vcpu=raw.get("vcpu"), memory_gib=raw.get("memoryGiB"),
+                            hugepages_1gi=raw.get("hugepages1Gi"))
 
 
 def list_input(m: pb.ListReservationsRequest) -> dict[str, Any]:
@@ -53,6 +74,7 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             start=request.get("start"),
             lease_seconds=request.get("leaseSeconds"),
             node_selector=request.get("nodeSelector") or {},
+            resources=resources_message(request.get("resources")) if request.get("resources") is not None else None,
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],
@@ -67,12 +89,15 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
         created_at=row["created_ms"],
         updated_at=row["updated_ms"],
     )
+    if row.get("host_share") is not None:
+        out.host_share.CopyFrom(resources_message(row["host_share"]))
     if row.get("during_start") is not None:
         out.during.CopyFrom(pb.Interval(start=row["during_start"], end=row["during_end"]))
     for alloc in row.get("allocations", []):
         out.allocations.append(
             pb.Allocation(id=alloc["id"], node_id=alloc["node_id"], device_ids=alloc["device_ids"],
-                          state=alloc["state"])
+                          state=alloc["state"],
+                          resources=allocation_resources(alloc.get("limits")))
         )
     bound = sorted((a for a in row.get("allocations", []) if a["state"] == "bound" and a["binding"]),
                    key=lambda a: a["id"])
@@ -103,6 +128,10 @@ def pool(row: dict[str, Any]) -> admin_pb2.Pool:
             sharing=admin_pb2.SharingPolicy(mode=sharing.get("mode", ""), replicas=sharing.get("replicas", 0)),
             kubernetes=policy.get("kubernetes", False), tenant_root=policy.get("tenantRoot", False),
             placer=policy.get("placer", "inline"),
+            per_gpu=admin_pb2.PerGpuShare(vcpu=policy["perGpu"].get("vcpu"), memory_gib=policy["perGpu"].get("memoryGiB"))
+            if policy.get("perGpu") else None,
+            host_reserve=admin_pb2.HostReserve(vcpu=policy["hostReserve"].get("vcpu"))
+            if policy.get("hostReserve") else None,
         ),
         offered_to=row["offered_to"],
     )

@@ -36,6 +36,8 @@ def reserve_request(
     kubernetes: bool = False,
     device_class: str = "gpu",
     profile: str = "",
+    cpus: int | None = None,
+    memory_gib: int | None = None,
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -48,6 +50,8 @@ def reserve_request(
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
         binding="kubernetes" if kubernetes else "",
     )
+    if cpus is not None or memory_gib is not None:  # sent as resources; unset ones take the pool's share
+        request.resources.CopyFrom(pb.HostResources(vcpu=cpus, memory_gib=memory_gib))
     if start:
         request.start = parse_moment("--start", start)
     if lease:
@@ -83,6 +87,7 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
         client, gpus=args.gpus, topology=args.topology, duration=args.duration, start=args.start,
         key=args.key, pool=args.pool, lease=args.lease, kubernetes=args.kubernetes,
         device_class=args.device_class, profile=args.profile,
+        cpus=args.cpus, memory_gib=args.memory,
     )
     return create_and_wait(client, request, args.wait, on_state)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from controlplane.client import commands
@@ -63,6 +64,10 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--lease", help="a renewable lease such as 10m (see `renew`)")
     p.add_argument("--kubernetes", action="store_true",
                    help="binding kubernetes: the node's kubelet gets the GPUs (an owned pool with policy.kubernetes)")
+    p.add_argument("--cpus", type=_bounded("--cpus", 0, 4096), metavar="N",
+                   help="host CPUs per node, 0 to 4096 (default: the pool's per-GPU share)")
+    p.add_argument("--memory", type=_bounded("--memory", 0, 65536), metavar="GIB",
+                   help="host memory per node in GiB, 0 to 65536 (default: the pool's per-GPU share)")
     p.add_argument("--wait", type=float, default=20.0, help="seconds to wait while queued (default 20)")
     p.set_defaults(run=commands.reserve, progress=True)
 
@@ -105,3 +110,18 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("confirmation_id", metavar="ID")
     p.set_defaults(run=commands.confirmation)
     return parser
+
+
+def _bounded(flag: str, lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from lo to hi."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, {lo} to {hi}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{flag} must be {lo} to {hi}")
+        return value
+
+    return parse

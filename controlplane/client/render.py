@@ -133,12 +133,18 @@ def _reservation_rows(r: pb.Reservation) -> list[tuple[str, Any]]:
         rows.append(("duration", fmt_duration(_duration_ms(r.request.duration))))
     if r.HasField("lease_deadline"):
         rows.append(("lease", f"until {fmt_time(r.lease_deadline)}"))
+    res = r.request.resources
+    if res.vcpu or res.memory_gib or res.hugepages_1gi:
+        host = f"{res.vcpu} vCPUs, {res.memory_gib} GiB" + (f", {res.hugepages_1gi} x 1 GiB huge pages"
+                                                           if res.hugepages_1gi else "")
+        rows.append(("host", host + f" per node (share {r.host_share.vcpu} vCPUs, {r.host_share.memory_gib} GiB)"))
     rows += [("owner", r.owner_identity_id), ("key", r.idempotency_key)]
     for a in r.allocations:
         rows.append(("allocation", f"{a.id} on {a.node_id}: {len(a.device_ids)} GPUs, {a.state}"))
     if r.binding.node_id:
         bound = f"{len(r.binding.cdi_devices)} CDI devices on {r.binding.node_id}"
         bound += (", attested" if r.binding.attested else "") + (f", {r.binding.env_file}" if r.binding.env_file else "")
+        bound += f", cgroup {r.binding.cgroup_parent}" if r.binding.cgroup_parent else ""
         rows.append(("binding", bound))
     for c in r.conditions:
         rows.append(("condition", f"{c.type}={c.status} {c.reason}: {c.message}".rstrip(": ")))

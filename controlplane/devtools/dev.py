@@ -48,6 +48,7 @@ USER = "alice"
 POOL = "demo-h100"
 REGION = "local"
 GPU_QUOTA = 64
+HOST_QUOTA = {"vcpu": 512, "memoryGiB": 4096}
 NODE_COUNT = 8
 GPU_MODEL = "H100-SXM5-80GB"
 GPU_MEMORY_MIB = 81559
@@ -267,6 +268,8 @@ async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str, user_t
             admin.SetQuota,
             admin_pb2.SetQuotaRequest(tenant_id=TENANT, resource="gpu", limit=GPU_QUOTA),
         )
+        for resource, limit in HOST_QUOTA.items():  # host resources above the GPUs' share
+            await call(admin.SetQuota, admin_pb2.SetQuotaRequest(tenant_id=TENANT, resource=resource, limit=limit))
         pool = await call(
             admin.CreatePool,
             admin_pb2.CreatePoolRequest(

@@ -11,7 +11,7 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
-from controlplane.nodes import queries
+from controlplane.nodes import hosts, queries
 
 # Sent by the SQL function bump_desired (controlplane/migrations/0002_work_queue.sql).
 DESIRED_CHANNEL = "bc_node_desired"
@@ -29,18 +29,25 @@ async def bump_live_of(conn: AsyncConnection, reservation_id: str) -> None:
     await conn.execute(queries.BUMP_DESIRED_OF_LIVE, {"id": reservation_id})
 
 
-def _limits(raw: dict[str, Any]) -> node_pb2.Limits:
+def _limits(raw: dict[str, Any], cpuset: tuple[str, str] = ("", "")) -> node_pb2.Limits:
     return node_pb2.Limits(
         cpu_millis=int(raw.get("cpu_millis") or 0), memory_bytes=int(raw.get("memory_bytes") or 0),
-        hugepages_1gi=int(raw.get("hugepages_1gi") or 0), cpus=str(raw.get("cpus") or ""),
-        mems=str(raw.get("mems") or ""))
+        hugepages_1gi=int(raw.get("hugepages_1gi") or 0), cpus=str(raw.get("cpus") or cpuset[0]),
+        mems=str(raw.get("mems") or cpuset[1]))
 
 
-def assignment(row: dict[str, Any]) -> node_pb2.DeviceAssignment:
+def assignment(row: dict[str, Any], facts: dict[str, Any] | None = None) -> node_pb2.DeviceAssignment:
+    """The assignment of an allocation row; with the node's facts (CPUSET_FACTS), a hold booking
+    host resources is pinned to the CPUs and memory of its devices' NUMA nodes."""
+    raw = row["limits"] or {}
+    cpuset = ("", "")
+    if facts is not None and (raw.get("vcpu") or raw.get("memoryGiB")):
+        cpuset = hosts.cpuset(facts["inventory"] or {}, row["device_ids"], int(raw.get("vcpu") or 0),
+                              int(raw.get("memoryGiB") or 0), int(facts["reserve"]))
     return node_pb2.DeviceAssignment(
         allocation_id=row["id"], device_ids=row["device_ids"], until=row["until"],
         binding=_BINDINGS.get(row["binding"] or "", node_pb2.BINDING_HOLD),
-        limits=_limits(row["limits"] or {}), device_class=row.get("device_class") or "gpu")
+        limits=_limits(raw, cpuset), device_class=row.get("device_class") or "gpu")
 
 
 async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState:
@@ -49,5 +56,8 @@ async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             generation = await (await conn.execute(queries.DESIRED_GENERATION, {"node_id": node_id})).fetchone()
             rows = await (await conn.execute(queries.DESIRED_ASSIGNMENTS, {"node_id": node_id})).fetchall()
+            facts = None
+            if any(r["limits"] for r in rows):
+                facts = await (await conn.execute(queries.CPUSET_FACTS, {"node_id": node_id})).fetchone()
     return node_pb2.DesiredState(generation=generation["desired_generation"] if generation else 0,
-                                 assignments=[assignment(r) for r in rows])
+                                 assignments=[assignment(r, facts) for r in rows])

@@ -20,7 +20,7 @@ from bettercompute.node.v1 import node_pb2
 from controlplane import db
 from controlplane.common.names import LABEL, MODEL
 from controlplane.ids import new_id
-from controlplane.nodes import queries, shared_atoms
+from controlplane.nodes import cpulist, hosts, queries, shared_atoms
 from controlplane.nodes.locking import lock_for_placement_change
 
 log = structlog.get_logger("nodes.inventory")
@@ -32,8 +32,6 @@ FABRIC = "fabric.domain"
 SYSTEM = "system"
 MAX_CAPABILITIES = 64
 MAX_GPUS = 256
-MAX_CPULIST = 32 * 1024  # longer lists are read as empty (spec: host resources)
-GIB = 1 << 30
 
 
 def capabilities(hello: node_pb2.Hello) -> list[str]:
@@ -74,9 +72,6 @@ def fabric_label(labels: dict[str, Any], gpu_list: list[node_pb2.Gpu]) -> dict[s
 
 
 def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) -> dict[str, Any]:
-    def cpulist(value: str) -> str:
-        return value if len(value) <= MAX_CPULIST else ""
-
     return {
         "generation": inventory.generation,
         "gpus": [{"uuid": g.uuid, "model": g.model, "memory_mib": g.memory_mib, "numa_node": max(0, g.numa_node),
@@ -84,19 +79,14 @@ def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) 
                   "nvlink_domain": nvlink_domain(g), "mig_mode": g.mig_mode,
                   "mig_instances": [{"index": m.index, "profile": m.profile} for m in g.mig_instances]}
                  for g in gpu_list],
-        "numa_nodes": [{"id": n.id, "cpulist": cpulist(n.cpulist), "memory_bytes": n.memory_bytes}
+        "numa_nodes": [{"id": n.id, "cpulist": cpulist.normalise(n.cpulist), "memory_bytes": n.memory_bytes}
                        for n in inventory.numa_nodes],
-        "isolated_cpus": cpulist(inventory.isolated_cpus),
+        "isolated_cpus": cpulist.normalise(inventory.isolated_cpus),
         "memory_bytes": inventory.memory_bytes,
         "hugepages_2mi": inventory.hugepages_2mi,
         "hugepages_1gi": inventory.hugepages_1gi,
         "vcpus": inventory.vcpus,
     }
-
-
-def host_resources(inventory: node_pb2.Inventory) -> dict[str, int]:
-    return {"vcpu": max(0, inventory.vcpus), "memoryGiB": max(0, inventory.memory_bytes) // GIB,
-            "hugepages2Mi": max(0, inventory.hugepages_2mi), "hugepages1Gi": max(0, inventory.hugepages_1gi)}
 
 
 async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:
@@ -109,14 +99,9 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
     gone = (await conn.execute(queries.GPUS_GONE, {"node_id": node["id"],
                                                    "present": [g.uuid for g in gpu_list]})).rowcount
     await shared_atoms.apply(conn, node["id"], node["pool_id"], shared_atoms.from_inventory(gpu_list))
-    existing = {r["resource"] for r in await (await conn.execute(
-        queries.HOST_RESOURCE_NAMES, {"node_id": node["id"]})).fetchall()}
-    async with conn.cursor() as cur:  # a resource that dropped to 0 keeps its row, at 0
-        await cur.executemany(queries.UPSERT_HOST_RESOURCE, [
-            {"node_id": node["id"], "resource": k, "allocatable": v}
-            for k, v in host_resources(inventory).items() if v > 0 or k in existing])
     await conn.execute(queries.SET_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, gpu_list)),
                                                "generation": inventory.generation, "node_id": node["id"]})
+    await hosts.sync_node(conn, node["id"])  # bookable at once, not at the reconciler's next pass
     if gone:  # reservations booked on a vanished GPU hear of it
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
     if gpu_list:  # new or returning GPUs: the pool's pending reservations retry now

@@ -68,10 +68,13 @@ WHERE node_id = %(node_id)s
        OR parent_id IN (SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu'
                         AND device_uuid = %(device_uuid)s))
 """
-HOST_RESOURCE_NAMES = "SELECT resource FROM host_resources WHERE node_id = %(node_id)s"
-UPSERT_HOST_RESOURCE = """
-INSERT INTO host_resources (node_id, resource, allocatable) VALUES (%(node_id)s, %(resource)s, %(allocatable)s)
-ON CONFLICT (node_id, resource) DO UPDATE SET allocatable = EXCLUDED.allocatable
+# The capacity.hosts reconciler (controlplane.nodes.hosts; SQL functions of migration 0018).
+SYNC_HOST_RESOURCES = "SELECT sync_host_resources(%(node_id)s) AS changed"
+HOSTS_OUT_OF_STEP = "SELECT n.id, n.pool_id FROM nodes n WHERE n.id IN (SELECT host_resources_out_of_step())"
+# What a hold's cpuset is made from: the node's applied inventory and its pool's host reserve.
+CPUSET_FACTS = """
+SELECT n.inventory, host_reserve_vcpu(p.policy) AS reserve
+FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = %(node_id)s
 """
 
 # Inventory (what the node says about itself) ---------------------------------------------------
@@ -196,10 +199,13 @@ WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
 """
 
 # The capacity index's read (controlplane.placement.index_sync): allocatable host resources of one
-# pool (%(pool)s, nodes empty) or of some nodes (%(nodes)s, pool NULL).
+# pool (%(pool)s, nodes empty) or of some nodes (%(nodes)s, pool NULL), less the pool's host reserve
+# for vcpu (what a node can give: migration 0018's host_capacity).
 CAPACITY_HOST_RESOURCES = """
-SELECT h.node_id, h.resource, h.allocatable
-FROM host_resources h JOIN nodes n ON n.id = h.node_id
+SELECT h.node_id, h.resource,
+       greatest(h.allocatable - CASE WHEN h.resource = 'vcpu' THEN host_reserve_vcpu(p.policy) ELSE 0 END, 0)
+           AS allocatable
+FROM host_resources h JOIN nodes n ON n.id = h.node_id JOIN pools p ON p.id = n.pool_id
 WHERE n.pool_id = %(pool)s OR n.id = ANY(%(nodes)s)
 """
 

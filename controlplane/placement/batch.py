@@ -151,7 +151,10 @@ async def _insert(conn: AsyncConnection, batch: Batch, planned: list[Member]) ->
     lost = []
     for m in planned:
         plan = m._planned.plan
-        if booked[m._allocation_id] == len(plan.atom_ids):
+        # Host resources go through the same guarded statement as an inline commit (one more
+        # statement for a member that books any); a node that cannot give them lost the race.
+        if booked[m._allocation_id] == len(plan.atom_ids) and await placer.book_host(
+                conn, m.ask, m._allocation_id, plan.node_id):
             m.placement = placer.Placement(m._allocation_id, plan.node_id, plan.atom_ids,
                                            tuple(m._planned.uuids[a] for a in plan.atom_ids))
         else:
@@ -170,7 +173,10 @@ def _mark(index: CapacityIndex, batch: Batch, node_id: str, atom_ids: tuple[str,
         atom = atoms.get(atom_id)
         if atom is not None:
             atoms[atom_id] = dataclasses.replace(atom, intervals=sorted([*atom.intervals, (ask.start_ms, ask.end_ms)]))
-    pool.put(dataclasses.replace(node, atoms=atoms))
+    host_booked = dict(node.host_booked)
+    for resource, amount in ask.host_amounts().items():
+        host_booked[resource] = sorted([*host_booked.get(resource, ()), (ask.start_ms, ask.end_ms, float(amount))])
+    pool.put(dataclasses.replace(node, atoms=atoms, host_booked=host_booked))
     batch.touched.add(node_id)
 
 

@@ -9,8 +9,9 @@ Per pool:
 - nodes with labels (value and source), capabilities, state and connectivity;
 - per node its atoms (any kind) with health, bookable, NUMA node and NVLink domain, and each
   atom's booked intervals as a sorted list of [start, end) epoch ms;
-- per node its counted host resources (allocatable) and their booked intervals (nothing books
-  them yet; the structure is there for the planner that will);
+- per node its counted host resources (what it can give: allocatable less the pool's host
+  reserve) and their booked intervals; a node that cannot give a request's host resources for
+  the window is not a fit;
 - `_touching`: every atom booking of the pool, sorted by start (bookings longer than LONG_MS in a
   small list of their own), so the nodes with a booking overlapping a window are found by bisection
   without visiting the others;
@@ -27,6 +28,7 @@ import random
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from controlplane.placement import planner
@@ -50,6 +52,8 @@ class Window:
     required: tuple[tuple[str, str, str], ...] = ()
     device_class: str = GPU  # the atoms' kind: gpu, gpu.mig or gpu.slot
     profile: str = ""  # a MIG profile ('' any)
+    # Host resources booked on the node with the atoms: (resource, amount), amounts above 0.
+    host: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -114,8 +118,25 @@ class Node:
         """Healthy bookable atoms of any kind (its pool books one kind)."""
         return sum(1 for a in self.atoms.values() if a.healthy and a.bookable)
 
-    def with_bookings(self, rows: Iterable[dict], ticket: int) -> Node:
-        """This node with the booked intervals of `rows` (index_queries.BOOKINGS) instead of its own."""
+    def host_peak(self, resource: str, start: int, end: int) -> float:
+        """The most of `resource` booked at any instant of [start, end): the load rises only where
+        a booking starts, so the window's start and the starts inside it are enough."""
+        booked = [b for b in self.host_booked.get(resource, ()) if b[0] < end and b[1] > start]
+        points = {start, *(b[0] for b in booked if b[0] > start)}
+        return max((sum(b[2] for b in booked if b[0] <= t < b[1]) for t in points), default=0.0)
+
+    def host_fits(self, window: Window) -> bool:
+        """The node can give the window's host resources beside what is booked there."""
+        return all(self.host_peak(r, window.start_ms, window.end_ms) + amount <= self.host.get(r, 0.0)
+                   for r, amount in window.host)
+
+    def gpu_count(self) -> int:
+        """Physical GPUs, bookable or not."""
+        return sum(1 for a in self.atoms.values() if a.kind == GPU)
+
+    def with_bookings(self, rows: Iterable[dict], ticket: int, host_rows: Iterable[dict] | None = None) -> Node:
+        """This node with the booked intervals of `rows` (index_queries.BOOKINGS) instead of its own,
+        and of `host_rows` (HOST_BOOKINGS) for its host resources when given."""
         atoms = {a.id: dataclasses.replace(a, intervals=[]) for a in self.atoms.values()}
         for r in rows:
             atom = atoms.get(r["atom_id"])
@@ -123,7 +144,8 @@ class Node:
                 atom.intervals.append((r["start_ms"], r["end_ms"]))
         for atom in atoms.values():
             atom.intervals.sort()
-        return dataclasses.replace(self, atoms=atoms, ticket=ticket)
+        host_booked = self.host_booked if host_rows is None else _host_booked(host_rows)
+        return dataclasses.replace(self, atoms=atoms, host_booked=host_booked, ticket=ticket)
 
     def bookings(self) -> Iterator[tuple[int, int, str, str]]:
         for atom in self.atoms.values():
@@ -140,12 +162,14 @@ class PoolIndex:
         self._classes: dict[int, dict[str, None]] = defaultdict(dict)  # usable GPU count -> ordered node ids
         self._class_of: dict[str, int] = {}
         self._models: dict[str, int] = defaultdict(int)  # GPU model -> whole-GPU atoms of it
+        self._share_of: dict[str, tuple[int, float | None, float | None]] = {}  # node -> (GPUs, vcpu, memoryGiB)
+        self._share: dict[str, Fraction] | None = None  # host_share_per_gpu, until a node's inputs change
 
     # -- keeping it current ------------------------------------------------------------------
 
     def put(self, node: Node) -> None:
         """Replace what the index knows of `node` (all of it: facts, atoms, intervals)."""
-        self.remove(node.id)
+        self._forget(node.id)
         self.nodes[node.id] = node
         for entry in node.bookings():
             if entry[1] - entry[0] > LONG_MS:
@@ -158,8 +182,17 @@ class PoolIndex:
         usable = node.bookable_count()
         self._classes[usable][node.id] = None
         self._class_of[node.id] = usable
+        inputs = (node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB"))
+        if self._share_of.get(node.id) != inputs:
+            self._share = None
+        self._share_of[node.id] = inputs
 
     def remove(self, node_id: str) -> None:
+        self._forget(node_id)
+        if self._share_of.pop(node_id, None) is not None:
+            self._share = None
+
+    def _forget(self, node_id: str) -> None:
         old = self.nodes.pop(node_id, None)
         if old is None:
             return
@@ -179,6 +212,21 @@ class PoolIndex:
         self._classes[usable].pop(node_id, None)
 
     # -- answering ---------------------------------------------------------------------------
+
+    def host_share_per_gpu(self) -> dict[str, Fraction]:
+        """The smallest share of vcpu and memoryGiB per GPU any GPU host of the pool can give
+        (what it can give ÷ its physical GPUs); hosts without a resource's row are left out."""
+        if self._share is None:
+            share: dict[str, Fraction] = {}
+            for gpus, *amounts in self._share_of.values():
+                if gpus <= 0:
+                    continue
+                for resource, amount in zip(("vcpu", "memoryGiB"), amounts, strict=True):
+                    if amount is not None:
+                        per_gpu = Fraction(amount).limit_denominator(1 << 20) / gpus
+                        share[resource] = min(share.get(resource, per_gpu), per_gpu)
+            self._share = share
+        return dict(self._share)
 
     def single_model(self) -> str | None:
         """The pool's GPU model when all its whole GPUs are of one (any health), else None."""
@@ -217,7 +265,7 @@ class PoolIndex:
         out: list[planner.Candidate] = []
         for node_id in busy:
             node = self.nodes.get(node_id)
-            if node is None or node_id in exclude or not node.matches(window):
+            if node is None or node_id in exclude or not node.matches(window) or not node.host_fits(window):
                 continue
             cand = self.candidate(node, window)
             if len(cand.free) >= window.count:
@@ -233,7 +281,7 @@ class PoolIndex:
                 if node_id in busy or node_id in exclude:
                     continue
                 node = self.nodes[node_id]
-                if not node.matches(window):
+                if not node.matches(window) or not node.host_fits(window):
                     continue
                 cand = self.candidate(node, window)
                 if planner.plan_node(cand, window.count, window.topology) is None:
@@ -249,7 +297,7 @@ class PoolIndex:
         diagnostics, not the create path)."""
         return {
             node.id for node in self.nodes.values()
-            if node.id not in exclude and node.matches(window)
+            if node.id not in exclude and node.matches(window) and node.host_fits(window)
             and planner.plan_node(self.candidate(node, window), window.count, window.topology) is not None
         }
 
@@ -281,11 +329,19 @@ def build_nodes(
     for r in host_rows:
         if r["node_id"] in nodes:
             nodes[r["node_id"]].host[r["resource"]] = float(r["allocatable"])
+    by_node: dict[str, list[dict]] = defaultdict(list)
     for r in host_booking_rows:
-        if r["node_id"] in nodes:
-            nodes[r["node_id"]].host_booked.setdefault(r["resource"], []).append(
-                (r["start_ms"], r["end_ms"], float(r["amount"])))
-    for node in nodes.values():
-        for booked in node.host_booked.values():
-            booked.sort()
+        by_node[r["node_id"]].append(r)
+    for node_id, rows in by_node.items():
+        if node_id in nodes:
+            nodes[node_id].host_booked = _host_booked(rows)
     return nodes
+
+
+def _host_booked(rows: Iterable[dict]) -> dict[str, list[tuple[int, int, float]]]:
+    out: dict[str, list[tuple[int, int, float]]] = {}
+    for r in rows:
+        out.setdefault(r["resource"], []).append((r["start_ms"], r["end_ms"], float(r["amount"])))
+    for booked in out.values():
+        booked.sort()
+    return out

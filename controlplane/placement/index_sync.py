@@ -127,20 +127,25 @@ class CapacityIndex:
                     pool.remove(node_id)
 
     async def refresh_bookings(self, conn: AsyncConnection, node_ids: dict[str, str]) -> None:
-        """Re-read only the bookings of these nodes; a node the index does not hold is read whole."""
+        """Re-read only the bookings (devices' and host resources') of these nodes; a node the index
+        does not hold is read whole."""
         ticket = next(self._tickets)
         known = {n: p for n, p in node_ids.items() if p in self.pools and n in self.pools[p].nodes}
-        rows = await (await conn.cursor(row_factory=dict_row).execute(
-            q.BOOKINGS, {"pool": None, "nodes": list(known)})).fetchall()
+        cur = conn.cursor(row_factory=dict_row)
+        rows = await (await cur.execute(q.BOOKINGS, {"pool": None, "nodes": list(known)})).fetchall()
+        host_rows = await (await cur.execute(q.HOST_BOOKINGS, {"pool": None, "nodes": list(known)})).fetchall()
         by_node: dict[str, list[dict]] = {n: [] for n in known}
         for row in rows:
             by_node.setdefault(row["node_id"], []).append(row)
+        host_by_node: dict[str, list[dict]] = {n: [] for n in known}
+        for row in host_rows:
+            host_by_node.setdefault(row["node_id"], []).append(row)
         for node_id, pool_id in known.items():
             pool = self.pools.get(pool_id)
             current = pool.nodes.get(node_id) if pool else None
             if current is None or current.ticket > ticket:
                 continue
-            pool.put(current.with_bookings(by_node[node_id], ticket))
+            pool.put(current.with_bookings(by_node[node_id], ticket, host_by_node[node_id]))
         rest = {n: p for n, p in node_ids.items() if n not in known}
         if rest:
             await self.refresh(conn, rest)

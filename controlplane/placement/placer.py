@@ -25,6 +25,8 @@ from controlplane.placement.index_sync import CapacityIndex
 
 log = structlog.get_logger(__name__)
 
+GIB = 1 << 30
+
 _rng = random.SystemRandom()
 
 
@@ -43,6 +45,12 @@ class Ask:
     required: dict[str, dict[str, str]] = field(default_factory=dict)
     device_class: str = "gpu"  # the atoms' kind: gpu, gpu.mig or gpu.slot
     profile: str = ""  # a MIG profile ('' any)
+    # Host resources booked on the node with the devices ({"vcpu": 4, "memoryGiB": 64, ...}).
+    host: dict[str, int] = field(default_factory=dict)
+
+    def host_amounts(self) -> dict[str, int]:
+        """The host resources this allocation books (those above 0)."""
+        return {k: v for k, v in sorted(self.host.items()) if v > 0}
 
     def params(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -55,13 +63,15 @@ class Ask:
             "selector": Jsonb({**{k: {"value": v} for k, v in self.selector.items()}, **self.required}),
             "start": self.start_ms,
             "end": self.end_ms,
+            "host": Jsonb(self.host_amounts()),
             **extra,
         }
 
     def window(self) -> Window:
         required = tuple((k, v.get("value", ""), v.get("source", "")) for k, v in sorted(self.required.items()))
         return Window(self.count, self.topology, self.model, self.selector, self.start_ms, self.end_ms,
-                      required=required, device_class=self.device_class, profile=self.profile)
+                      required=required, device_class=self.device_class, profile=self.profile,
+                      host=tuple(self.host_amounts().items()))
 
 
 @dataclass
@@ -172,7 +182,7 @@ async def _commit(
                        device_ids=list(uuids), atom_ids=list(chosen.atom_ids)),
         )
         booked = len(await cur.fetchall())  # rows, not rowcount: also right in pipeline mode
-        if booked == len(chosen.atom_ids):
+        if booked == len(chosen.atom_ids) and await book_host(conn, ask, allocation_id, chosen.node_id):
             return Placement(allocation_id, chosen.node_id, chosen.atom_ids, uuids)
         # Lost: an overlapping booking (skipped by ON CONFLICT DO NOTHING, the EXCLUDE constraint's
         # word) or an atom or the node no longer schedulable. The allocation goes, with whatever
@@ -185,6 +195,27 @@ async def _commit(
             await index.refresh(conn, {chosen.node_id: ask.pool_id})
         planned = await plan(conn, ask, settings, exclude=frozenset(excluded), index=index)
     return None
+
+
+async def book_host(conn: AsyncConnection, ask: Ask, allocation_id: str, node_id: str) -> bool:
+    """Book the ask's host resources for the allocation (its devices booked in this transaction)
+    and set its limits; False when the node cannot give them (nothing booked: the guard of
+    migration 0018 decides, under a lock of the node's resource rows). True at once when the ask
+    books none."""
+    amounts = ask.host_amounts()
+    if not amounts:
+        return True
+    row = await (await conn.execute(queries.BOOK_HOST, ask.params(
+        allocation_id=allocation_id, node_id=node_id, limits=Jsonb(limits_of(amounts))))).fetchone()
+    return bool(row["ok"])
+
+
+def limits_of(amounts: dict[str, int]) -> dict[str, int]:
+    """An allocation's limits from its host resources: what DeviceAssignment.limits carries, and
+    the booked amounts its cpuset is sized from (controlplane.nodes.desired)."""
+    vcpu, memory, pages = amounts.get("vcpu", 0), amounts.get("memoryGiB", 0), amounts.get("hugepages1Gi", 0)
+    return {"cpu_millis": vcpu * 1000, "memory_bytes": memory * GIB, "hugepages_1gi": pages,
+            "vcpu": vcpu, "memoryGiB": memory}
 
 
 _NOUNS = {"gpu": "GPU", "gpu.mig": "MIG instance", "gpu.slot": "GPU slot"}
@@ -203,6 +234,8 @@ async def explain(conn: AsyncConnection, ask: Ask) -> str:
         shape += " in one NVLink domain"
     elif ask.topology == planner.NUMA:
         shape += " on one NUMA node"
+    if ask.host_amounts():
+        shape += " with " + ", ".join(f"{v} {k}" for k, v in ask.host_amounts().items()) + " of host resources free"
     parts = [f"no node has {shape} for the window"]
     if facts["nodes"] == 0:
         return "the pool has no nodes"

@@ -33,8 +33,11 @@ groups AS (
     GROUP BY 1, 2
 ),
 fit AS (
-    SELECT DISTINCT node_id FROM groups
-    WHERE n >= %(count)s AND NOT (%(topology)s = 'nvlink-all' AND grp = '')
+    SELECT node_id FROM (
+        SELECT DISTINCT node_id FROM groups
+        WHERE n >= %(count)s AND NOT (%(topology)s = 'nvlink-all' AND grp = '')) g
+    WHERE %(host)s::jsonb = '{}'::jsonb
+       OR host_fits(g.node_id, %(host)s, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'))
 ),
 shortlist AS (
     SELECT f.node_id, count(*) AS free_total
@@ -73,6 +76,15 @@ WHERE a.id = ANY(%(atom_ids)s)
   AND a.health = 'healthy' AND a.bookable
 ON CONFLICT DO NOTHING
 RETURNING atom_id
+"""
+
+# The allocation's host resources, booked on its node for the window of its devices, and its
+# limits, or nothing: ok is false when the node cannot give them (migration 0018's guard). Run
+# after INSERT_PLACEMENT in the same transaction, by every commit that books host resources.
+BOOK_HOST = """
+SELECT book_host_resources(%(allocation_id)s, %(node_id)s,
+                           tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'),
+                           %(host)s, %(limits)s) AS ok
 """
 
 # A placement that did not get all its bookings (its bookings go with it).

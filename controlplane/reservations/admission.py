@@ -18,9 +18,10 @@ from psycopg.types.json import Jsonb
 
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
-from controlplane.reservations import devices, kubernetes, placing, queries, queued, schedule, states
+from controlplane.reservations import devices, hostshare, kubernetes, placing, queries, queued, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -87,11 +88,12 @@ async def _transaction_1(
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
         devices.check_pool(inp.request, pool)
         await _require_draft_room(conn, rt, caller)
+        request, share = await _with_host_resources(conn, rt, inp.request, pool)
         await conn.execute(
             queries.INSERT_DRAFT,
             {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
              "identity_id": caller.identity_id, "key": inp.idempotency_key,
-             "request": Jsonb(inp.request), "hash": digest},
+             "request": Jsonb(request), "hash": digest, "host_share": Jsonb(share)},
         )
         row = await _fetch(conn, rid)  # ours, or a concurrent twin's
         assert row is not None
@@ -126,6 +128,17 @@ async def _transaction_1(
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
     return draft
+
+
+async def _with_host_resources(
+    conn: AsyncConnection, rt: Runtime, request: dict[str, Any], pool: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """The request as stored, with the host resources it books resolved once (the pool's per-GPU
+    share, the floor of what it asks), and the share itself (the hash stays the input's)."""
+    device = request["devices"][0]  # the GPUs' worth: a MIG instance or a slot counts its fraction
+    gpus = common_devices.gpu_equivalent(device["class"], device["count"], pool.get("policy"))
+    booked, share = hostshare.resolve(request.get("resources"), await hostshare.per_gpu(conn, rt, pool), gpus)
+    return {**request, "resources": booked}, share
 
 
 async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller) -> None:
@@ -186,8 +199,7 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
         "hasStart": request.get("start") is not None,
         "start": request.get("start") or 0,
         "leaseSeconds": request.get("leaseSeconds") or 0,
-        "vcpu": 0,
-        "memoryGiB": 0,
+        **hostshare.attributes(row),
     }
 
 
@@ -237,7 +249,8 @@ async def _transaction_2(
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
     assert charges is not None
-    await quota.charge(conn, row["tenant_id"], rid, charges.amounts,  # QUOTA_EXCEEDED rolls back
+    # QUOTA_EXCEEDED rolls back; host resources above the share are charged beside the devices.
+    await quota.charge(conn, row["tenant_id"], rid, {**charges.amounts, **hostshare.excess(row)},
                        unnamed_models=charges.unnamed_models)
     if queueing:
         await queued.enqueue(conn, row)

@@ -129,7 +129,8 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
         async with conn.transaction():  # savepoint: all allocations move, or none
             await conn.execute(queries.MOVE_BOOKING_ENDS, params)
     except psycopg.errors.ExclusionViolation as exc:
-        if not db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP):
+        if not (db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP)
+                or db_errors.violates(exc, db_errors.HOST_BOOKINGS_WITHIN_ALLOCATABLE)):
             raise
         available = (await (await conn.execute(queries.AVAILABLE_UNTIL, params)).fetchone())["until"]
         await _release_slot(conn, rid, staged.hold)

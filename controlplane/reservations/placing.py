@@ -15,10 +15,13 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.common.locks import pool_lock
+from controlplane.nodes.inventory import CAP_PREFIX, SYSTEM
 from controlplane.placement import placer
 from controlplane.reservations import kubernetes, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
+
+LIMITS_LABEL = CAP_PREFIX + "devices.limits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +80,21 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
         topology=device["topology"],
         model=device.get("model") or "",
         selector=request.get("nodeSelector") or {},
-        required=kubernetes.required_labels(request),
+        required={**kubernetes.required_labels(request), **limits_label(request)},
         start_ms=begin,
         end_ms=begin + request["durationMs"],
         device_class=device.get("class") or "gpu",
         profile=device.get("profile") or "",
+        host=dict(request.get("resources") or {}),
     )
+
+
+def limits_label(request: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """A request that books any host resource places only where bcd enforces limits: the system
+    label of the devices.limits capability (an operator label of that name does not count)."""
+    if not any((request.get("resources") or {}).values()):
+        return {}
+    return {LIMITS_LABEL: {"value": "true", "source": SYSTEM}}
 
 
 async def place_locked(

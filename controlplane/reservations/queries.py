@@ -32,8 +32,8 @@ WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
 
 INSERT_DRAFT = """
 INSERT INTO reservations
-    (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash)
-VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s)
+    (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
+VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s, %(host_share)s)
 ON CONFLICT DO NOTHING
 """
 
@@ -63,6 +63,10 @@ SELECT DISTINCT a.model FROM atoms a JOIN nodes n ON n.id = a.node_id
 WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
 ORDER BY a.model
 """
+
+# The smallest per-GPU share of vcpu and memoryGiB any GPU host of the pool gives (migration 0018),
+# for a draft's host share while the capacity index is not built.
+HOST_SHARE_PER_GPU = "SELECT resource, per_gpu FROM pool_host_share_per_gpu(%(pool_id)s)"
 
 UPSERT_AUTHZ = """
 INSERT INTO authz_projection (reservation_id, attributes) VALUES (%(id)s, %(attributes)s)
@@ -116,7 +120,7 @@ SELECT (SELECT count(*) FROM moved) AS moved,
 """
 
 ALLOCATIONS = """
-SELECT id, node_id, device_ids, state, binding
+SELECT id, node_id, device_ids, state, binding, limits
 FROM allocations WHERE reservation_id = %(id)s ORDER BY created_at, id
 """
 
@@ -201,14 +205,22 @@ WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND a.state IN ('plac
   AND upper(b.during) = from_epoch_ms(%(from)s)
 """
 
-# The earliest other booking on one of our atoms that starts at or after our end.
+# The earliest other booking on one of our atoms that starts at or after our end, or of a host
+# resource we book on our node (where its load may rise past what the node can give).
 AVAILABLE_UNTIL = """
-SELECT epoch_ms(min(lower(o.during))) AS until
-FROM bookings b
-JOIN allocations a ON a.id = b.allocation_id
-JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
-WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-  AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)
+SELECT epoch_ms(least(
+    (SELECT min(lower(o.during))
+     FROM bookings b
+     JOIN allocations a ON a.id = b.allocation_id
+     JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
+     WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+       AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)),
+    (SELECT min(lower(o.during))
+     FROM host_bookings h
+     JOIN allocations a ON a.id = h.allocation_id
+     JOIN host_bookings o ON o.node_id = h.node_id AND o.resource = h.resource AND o.allocation_id <> h.allocation_id
+     WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+       AND upper(h.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)))) AS until
 """
 
 SET_WINDOW_END = """

@@ -38,10 +38,14 @@ class TimeLimits:
 
     max_start_ahead_ms: int = 365 * DAY_MS
     max_length_ms: int = MAX_DURATION_MS
+    # What `resources` may ask per node (README "Limits"; not times, but bounds of the same request).
+    max_host_vcpu: int = 4096
+    max_host_memory_gib: int = 65536
 
     @classmethod
     def of(cls, settings: Settings) -> TimeLimits:
-        return cls(settings.max_start_ahead_days * DAY_MS, settings.max_reservation_days * DAY_MS)
+        return cls(settings.max_start_ahead_days * DAY_MS, settings.max_reservation_days * DAY_MS,
+                   settings.max_host_vcpu, settings.max_host_memory_gib)
 
 
 def epoch_ms(field: str, value: int, now_ms: int, limits: TimeLimits) -> int:
@@ -122,6 +126,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
     for k, v in selector.items():
         match(f"nodeSelector[{shown_key(k)}]", k, LABEL)
         match(f"nodeSelector[{shown_key(k)}]", v, LABEL)
+    resources = resources_input(raw.get("resources"), limits)
     wait_ms = raw.get("wait_timeout_ms")
     if wait_ms is not None:
         if wait_ms < 0:
@@ -136,7 +141,27 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
         "leaseSeconds": lease,
         "nodeSelector": selector,
     }
+    if resources is not None:  # absent from requests without it, so their hash is unchanged
+        request["resources"] = resources
     return CreateInput(tenant_id, key, wait_ms, request)
+
+
+HOST_RESOURCES = ("vcpu", "memoryGiB", "hugepages1Gi")
+
+
+def resources_input(raw: dict[str, Any] | None, limits: TimeLimits) -> dict[str, int | None] | None:
+    """`resources` normalised: every key present, None where unset (the pool's share decides)."""
+    if raw is None:
+        return None
+    caps = {"vcpu": limits.max_host_vcpu, "memoryGiB": limits.max_host_memory_gib,
+            "hugepages1Gi": limits.max_host_memory_gib}
+    out: dict[str, int | None] = {}
+    for name in HOST_RESOURCES:
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, int) or not 0 <= value <= caps[name]):
+            raise errors.InvalidInput(f"resources.{name}", f"must be 0 to {caps[name]}")
+        out[name] = value
+    return out
 
 
 def check_start(inp: CreateInput, now_ms: int, limits: TimeLimits) -> None:

@@ -1,0 +1,83 @@
+"""Host resources (spec "Host resources"): the capacity.hosts reconciler, and the cpuset a hold
+with limits is pinned to.
+
+The reconciler keeps each host's bookable vcpu, memoryGiB, hugepages2Mi and hugepages1Gi rows in
+step with its applied inventory: at once when an inventory is applied (controlplane.nodes.inventory
+calls `sync_node` in that transaction), and in a pass every host_sync_seconds over the nodes whose
+rows differ (the arithmetic is the SQL function host_resources_of, migration 0018). Each node is
+synced in a transaction of its own, under its pool's lock, as every change placement reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from controlplane import db
+from controlplane.nodes import cpulist, queries
+from controlplane.nodes.locking import lock_for_placement_change
+
+log = structlog.get_logger(__name__)
+
+GIB = 1 << 30
+
+
+async def sync_node(conn: AsyncConnection, node_id: str) -> int:
+    """The node's rows from its applied inventory (the caller holds its pool lock); rows changed."""
+    return (await (await conn.execute(queries.SYNC_HOST_RESOURCES, {"node_id": node_id})).fetchone())["changed"]
+
+
+async def sync_pass(pool: AsyncConnectionPool) -> int:
+    """One pass of the reconciler: every node whose rows differ from its inventory; rows changed."""
+    async with db.read_only(pool) as conn:
+        stale = [r["id"] for r in await (await conn.execute(queries.HOSTS_OUT_OF_STEP)).fetchall()]
+    changed = 0
+    for node_id in stale:
+        async def work(conn: AsyncConnection, node_id: str = node_id) -> int:
+            if await lock_for_placement_change(conn, node_id) is None:
+                return 0
+            return await sync_node(conn, node_id)
+
+        changed += await db.run_in_transaction(pool, work)
+    if changed:
+        log.info("host resources brought in step with inventory", nodes=len(stale), rows=changed)
+    return changed
+
+
+async def run(pool: AsyncConnectionPool, every_seconds: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await sync_pass(pool)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("host resources pass failed; continuing")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every_seconds)
+        except TimeoutError:
+            pass
+
+
+def cpuset(inventory: dict[str, Any], gpu_uuids: Iterable[str], vcpu: int, memory_gib: int,
+           reserve: int) -> tuple[str, str]:
+    """(cpus, mems) for a hold of these GPUs: the CPUs of their NUMA nodes when those have at least
+    `vcpu` of them, and the NUMA nodes themselves when they have `memory_gib` of memory; "" when
+    not. The host reserve (the lowest `reserve` non-isolated CPUs) is never part of it."""
+    numa_of = {g.get("uuid"): g.get("numa_node", 0) for g in inventory.get("gpus") or []}
+    wanted = {numa_of[u.split(":", 1)[0]] for u in gpu_uuids if u.split(":", 1)[0] in numa_of}
+    numa = [n for n in inventory.get("numa_nodes") or [] if n.get("id") in wanted]
+    if not numa:
+        return "", ""
+    every = frozenset().union(*(cpulist.parse(n.get("cpulist", "")) for n in inventory.get("numa_nodes") or []))
+    isolated = cpulist.parse(inventory.get("isolated_cpus", ""))
+    reserved = set(sorted(every - isolated)[:max(0, reserve)])
+    cpus = frozenset().union(*(cpulist.parse(n.get("cpulist", "")) for n in numa)) - reserved
+    memory = sum(int(n.get("memory_bytes") or 0) for n in numa)
+    ids = sorted(n["id"] for n in numa)
+    return (cpulist.format_list(cpus) if 0 < vcpu <= len(cpus) else "",
+            ",".join(str(i) for i in ids) if 0 < memory_gib and memory_gib * GIB <= memory else "")
