@@ -32,6 +32,7 @@ from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.config import Settings
+from controlplane.metal import deploy
 from controlplane.placement.index_sync import CapacityIndex
 from controlplane.reservations import reconciler
 from controlplane.runtime import Runtime
@@ -51,7 +52,7 @@ SERVICES = (
 )
 
 # The work queue's handlers, by kind (a kind without one is refused at insert).
-WORK_HANDLERS = {"reservation": reconciler.reconcile}
+WORK_HANDLERS = {"reservation": reconciler.reconcile, "metal": deploy.handle}
 
 
 @dataclass

@@ -113,3 +113,11 @@ class Settings:
     metrics_refresh_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_METRICS_REFRESH_SECONDS", "5"))
     )
+    # Whole-machine leases (binding "node"): how long metal has, from the lease's start, to see the
+    # profile deployed and verified on the machine before the reservation fails (no second placement).
+    metal_deploy_timeout_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_METAL_DEPLOY_TIMEOUT_SECONDS", "7200"))
+    )
+    # Operator-managed node profiles: how many may exist, and versions per profile.
+    node_profiles_max: int = field(default_factory=lambda: _int("BC_NODE_PROFILES_MAX", 1000))
+    node_profile_versions_max: int = field(default_factory=lambda: _int("BC_NODE_PROFILE_VERSIONS_MAX", 100))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 FORGE_MODES = ("unsigned", "foreign-key", "other-allocation", "other-node")
+METAL_LIES = ("unasked", "bad-checksum")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Faults:
     restart_on_signal: bool = False
     no_capabilities: bool = False
     forge: str | None = None
+    # Whole-machine leases (nodesim.metal): the share of reimages that fail, and a hostile node's lie.
+    reimage_fail: float = 0.0
+    metal_lie: str | None = None
 
     def for_node(self, name: str) -> Faults:
         """The faults that apply to one node: these, or none when the node is not selected."""
@@ -78,6 +82,9 @@ class FleetConfig:
     connect_rate: float = 100.0
     # How often each node's device plugin looks for a (new) kubelet socket in its sandbox; 0: no plugin.
     kubelet_retry: float = 2.0
+    # How long a simulated reimage (a whole-machine lease's deploy) and the wipe after it take.
+    reimage_seconds: float = 2.0
+    wipe_seconds: float = 1.0
     inventory: InventorySpec = field(default_factory=InventorySpec)
     faults: Faults = NO_FAULTS
     log_format: str = "console"
@@ -156,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-rate", type=_positive, default=100.0, metavar="PER_SECOND")
     p.add_argument("--kubelet-retry", type=float, default=2.0, metavar="SECONDS",
                    help="how often a node's device plugin looks for its kubelet's socket (0: no device plugin)")
+    p.add_argument("--reimage-seconds", type=float, default=2.0, metavar="SECONDS",
+                   help="how long a whole-machine lease's simulated reimage takes")
+    p.add_argument("--wipe-seconds", type=float, default=1.0, metavar="SECONDS",
+                   help="how long the simulated wipe after a whole-machine lease takes")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
@@ -186,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--restart-on-signal", action="store_true", help="restart (once) on SIGUSR2")
     f.add_argument("--no-capabilities", action="store_true", help="an older daemon: no capabilities")
     f.add_argument("--forge", choices=FORGE_MODES, help="send forged bind reports")
+    f.add_argument("--reimage-fail-rate", type=_rate, default=0.0, metavar="RATE",
+                   help="fail this share of whole-machine reimages")
+    f.add_argument("--metal-lie", choices=METAL_LIES,
+                   help="after a reimage, report another profile (unasked) or a wrong checksum (bad-checksum)")
     return p
 
 
@@ -223,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         restart_on_signal=a.restart_on_signal,
         no_capabilities=a.no_capabilities,
         forge=a.forge,
+        reimage_fail=a.reimage_fail_rate,
+        metal_lie=a.metal_lie,
     )
     try:
         tokens = read_tokens(a.tokens) if a.tokens else ()
@@ -243,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         heartbeat=a.heartbeat,
         connect_rate=a.connect_rate,
         kubelet_retry=max(0.0, a.kubelet_retry),
+        reimage_seconds=max(0.0, a.reimage_seconds),
+        wipe_seconds=max(0.0, a.wipe_seconds),
         inventory=inventory,
         faults=faults,
         log_format=a.log_format,

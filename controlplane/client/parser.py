@@ -59,6 +59,9 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--lease", help="a renewable lease such as 10m (see `renew`)")
     p.add_argument("--kubernetes", action="store_true",
                    help="binding kubernetes: the node's kubelet gets the GPUs (an owned pool with policy.kubernetes)")
+    p.add_argument("--node-profile", metavar="ID[:VERSION]",
+                   help="binding node: lease whole machines of --gpus GPUs running this profile (its newest"
+                        " version unless one is named), in a pool with policy.tenantRoot")
     p.add_argument("--wait", type=float, default=20.0, help="seconds to wait while queued (default 20)")
     p.set_defaults(run=commands.reserve, progress=True)
 

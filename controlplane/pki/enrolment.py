@@ -21,6 +21,7 @@ from controlplane.pki.config import PkiSettings
 
 log = structlog.get_logger("pki.enrolment")
 SUPERSEDED = "superseded by a new enrolment"
+ROLE_CHANGED = "superseded: the node's role changed to"
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,21 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
 
 async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,
                 csr_pem: bytes) -> Issued:
-    """New certificates for the same node and role (the node brings new keys)."""
+    """New certificates for the same node (the node brings new keys), in the role the control plane
+    gives it now, never one the node asks for: `node-tenant` while a tenant holds the machine (a
+    whole-machine lease, from its start until the machine was seen wiped), otherwise the role it
+    enrolled with. When the role changes, every earlier certificate of the node is revoked, so keys
+    a tenant could have read never serve in the platform role."""
     csr = certs.parse_csr_bundle(csr_pem)
 
     async def work(conn: AsyncConnection) -> Issued:
         _check(await store.certificate_by_key_id(conn, peer.key_id))  # revoked since the call began?
-        return await _issue(conn, ca, settings, csr, peer.node_id, peer.role)
+        role = await store.node_role(conn, peer.node_id) or peer.role
+        if role != peer.role:
+            revoked = await store.revoke(conn, node_id=peer.node_id, reason=f"{ROLE_CHANGED} {role}")
+            log.info("node role changed at renewal", node_id=peer.node_id, role=role, was=peer.role,
+                     revoked=revoked)
+        return await _issue(conn, ca, settings, csr, peer.node_id, role)
 
     return await db.run_in_transaction(pool, work)
 

@@ -120,6 +120,17 @@ async def node_certificates(conn: AsyncConnection, node_id: str) -> list[dict[st
         _CERT + " WHERE c.node_id = %s ORDER BY c.not_before DESC, c.serial", (node_id,))).fetchall()
 
 
+async def node_role(conn: AsyncConnection, node_id: str) -> str | None:
+    """The role the node's certificates carry now: node-tenant while its machine is leased to a
+    tenant (controlplane.nodes.tenancy), otherwise the role of the join token it enrolled with."""
+    row = await (await conn.execute(
+        "SELECT CASE WHEN n.state = 'leased' THEN 'node-tenant' ELSE"
+        " (SELECT t.role FROM join_tokens t WHERE t.node_id = n.id AND t.used_at IS NOT NULL"
+        "  ORDER BY t.used_at DESC LIMIT 1) END AS role"
+        " FROM nodes n WHERE n.id = %s", (node_id,))).fetchone()
+    return row["role"] if row else None
+
+
 async def revoke(conn: AsyncConnection, *, node_id: str = "", serial: str = "", reason: str = "") -> list[str]:
     """Revoke one certificate, or every certificate of a node (expired ones too: within the
     offline grace they still sign reports). Wakes the node's sessions to re-check theirs."""

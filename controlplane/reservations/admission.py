@@ -20,6 +20,7 @@ from controlplane import authorize, confirmations, db, errors, events, iam, quot
 from controlplane.auth import Caller
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
+from controlplane.metal import request as metal_request
 from controlplane.reservations import kubernetes, placing, queries, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
@@ -80,6 +81,7 @@ async def _transaction_1(
         if pool is None:
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
+        await metal_request.check_create(conn, inp.request, pool)
         await _require_draft_room(conn, rt, caller)
         await conn.execute(
             queries.INSERT_DRAFT,

@@ -13,6 +13,7 @@ from controlplane import errors
 from controlplane.common.names import IDEMPOTENCY_KEY, LABEL, MODEL, POOL_ID, TENANT_ID, match, shown_key
 from controlplane.config import Settings
 from controlplane.durations import parse_duration_ms
+from controlplane.metal import request as metal_request
 from controlplane.placement.planner import ANY, TOPOLOGIES
 
 DAY_MS = 86_400_000
@@ -20,8 +21,8 @@ MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
 SERVED_CLASSES = {"gpu"}
 RESERVED_CLASSES = {"gpu.mig", "gpu.slot"}
-SERVED_BINDINGS = {"hold", "kubernetes"}
-UNSERVED_BINDINGS = {"instance", "node"}
+SERVED_BINDINGS = {"hold", "kubernetes", "node"}
+UNSERVED_BINDINGS = {"instance"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
         hint = " (VPS instances are created with instances.create)" if binding == "instance" else ""
         raise errors.Unsupported(f"binding {binding!r} is not served{hint}", field="binding")
     if binding not in SERVED_BINDINGS:
-        raise errors.InvalidInput("binding", "must be 'hold' or 'kubernetes'")
+        raise errors.InvalidInput("binding", "must be 'hold', 'kubernetes' or 'node'")
     devices = _devices(raw.get("devices") or [])
     duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"), limits.max_length_ms)
     start = raw.get("start")
@@ -129,6 +130,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
         "leaseSeconds": lease,
         "nodeSelector": selector,
     }
+    metal_request.normalise(raw, request)  # binding "node": its `node`, and what it refuses
     return CreateInput(tenant_id, key, wait_ms, request)
 
 
