@@ -11,8 +11,8 @@ and whenever a leased node's reported disk changes) judges what the node's inven
 - the asked profile version deployed for this allocation, with the asked checksum: the allocation
   is bound (no signed report: node leases are exempt from attested bindings, the worker verified
   the machine) and the reservation active;
-- the deploy failed, or deployed with another checksum: the reservation fails (no second
-  placement) and its quota is refunded;
+- the deploy failed, or deployed with another checksum (also reservation.binding-rejected): the
+  reservation fails (no second placement) and its quota is refunded;
 - a profile it was not asked for: rejected (reservation.binding-rejected), never bound;
 - nothing good by the deadline: the reservation fails with deploy-timeout.
 Once no lease of the node is live and the node reports the last lease's machine wiped, the node
@@ -98,7 +98,7 @@ async def _progress(conn: AsyncConnection, deploy: dict[str, Any], now_ms: int) 
     if verdict == "bound":
         await _bound(conn, row, deploy, now_ms)
         return
-    if verdict == "rejected":
+    if verdict == "rejected" or reason.startswith(CHECKSUM_MISMATCH):  # what the node said does not count
         await events.emit_reservation(conn, row, "reservation.binding-rejected", allocationId=deploy["allocation_id"],
                                       nodeId=deploy["node_id"], reason=reason)
     if verdict == "failed":
