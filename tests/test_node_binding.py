@@ -255,7 +255,7 @@ def metal_world(stack_: Stack) -> World:
     return w
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def short_deadline(pg_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Deploys have 3 seconds (BC_METAL_DEPLOY_TIMEOUT_SECONDS)."""
     yield from own_stack(pg_uri, tmp_path_factory.mktemp("metal-deadline"), {"BC_METAL_DEPLOY_TIMEOUT_SECONDS": "3"})
@@ -282,6 +282,28 @@ def test_a_deploy_past_its_deadline_fails_the_reservation_and_refunds(short_dead
         assert quota_used(w) == 0
         # The node stops the reimage and wipes the machine when the assignment leaves.
         until(lambda: (disk(fleet, alloc.node_id) or {}).get("state") == "wiped")
+    finally:
+        fleet.stop()
+        w.close()
+
+
+def test_a_node_that_never_heard_of_the_deploy_returns_to_the_platform_after_the_deadline(
+        short_deadline: Stack) -> None:
+    """Unreachable for the deploy (it takes desired states but never acts on them): the lease fails
+    at its deadline, and since the node never reported the deploy, the tenant never had the
+    machine: no wipe is waited for, the node is ready and leasable again."""
+    w = metal_world(short_deadline)
+    fleet = Fleet(short_deadline, w, 1)
+    fleet.start("--never-answer")
+    try:
+        profile_id = register(w.root, 1, profile_id=f"deaf-{uuid.uuid4().hex[:6]}")
+        r = lease(w, profile_id)
+        node_id = r.allocations[0].node_id
+        eventually(w, r.id, lambda x: x.state == "failed")
+        assert events_of(w, r.id, "reservation.failed")[0]["reason"] == "deploy-timeout"
+        until(lambda: node_state(w, node_id) == "ready")
+        assert disk(fleet, node_id) is None  # nothing was ever written
+        until(lambda: live_tls_roles(w, node_id) == {"node"})
     finally:
         fleet.stop()
         w.close()

@@ -90,6 +90,8 @@ async def handle(conn: AsyncConnection, rt: Runtime, node_id: str) -> None:
 
 async def _progress(conn: AsyncConnection, deploy: dict[str, Any], now_ms: int) -> None:
     row = await (await conn.execute(rq.BY_ID_FOR_UPDATE, {"id": deploy["reservation_id"]})).fetchone()
+    if (deploy["deployed"] or {}).get("allocation_id") == deploy["allocation_id"]:
+        await conn.execute(queries.MARK_REPORTED, {"id": deploy["allocation_id"]})
     alloc = await (await conn.execute(queries.ALLOCATION_FOR_UPDATE, {"id": deploy["allocation_id"]})).fetchone()
     if row is None or row["state"] != states.BINDING or alloc is None or alloc["state"] != "binding":
         await _finish(conn, deploy, "ended", "the lease ended before the deploy finished")
@@ -159,12 +161,17 @@ async def _finish(conn: AsyncConnection, deploy: dict[str, Any], state: str, rea
 
 async def _back_to_platform(conn: AsyncConnection, node_id: str) -> None:
     """A leased node whose leases are over returns to the platform once it reports the last
-    lease's machine wiped (its certificates go back to role node at its next renewal, hinted)."""
+    lease's machine wiped, or at once when it never reported that lease's deploy (its
+    certificates go back to role node at its next renewal, hinted)."""
     after = await (await conn.execute(queries.AFTER_LEASE, {"node_id": node_id})).fetchone()
     if after is None:
         return
     deployed = after["deployed"] or {}
-    if deployed.get("state") != "wiped" or deployed.get("allocation_id") != after["allocation_id"]:
+    wiped = deployed.get("state") == "wiped" and deployed.get("allocation_id") == after["allocation_id"]
+    # A node that never reported this lease's deploy (unreachable throughout) never ran it: its
+    # disk still says what it said before, so it has nothing of the tenant's to wipe.
+    untouched = not after["reported"] and deployed.get("allocation_id") != after["allocation_id"]
+    if not (wiped or untouched):
         return
     if await tenancy.unlease(conn, node_id, after["node_state_before"]):
         await conn.execute(queries.MARK_WIPED, {"id": after["allocation_id"]})

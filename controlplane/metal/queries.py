@@ -144,6 +144,9 @@ SELECT d.*, epoch_ms(d.deadline) AS deadline_ms, n.inventory->'deployed' AS depl
 FROM metal_deploys d JOIN nodes n ON n.id = d.node_id
 WHERE d.node_id = %(node_id)s AND d.state = 'deploying'
 """
+MARK_REPORTED = """
+UPDATE metal_deploys SET reported_at = compute_now() WHERE allocation_id = %(id)s AND reported_at IS NULL
+"""
 ALLOCATION_FOR_UPDATE = "SELECT id, state FROM allocations WHERE id = %(id)s FOR UPDATE"
 FINISH_DEPLOY = """
 UPDATE metal_deploys SET state = %(state)s, reason = %(reason)s, finished_at = compute_now()
@@ -157,7 +160,8 @@ FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')
 # The node's newest deploy, when the node is leased and holds no live node lease any more: its
 # wipe is what returns the node to the platform.
 AFTER_LEASE = """
-SELECT d.allocation_id, d.node_state_before, n.inventory->'deployed' AS deployed
+SELECT d.allocation_id, d.node_state_before, d.reported_at IS NOT NULL AS reported,
+       n.inventory->'deployed' AS deployed
 FROM nodes n
 JOIN LATERAL (SELECT * FROM metal_deploys m WHERE m.node_id = n.id ORDER BY m.started_at DESC LIMIT 1) d ON true
 WHERE n.id = %(node_id)s AND n.state = 'leased' AND d.state <> 'deploying' AND d.wiped_at IS NULL

@@ -38,6 +38,9 @@ CREATE TABLE metal_deploys (
     node_state_before text NOT NULL,
     started_at     timestamptz NOT NULL DEFAULT compute_now(),
     finished_at    timestamptz,
+    -- When the node first reported anything about this deploy: a deploy it never heard of never
+    -- gave the tenant the machine, so no wipe is waited for after it.
+    reported_at    timestamptz,
     wiped_at       timestamptz,
     FOREIGN KEY (profile_id, version) REFERENCES node_profile_versions (profile_id, version)
 );
