@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.devtools import devstack
+from controlplane.reservations import reports
 from nodesim.identity import IdentityStore
 from nodesim.metal import IMAGE_FILE, STATE_FILE
 from tests.conftest import clone_database
@@ -227,6 +229,56 @@ def test_a_node_reporting_a_profile_it_was_not_asked_for_never_binds(world: Worl
 
 
 # -- the deadline --------------------------------------------------------------------------------
+
+
+def send_signed_bound(stack: Stack, fleet: Fleet, node_id: str, allocation_id: str) -> node_pb2.ReportAck:  # noqa: F811
+    """The node's genuine signature over AllocationBound for `allocation_id`, sent on a session of
+    its own (which takes over from nodesim's until it reconnects); the gateway's ack."""
+    identity = IdentityStore(fleet.node_dir(node_id)).load()
+    assert identity is not None
+    report = node_pb2.Report(node_id=node_id, sequence=10**12, time=int(time.time() * 1000),
+                             bound=node_pb2.AllocationBound(allocation_id=allocation_id,
+                                                            cdi_devices=["bcd.dev/gpu=GPU-forged"]))
+    body = report.SerializeToString()
+    message = node_pb2.NodeMessage(report=node_pb2.AttestedReport(
+        body=body, key_id=identity.key_id, signature=identity.sign(body)))
+    done = threading.Event()
+
+    def requests():
+        yield message
+        done.wait(30)
+
+    credentials = grpc.ssl_channel_credentials(root_certificates=stack.ca.read_bytes(),
+                                               private_key=identity.tls_key_pem, certificate_chain=identity.tls_cert_pem)
+    with grpc.secure_channel(stack.session, credentials) as channel:
+        call = node_pb2_grpc.NodeGatewayStub(channel).Session(requests(), timeout=30)
+        try:
+            for answer in call:
+                if answer.WhichOneof("msg") == "report_ack":
+                    return answer.report_ack
+        finally:
+            done.set()
+            call.cancel()
+    raise AssertionError("no ack")
+
+
+def test_a_node_signed_bind_report_never_binds_a_node_lease(stack: Stack, world: World, fleets) -> None:  # noqa: F811
+    """Node leases are exempt from attested bindings: metal binds them after verifying the deploy,
+    and even the node's genuinely signed AllocationBound about its lease never counts."""
+    profile_id = register(world.root, 1)
+    fleet = fleets(1, *FAST)
+    r = lease(world, profile_id)
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    alloc = active.allocations[0]
+    until(lambda: live_tls_roles(world, alloc.node_id) == {"node-tenant"})  # signs with its current key
+    ack = send_signed_bound(stack, fleet, alloc.node_id, alloc.id)
+    assert ack.outcome == node_pb2.REPORT_STORED
+    [rejected] = until(lambda: events_of(world, r.id, "reservation.binding-rejected"))
+    assert rejected["reason"] == reports.NODE_LEASE and rejected["allocationId"] == alloc.id
+    after = eventually(world, r.id, lambda x: True)
+    assert after.state == "active" and not after.binding.cdi_devices  # what the report said: ignored
+    assert not [c for c in after.conditions if c.type == "Degraded"]
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
 
 
 def own_stack(pg_uri: str, tmp: pathlib.Path, env: dict[str, str]) -> Iterator[Stack]:
