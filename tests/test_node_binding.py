@@ -118,8 +118,7 @@ def renew_claiming_the_node_role(stack: Stack, fleet: Fleet, node_id: str) -> st
     csrs = b"".join(x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, algorithm)
                     .public_bytes(serialization.Encoding.PEM)
                     for key, algorithm in ((sign_key, None), (tls_key, hashes.SHA256())))
-    credentials = grpc.ssl_channel_credentials(root_certificates=stack.ca.read_bytes(),
-                                               private_key=identity.tls_key_pem, certificate_chain=identity.tls_cert_pem)
+    credentials = grpc.ssl_channel_credentials(stack.ca.read_bytes(), identity.tls_key_pem, identity.tls_cert_pem)
     with grpc.secure_channel(stack.session, credentials) as channel:
         answer = node_pb2_grpc.NodeGatewayStub(channel).Renew(node_pb2.RenewRequest(csr_pem=csrs), timeout=30)
     roles = {c.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value
@@ -248,8 +247,7 @@ def send_signed_bound(stack: Stack, fleet: Fleet, node_id: str, allocation_id: s
         yield message
         done.wait(30)
 
-    credentials = grpc.ssl_channel_credentials(root_certificates=stack.ca.read_bytes(),
-                                               private_key=identity.tls_key_pem, certificate_chain=identity.tls_cert_pem)
+    credentials = grpc.ssl_channel_credentials(stack.ca.read_bytes(), identity.tls_key_pem, identity.tls_cert_pem)
     with grpc.secure_channel(stack.session, credentials) as channel:
         call = node_pb2_grpc.NodeGatewayStub(channel).Session(requests(), timeout=30)
         try:

@@ -184,3 +184,22 @@ def _said(**kw) -> dict:
 def test_only_the_asked_version_with_the_asked_checksum_binds(deployed, verdict: str, why: str) -> None:
     got, reason = deploy.judge(DEPLOY, deployed)
     assert got == verdict and reason.startswith(why)
+
+
+def test_what_a_node_says_is_on_its_disk_is_stored_bounded() -> None:
+    """A node's DeployedProfile is its own word: malformed ids, checksums and states read as empty
+    (so they never match a deploy), long or NUL-bearing text is cut (jsonb refuses NUL)."""
+    from bettercompute.node.v1 import node_pb2
+    from controlplane.nodes.inventory import deployed_json
+
+    hostile = node_pb2.DeployedProfile(
+        allocation_id="alloc_../../etc", profile_id="Ubuntu!", version=2, image="x\x00" * 1000,
+        checksum="sha256:" + "G" * 64, state="bound", message="m\x00" * 1000)
+    stored = deployed_json(hostile)
+    assert (stored["allocation_id"], stored["profile_id"], stored["checksum"], stored["state"]) == ("", "", "", "")
+    assert "\x00" not in stored["image"] + stored["message"]
+    assert len(stored["image"]) <= 512 and len(stored["message"]) <= 256
+    good = node_pb2.DeployedProfile(allocation_id=DEPLOY["allocation_id"], profile_id="ubuntu", version=2,
+                                    image="r.example/u:2", checksum=DEPLOY["checksum"], state="deployed")
+    assert deploy.judge(DEPLOY, deployed_json(good)) == ("bound", "")
+    assert deploy.judge(DEPLOY, stored)[0] == "waiting"  # the state is unreadable: nothing to judge

@@ -53,7 +53,8 @@ async def begin(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full time
         deadline = now_ms + timeout_ms
     node = row["request"]["node"]
-    allocations = await (await conn.execute(queries.START_ALLOCATIONS, {"id": row["id"], "deadline": deadline})).fetchall()
+    started = await conn.execute(queries.START_ALLOCATIONS, {"id": row["id"], "deadline": deadline})
+    allocations = await started.fetchall()
     for alloc in allocations:
         before = await tenancy.lease(conn, alloc["node_id"])
         await conn.execute(queries.INSERT_DEPLOY, {

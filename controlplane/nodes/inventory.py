@@ -110,8 +110,9 @@ def deployed_json(d: node_pb2.DeployedProfile) -> dict[str, Any]:
         return value if pattern.fullmatch(value) else ""
 
     return {"allocation_id": ok(d.allocation_id, ALLOCATION_ID), "profile_id": ok(d.profile_id, PROFILE_ID),
-            "version": d.version, "image": d.image[:MAX_IMAGE].replace("\x00", ""), "checksum": ok(d.checksum, CHECKSUM),
-            "state": d.state if d.state in DEPLOY_STATES else "", "message": d.message[:MAX_MESSAGE].replace("\x00", "")}
+            "version": d.version, "image": d.image[:MAX_IMAGE].replace("\x00", ""),
+            "checksum": ok(d.checksum, CHECKSUM), "state": d.state if d.state in DEPLOY_STATES else "",
+            "message": d.message[:MAX_MESSAGE].replace("\x00", "")}
 
 
 def host_resources(inventory: node_pb2.Inventory) -> dict[str, int]:

@@ -56,7 +56,8 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
         if not ok:
             await events.emit_reservation(conn, row, "reservation.binding-rejected",
                                           allocationId=rep["allocation_id"], nodeId=rep["node_id"], reason=reason)
-            if rep["kind"] == "bound" and rep["allocation_state"] == "bound" and reason not in (attest.REPLAYED, NODE_LEASE):
+            lost = reason not in (attest.REPLAYED, NODE_LEASE)
+            if rep["kind"] == "bound" and rep["allocation_state"] == "bound" and lost:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":
