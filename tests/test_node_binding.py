@@ -393,3 +393,24 @@ def test_booking_repair_moves_a_node_lease_off_a_node_no_longer_leasable_before_
     finally:
         fleet.stop()
         w.close()
+
+
+def test_a_lease_whose_profile_version_vanished_before_its_start_fails_without_touching_the_node(
+        clock_stack: Stack) -> None:
+    """No Admin RPC removes a version; one removed by hand before the start fails the lease at the
+    start (refunded) and the node is never leased."""
+    w = metal_world(clock_stack)
+    fleet = Fleet(clock_stack, w, 1)
+    fleet.start(*FAST)
+    try:
+        profile_id = register(w.root, 1, profile_id=f"gone-{uuid.uuid4().hex[:6]}")
+        start = w.later(hours=1)
+        r = lease(w, profile_id, start=start)
+        w.sql("DELETE FROM node_profile_versions WHERE profile_id = %s", (profile_id,))
+        w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=start - clock_now(w) + 1))
+        failed = eventually(w, r.id, lambda x: x.state == "failed")
+        assert events_of(w, r.id, "reservation.failed")[0]["reason"] == "deploy-profile-missing"
+        assert quota_used(w) == 0 and node_state(w, failed.allocations[0].node_id) == "ready"
+    finally:
+        fleet.stop()
+        w.close()

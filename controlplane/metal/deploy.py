@@ -43,6 +43,7 @@ TIMEOUT = "deploy-timeout"
 FAILED = "deploy-failed"
 CHECKSUM_MISMATCH = "deploy-checksum-mismatch"
 NOT_ASKED = "deployed profile not asked for"
+PROFILE_GONE = "deploy-profile-missing"
 
 
 async def begin(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
@@ -53,6 +54,10 @@ async def begin(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full time
         deadline = now_ms + timeout_ms
     node = row["request"]["node"]
+    version = {"id": node["profileId"], "version": node["profileVersion"]}
+    if await (await conn.execute(queries.VERSION, version)).fetchone() is None:  # removed by hand since create
+        await fail(conn, row, {"allocation_id": "", "node_id": None}, PROFILE_GONE)
+        return
     started = await conn.execute(queries.START_ALLOCATIONS, {"id": row["id"], "deadline": deadline})
     allocations = await started.fetchall()
     for alloc in allocations:
