@@ -54,6 +54,8 @@ class Faults:
     # Whole-machine leases (nodesim.metal): the share of reimages that fail, and a hostile node's lie.
     reimage_fail: float = 0.0
     metal_lie: str | None = None
+    # A node that ignores RenewHints (renews only past half its certificate's life).
+    ignore_renew_hints: bool = False
 
     def for_node(self, name: str) -> Faults:
         """The faults that apply to one node: these, or none when the node is not selected."""
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail this share of whole-machine reimages")
     f.add_argument("--metal-lie", choices=METAL_LIES,
                    help="after a reimage, report another profile (unasked) or a wrong checksum (bad-checksum)")
+    f.add_argument("--ignore-renew-hints", action="store_true", help="never renew on the gateway's hint")
     return p
 
 
@@ -240,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         forge=a.forge,
         reimage_fail=a.reimage_fail_rate,
         metal_lie=a.metal_lie,
+        ignore_renew_hints=a.ignore_renew_hints,
     )
     try:
         tokens = read_tokens(a.tokens) if a.tokens else ()

@@ -308,7 +308,7 @@ class SimNode:
                 self._on_desired(message.desired_state)
             elif kind == "report_ack":
                 self._unacked.pop(message.report_ack.sequence, None)
-            elif kind == "renew_hint":
+            elif kind == "renew_hint" and not self.faults.ignore_renew_hints:
                 self._renew_requested = True
                 self._renew_not_before = 0.0
                 if self._outbox is not None:

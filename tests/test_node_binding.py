@@ -414,3 +414,26 @@ def test_a_lease_whose_profile_version_vanished_before_its_start_fails_without_t
     finally:
         fleet.stop()
         w.close()
+
+
+def test_a_node_that_kept_its_platform_keys_through_a_lease_loses_them_after_the_wipe(
+        world: World, fleets) -> None:
+    """A node that ignores the hint to renew keeps its `node` certificate while a tenant has root
+    on the machine: those keys may be the tenant's now. When the machine comes back they are
+    revoked, so the node is no longer platform-trusted (never leased again until re-enrolled)."""
+    profile_id = register(world.root, 1)
+    fleet = fleets(1, *FAST, "--ignore-renew-hints")
+    r = lease(world, profile_id)
+    node_id = r.allocations[0].node_id
+    eventually(world, r.id, lambda x: x.state == "active")
+    assert live_tls_roles(world, node_id) == {"node"}  # it never renewed into node-tenant
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    until(lambda: node_state(world, node_id) == "ready")
+    assert live_tls_roles(world, node_id) == set()
+    reasons = {reason for (reason,) in world.sql(
+        "SELECT r.reason FROM revocations r JOIN node_certs c USING (serial) WHERE c.node_id = %s", (node_id,))}
+    assert "on the machine while a tenant leased it" in reasons
+    again = lease(world, profile_id)
+    why = again.conditions[0].message  # its session ends with the revocation: soon not connected either
+    assert again.state == "pending" and ("without a platform certificate" in why or "not connected" in why)
+    world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=again.id))

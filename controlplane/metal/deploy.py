@@ -31,6 +31,7 @@ from controlplane import events, quota
 from controlplane.common.locks import pool_lock
 from controlplane.metal import queries
 from controlplane.nodes import desired, tenancy
+from controlplane.pki import store as pki_store
 from controlplane.reservations import queries as rq
 from controlplane.reservations import schedule, states
 from controlplane.reservations.lifecycle import end_bookings
@@ -44,6 +45,7 @@ FAILED = "deploy-failed"
 CHECKSUM_MISMATCH = "deploy-checksum-mismatch"
 NOT_ASKED = "deployed profile not asked for"
 PROFILE_GONE = "deploy-profile-missing"
+EXPOSED = "on the machine while a tenant leased it"
 
 
 async def begin(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
@@ -181,4 +183,8 @@ async def _back_to_platform(conn: AsyncConnection, node_id: str) -> None:
         return
     if await tenancy.unlease(conn, node_id, after["node_state_before"]):
         await conn.execute(queries.MARK_WIPED, {"id": after["allocation_id"]})
-        log.info("node wiped and back to the platform", node_id=node_id, allocation_id=after["allocation_id"])
+        revoked: list[str] = []
+        if wiped:  # the tenant had the machine: keys it held from before the lease never serve again
+            revoked = await pki_store.revoke_issued_before(conn, node_id, after["leased_at"], EXPOSED)
+        log.info("node wiped and back to the platform", node_id=node_id, allocation_id=after["allocation_id"],
+                 revoked=revoked)

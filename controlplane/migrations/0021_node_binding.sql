@@ -37,6 +37,10 @@ CREATE TABLE metal_deploys (
     -- The node's state before the lease ('ready' or 'cordoned'): what it returns to after the wipe.
     node_state_before text NOT NULL,
     started_at     timestamptz NOT NULL DEFAULT compute_now(),
+    -- Wall-clock time (certificates live on now(), not compute_now()): certificates the node was
+    -- issued before it are revoked when it returns from the tenant, so no key that was on the
+    -- machine while a tenant held it serves the platform again.
+    leased_at      timestamptz NOT NULL DEFAULT now(),
     finished_at    timestamptz,
     -- When the node first reported anything about this deploy: a deploy it never heard of never
     -- gave the tenant the machine, so no wipe is waited for after it.
