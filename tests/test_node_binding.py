@@ -23,6 +23,8 @@ from cryptography.x509.oid import NameOID
 
 from bettercompute.node.v1 import node_pb2, node_pb2_grpc
 from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import capacity_pb2 as cpb
+from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.devtools import devstack
@@ -155,9 +157,13 @@ def test_a_node_lease_deploys_its_profile_then_the_wiped_node_returns_to_the_pla
     assert node_state(world, node_id) == "leased"
     assert [e["deadline"] for e in events_of(world, r.id, "reservation.binding")]
 
-    # Nothing else is placed on a leased machine.
+    # Nothing else is placed on a leased machine; the pool's timeline counts it booked, not gone.
     hold = world.create(count=1)
     assert hold.state == "placed" and hold.allocations[0].node_id != node_id
+    with grpc.insecure_channel(stack.endpoint) as channel:
+        timeline = capacity_pb2_grpc.CapacityStub(channel).Timeline(cpb.TimelineRequest(
+            tenant_id=world.tenant, pool_id=world.pool_id), metadata=world.user.metadata, timeout=30)
+    assert timeline.allocatable == 16 and (timeline.buckets[0].booked, timeline.buckets[0].free) == (9, 7)
 
     # While leased its certificates carry node-tenant (the node renewed on the hint, and its
     # platform certificates were revoked); a renewal claiming the platform role still gets node-tenant.
