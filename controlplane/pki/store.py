@@ -131,6 +131,19 @@ async def node_role(conn: AsyncConnection, node_id: str) -> str | None:
     return row["role"] if row else None
 
 
+async def revoke_other_roles(conn: AsyncConnection, node_id: str, key_id: str, reason: str) -> list[str]:
+    """Revoke the node's certificates issued no later than `key_id`'s in another role; wakes the
+    node's sessions when any was revoked."""
+    rows = await (await conn.execute(
+        "INSERT INTO revocations (serial, reason)"
+        " SELECT c.serial, %s FROM node_certs mine JOIN node_certs c ON c.node_id = mine.node_id"
+        " WHERE mine.key_id = %s AND mine.node_id = %s AND c.role <> mine.role AND c.created_at <= mine.created_at"
+        " ON CONFLICT (serial) DO NOTHING RETURNING serial", (reason, key_id, node_id))).fetchall()
+    if rows:
+        await sessions.recheck(conn, node_id)
+    return sorted(r["serial"] for r in rows)
+
+
 async def revoke_issued_before(conn: AsyncConnection, node_id: str, before: dt.datetime, reason: str) -> list[str]:
     """Revoke the node's certificates issued before `before` (wall clock); wakes its sessions."""
     rows = await (await conn.execute(
