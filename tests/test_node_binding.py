@@ -192,6 +192,18 @@ def test_a_node_lease_deploys_its_profile_then_the_wiped_node_returns_to_the_pla
     world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=again.id))
 
 
+def test_a_pending_node_lease_takes_a_machine_once_one_joins(world: World, fleets) -> None:
+    """Pending (no platform node yet), it is retried like any pending reservation when capacity
+    appears, and places on the whole machine."""
+    profile_id = register(world.root, 1)
+    r = lease(world, profile_id)
+    assert r.state == "pending" and r.conditions[0].message == "the pool has no nodes"
+    fleets(1, *FAST)
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    assert len(active.allocations) == 1 and len(active.allocations[0].device_ids) == 8
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+
+
 def test_a_failed_reimage_fails_the_reservation_with_no_second_placement(world: World, fleets) -> None:
     profile_id = register(world.root, 1)
     fleet = fleets(2, *FAST, "--reimage-fail-rate", "1")
