@@ -34,6 +34,7 @@ from controlplane.api.reservations import ConfirmationsServicer, ReservationsSer
 from controlplane.config import Settings
 from controlplane.placement import lease
 from controlplane.nodes import hosts
+from controlplane.metal import deploy
 from controlplane.placement.index_sync import CapacityIndex
 from controlplane.reservations import queued, reconciler
 from controlplane.runtime import Runtime
@@ -53,7 +54,7 @@ SERVICES = (
 )
 
 # The work queue's handlers, by kind (a kind without one is refused at insert).
-WORK_HANDLERS = {"reservation": reconciler.reconcile}
+WORK_HANDLERS = {"reservation": reconciler.reconcile, "metal": deploy.handle}
 
 
 @dataclass

@@ -15,11 +15,12 @@ HOUR_MS = 3_600_000
 MAX_SPAN_MS = 7 * 24 * HOUR_MS
 MAX_BUCKETS = 336
 
-# The pool's current rollup: whole GPUs that are healthy and bookable on ready, reachable nodes.
+# The pool's current rollup: whole GPUs that are healthy and bookable on ready, reachable nodes,
+# and those of machines leased whole (their bookings count as booked, so they count here too).
 _ALLOCATABLE = """
 SELECT count(*) AS n FROM atoms a JOIN nodes n ON n.id = a.node_id
 WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
-  AND n.state = 'ready' AND n.connectivity <> 'unreachable'
+  AND n.state IN ('ready', 'leased') AND n.connectivity <> 'unreachable'
 """
 # Distinct gpu atoms of the pool with any booking overlapping each bucket.
 _BUCKETS = """

@@ -134,3 +134,11 @@ class Settings:
     cpulist_max_cpu: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CPU", 8191))
     cpulist_max_chars: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CHARS", 32 * 1024))
     cpulist_max_parts: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_PARTS", 4096))
+    # Whole-machine leases (binding "node"): how long metal has, from the lease's start, to see the
+    # profile deployed and verified on the machine before the reservation fails (no second placement).
+    metal_deploy_timeout_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_METAL_DEPLOY_TIMEOUT_SECONDS", "7200"))
+    )
+    # Operator-managed node profiles: how many may exist, and versions per profile.
+    node_profiles_max: int = field(default_factory=lambda: _int("BC_NODE_PROFILES_MAX", 1000))
+    node_profile_versions_max: int = field(default_factory=lambda: _int("BC_NODE_PROFILE_VERSIONS_MAX", 100))

@@ -2,7 +2,8 @@
 
 `bc_node_desired` (payload: node id; sent by bump_desired) makes the node's sessions push their
 desired state; `bc_node_session` (a newer session registered, or a certificate was revoked) makes
-them check they are still the node's newest session with a good certificate. No polling: when
+them check they are still the node's newest session with a good certificate; `bc_node_renew` (the
+node's role changes: a whole-machine lease began or ended) hints the node to renew. No polling: when
 the LISTEN connection is lost, every session re-pushes and re-checks once it is back (the
 RECONNECTED of controlplane.listen).
 """
@@ -17,9 +18,10 @@ import psycopg
 from controlplane.listen import RECONNECTED, listen
 from controlplane.nodes.desired import DESIRED_CHANNEL
 from controlplane.nodes.sessions import SESSION_CHANNEL
-from gateway.session_state import CHECK, DESIRED, NodeSession
+from controlplane.nodes.tenancy import RENEW_CHANNEL
+from gateway.session_state import CHECK, DESIRED, RENEW, NodeSession
 
-_CHANNELS = {DESIRED_CHANNEL: DESIRED, SESSION_CHANNEL: CHECK}
+_CHANNELS = {DESIRED_CHANNEL: DESIRED, SESSION_CHANNEL: CHECK, RENEW_CHANNEL: RENEW}
 
 
 class Hub:

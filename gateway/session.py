@@ -20,6 +20,7 @@ from controlplane import db
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity, desired, inventory, reports, sessions
 from controlplane.pki import store
+from controlplane.pki import enrolment
 from controlplane.pki.enrolment import Peer
 from gateway.hub import Hub
 from gateway.session_state import ACK, CHECK, CLOSED, DESIRED, RENEW, NodeSession
@@ -50,6 +51,7 @@ class SessionRunner:
             # Listen first, then register: a newer session registering after us always wakes us.
             self.hub.add(session)
             await sessions.open(self.pool, session.node_id, session.session_id, self.gateway_id)
+            await enrolment.retire_other_roles(self.pool, peer)  # after a role change (whole-machine leases)
             log.info("session started", serial=peer.serial, role=peer.role, gateway=self.gateway_id)
             timers = self._timers(session)
             reader = asyncio.create_task(self._read(session, requests), name=f"session-{session.session_id}")

@@ -19,6 +19,7 @@ SMALLEST_MIG_PROFILE = {
     "H100-SXM5-80GB": "1g.10gb", "H100-PCIE-80GB": "1g.10gb", "H100-NVL-94GB": "1g.12gb",
     "H200-SXM5-141GB": "1g.18gb",
 }
+METAL_LIES = ("unasked", "bad-checksum")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class Faults:
     restart_on_signal: bool = False
     no_capabilities: bool = False
     forge: str | None = None
+    # Whole-machine leases (nodesim.metal): the share of reimages that fail, and a hostile node's lie.
+    reimage_fail: float = 0.0
+    metal_lie: str | None = None
+    # A node that ignores RenewHints (renews only past half its certificate's life).
+    ignore_renew_hints: bool = False
 
     def for_node(self, name: str) -> Faults:
         """The faults that apply to one node: these, or none when the node is not selected."""
@@ -90,6 +96,9 @@ class FleetConfig:
     connect_rate: float = 100.0
     # How often each node's device plugin looks for a (new) kubelet socket in its sandbox; 0: no plugin.
     kubelet_retry: float = 2.0
+    # How long a simulated reimage (a whole-machine lease's deploy) and the wipe after it take.
+    reimage_seconds: float = 2.0
+    wipe_seconds: float = 1.0
     inventory: InventorySpec = field(default_factory=InventorySpec)
     faults: Faults = NO_FAULTS
     log_format: str = "console"
@@ -168,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-rate", type=_positive, default=100.0, metavar="PER_SECOND")
     p.add_argument("--kubelet-retry", type=float, default=2.0, metavar="SECONDS",
                    help="how often a node's device plugin looks for its kubelet's socket (0: no device plugin)")
+    p.add_argument("--reimage-seconds", type=float, default=2.0, metavar="SECONDS",
+                   help="how long a whole-machine lease's simulated reimage takes")
+    p.add_argument("--wipe-seconds", type=float, default=1.0, metavar="SECONDS",
+                   help="how long the simulated wipe after a whole-machine lease takes")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
@@ -200,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--restart-on-signal", action="store_true", help="restart (once) on SIGUSR2")
     f.add_argument("--no-capabilities", action="store_true", help="an older daemon: no capabilities")
     f.add_argument("--forge", choices=FORGE_MODES, help="send forged bind reports")
+    f.add_argument("--reimage-fail-rate", type=_rate, default=0.0, metavar="RATE",
+                   help="fail this share of whole-machine reimages")
+    f.add_argument("--metal-lie", choices=METAL_LIES,
+                   help="after a reimage, report another profile (unasked) or a wrong checksum (bad-checksum)")
+    f.add_argument("--ignore-renew-hints", action="store_true", help="never renew on the gateway's hint")
     return p
 
 
@@ -237,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         restart_on_signal=a.restart_on_signal,
         no_capabilities=a.no_capabilities,
         forge=a.forge,
+        reimage_fail=a.reimage_fail_rate,
+        metal_lie=a.metal_lie,
+        ignore_renew_hints=a.ignore_renew_hints,
     )
     try:
         tokens = read_tokens(a.tokens) if a.tokens else ()
@@ -257,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         heartbeat=a.heartbeat,
         connect_rate=a.connect_rate,
         kubelet_retry=max(0.0, a.kubelet_retry),
+        reimage_seconds=max(0.0, a.reimage_seconds),
+        wipe_seconds=max(0.0, a.wipe_seconds),
         inventory=inventory,
         faults=faults,
         log_format=a.log_format,

@@ -79,11 +79,13 @@ class Converger:
 
     def apply(self, desired: pb.DesiredState, now_ms: int) -> list[Event]:
         events: list[Event] = []
-        wanted = {a.allocation_id: a for a in desired.assignments}
+        # A whole-machine lease (BINDING_NODE) is no hold: nodesim.metal deploys it.
+        holds = [a for a in desired.assignments if a.binding != pb.BINDING_NODE]
+        wanted = {a.allocation_id: a for a in holds}
         for alloc in [a for a in self.holds if a not in wanted]:
             events.append(self._release(alloc, RELEASE_UNASSIGNED))
         self._failed = {k: v for k, v in self._failed.items() if k in wanted}
-        for assignment in desired.assignments:
+        for assignment in holds:
             event = self._converge_one(assignment, now_ms)
             if event is not None:
                 events.append(event)

@@ -29,9 +29,10 @@ from nodesim.converge import Bound, Converger, Event
 from nodesim.deviceplugin import DevicePlugin
 from nodesim.identity import Identity, IdentityError, IdentityStore, KeyPair, Sequence
 from nodesim.inventory import Hardware, build
+from nodesim.metal import Metal
 from nodesim.reports import Reporter, now_ms
 
-CAPABILITIES = ("devices.limits", "binding.kubernetes")
+CAPABILITIES = ("devices.limits", "binding.kubernetes", "binding.node")
 RPC_TIMEOUT = 30.0
 # Renewal happens between 50% and 60% of a certificate's life, spread over the fleet.
 RENEW_JITTER = 0.1
@@ -39,6 +40,7 @@ RENEW_RETRY = 30.0
 
 _HEARTBEAT = object()  # outbox marker: send a heartbeat now
 _WAKE = object()  # outbox marker: look at renewal now
+_INVENTORY = object()  # outbox marker: send the inventory (what is on the disk changed)
 
 
 class NodeError(Exception):
@@ -82,6 +84,8 @@ class SimNode:
         self.sandbox = Sandbox(self.root)
         self.converger = Converger(self.sandbox, self.hardware, self.faults, name)
         self.plugin = DevicePlugin(self.root, lambda: self.converger.holds.values(), name, config.kubelet_retry)
+        self.metal = Metal(self.root, self.hardware, self.faults, name, reimage_seconds=config.reimage_seconds,
+                           wipe_seconds=config.wipe_seconds, changed=self._inventory_changed)
         self.identity: Identity | None = None
         self.reporter = Reporter(
             self._current_identity,
@@ -143,6 +147,7 @@ class SimNode:
             await asyncio.Event().wait()  # the process stays, and so do its holds
         finally:
             self.connected = False
+            self.metal.stop()
             if plugin is not None:
                 plugin.cancel()
                 await asyncio.gather(plugin, return_exceptions=True)
@@ -251,7 +256,7 @@ class SimNode:
             hello=pb.Hello(
                 daemon_version=LEGACY_DAEMON_VERSION if legacy else DAEMON_VERSION,
                 capabilities=[] if legacy else list(CAPABILITIES),
-                inventory=self.hardware.inventory,
+                inventory=self.metal.inventory(),
             )
         )
 
@@ -303,7 +308,7 @@ class SimNode:
                 self._on_desired(message.desired_state)
             elif kind == "report_ack":
                 self._unacked.pop(message.report_ack.sequence, None)
-            elif kind == "renew_hint":
+            elif kind == "renew_hint" and not self.faults.ignore_renew_hints:
                 self._renew_requested = True
                 self._renew_not_before = 0.0
                 if self._outbox is not None:
@@ -334,7 +339,9 @@ class SimNode:
                     item = await outbox.get()
             if item is _WAKE:
                 continue
-            if item is _HEARTBEAT:
+            if item is _INVENTORY:
+                message = pb.NodeMessage(inventory=self.metal.inventory())
+            elif item is _HEARTBEAT:
                 next_beat = loop.time() + period
                 message = pb.NodeMessage(
                     heartbeat=pb.Heartbeat(time=now_ms(), applied_generation=self.applied_generation)
@@ -351,10 +358,15 @@ class SimNode:
     def _on_desired(self, desired: pb.DesiredState) -> None:
         if not self.faults.never_answer:
             self._emit(self.converger.apply(desired, now_ms()))
+            self.metal.apply([a for a in desired.assignments if a.binding == pb.BINDING_NODE])
         if desired.generation != self.applied_generation:
             self.applied_generation = desired.generation
             if self._outbox is not None:
                 self._outbox.put_nowait(_HEARTBEAT)
+
+    def _inventory_changed(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(_INVENTORY)
 
     def _emit(self, events: list[Event]) -> None:
         self.plugin.changed()  # every change of the holds passes here

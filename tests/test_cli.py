@@ -378,3 +378,21 @@ def test_reserve_books_slots_of_a_shared_pool_with_class(cli, world: World) -> N
     assert all(":" in d for d in placed["allocations"][0]["deviceIds"])
     refused = cli("reserve", "--gpus", "1").error  # whole GPUs: the pool does not book them
     assert refused["code"] == "INVALID_INPUT" and refused["details"]["field"] == "devices[0].class"
+def test_reserve_node_profile_books_the_node_binding(cli, world: World) -> None:
+    from tests.test_node_profiles import register
+
+    profile_id = register(world.root, 1, 2)
+    error = cli("reserve", "--gpus", "8", "--node-profile", profile_id).error  # no policy.tenantRoot yet
+    assert error["code"] == "INVALID_INPUT" and error["details"]["field"] == "binding"
+    world.sql("UPDATE pools SET policy = policy || '{\"tenantRoot\": true}' WHERE id = %s", (world.pool_id,))
+    error = cli("reserve", "--gpus", "8", "--node-profile", f"{profile_id}:9").error
+    assert error["code"] == "NOT_FOUND" and error["details"]["field"] == "node.profileVersion"
+    # The world's nodes were registered, never enrolled: not platform-trusted, so it waits.
+    waiting = cli("reserve", "--gpus", "8", "--node-profile", f"{profile_id}:1", "--wait", "1").json
+    assert waiting["request"]["binding"] == "node" and waiting["state"] == "pending"
+    assert waiting["request"]["node"] == {"profileId": profile_id, "profileVersion": 1}
+    for bad in (f"{profile_id}:x", f"{profile_id}:0", ":1"):
+        run = cli("reserve", "--gpus", "8", "--node-profile", bad)
+        assert run.code == 2 and "--node-profile" in run.err, (bad, run)
+    run = cli("reserve", "--gpus", "8", "--node-profile", profile_id, "--kubernetes")
+    assert run.code == 2 and "pick one" in run.err

@@ -240,7 +240,7 @@ def test_enrols_with_a_csr_then_opens_a_mutual_tls_session_and_says_hello(databa
                                               " AND connectivity = 'connected'", name, cp.pool_id)
                 assert sim.node_id == node["id"]
                 assert node["daemon_version"] == "nodesim-1.0.0"
-                assert node["capabilities"] == ["binding.kubernetes", "devices.limits"]
+                assert node["capabilities"] == ["binding.kubernetes", "binding.node", "devices.limits"]
                 inv = node["inventory"]
                 assert [g["uuid"] for g in inv["gpus"]] == [gpu_uuid(name, i) for i in range(8)]
                 assert all(re.fullmatch(r"GPU-[0-9a-f-]{36}", g["uuid"]) for g in inv["gpus"])

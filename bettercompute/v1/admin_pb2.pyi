@@ -1158,3 +1158,170 @@ class OffboardIdentityResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OffboardIdentityResponse: _TypeAlias = OffboardIdentityResponse  # noqa: Y015
+
+@_typing.final
+class NodeProfileVersion(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    image: _builtins.str
+    """Where the image is fetched from (an OCI reference or URL)."""
+    checksum: _builtins.str
+    """"sha256:<64 lowercase hex>"."""
+    created_at: _builtins.int
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        image: _builtins.str = ...,
+        checksum: _builtins.str = ...,
+        created_at: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "created_at", b"created_at", "image", b"image", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeProfileVersion: _TypeAlias = NodeProfileVersion  # noqa: Y015
+
+@_typing.final
+class NodeProfile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Lowercase letters, digits, ".", "_" and "-", at most 63 characters."""
+    description: _builtins.str
+    created_at: _builtins.int
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeProfileVersion]:
+        """Oldest first."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        description: _builtins.str = ...,
+        versions: _abc.Iterable[Global___NodeProfileVersion] | None = ...,
+        created_at: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "id", b"id", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeProfile: _TypeAlias = NodeProfile  # noqa: Y015
+
+@_typing.final
+class CreateNodeProfileRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    description: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateNodeProfileRequest: _TypeAlias = CreateNodeProfileRequest  # noqa: Y015
+
+@_typing.final
+class AddNodeProfileVersionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROFILE_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    profile_id: _builtins.str
+    version: _builtins.int
+    """1 to 1000000."""
+    image: _builtins.str
+    checksum: _builtins.str
+    def __init__(
+        self,
+        *,
+        profile_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        image: _builtins.str = ...,
+        checksum: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "image", b"image", "profile_id", b"profile_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddNodeProfileVersionRequest: _TypeAlias = AddNodeProfileVersionRequest  # noqa: Y015
+
+@_typing.final
+class GetNodeProfileRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROFILE_ID_FIELD_NUMBER: _builtins.int
+    profile_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        profile_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["profile_id", b"profile_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNodeProfileRequest: _TypeAlias = GetNodeProfileRequest  # noqa: Y015
+
+@_typing.final
+class ListNodeProfilesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListNodeProfilesRequest: _TypeAlias = ListNodeProfilesRequest  # noqa: Y015
+
+@_typing.final
+class ListNodeProfilesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeProfile]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___NodeProfile] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListNodeProfilesResponse: _TypeAlias = ListNodeProfilesResponse  # noqa: Y015

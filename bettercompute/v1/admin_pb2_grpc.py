@@ -129,6 +129,26 @@ class AdminStub:
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.FromString,
                 _registered_method=True)
+        self.CreateNodeProfile = channel.unary_unary(
+                '/bettercompute.v1.Admin/CreateNodeProfile',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.CreateNodeProfileRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.NodeProfile.FromString,
+                _registered_method=True)
+        self.AddNodeProfileVersion = channel.unary_unary(
+                '/bettercompute.v1.Admin/AddNodeProfileVersion',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.AddNodeProfileVersionRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.NodeProfile.FromString,
+                _registered_method=True)
+        self.GetNodeProfile = channel.unary_unary(
+                '/bettercompute.v1.Admin/GetNodeProfile',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.GetNodeProfileRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.NodeProfile.FromString,
+                _registered_method=True)
+        self.ListNodeProfiles = channel.unary_unary(
+                '/bettercompute.v1.Admin/ListNodeProfiles',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.ListNodeProfilesRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.ListNodeProfilesResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -264,6 +284,34 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateNodeProfile(self, request, context):
+        """Whole-machine lease profiles (binding "node"). A profile is created once (again with the same
+        id changes nothing); each version names an image and its checksum and never changes: adding
+        an existing version again with the same image and checksum changes nothing, with others it is
+        CONFLICT. An unknown profile is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddNodeProfileVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetNodeProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodeProfiles(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +409,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.OffboardIdentity,
                     request_deserializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.SerializeToString,
+            ),
+            'CreateNodeProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateNodeProfile,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.CreateNodeProfileRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.NodeProfile.SerializeToString,
+            ),
+            'AddNodeProfileVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddNodeProfileVersion,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.AddNodeProfileVersionRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.NodeProfile.SerializeToString,
+            ),
+            'GetNodeProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodeProfile,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.GetNodeProfileRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.NodeProfile.SerializeToString,
+            ),
+            'ListNodeProfiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodeProfiles,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.ListNodeProfilesRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.ListNodeProfilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -876,6 +944,114 @@ class Admin:
             '/bettercompute.v1.Admin/OffboardIdentity',
             bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.SerializeToString,
             bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateNodeProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/CreateNodeProfile',
+            bettercompute_dot_v1_dot_admin__pb2.CreateNodeProfileRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.NodeProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddNodeProfileVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/AddNodeProfileVersion',
+            bettercompute_dot_v1_dot_admin__pb2.AddNodeProfileVersionRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.NodeProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodeProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/GetNodeProfile',
+            bettercompute_dot_v1_dot_admin__pb2.GetNodeProfileRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.NodeProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodeProfiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/ListNodeProfiles',
+            bettercompute_dot_v1_dot_admin__pb2.ListNodeProfilesRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.ListNodeProfilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -116,14 +116,15 @@ class CreateReservationRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     pool_id: _builtins.str
     duration: _builtins.str
     duration_ms: _builtins.int
     start: _builtins.int
     binding: _builtins.str
-    """"hold" (default) or "kubernetes" (the owner of a pool with policy.kubernetes only).
-    "instance" is UNSUPPORTED; "node" is not served yet.
+    """"hold" (default), "kubernetes" (the owner of a pool with policy.kubernetes only) or "node"
+    (a whole-machine lease in a pool with policy.tenantRoot; needs `node`). "instance" is UNSUPPORTED.
     """
     idempotency_key: _builtins.str
     lease_seconds: _builtins.int
@@ -141,6 +142,10 @@ class CreateReservationRequest(_message.Message):
         per-GPU share; below the share (or {}): raised to it.
         """
 
+    @_builtins.property
+    def node(self) -> Global___NodeLease:
+        """binding "node" only: the profile deployed on the leased machine."""
+
     def __init__(
         self,
         *,
@@ -156,10 +161,11 @@ class CreateReservationRequest(_message.Message):
         lease_seconds: _builtins.int | None = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         resources: Global___HostResources | None = ...,
+        node: Global___NodeLease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "lease_seconds", b"lease_seconds", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
@@ -213,6 +219,34 @@ class HostResources(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__vcpu) -> _WhichOneofReturnType__vcpu | None: ...
 
 Global___HostResources: _TypeAlias = HostResources  # noqa: Y015
+
+@_typing.final
+class NodeLease(_message.Message):
+    """A whole-machine lease's profile: an operator-registered image. Without profile_version, the
+    profile's newest version when the reservation is created (stored in the request).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROFILE_ID_FIELD_NUMBER: _builtins.int
+    PROFILE_VERSION_FIELD_NUMBER: _builtins.int
+    profile_id: _builtins.str
+    profile_version: _builtins.int
+    def __init__(
+        self,
+        *,
+        profile_id: _builtins.str = ...,
+        profile_version: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_profile_version", b"_profile_version", "profile_version", b"profile_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_profile_version", b"_profile_version", "profile_id", b"profile_id", "profile_version", b"profile_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__profile_version: _TypeAlias = _typing.Literal["profile_version"]  # noqa: Y015
+    _WhichOneofArgType__profile_version: _TypeAlias = _typing.Literal["_profile_version", b"_profile_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__profile_version) -> _WhichOneofReturnType__profile_version | None: ...
+
+Global___NodeLease: _TypeAlias = NodeLease  # noqa: Y015
 
 @_typing.final
 class GetReservationRequest(_message.Message):
@@ -459,6 +493,7 @@ class StoredRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     duration: _builtins.str
     """Milliseconds with an "ms" suffix, e.g. "28800000ms"."""
@@ -473,6 +508,8 @@ class StoredRequest(_message.Message):
     def resources(self) -> Global___HostResources:
         """What is booked per node: the request's resources raised to the pool's per-GPU share."""
 
+    @_builtins.property
+    def node(self) -> Global___NodeLease: ...
     def __init__(
         self,
         *,
@@ -484,10 +521,11 @@ class StoredRequest(_message.Message):
         lease_seconds: _builtins.int | None = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         resources: Global___HostResources | None = ...,
+        node: Global___NodeLease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "lease_seconds", b"lease_seconds", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "lease_seconds", b"lease_seconds", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015

@@ -10,6 +10,7 @@ from bettercompute.v1 import admin_pb2_grpc as rpc
 from controlplane import admin, clock, offboarding, tokens
 from controlplane.api import convert
 from controlplane.api.interceptor import caller
+from controlplane.metal import profiles
 from controlplane.runtime import Runtime
 
 Ctx = grpc.aio.ServicerContext
@@ -114,3 +115,20 @@ class AdminServicer(rpc.AdminServicer):
         _root()
         return pb.OffboardIdentityResponse(
             **await offboarding.offboard(self.rt, request.identity_id, request.successor_identity_id))
+
+    async def CreateNodeProfile(self, request: pb.CreateNodeProfileRequest, context: Ctx) -> pb.NodeProfile:
+        _root()
+        return convert.node_profile(await profiles.create(self.rt, request.id, request.description))
+
+    async def AddNodeProfileVersion(self, request: pb.AddNodeProfileVersionRequest, context: Ctx) -> pb.NodeProfile:
+        _root()
+        return convert.node_profile(await profiles.add_version(
+            self.rt, request.profile_id, request.version, request.image, request.checksum))
+
+    async def GetNodeProfile(self, request: pb.GetNodeProfileRequest, context: Ctx) -> pb.NodeProfile:
+        _root()
+        return convert.node_profile(await profiles.get(self.rt, request.profile_id))
+
+    async def ListNodeProfiles(self, request: pb.ListNodeProfilesRequest, context: Ctx) -> pb.ListNodeProfilesResponse:
+        _root()
+        return pb.ListNodeProfilesResponse(items=[convert.node_profile(r) for r in await profiles.list_(self.rt)])

@@ -27,6 +27,7 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "lease_seconds": m.lease_seconds if m.HasField("lease_seconds") else None,
         "node_selector": dict(m.node_selector),
         "resources": host_resources_input(m.resources) if m.HasField("resources") else None,
+        "node": _node_lease(m.node) if m.HasField("node") else None,
     }
 
 
@@ -48,6 +49,10 @@ def resources_message(raw: dict[str, Any] | None) -> pb.HostResources:
     raw = raw or {}
     return pb.HostResources(vcpu=raw.get("vcpu"), memory_gib=raw.get("memoryGiB"),
                             hugepages_1gi=raw.get("hugepages1Gi"))
+
+
+def _node_lease(n: pb.NodeLease) -> dict[str, Any]:
+    return {"profile_id": n.profile_id, "profile_version": n.profile_version if n.HasField("profile_version") else None}
 
 
 def list_input(m: pb.ListReservationsRequest) -> dict[str, Any]:
@@ -75,6 +80,7 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             lease_seconds=request.get("leaseSeconds"),
             node_selector=request.get("nodeSelector") or {},
             resources=resources_message(request.get("resources")) if request.get("resources") is not None else None,
+            node=_stored_node_lease(request.get("node")),
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],
@@ -108,6 +114,12 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             cgroup_parent=b.get("cgroupParent", ""), attested=bool(b.get("attested")),
         ))
     return out
+
+
+def _stored_node_lease(node: dict[str, Any] | None) -> pb.NodeLease | None:
+    if not node:
+        return None
+    return pb.NodeLease(profile_id=node["profileId"], profile_version=node.get("profileVersion"))
 
 
 def confirmation(row: dict[str, Any]) -> pb.Confirmation:
@@ -151,3 +163,10 @@ def identity(row: dict[str, Any]) -> admin_pb2.Identity:
         out.delegation.CopyFrom(admin_pb2.Delegation(person_identity_id=row["delegator_id"],
                                                      confirm_actions=row["confirm_actions"]))
     return out
+
+
+def node_profile(row: dict[str, Any]) -> admin_pb2.NodeProfile:
+    return admin_pb2.NodeProfile(
+        id=row["id"], description=row["description"], created_at=row["created_ms"],
+        versions=[admin_pb2.NodeProfileVersion(version=v["version"], image=v["image"], checksum=v["checksum"],
+                                               created_at=v["created_ms"]) for v in row["versions"]])

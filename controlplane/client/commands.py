@@ -38,6 +38,7 @@ def reserve_request(
     profile: str = "",
     cpus: int | None = None,
     memory_gib: int | None = None,
+    node_profile: str | None = None,
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -52,6 +53,11 @@ def reserve_request(
     )
     if cpus is not None or memory_gib is not None:  # sent as resources; unset ones take the pool's share
         request.resources.CopyFrom(pb.HostResources(vcpu=cpus, memory_gib=memory_gib))
+    if node_profile:
+        if kubernetes:
+            raise UsageError("--node-profile and --kubernetes are different bindings: pick one")
+        request.binding = "node"
+        request.node.CopyFrom(node_lease("--node-profile", node_profile))
     if start:
         request.start = parse_moment("--start", start)
     if lease:
@@ -60,6 +66,17 @@ def reserve_request(
         except ValueError:
             raise UsageError(f"--lease {lease!r}: use a duration such as 10m") from None
     return request
+
+
+def node_lease(flag: str, text: str) -> pb.NodeLease:
+    """`ID` or `ID:VERSION` (the server checks the id; a version is a positive number)."""
+    profile_id, sep, version = text.partition(":")
+    if not profile_id or (sep and not version.isdigit()) or (sep and int(version) < 1):
+        raise UsageError(f"{flag} {text!r}: use a profile id, or id:version with a version from 1")
+    lease = pb.NodeLease(profile_id=profile_id)
+    if sep:
+        lease.profile_version = int(version)
+    return lease
 
 
 def create_and_wait(
@@ -88,6 +105,7 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
         key=args.key, pool=args.pool, lease=args.lease, kubernetes=args.kubernetes,
         device_class=args.device_class, profile=args.profile,
         cpus=args.cpus, memory_gib=args.memory,
+        node_profile=args.node_profile,
     )
     return create_and_wait(client, request, args.wait, on_state)
 

@@ -68,6 +68,9 @@ def build() -> argparse.ArgumentParser:
                    help="host CPUs per node, 0 to 4096 (default: the pool's per-GPU share)")
     p.add_argument("--memory", type=_bounded("--memory", 0, 65536), metavar="GIB",
                    help="host memory per node in GiB, 0 to 65536 (default: the pool's per-GPU share)")
+    p.add_argument("--node-profile", metavar="ID[:VERSION]",
+                   help="binding node: lease whole machines of --gpus GPUs running this profile (its newest"
+                        " version unless one is named), in a pool with policy.tenantRoot")
     p.add_argument("--wait", type=float, default=20.0, help="seconds to wait while queued (default 20)")
     p.set_defaults(run=commands.reserve, progress=True)
 

@@ -16,7 +16,7 @@ from controlplane.nodes import hosts, queries
 # Sent by the SQL function bump_desired (controlplane/migrations/0002_work_queue.sql).
 DESIRED_CHANNEL = "bc_node_desired"
 
-_BINDINGS = {"kubernetes": node_pb2.BINDING_KUBERNETES}
+_BINDINGS = {"kubernetes": node_pb2.BINDING_KUBERNETES, "node": node_pb2.BINDING_NODE}
 
 
 async def bump(conn: AsyncConnection, node_id: str) -> None:
@@ -44,10 +44,14 @@ def assignment(row: dict[str, Any], facts: dict[str, Any] | None = None) -> node
     if facts is not None and (raw.get("vcpu") or raw.get("memoryGiB")):
         cpuset = hosts.cpuset(facts["inventory"] or {}, row["device_ids"], int(raw.get("vcpu") or 0),
                               int(raw.get("memoryGiB") or 0), int(facts["reserve"]))
-    return node_pb2.DeviceAssignment(
+    out = node_pb2.DeviceAssignment(
         allocation_id=row["id"], device_ids=row["device_ids"], until=row["until"],
         binding=_BINDINGS.get(row["binding"] or "", node_pb2.BINDING_HOLD),
         limits=_limits(raw, cpuset), device_class=row.get("device_class") or "gpu")
+    if row.get("profile_id"):  # a whole-machine lease: the profile metal deploys (controlplane.metal)
+        out.deploy.CopyFrom(node_pb2.Deploy(profile_id=row["profile_id"], version=row["profile_version"],
+                                            image=row["image"], checksum=row["checksum"]))
+    return out
 
 
 async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState:

@@ -15,13 +15,16 @@ from controlplane.nodes.locking import lock_for_placement_change
 
 
 async def set_state(pool: AsyncConnectionPool, node_id: str, state: str) -> dict[str, Any]:
-    """`ready` or `cordoned`; back to ready, the pool's pending reservations retry now."""
+    """`ready` or `cordoned`; back to ready, the pool's pending reservations retry now. A leased
+    node (controlplane.nodes.tenancy) is INVALID_STATE until it is back from its tenant."""
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         node = await lock_for_placement_change(conn, node_id)
         if node is None:
             raise errors.NotFound("no such node", nodeId=node_id)
-        await conn.execute(queries.SET_STATE, {"state": state, "node_id": node_id})
+        if (await conn.execute(queries.SET_STATE, {"state": state, "node_id": node_id})).rowcount == 0:
+            raise errors.InvalidState("the node is leased to a tenant (a whole-machine lease) until metal saw it "
+                                      "wiped; cordon it after that", nodeId=node_id, state="leased")
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node_id})
         if state == "ready":
             await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})

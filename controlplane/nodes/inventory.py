@@ -86,7 +86,28 @@ def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) 
         "hugepages_2mi": inventory.hugepages_2mi,
         "hugepages_1gi": inventory.hugepages_1gi,
         "vcpus": inventory.vcpus,
+        **({"deployed": deployed_json(inventory.deployed)} if inventory.HasField("deployed") else {}),
     }
+
+
+ALLOCATION_ID = re.compile(r"^alloc_[0-9a-hjkmnp-tv-z]{26}$")
+PROFILE_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+CHECKSUM = re.compile(r"^sha256:[0-9a-f]{64}$")
+DEPLOY_STATES = frozenset({"deploying", "deployed", "failed", "wiping", "wiped"})
+MAX_IMAGE = 512
+MAX_MESSAGE = 256
+
+
+def deployed_json(d: node_pb2.DeployedProfile) -> dict[str, Any]:
+    """What the node says is on its disk (whole-machine leases), bounded: a malformed id, profile,
+    checksum or state reads as empty, so metal never matches it (controlplane.metal.deploy)."""
+    def ok(value: str, pattern: re.Pattern[str]) -> str:
+        return value if pattern.fullmatch(value) else ""
+
+    return {"allocation_id": ok(d.allocation_id, ALLOCATION_ID), "profile_id": ok(d.profile_id, PROFILE_ID),
+            "version": d.version, "image": d.image[:MAX_IMAGE].replace("\x00", ""),
+            "checksum": ok(d.checksum, CHECKSUM), "state": d.state if d.state in DEPLOY_STATES else "",
+            "message": d.message[:MAX_MESSAGE].replace("\x00", "")}
 
 
 async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:

@@ -24,7 +24,8 @@ ON CONFLICT (pool_id, name) DO NOTHING
 """
 BY_NAME = "SELECT id FROM nodes WHERE pool_id = %(pool_id)s AND name = %(name)s"
 
-SET_STATE = "UPDATE nodes SET state = %(state)s WHERE id = %(node_id)s"
+# The operator's cordon; a leased node is metal's (controlplane.nodes.tenancy).
+SET_STATE = "UPDATE nodes SET state = %(state)s WHERE id = %(node_id)s AND state <> 'leased'"
 SET_CONNECTIVITY = """
 UPDATE nodes SET connectivity = %(connectivity)s,
        last_seen = CASE WHEN %(connectivity)s = 'connected' THEN compute_now() ELSE last_seen END
@@ -152,12 +153,14 @@ DESIRED_GENERATION = "SELECT desired_generation FROM nodes WHERE id = %(node_id)
 DESIRED_ASSIGNMENTS = """
 SELECT a.id, a.device_ids, a.limits, r.request->>'binding' AS binding,
        r.request->'devices'->0->>'class' AS device_class,
-       epoch_ms(max(upper(b.during))) AS until
+       epoch_ms(max(upper(b.during))) AS until,
+       d.profile_id, d.version AS profile_version, d.image, d.checksum
 FROM allocations a
 JOIN reservations r ON r.id = a.reservation_id
 JOIN bookings b ON b.allocation_id = a.id
+LEFT JOIN metal_deploys d ON d.allocation_id = a.id
 WHERE a.node_id = %(node_id)s AND a.state IN ('binding', 'bound')
-GROUP BY a.id, r.request
+GROUP BY a.id, r.request, d.allocation_id
 HAVING max(upper(b.during)) > compute_now()
 ORDER BY a.id
 """
@@ -244,3 +247,15 @@ UPDATE atoms SET bookable = false
 WHERE node_id = %(node_id)s AND kind <> 'gpu' AND bookable
   AND NOT (kind = %(kind)s AND device_uuid = ANY(%(devices)s))
 """
+
+# Tenancy (whole-machine leases, controlplane.metal) ---------------------------------------------
+
+# A node lease's start: the node becomes its tenant's (leased); the state it had comes back.
+LEASE = """
+UPDATE nodes n SET state = 'leased'
+FROM (SELECT id, state FROM nodes WHERE id = %(node_id)s FOR UPDATE) before
+WHERE n.id = before.id
+RETURNING before.state AS before
+"""
+# Wiped after the lease: back to the platform, in the state it had before.
+UNLEASE = "UPDATE nodes SET state = %(state)s WHERE id = %(node_id)s AND state = 'leased' RETURNING pool_id"

@@ -21,6 +21,7 @@ from controlplane.pki.config import PkiSettings
 
 log = structlog.get_logger("pki.enrolment")
 SUPERSEDED = "superseded by a new enrolment"
+ROLE_CHANGED = "superseded: the node's role changed to"
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,37 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
 
 async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,
                 csr_pem: bytes) -> Issued:
-    """New certificates for the same node and role (the node brings new keys)."""
+    """New certificates for the same node (the node brings new keys), in the role the control plane
+    gives it now, never one the node asks for: `node-tenant` while a tenant holds the machine (a
+    whole-machine lease, from its start until the machine was seen wiped), otherwise the role it
+    enrolled with. The certificates of the old role are revoked once the node authenticates with
+    a new one (`retire_other_roles`), so an answer lost on the way never locks the node out."""
     csr = certs.parse_csr_bundle(csr_pem)
 
     async def work(conn: AsyncConnection) -> Issued:
         _check(await store.certificate_by_key_id(conn, peer.key_id))  # revoked since the call began?
-        return await _issue(conn, ca, settings, csr, peer.node_id, peer.role)
+        role = await store.node_role(conn, peer.node_id) or peer.role
+        if role != peer.role:
+            log.info("node role changes at renewal", node_id=peer.node_id, role=role, was=peer.role)
+        return await _issue(conn, ca, settings, csr, peer.node_id, role)
 
     return await db.run_in_transaction(pool, work)
+
+
+async def retire_other_roles(pool: AsyncConnectionPool, peer: Peer) -> list[str]:
+    """The node opened a session with `peer`'s certificate: every certificate of the node in
+    another role issued before it is revoked (its older sessions re-check and end). After a role
+    change (a whole-machine lease began or ended) keys a tenant could have read never serve in
+    the other role, once the node showed it holds the new certificate."""
+
+    async def work(conn: AsyncConnection) -> list[str]:
+        return await store.revoke_other_roles(conn, peer.node_id, peer.key_id, f"{ROLE_CHANGED} {peer.role}")
+
+    revoked = await db.run_in_transaction(pool, work)
+    if revoked:
+        log.info("certificates of the node's former role revoked", node_id=peer.node_id, role=peer.role,
+                 serials=revoked)
+    return revoked
 
 
 async def identify(pool: AsyncConnectionPool, cert_pem: bytes | None) -> Peer:

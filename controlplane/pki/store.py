@@ -120,6 +120,41 @@ async def node_certificates(conn: AsyncConnection, node_id: str) -> list[dict[st
         _CERT + " WHERE c.node_id = %s ORDER BY c.not_before DESC, c.serial", (node_id,))).fetchall()
 
 
+async def node_role(conn: AsyncConnection, node_id: str) -> str | None:
+    """The role the node's certificates carry now: node-tenant while its machine is leased to a
+    tenant (controlplane.nodes.tenancy), otherwise the role of the join token it enrolled with."""
+    row = await (await conn.execute(
+        "SELECT CASE WHEN n.state = 'leased' THEN 'node-tenant' ELSE"
+        " (SELECT t.role FROM join_tokens t WHERE t.node_id = n.id AND t.used_at IS NOT NULL"
+        "  ORDER BY t.used_at DESC LIMIT 1) END AS role"
+        " FROM nodes n WHERE n.id = %s", (node_id,))).fetchone()
+    return row["role"] if row else None
+
+
+async def revoke_other_roles(conn: AsyncConnection, node_id: str, key_id: str, reason: str) -> list[str]:
+    """Revoke the node's certificates issued no later than `key_id`'s in another role; wakes the
+    node's sessions when any was revoked."""
+    rows = await (await conn.execute(
+        "INSERT INTO revocations (serial, reason)"
+        " SELECT c.serial, %s FROM node_certs mine JOIN node_certs c ON c.node_id = mine.node_id"
+        " WHERE mine.key_id = %s AND mine.node_id = %s AND c.role <> mine.role AND c.created_at <= mine.created_at"
+        " ON CONFLICT (serial) DO NOTHING RETURNING serial", (reason, key_id, node_id))).fetchall()
+    if rows:
+        await sessions.recheck(conn, node_id)
+    return sorted(r["serial"] for r in rows)
+
+
+async def revoke_issued_before(conn: AsyncConnection, node_id: str, before: dt.datetime, reason: str) -> list[str]:
+    """Revoke the node's certificates issued before `before` (wall clock); wakes its sessions."""
+    rows = await (await conn.execute(
+        "INSERT INTO revocations (serial, reason)"
+        " SELECT serial, %s FROM node_certs WHERE node_id = %s AND created_at < %s"
+        " ON CONFLICT (serial) DO NOTHING RETURNING serial", (reason, node_id, before))).fetchall()
+    if rows:
+        await sessions.recheck(conn, node_id)
+    return sorted(r["serial"] for r in rows)
+
+
 async def revoke(conn: AsyncConnection, *, node_id: str = "", serial: str = "", reason: str = "") -> list[str]:
     """Revoke one certificate, or every certificate of a node (expired ones too: within the
     offline grace they still sign reports). Wakes the node's sessions to re-check theirs."""

@@ -21,6 +21,8 @@ from controlplane.auth import Caller
 from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
+from controlplane.metal import is_node_lease
+from controlplane.metal import request as metal_request
 from controlplane.reservations import devices, hostshare, kubernetes, placing, queries, queued, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
@@ -87,6 +89,7 @@ async def _transaction_1(
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
         devices.check_pool(inp.request, pool)
+        await metal_request.check_create(conn, inp.request, pool)
         await _require_draft_room(conn, rt, caller)
         request, share = await _with_host_resources(conn, rt, inp.request, pool)
         await conn.execute(
@@ -135,6 +138,8 @@ async def _with_host_resources(
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """The request as stored, with the host resources it books resolved once (the pool's per-GPU
     share, the floor of what it asks), and the share itself (the hash stays the input's)."""
+    if is_node_lease(request):  # a whole-machine lease books no host resources: its share is empty
+        return request, {}
     device = request["devices"][0]  # the GPUs' worth: a MIG instance or a slot counts its fraction
     gpus = common_devices.gpu_equivalent(device["class"], device["count"], pool.get("policy"))
     booked, share = hostshare.resolve(request.get("resources"), await hostshare.per_gpu(conn, rt, pool), gpus)

@@ -16,6 +16,8 @@ from psycopg import AsyncConnection
 from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.nodes.inventory import CAP_PREFIX, SYSTEM
+from controlplane.metal import is_node_lease
+from controlplane.metal import placement as whole_machines
 from controlplane.placement import placer
 from controlplane.reservations import kubernetes, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
@@ -39,7 +41,10 @@ async def prepare(
     in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
     (admission does both in one statement)."""
     ask = ask_for(row, now_ms)
-    planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
+    if is_node_lease(row["request"]):  # whole machines are planned under the pool lock, at commit
+        planned = placer.Planned(None)
+    else:
+        planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
     if lock:
         await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
@@ -56,6 +61,8 @@ async def place_again(
     woken at commit whatever happens to this one (DESIGN.md section 9), as after a release."""
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
+    if is_node_lease(row["request"]):
+        return ask, await whole_machines.commit(conn, ask, row["id"], rt.settings, exclude=avoid)
     planned = await placer.plan(conn, ask, rt.settings, exclude=avoid, index=rt.capacity)
     return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics,
                                     index=rt.capacity)
@@ -66,6 +73,13 @@ async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, me
     await move(conn, row, states.PENDING, operation_state="succeeded",
                conditions=[condition("Unschedulable", reason, message, now_ms)])
     await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
+
+
+async def explain(conn: AsyncConnection, row: dict[str, Any], ask: placer.Ask) -> str:
+    """Why nothing fits: whole machines for a node lease, devices otherwise."""
+    if is_node_lease(row["request"]):
+        return await whole_machines.explain(conn, ask)
+    return await placer.explain(conn, ask)
 
 
 def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
@@ -107,10 +121,13 @@ async def place_locked(
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
     Unschedulable condition. Emits the event in the same transaction. True when placed."""
     ask = prepared.ask
-    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
-                                    index=rt.capacity)
+    if is_node_lease(row["request"]):
+        placement = await whole_machines.commit(conn, ask, row["id"], rt.settings)
+    else:
+        placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
+                                        index=rt.capacity)
     if placement is None:
-        reason = await placer.explain(conn, ask)
+        reason = await explain(conn, row, ask)
         if row["state"] == states.PENDING:
             # A retry that still finds nothing keeps the reason it went pending for (NoFit, or
             # BookingRepairFailed after a repair) and only refreshes the message.

@@ -43,8 +43,9 @@ class Fenced(Exception):
 
 def uses_lease(pool: dict[str, Any], request: dict[str, Any]) -> bool:
     """Whether a create in this pool is queued for the pool's lease holder: a lease-policy pool,
-    and not a gang (gangs always place inline)."""
-    return (pool.get("policy") or {}).get("placer") == LEASE and not request.get("gang")
+    and not a gang or a whole-machine lease (those always place inline)."""
+    return ((pool.get("policy") or {}).get("placer") == LEASE and not request.get("gang")
+            and request.get("binding") != "node")
 
 
 async def lock_undecided(conn: AsyncConnection, rid: str, decision: str, undecided: list[str],

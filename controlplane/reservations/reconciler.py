@@ -14,6 +14,8 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.common.locks import pool_lock
+from controlplane.metal import is_node_lease
+from controlplane.metal import lifecycle as node_lease
 from controlplane.reservations import binding, queries, repair, schedule, states
 from controlplane.reservations.lifecycle import free_capacity
 from controlplane.reservations.transitions import expire_confirmation, move
@@ -54,6 +56,9 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
         return
     if now_ms >= row["during_end"]:
         await end(conn, row, "expired")
+        return
+    if is_node_lease(row["request"]):  # from its start the node is metal's (controlplane.metal)
+        await node_lease.reconcile(conn, rt, row, now_ms, may_place=may_place)
         return
     if row["state"] == states.PLACED:
         if now_ms >= row["during_start"] - schedule.REPAIR_LEAD_MS:

@@ -11,7 +11,6 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
-from controlplane.placement import placer
 from controlplane.reservations import placing, queries, schedule
 from controlplane.runtime import Runtime
 
@@ -30,7 +29,7 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
     ask, placement = await placing.place_again(
         conn, rt, row, (row["during_start"], row["during_end"]), frozenset(bad), now_ms)
     if placement is None:
-        message = f"booking repair found no replacement for {', '.join(bad)}: " + await placer.explain(conn, ask)
+        message = f"booking repair found no replacement for {', '.join(bad)}: " + await placing.explain(conn, row, ask)
         await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)
         return False
     await conn.execute(queries.BUMP_VERSION, params)

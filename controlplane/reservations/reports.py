@@ -24,10 +24,15 @@ from psycopg.types.json import Jsonb
 from bettercompute.node.v1 import node_pb2
 from controlplane import events
 from controlplane.nodes import reports as stored_reports
+from controlplane.metal import is_node_lease
 from controlplane.pki import attest
 from controlplane.pki.config import PkiSettings
 from controlplane.reservations import queries
 from controlplane.reservations.transitions import condition, set_conditions
+
+# Node leases are exempt from attested bindings (spec): the metal worker binds them after it
+# verified the deploy, so a node's reports about them never count.
+NODE_LEASE = "a node lease is bound by its deploy workflow, not by node reports"
 from controlplane.runtime import Runtime
 
 
@@ -37,8 +42,12 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     the (node id, reason) of each verified AllocationFailed, for the caller's failure path."""
     failures: list[tuple[str, str]] = []
     pki = PkiSettings()
+    node_lease = is_node_lease(row["request"])
     for rep in await stored_reports.unjudged(conn, row["id"]):
-        ok, reason, report = await _check(conn, rt, pki, rep)
+        if node_lease:  # metal binds whole-machine leases; a node's report never does
+            ok, reason, report = False, NODE_LEASE, None
+        else:
+            ok, reason, report = await _check(conn, rt, pki, rep)
         if ok and await _replayed(conn, rep, report):
             ok, reason = False, attest.REPLAYED
         await stored_reports.record_verdict(conn, rep["id"], "accepted" if ok else f"rejected: {reason}",
@@ -47,7 +56,8 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
         if not ok:
             await events.emit_reservation(conn, row, "reservation.binding-rejected",
                                           allocationId=rep["allocation_id"], nodeId=rep["node_id"], reason=reason)
-            if rep["kind"] == "bound" and rep["allocation_state"] == "bound" and reason != attest.REPLAYED:
+            lost = reason not in (attest.REPLAYED, NODE_LEASE)
+            if rep["kind"] == "bound" and rep["allocation_state"] == "bound" and lost:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":

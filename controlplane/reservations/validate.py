@@ -14,14 +14,15 @@ from controlplane.common import devices as device_classes
 from controlplane.common.names import IDEMPOTENCY_KEY, LABEL, MIG_PROFILE, MODEL, POOL_ID, TENANT_ID, match, shown_key
 from controlplane.config import Settings
 from controlplane.durations import parse_duration_ms
+from controlplane.metal import request as metal_request
 from controlplane.placement.planner import ANY, TOPOLOGIES
 
 DAY_MS = 86_400_000
 MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
 SERVED_CLASSES = set(device_classes.CLASSES)
-SERVED_BINDINGS = {"hold", "kubernetes"}
-UNSERVED_BINDINGS = {"instance", "node"}
+SERVED_BINDINGS = {"hold", "kubernetes", "node"}
+UNSERVED_BINDINGS = {"instance"}
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
         hint = " (VPS instances are created with instances.create)" if binding == "instance" else ""
         raise errors.Unsupported(f"binding {binding!r} is not served{hint}", field="binding")
     if binding not in SERVED_BINDINGS:
-        raise errors.InvalidInput("binding", "must be 'hold' or 'kubernetes'")
+        raise errors.InvalidInput("binding", "must be 'hold', 'kubernetes' or 'node'")
     devices = _devices(raw.get("devices") or [])
     if binding == "kubernetes" and devices[0]["class"] != device_classes.GPU:
         raise errors.Unsupported("the kubernetes binding books whole GPUs only (its device plugin serves bcd.dev/gpu)",
@@ -143,6 +144,7 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
     }
     if resources is not None:  # absent from requests without it, so their hash is unchanged
         request["resources"] = resources
+    metal_request.normalise(raw, request)  # binding "node": its `node`, and what it refuses
     return CreateInput(tenant_id, key, wait_ms, request)
 
 

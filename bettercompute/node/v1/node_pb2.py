@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n bettercompute/node/v1/node.proto\x12\x15\x62\x65ttercompute.node.v1\"3\n\x0c\x45nrolRequest\x12\x12\n\njoin_token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\"h\n\rEnrolResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x02 \x01(\x0c\x12\x1a\n\x12\x63\x61_certificate_pem\x18\x03 \x01(\x0c\x12\x11\n\tnot_after\x18\x04 \x01(\x03\"\x1f\n\x0cRenewRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\";\n\rRenewResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x11\n\tnot_after\x18\x02 \x01(\x03\"\xea\x01\n\x0bNodeMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.bettercompute.node.v1.HelloH\x00\x12\x35\n\theartbeat\x18\x02 \x01(\x0b\x32 .bettercompute.node.v1.HeartbeatH\x00\x12\x35\n\tinventory\x18\x03 \x01(\x0b\x32 .bettercompute.node.v1.InventoryH\x00\x12\x37\n\x06report\x18\x04 \x01(\x0b\x32%.bettercompute.node.v1.AttestedReportH\x00\x42\x05\n\x03msg\"\xc5\x01\n\x0eGatewayMessage\x12<\n\rdesired_state\x18\x01 \x01(\x0b\x32#.bettercompute.node.v1.DesiredStateH\x00\x12\x36\n\nrenew_hint\x18\x02 \x01(\x0b\x32 .bettercompute.node.v1.RenewHintH\x00\x12\x36\n\nreport_ack\x18\x03 \x01(\x0b\x32 .bettercompute.node.v1.ReportAckH\x00\x42\x05\n\x03msg\"j\n\x05Hello\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x02 \x03(\t\x12\x33\n\tinventory\x18\x03 \x01(\x0b\x32 .bettercompute.node.v1.Inventory\"5\n\tHeartbeat\x12\x0c\n\x04time\x18\x01 \x01(\x03\x12\x1a\n\x12\x61pplied_generation\x18\x02 \x01(\x03\"-\n\x0bMigInstance\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07profile\x18\x02 \x01(\t\"\xc5\x01\n\x03Gpu\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\x12\x11\n\tnuma_node\x18\x04 \x01(\x05\x12\x16\n\x0envlink_cluster\x18\x05 \x01(\t\x12\x15\n\rnvlink_clique\x18\x06 \x01(\t\x12\x10\n\x08mig_mode\x18\x07 \x01(\x08\x12\x39\n\rmig_instances\x18\x08 \x03(\x0b\x32\".bettercompute.node.v1.MigInstance\"=\n\x08NumaNode\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0f\n\x07\x63pulist\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\"\xe8\x01\n\tInventory\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12(\n\x04gpus\x18\x02 \x03(\x0b\x32\x1a.bettercompute.node.v1.Gpu\x12\x33\n\nnuma_nodes\x18\x03 \x03(\x0b\x32\x1f.bettercompute.node.v1.NumaNode\x12\x15\n\risolated_cpus\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x15\n\rhugepages_2mi\x18\x06 \x01(\x03\x12\x15\n\rhugepages_1gi\x18\x07 \x01(\x03\x12\r\n\x05vcpus\x18\x08 \x01(\x05\"e\n\x06Limits\x12\x12\n\ncpu_millis\x18\x01 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\x12\x15\n\rhugepages_1gi\x18\x03 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x04 \x01(\t\x12\x0c\n\x04mems\x18\x05 \x01(\t\"\xc6\x01\n\x10\x44\x65viceAssignment\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\r\n\x05until\x18\x03 \x01(\x03\x12\x33\n\x07\x62inding\x18\x04 \x01(\x0e\x32\".bettercompute.node.v1.BindingKind\x12-\n\x06limits\x18\x05 \x01(\x0b\x32\x1d.bettercompute.node.v1.Limits\x12\x14\n\x0c\x64\x65vice_class\x18\x06 \x01(\t\"`\n\x0c\x44\x65siredState\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12<\n\x0b\x61ssignments\x18\x02 \x03(\x0b\x32\'.bettercompute.node.v1.DeviceAssignment\"\x1e\n\tRenewHint\x12\x11\n\tnot_after\x18\x01 \x01(\x03\"A\n\x0e\x41ttestedReport\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"\xf5\x01\n\x06Report\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x03\x12\x37\n\x05\x62ound\x18\x04 \x01(\x0b\x32&.bettercompute.node.v1.AllocationBoundH\x00\x12\x39\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\'.bettercompute.node.v1.AllocationFailedH\x00\x12=\n\x08released\x18\x06 \x01(\x0b\x32).bettercompute.node.v1.AllocationReleasedH\x00\x42\x07\n\x05\x65vent\"d\n\tReportAck\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x35\n\x07outcome\x18\x03 \x01(\x0e\x32$.bettercompute.node.v1.ReportOutcome\"f\n\x0f\x41llocationBound\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63\x64i_devices\x18\x02 \x03(\t\x12\x10\n\x08\x65nv_file\x18\x03 \x01(\t\x12\x15\n\rcgroup_parent\x18\x04 \x01(\t\"J\n\x10\x41llocationFailed\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\";\n\x12\x41llocationReleased\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*P\n\x0b\x42indingKind\x12\x17\n\x13\x42INDING_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42INDING_HOLD\x10\x01\x12\x16\n\x12\x42INDING_KUBERNETES\x10\x02*c\n\rReportOutcome\x12\x16\n\x12REPORT_UNSPECIFIED\x10\x00\x12\x11\n\rREPORT_STORED\x10\x01\x12\x12\n\x0eREPORT_IGNORED\x10\x02\x12\x13\n\x0fREPORT_REPLAYED\x10\x03\x32\x8f\x02\n\x0bNodeGateway\x12R\n\x05\x45nrol\x12#.bettercompute.node.v1.EnrolRequest\x1a$.bettercompute.node.v1.EnrolResponse\x12R\n\x05Renew\x12#.bettercompute.node.v1.RenewRequest\x1a$.bettercompute.node.v1.RenewResponse\x12X\n\x07Session\x12\".bettercompute.node.v1.NodeMessage\x1a%.bettercompute.node.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n bettercompute/node/v1/node.proto\x12\x15\x62\x65ttercompute.node.v1\"3\n\x0c\x45nrolRequest\x12\x12\n\njoin_token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\"h\n\rEnrolResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x02 \x01(\x0c\x12\x1a\n\x12\x63\x61_certificate_pem\x18\x03 \x01(\x0c\x12\x11\n\tnot_after\x18\x04 \x01(\x03\"\x1f\n\x0cRenewRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\";\n\rRenewResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x11\n\tnot_after\x18\x02 \x01(\x03\"\xea\x01\n\x0bNodeMessage\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.bettercompute.node.v1.HelloH\x00\x12\x35\n\theartbeat\x18\x02 \x01(\x0b\x32 .bettercompute.node.v1.HeartbeatH\x00\x12\x35\n\tinventory\x18\x03 \x01(\x0b\x32 .bettercompute.node.v1.InventoryH\x00\x12\x37\n\x06report\x18\x04 \x01(\x0b\x32%.bettercompute.node.v1.AttestedReportH\x00\x42\x05\n\x03msg\"\xc5\x01\n\x0eGatewayMessage\x12<\n\rdesired_state\x18\x01 \x01(\x0b\x32#.bettercompute.node.v1.DesiredStateH\x00\x12\x36\n\nrenew_hint\x18\x02 \x01(\x0b\x32 .bettercompute.node.v1.RenewHintH\x00\x12\x36\n\nreport_ack\x18\x03 \x01(\x0b\x32 .bettercompute.node.v1.ReportAckH\x00\x42\x05\n\x03msg\"j\n\x05Hello\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x01 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x02 \x03(\t\x12\x33\n\tinventory\x18\x03 \x01(\x0b\x32 .bettercompute.node.v1.Inventory\"5\n\tHeartbeat\x12\x0c\n\x04time\x18\x01 \x01(\x03\x12\x1a\n\x12\x61pplied_generation\x18\x02 \x01(\x03\"-\n\x0bMigInstance\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07profile\x18\x02 \x01(\t\"\xc5\x01\n\x03Gpu\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nmemory_mib\x18\x03 \x01(\x03\x12\x11\n\tnuma_node\x18\x04 \x01(\x05\x12\x16\n\x0envlink_cluster\x18\x05 \x01(\t\x12\x15\n\rnvlink_clique\x18\x06 \x01(\t\x12\x10\n\x08mig_mode\x18\x07 \x01(\x08\x12\x39\n\rmig_instances\x18\x08 \x03(\x0b\x32\".bettercompute.node.v1.MigInstance\"=\n\x08NumaNode\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0f\n\x07\x63pulist\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\"\xa2\x02\n\tInventory\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12(\n\x04gpus\x18\x02 \x03(\x0b\x32\x1a.bettercompute.node.v1.Gpu\x12\x33\n\nnuma_nodes\x18\x03 \x03(\x0b\x32\x1f.bettercompute.node.v1.NumaNode\x12\x15\n\risolated_cpus\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x15\n\rhugepages_2mi\x18\x06 \x01(\x03\x12\x15\n\rhugepages_1gi\x18\x07 \x01(\x03\x12\r\n\x05vcpus\x18\x08 \x01(\x05\x12\x38\n\x08\x64\x65ployed\x18\t \x01(\x0b\x32&.bettercompute.node.v1.DeployedProfile\"\x8e\x01\n\x0f\x44\x65ployedProfile\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x12\n\nprofile_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\r\n\x05image\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\"e\n\x06Limits\x12\x12\n\ncpu_millis\x18\x01 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\x12\x15\n\rhugepages_1gi\x18\x03 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x04 \x01(\t\x12\x0c\n\x04mems\x18\x05 \x01(\t\"\xf5\x01\n\x10\x44\x65viceAssignment\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\r\n\x05until\x18\x03 \x01(\x03\x12\x33\n\x07\x62inding\x18\x04 \x01(\x0e\x32\".bettercompute.node.v1.BindingKind\x12-\n\x06limits\x18\x05 \x01(\x0b\x32\x1d.bettercompute.node.v1.Limits\x12\x14\n\x0c\x64\x65vice_class\x18\x06 \x01(\t\x12-\n\x06\x64\x65ploy\x18\x07 \x01(\x0b\x32\x1d.bettercompute.node.v1.Deploy\"N\n\x06\x44\x65ploy\x12\x12\n\nprofile_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\x12\r\n\x05image\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\"`\n\x0c\x44\x65siredState\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12<\n\x0b\x61ssignments\x18\x02 \x03(\x0b\x32\'.bettercompute.node.v1.DeviceAssignment\"\x1e\n\tRenewHint\x12\x11\n\tnot_after\x18\x01 \x01(\x03\"A\n\x0e\x41ttestedReport\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"\xf5\x01\n\x06Report\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x03\x12\x37\n\x05\x62ound\x18\x04 \x01(\x0b\x32&.bettercompute.node.v1.AllocationBoundH\x00\x12\x39\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\'.bettercompute.node.v1.AllocationFailedH\x00\x12=\n\x08released\x18\x06 \x01(\x0b\x32).bettercompute.node.v1.AllocationReleasedH\x00\x42\x07\n\x05\x65vent\"d\n\tReportAck\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x35\n\x07outcome\x18\x03 \x01(\x0e\x32$.bettercompute.node.v1.ReportOutcome\"f\n\x0f\x41llocationBound\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63\x64i_devices\x18\x02 \x03(\t\x12\x10\n\x08\x65nv_file\x18\x03 \x01(\t\x12\x15\n\rcgroup_parent\x18\x04 \x01(\t\"J\n\x10\x41llocationFailed\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\";\n\x12\x41llocationReleased\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*b\n\x0b\x42indingKind\x12\x17\n\x13\x42INDING_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42INDING_HOLD\x10\x01\x12\x16\n\x12\x42INDING_KUBERNETES\x10\x02\x12\x10\n\x0c\x42INDING_NODE\x10\x03*c\n\rReportOutcome\x12\x16\n\x12REPORT_UNSPECIFIED\x10\x00\x12\x11\n\rREPORT_STORED\x10\x01\x12\x12\n\x0eREPORT_IGNORED\x10\x02\x12\x13\n\x0fREPORT_REPLAYED\x10\x03\x32\x8f\x02\n\x0bNodeGateway\x12R\n\x05\x45nrol\x12#.bettercompute.node.v1.EnrolRequest\x1a$.bettercompute.node.v1.EnrolResponse\x12R\n\x05Renew\x12#.bettercompute.node.v1.RenewRequest\x1a$.bettercompute.node.v1.RenewResponse\x12X\n\x07Session\x12\".bettercompute.node.v1.NodeMessage\x1a%.bettercompute.node.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bettercompute.node.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BINDINGKIND']._serialized_start=2549
-  _globals['_BINDINGKIND']._serialized_end=2629
-  _globals['_REPORTOUTCOME']._serialized_start=2631
-  _globals['_REPORTOUTCOME']._serialized_end=2730
+  _globals['_BINDINGKIND']._serialized_start=2879
+  _globals['_BINDINGKIND']._serialized_end=2977
+  _globals['_REPORTOUTCOME']._serialized_start=2979
+  _globals['_REPORTOUTCOME']._serialized_end=3078
   _globals['_ENROLREQUEST']._serialized_start=59
   _globals['_ENROLREQUEST']._serialized_end=110
   _globals['_ENROLRESPONSE']._serialized_start=112
@@ -58,27 +58,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NUMANODE']._serialized_start=1159
   _globals['_NUMANODE']._serialized_end=1220
   _globals['_INVENTORY']._serialized_start=1223
-  _globals['_INVENTORY']._serialized_end=1455
-  _globals['_LIMITS']._serialized_start=1457
-  _globals['_LIMITS']._serialized_end=1558
-  _globals['_DEVICEASSIGNMENT']._serialized_start=1561
-  _globals['_DEVICEASSIGNMENT']._serialized_end=1759
-  _globals['_DESIREDSTATE']._serialized_start=1761
-  _globals['_DESIREDSTATE']._serialized_end=1857
-  _globals['_RENEWHINT']._serialized_start=1859
-  _globals['_RENEWHINT']._serialized_end=1889
-  _globals['_ATTESTEDREPORT']._serialized_start=1891
-  _globals['_ATTESTEDREPORT']._serialized_end=1956
-  _globals['_REPORT']._serialized_start=1959
-  _globals['_REPORT']._serialized_end=2204
-  _globals['_REPORTACK']._serialized_start=2206
-  _globals['_REPORTACK']._serialized_end=2306
-  _globals['_ALLOCATIONBOUND']._serialized_start=2308
-  _globals['_ALLOCATIONBOUND']._serialized_end=2410
-  _globals['_ALLOCATIONFAILED']._serialized_start=2412
-  _globals['_ALLOCATIONFAILED']._serialized_end=2486
-  _globals['_ALLOCATIONRELEASED']._serialized_start=2488
-  _globals['_ALLOCATIONRELEASED']._serialized_end=2547
-  _globals['_NODEGATEWAY']._serialized_start=2733
-  _globals['_NODEGATEWAY']._serialized_end=3004
+  _globals['_INVENTORY']._serialized_end=1513
+  _globals['_DEPLOYEDPROFILE']._serialized_start=1516
+  _globals['_DEPLOYEDPROFILE']._serialized_end=1658
+  _globals['_LIMITS']._serialized_start=1660
+  _globals['_LIMITS']._serialized_end=1761
+  _globals['_DEVICEASSIGNMENT']._serialized_start=1764
+  _globals['_DEVICEASSIGNMENT']._serialized_end=2009
+  _globals['_DEPLOY']._serialized_start=2011
+  _globals['_DEPLOY']._serialized_end=2089
+  _globals['_DESIREDSTATE']._serialized_start=2091
+  _globals['_DESIREDSTATE']._serialized_end=2187
+  _globals['_RENEWHINT']._serialized_start=2189
+  _globals['_RENEWHINT']._serialized_end=2219
+  _globals['_ATTESTEDREPORT']._serialized_start=2221
+  _globals['_ATTESTEDREPORT']._serialized_end=2286
+  _globals['_REPORT']._serialized_start=2289
+  _globals['_REPORT']._serialized_end=2534
+  _globals['_REPORTACK']._serialized_start=2536
+  _globals['_REPORTACK']._serialized_end=2636
+  _globals['_ALLOCATIONBOUND']._serialized_start=2638
+  _globals['_ALLOCATIONBOUND']._serialized_end=2740
+  _globals['_ALLOCATIONFAILED']._serialized_start=2742
+  _globals['_ALLOCATIONFAILED']._serialized_end=2816
+  _globals['_ALLOCATIONRELEASED']._serialized_start=2818
+  _globals['_ALLOCATIONRELEASED']._serialized_end=2877
+  _globals['_NODEGATEWAY']._serialized_start=3081
+  _globals['_NODEGATEWAY']._serialized_end=3352
 # @@protoc_insertion_point(module_scope)

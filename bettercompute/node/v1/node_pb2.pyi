@@ -36,12 +36,20 @@ class _BindingKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BindingKi
     BINDING_UNSPECIFIED: _BindingKind.ValueType  # 0
     BINDING_HOLD: _BindingKind.ValueType  # 1
     BINDING_KUBERNETES: _BindingKind.ValueType  # 2
+    BINDING_NODE: _BindingKind.ValueType  # 3
+    """A whole-machine lease: the node deploys `deploy` (reimages the machine) instead of binding
+    devices, reports the result in its inventory, and wipes the machine once the assignment leaves.
+    """
 
 class BindingKind(_BindingKind, metaclass=_BindingKindEnumTypeWrapper): ...
 
 BINDING_UNSPECIFIED: BindingKind.ValueType  # 0
 BINDING_HOLD: BindingKind.ValueType  # 1
 BINDING_KUBERNETES: BindingKind.ValueType  # 2
+BINDING_NODE: BindingKind.ValueType  # 3
+"""A whole-machine lease: the node deploys `deploy` (reimages the machine) instead of binding
+devices, reports the result in its inventory, and wipes the machine once the assignment leaves.
+"""
 Global___BindingKind: _TypeAlias = BindingKind  # noqa: Y015
 
 class _ReportOutcome:
@@ -390,6 +398,7 @@ class Inventory(_message.Message):
     HUGEPAGES_2MI_FIELD_NUMBER: _builtins.int
     HUGEPAGES_1GI_FIELD_NUMBER: _builtins.int
     VCPUS_FIELD_NUMBER: _builtins.int
+    DEPLOYED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     isolated_cpus: _builtins.str
     memory_bytes: _builtins.int
@@ -400,6 +409,10 @@ class Inventory(_message.Message):
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]: ...
     @_builtins.property
     def numa_nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NumaNode]: ...
+    @_builtins.property
+    def deployed(self) -> Global___DeployedProfile:
+        """The profile on the machine's disk (whole-machine leases); absent when none was ever deployed."""
+
     def __init__(
         self,
         *,
@@ -411,14 +424,58 @@ class Inventory(_message.Message):
         hugepages_2mi: _builtins.int = ...,
         hugepages_1gi: _builtins.int = ...,
         vcpus: _builtins.int = ...,
+        deployed: Global___DeployedProfile | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployed", b"deployed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "gpus", b"gpus", "hugepages_1gi", b"hugepages_1gi", "hugepages_2mi", b"hugepages_2mi", "isolated_cpus", b"isolated_cpus", "memory_bytes", b"memory_bytes", "numa_nodes", b"numa_nodes", "vcpus", b"vcpus"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployed", b"deployed", "generation", b"generation", "gpus", b"gpus", "hugepages_1gi", b"hugepages_1gi", "hugepages_2mi", b"hugepages_2mi", "isolated_cpus", b"isolated_cpus", "memory_bytes", b"memory_bytes", "numa_nodes", b"numa_nodes", "vcpus", b"vcpus"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Inventory: _TypeAlias = Inventory  # noqa: Y015
+
+@_typing.final
+class DeployedProfile(_message.Message):
+    """What a node says is on its disk: the deploy of one allocation's profile, or the wipe after it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALLOCATION_ID_FIELD_NUMBER: _builtins.int
+    PROFILE_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    allocation_id: _builtins.str
+    """The allocation whose deploy (or the wipe after it) this is."""
+    profile_id: _builtins.str
+    version: _builtins.int
+    image: _builtins.str
+    checksum: _builtins.str
+    """The digest of what the node wrote to disk, "sha256:<64 hex>"."""
+    state: _builtins.str
+    """"deploying", "deployed", "failed", "wiping" or "wiped"."""
+    message: _builtins.str
+    """Why a deploy failed."""
+    def __init__(
+        self,
+        *,
+        allocation_id: _builtins.str = ...,
+        profile_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        image: _builtins.str = ...,
+        checksum: _builtins.str = ...,
+        state: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_id", b"allocation_id", "checksum", b"checksum", "image", b"image", "message", b"message", "profile_id", b"profile_id", "state", b"state", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeployedProfile: _TypeAlias = DeployedProfile  # noqa: Y015
 
 @_typing.final
 class Limits(_message.Message):
@@ -462,6 +519,7 @@ class DeviceAssignment(_message.Message):
     BINDING_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     DEVICE_CLASS_FIELD_NUMBER: _builtins.int
+    DEPLOY_FIELD_NUMBER: _builtins.int
     allocation_id: _builtins.str
     until: _builtins.int
     """Epoch ms: the booking's end. The node drops the hold after it."""
@@ -474,6 +532,10 @@ class DeviceAssignment(_message.Message):
 
     @_builtins.property
     def limits(self) -> Global___Limits: ...
+    @_builtins.property
+    def deploy(self) -> Global___Deploy:
+        """BINDING_NODE only: the profile to deploy."""
+
     def __init__(
         self,
         *,
@@ -483,14 +545,45 @@ class DeviceAssignment(_message.Message):
         binding: Global___BindingKind.ValueType = ...,
         limits: Global___Limits | None = ...,
         device_class: _builtins.str = ...,
+        deploy: Global___Deploy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deploy", b"deploy", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_id", b"allocation_id", "binding", b"binding", "device_class", b"device_class", "device_ids", b"device_ids", "limits", b"limits", "until", b"until"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation_id", b"allocation_id", "binding", b"binding", "deploy", b"deploy", "device_class", b"device_class", "device_ids", b"device_ids", "limits", b"limits", "until", b"until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeviceAssignment: _TypeAlias = DeviceAssignment  # noqa: Y015
+
+@_typing.final
+class Deploy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROFILE_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    profile_id: _builtins.str
+    version: _builtins.int
+    image: _builtins.str
+    """Where the image is fetched from (an OCI reference or URL)."""
+    checksum: _builtins.str
+    """The image's digest, "sha256:<64 hex>": what the node must write, and report back."""
+    def __init__(
+        self,
+        *,
+        profile_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        image: _builtins.str = ...,
+        checksum: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "image", b"image", "profile_id", b"profile_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Deploy: _TypeAlias = Deploy  # noqa: Y015
 
 @_typing.final
 class DesiredState(_message.Message):
