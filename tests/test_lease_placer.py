@@ -6,10 +6,12 @@ that planned on it a re-plan. Real control plane, real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import psycopg
 import pytest
 from structlog.testing import capture_logs
 
@@ -225,3 +227,49 @@ def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_batch_whose_lease_was_taken_over_meanwhile_commits_nothing(stack: tuple[ServerThread, Client]) -> None:
+    """The fencing check: a batch planned under epoch N whose lease moved to epoch N+1 before its
+    last statement rolls back whole. The batch is held inside its insert (an uncommitted booking
+    of another transaction on one of its atoms) while the lease is taken over."""
+    from controlplane.reservations import queued
+
+    server, root = stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=1)
+    w.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+          "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
+          "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
+          (w.pool_id,))
+    start = w.later(2)
+    r = w.create(count=8, start=start, duration="1h")
+    assert r.state == "queued"
+    runtime = server.app.runtime
+    assert server.call(queued.drain(runtime, w.pool_id, "tester", 2)) == 0, "a stale epoch takes nothing"
+
+    blocker = psycopg.connect(w.conninfo)
+    try:
+        blocker.execute("""
+            WITH r AS (INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,
+                                                 request_hash)
+                       SELECT 'rsv_blocker' || tenant_id, tenant_id, pool_id, owner_identity_id, 'blocker', request, 'x'
+                       FROM reservations WHERE id = %(rid)s RETURNING id),
+                 al AS (INSERT INTO allocations (id, reservation_id, node_id, device_ids)
+                        SELECT 'alloc_blocker', id, %(node)s, '{}' FROM r RETURNING id)
+            INSERT INTO bookings (atom_id, allocation_id, during)
+            SELECT (SELECT min(id) FROM atoms WHERE node_id = %(node)s), id,
+                   tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(start)s + 60000), '[)') FROM al""",
+                        {"rid": r.id, "node": w.nodes[0].id, "start": start})
+        future = asyncio.run_coroutine_threadsafe(queued.drain(runtime, w.pool_id, "tester", 3), server.loop)
+        until(lambda: w.sql("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")[0][0] > 0)
+        w.sql("UPDATE pool_leases SET holder = 'elsewhere', epoch = 4 WHERE pool_id = %s", (w.pool_id,))
+        blocker.rollback()
+        assert future.result(30) == 0, "the fenced batch counts nothing"
+    finally:
+        blocker.close()
+    assert get(w, r.id).state == "queued"
+    assert w.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (r.id,))[0][0] == 0
+    w.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (w.pool_id,))
+    assert eventually(w, r.id, lambda x: x.state != "queued").state == "placed", "the next holder places it"
+    check_invariants(w.conninfo, w.tenant)
+    w.close()

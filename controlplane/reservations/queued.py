@@ -76,6 +76,10 @@ async def drain(rt: Runtime, pool_id: str, holder: str, epoch: int) -> int:
         try:
             async with raw.transaction():
                 taken, placed = await _batch(conn, rt, batch, holder, epoch)
+        except Fenced as exc:
+            log.warning("placer batch fenced off; rolled back", pool_id=pool_id, epoch=epoch, error=str(exc))
+            await batches.forget(rt.capacity, raw, batch)
+            return 0
         except BaseException:
             if batch.touched:
                 try:
