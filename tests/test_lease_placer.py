@@ -273,3 +273,33 @@ def test_a_batch_whose_lease_was_taken_over_meanwhile_commits_nothing(stack: tup
     assert eventually(w, r.id, lambda x: x.state != "queued").state == "placed", "the next holder places it"
     check_invariants(w.conninfo, w.tenant)
     w.close()
+
+
+def test_a_batch_that_fits_costs_five_statements_however_many_it_places(world: World) -> None:
+    """BEGIN, the pool lock with the fence and the rows, every allocation and booking, every move
+    with its wake-ups and events, COMMIT: counted in the log and the Prometheus counters."""
+    for _ in range(2):
+        world.add_node()
+    held_by_other(world)
+    start = world.later(2)
+    members = [world.create(count=c, start=start, topology=t) for c, t in
+               [(1, ""), (2, "nvlink-all"), (4, ""), (8, ""), (1, ""), (3, ""), (2, ""), (8, "nvlink-all"), (1, ""),
+                (2, "")]]
+    assert {m.state for m in members} == {"queued"}
+    with capture_logs() as logs:
+        lapse(world)
+        for m in members:
+            assert eventually(world, m.id, lambda x: x.state != "queued").state == "placed"
+    batches = [e for e in logs if e["event"] == "placer batch" and e["pool_id"] == world.pool_id]
+    assert [(e["reservations"], e["placed"], e["statements"]) for e in batches] == [(10, 10, 5)]
+    assert batches[0]["statements_per_reservation"] == 0.5
+
+
+def test_the_batch_counters_are_exported(stack: tuple[ServerThread, Client], world: World) -> None:
+    registry = stack[0].app.runtime.metrics.registry
+    before = registry.get_sample_value("bc_placer_batch_statements_total") or 0
+    placed_before = registry.get_sample_value("bc_placer_batch_reservations_total", {"outcome": "placed"}) or 0
+    r = world.create(count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
+    assert r.state == "placed"
+    assert registry.get_sample_value("bc_placer_batch_statements_total") >= before + 5
+    assert registry.get_sample_value("bc_placer_batch_reservations_total", {"outcome": "placed"}) >= placed_before + 1
