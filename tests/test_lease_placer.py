@@ -6,10 +6,12 @@ that planned on it a re-plan. Real control plane, real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import psycopg
 import pytest
 from structlog.testing import capture_logs
 
@@ -257,3 +259,81 @@ def test_a_batch_books_host_resources_through_the_guarded_statement(world: World
     assert eventually(world, third.id, lambda x: x.state != "queued").state == "pending"
     assert host_bookings(world, third.id) == {}
     check_invariants(world.conninfo, world.tenant)
+def test_a_batch_whose_lease_was_taken_over_meanwhile_commits_nothing(stack: tuple[ServerThread, Client]) -> None:
+    """The fencing check: a batch planned under epoch N whose lease moved to epoch N+1 before its
+    last statement rolls back whole. The batch is held inside its insert (an uncommitted booking
+    of another transaction on one of its atoms) while the lease is taken over."""
+    from controlplane.reservations import queued
+
+    server, root = stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=1)
+    w.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+          "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
+          "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
+          (w.pool_id,))
+    start = w.later(2)
+    r = w.create(count=8, start=start, duration="1h")
+    assert r.state == "queued"
+    runtime = server.app.runtime
+    assert server.call(queued.drain(runtime, w.pool_id, "tester", 2)) == 0, "a stale epoch takes nothing"
+
+    blocker = psycopg.connect(w.conninfo)
+    try:
+        blocker.execute("""
+            WITH r AS (INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,
+                                                 request_hash)
+                       SELECT 'rsv_blocker' || tenant_id, tenant_id, pool_id, owner_identity_id, 'blocker', request, 'x'
+                       FROM reservations WHERE id = %(rid)s RETURNING id),
+                 al AS (INSERT INTO allocations (id, reservation_id, node_id, device_ids)
+                        SELECT 'alloc_blocker', id, %(node)s, '{}' FROM r RETURNING id)
+            INSERT INTO bookings (atom_id, allocation_id, during)
+            SELECT (SELECT min(id) FROM atoms WHERE node_id = %(node)s), id,
+                   tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(start)s + 60000), '[)') FROM al""",
+                        {"rid": r.id, "node": w.nodes[0].id, "start": start})
+        future = asyncio.run_coroutine_threadsafe(queued.drain(runtime, w.pool_id, "tester", 3), server.loop)
+        until(lambda: w.sql("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")[0][0] > 0)
+        w.sql("UPDATE pool_leases SET holder = 'elsewhere', epoch = 4 WHERE pool_id = %s", (w.pool_id,))
+        blocker.rollback()
+        assert future.result(30) == 0, "the fenced batch counts nothing"
+    finally:
+        blocker.close()
+    node = runtime.capacity.pool(w.pool_id).nodes[w.nodes[0].id]
+    assert all(a.intervals == [] for a in node.atoms.values()), "the index forgot the rolled-back plan"
+    assert get(w, r.id).state == "queued"
+    assert w.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (r.id,))[0][0] == 0
+    w.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (w.pool_id,))
+    assert eventually(w, r.id, lambda x: x.state != "queued").state == "placed", "the next holder places it"
+    check_invariants(w.conninfo, w.tenant)
+    w.close()
+
+
+def test_a_batch_that_fits_costs_five_statements_however_many_it_places(world: World) -> None:
+    """BEGIN, the pool lock with the fence and the rows, every allocation and booking, every move
+    with its wake-ups and events, COMMIT: counted in the log and the Prometheus counters."""
+    for _ in range(2):
+        world.add_node()
+    held_by_other(world)
+    start = world.later(2)
+    members = [world.create(count=c, start=start, topology=t) for c, t in
+               [(1, ""), (2, "nvlink-all"), (4, ""), (8, ""), (1, ""), (3, ""), (2, ""), (8, "nvlink-all"), (1, ""),
+                (2, "")]]
+    assert {m.state for m in members} == {"queued"}
+    with capture_logs() as logs:
+        lapse(world)
+        for m in members:
+            assert eventually(world, m.id, lambda x: x.state != "queued").state == "placed"
+    batches = [e for e in logs if e["event"] == "placer batch" and e["pool_id"] == world.pool_id]
+    assert [(e["reservations"], e["placed"], e["statements"]) for e in batches] == [(10, 10, 5)]
+    assert batches[0]["statements_per_reservation"] == 0.5
+
+
+def test_the_batch_counters_are_exported(stack: tuple[ServerThread, Client], world: World) -> None:
+    registry = stack[0].app.runtime.metrics.registry
+    before = registry.get_sample_value("bc_placer_batch_statements_total") or 0
+    placed_before = registry.get_sample_value("bc_placer_batch_reservations_total", {"outcome": "placed"}) or 0
+    r = world.create(count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
+    assert r.state == "placed"
+    # Counted once the batch's transaction is over, which may be just after the create's answer.
+    until(lambda: registry.get_sample_value("bc_placer_batch_reservations_total", {"outcome": "placed"})
+          >= placed_before + 1)
+    assert registry.get_sample_value("bc_placer_batch_statements_total") >= before + 5

@@ -12,9 +12,9 @@ from tests.support import Client, ServerThread
 from tests.test_placement import *  # noqa: F403 - the same tests, on the stack below
 
 
-@pytest.fixture(scope="module")
-def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from module_stack(pg_uri, placement_index=False)
+@pytest.fixture(scope="module", params=["inline", "lease"])
+def stack(request: pytest.FixtureRequest, pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, placement_index=False, default_placer=request.param)
 
 
 def test_this_module_plans_with_sql(stack: tuple[ServerThread, Client]) -> None:

@@ -77,23 +77,32 @@ async def drain(rt: Runtime, pool_id: str, holder: str, epoch: int) -> int:
         try:
             async with raw.transaction():
                 taken, placed = await _batch(conn, rt, batch, holder, epoch)
-        except BaseException:
-            if batch.touched:
-                try:
-                    await batches.forget(rt.capacity, raw, batch)
-                except Exception:  # noqa: BLE001 - the next notification for those nodes re-reads them
-                    log.warning("capacity index not refreshed after a failed batch", pool_id=pool_id)
+        except Fenced as exc:
+            log.warning("placer batch fenced off; rolled back", pool_id=pool_id, epoch=epoch, error=str(exc))
+            await _forget(rt, raw, batch)
+            return 0
+        except Exception:
+            await _forget(rt, raw, batch)
             raise
     if taken:
         statements = conn.statements + 2  # BEGIN and COMMIT
         rt.metrics.placer_batch(statements, placed, taken - placed)
-        for _ in range(taken):
-            rt.metrics.placement(started, True)
+        for outcome in [True] * placed + [False] * (taken - placed):
+            rt.metrics.placement(started, outcome)
         log.info("placer batch", pool_id=pool_id, epoch=epoch, reservations=taken, placed=placed,
                  pending=taken - placed, lost_races=batch.lost_races, statements=statements,
                  statements_per_reservation=round(statements / taken, 2),
                  ms=round((time.perf_counter() - started) * 1000, 1))
     return taken
+
+
+async def _forget(rt: Runtime, conn: AsyncConnection, batch: batches.Batch) -> None:
+    """After a rollback, the index forgets what the batch marked (best effort: failing that, the
+    next change to those nodes re-reads them)."""
+    try:
+        await batches.forget(rt.capacity, conn, batch)
+    except Exception:  # noqa: BLE001
+        log.warning("capacity index not refreshed after a failed batch", pool_id=batch.pool_id)
 
 
 async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str, epoch: int) -> tuple[int, int]:
