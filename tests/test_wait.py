@@ -47,11 +47,24 @@ def test_the_wait_backs_off_from_50_ms_to_1_s_and_answers_the_last_read(
 
 def test_a_placed_create_answers_after_one_read_and_extend_does_not_wait(world: World) -> None:
     with capture_logs() as logs:
-        r = world.user.res("Create", world.create_request(count=1, wait=pb.Wait(timeout_ms=20_000)))
-        assert r.state in ("placed", "binding") and r.operation.state == "succeeded"
+        r = world.user.res("Create", world.create_request(count=1, start=world.later(1),
+                                                          wait=pb.Wait(timeout_ms=20_000)))
+        assert r.state == "placed" and r.operation.state == "succeeded"
         out = world.user.res("Extend", pb.ExtendReservationRequest(tenant_id=world.tenant, reservation_id=r.id,
                                                                    by="1h", idempotency_key="longer"))
         assert out.extended
     [line] = waits(logs, r.id)  # the create's wait, and none for the extend
     assert (line["reads"], line["pauses_ms"]) == (1, [])
     assert "wait" not in pb.ExtendReservationRequest.DESCRIPTOR.fields_by_name  # extend cannot ask to wait
+
+
+def test_a_create_placed_to_start_now_answers_placed_as_committed(world: World) -> None:
+    """The reconciler moves a reservation that starts now on to binding as soon as the create
+    commits; the create answers the reservation as it placed it, read before the commit, so the
+    answer never races the reconciler (and needs no read after it)."""
+    with capture_logs() as logs:
+        answers = [world.user.res("Create", world.create_request(count=1, wait=pb.Wait(timeout_ms=20_000)))
+                   for _ in range(5)]
+    assert [(r.state, r.operation.state) for r in answers] == [("placed", "succeeded")] * 5
+    assert all(len(r.allocations) == 1 for r in answers)
+    assert not any(waits(logs, r.id) for r in answers)

@@ -67,6 +67,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                                               charges=draft.charges)
         )
         outcome.raise_if_refused()
+        if outcome.view is not None:  # placed to start now: the answer as placed, read before commit
+            return outcome.view
         queued_now = outcome.queued
     else:
         queued_now = False
@@ -212,6 +214,9 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
 class Outcome:
     error: errors.DomainError | None = None
     queued: bool = False  # queued for the pool's lease holder by this transaction
+    # Placed to start now: the reservation as placed, read inside the transaction, since the
+    # reconciler moves it on to binding the moment it commits (the answer would race it).
+    view: dict[str, Any] | None = None
 
     def raise_if_refused(self) -> None:
         if self.error is not None:
@@ -261,7 +266,9 @@ async def _transaction_2(
         await queued.enqueue(conn, row)
         return Outcome(queued=True)
     assert prepared is not None
-    await placing.place_locked(conn, rt, row, prepared, now_ms)
+    placed = await placing.place_locked(conn, rt, row, prepared, now_ms)
+    if placed and prepared.ask.start_ms <= now_ms:
+        return Outcome(view=await load_view(conn, rid))
     return Outcome()
 
 
