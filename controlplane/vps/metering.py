@@ -8,12 +8,16 @@ twice. Two reconcilers:
 - vps.instances: what each instance ran as, from its billing segments: vm.grant.usage.hours
   (informational, inside a grant), vm.reserved.instance.hours (an ordinary slot, or beyond or after
   its grant), vm.ondemand.instance.hours (the reservation gone). Its progress is a row of
-  metering_progress, locked while an hour is written.
+  metering_progress, locked while an hour is written;
+- gpu: gpu.hours for GPU reservations, from active until release, expiry or preemption (nothing
+  before a calendar reservation's start, nothing while binding), read through
+  controlplane.reservations.usage.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -23,6 +27,7 @@ from psycopg import AsyncConnection
 from controlplane import db, errors
 from controlplane.auth import Caller
 from controlplane.common.names import POOL_ID, match
+from controlplane.reservations import usage as reservation_usage
 from controlplane.runtime import Runtime
 from controlplane.vps import access, names
 from controlplane.vps import queries as q
@@ -30,6 +35,7 @@ from controlplane.vps import queries as q
 log = structlog.get_logger(__name__)
 
 INSTANCES = "vps.instances"
+GPU = "gpu"
 HOUR = timedelta(hours=1)
 HOURS_PER_PASS = 24 * 7  # an instance pass writes at most this many hours (the next pass goes on)
 
@@ -43,35 +49,60 @@ async def meter_grants(rt: Runtime) -> int:
     return await db.run_in_transaction(rt.pool, work)
 
 
-async def meter_instances(rt: Runtime) -> int:
-    """One vps.instances pass: every hour not yet metered that may be (oldest first); returns how
-    many hours it wrote."""
+async def _hourly(rt: Runtime, source: str, first_sql: str,
+                  meter_hour: Callable[[AsyncConnection, datetime], Awaitable[None]]) -> int:
+    """Every hour of `source` not yet metered that may be, oldest first, under its progress row's
+    lock; returns how many hours it wrote. The first hour is `first_sql`'s."""
     settle = {"settle": rt.settings.metering_settle_seconds}
 
     async def work(conn: AsyncConnection) -> int:
         last = (await (await conn.execute(q.LAST_METERABLE_HOUR, settle)).fetchone())["hour"]
-        first = (await (await conn.execute(q.FIRST_SEGMENT_HOUR)).fetchone())["hour"]
+        first = (await (await conn.execute(first_sql, settle)).fetchone())["hour"]
         if first is None:
             return 0
-        await conn.execute(q.INSERT_PROGRESS, {"source": INSTANCES, "at": first})
-        hour: datetime = (await (await conn.execute(q.PROGRESS_FOR_UPDATE, {"source": INSTANCES})).fetchone())[
+        await conn.execute(q.INSERT_PROGRESS, {"source": source, "at": first})
+        hour: datetime = (await (await conn.execute(q.PROGRESS_FOR_UPDATE, {"source": source})).fetchone())[
             "metered_until"]
         done = 0
         while hour <= last and done < HOURS_PER_PASS:
-            await conn.execute(q.METER_INSTANCES_HOUR, {"hour": hour})
+            await meter_hour(conn, hour)
             hour += HOUR
             done += 1
-        await conn.execute(q.SET_PROGRESS, {"source": INSTANCES, "at": hour})
+        await conn.execute(q.SET_PROGRESS, {"source": source, "at": hour})
         return done
 
     return await db.run_in_transaction(rt.pool, work)
 
 
+async def meter_instances(rt: Runtime) -> int:
+    """One vps.instances pass (from the first billing segment's hour)."""
+    async def hour(conn: AsyncConnection, at: datetime) -> None:
+        await conn.execute(q.METER_INSTANCES_HOUR, {"hour": at})
+
+    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour)
+
+
+async def meter_gpus(rt: Runtime) -> int:
+    """One gpu.hours pass (from the last meterable hour when it first runs: no back-billing)."""
+    async def hour(conn: AsyncConnection, at: datetime) -> None:
+        for r in await reservation_usage.active_gpu_stretches(conn, at, at + HOUR):
+            seconds = (min(r["active_until"], at + HOUR) - max(r["active_from"], at)).total_seconds()
+            quantity = float(r["gpus"]) * seconds / 3600
+            if quantity > 0:
+                await conn.execute(q.INSERT_USAGE, {
+                    "tenant_id": r["tenant_id"], "meter": "gpu.hours", "subject": f"reservation/{r['id']}",
+                    "hour": at, "quantity": quantity, "region": r["region"] or "", "pool_id": r["pool_id"],
+                    "provider": ""})
+
+    return await _hourly(rt, GPU, q.LAST_METERABLE_HOUR, hour)
+
+
 async def run_once(rt: Runtime) -> None:
     written = await meter_grants(rt)
     hours = await meter_instances(rt)
-    if written or hours:
-        log.info("metered", grant_rows=written, instance_hours=hours)
+    gpu_hours = await meter_gpus(rt)
+    if written or hours or gpu_hours:
+        log.info("metered", grant_rows=written, instance_hours=hours, gpu_hours=gpu_hours)
 
 
 async def run(rt: Runtime, stop: asyncio.Event) -> None:

@@ -309,3 +309,10 @@ WHERE tenant_id = %(tenant_id)s
 ORDER BY hour, meter, subject
 LIMIT %(limit)s
 """
+
+# gpu.hours of one reservation for one hour (from controlplane.reservations.usage's stretches).
+INSERT_USAGE = """
+INSERT INTO usage_records (tenant_id, meter, subject, hour, quantity, region, pool_id, provider)
+VALUES (%(tenant_id)s, %(meter)s, %(subject)s, %(hour)s, %(quantity)s, %(region)s, %(pool_id)s, %(provider)s)
+ON CONFLICT DO NOTHING
+"""
