@@ -7,6 +7,9 @@ Usage API."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -202,6 +205,16 @@ def test_the_usage_api_reads_the_tenants_ledger_by_meter_pool_and_hours(v: Vps) 
     first_hour = min(i.hour for i in slots.items)
     only_first = v.usage(meter="vm.grant.slot.hours", to=first_hour + HOUR, **{"from": first_hour})
     assert [i.hour for i in only_first.items] == [first_hour]
+    # The same through `better-compute usage`, a real process.
+    token = v.world.user.metadata[0][1].removeprefix("Bearer ")
+    done = subprocess.run([sys.executable, "-m", "controlplane.cli", "--endpoint", v.world.endpoint, "--token", token,
+                           "--tenant", v.world.tenant, "--pool", v.world.pool_id, "usage", "--meter",
+                           "vm.grant.slot.hours", "--only-pool", "--from", "0", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["total"] == pytest.approx(3) and {i["subject"] for i in answer["items"]} == {f"grant/{g.id}"}
+    assert {i["poolId"] for i in answer["items"]} == {v.world.pool_id}
     other = make_world(v.world.endpoint, v.world.root, v.world.conninfo, nodes=0)
     assert Stubs(other.user)("usage", "Query", upb.QueryUsageRequest(tenant_id=other.tenant)).items == []
     with pytest.raises(grpc.RpcError) as exc:
