@@ -467,3 +467,18 @@ def test_a_failing_or_stalled_provider_is_not_a_gone_reservation(v: Vps, sim: Si
             assert [r.state for r in v.scan()] == ["ready"]
     finally:
         sim.faults()
+
+
+def test_list_answers_at_most_the_configured_number(pg_uri: str, sim: SimThread) -> None:
+    """The spec's 1000 is BC_GRANTS_LIST_MAX; with 2, three grants list as the newest two."""
+    stack = module_stack(pg_uri, grants_list_max=2)
+    server, root = next(stack)
+    try:
+        w = make_world(server.endpoint, root, server.conninfo, nodes=0)
+        small = make_vps(w, sim, total=4)
+        made = [small.grant(starts_at=small.now() + HOUR) for _ in range(3)]
+        listed = small.user("grants", "List", gpb.ListReservationGrantsRequest(tenant_id=w.tenant)).items
+        assert [g.id for g in listed] == [made[2].id, made[1].id]
+        w.close()
+    finally:
+        stack.close()
