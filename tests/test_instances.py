@@ -227,3 +227,16 @@ def test_a_provider_that_refuses_leaves_no_instance_and_no_slot_taken(v: Vps, si
         sim.faults()
     assert v.world.sql("SELECT count(*) FROM instances") == [(0,)]
     assert v.instance().placement == "reserved"
+
+
+def test_a_retry_after_a_failed_provider_call_brings_the_provider_in_line(v: Vps, sim: SimThread) -> None:
+    made = v.instance()
+    ref = ppb.InstanceRef(account=v.external, name=made.id)
+    try:
+        sim.faults(failure_rate=1.0)
+        assert refused(lambda: v.instance_call("Stop", made.id))["reason"] == "provider-unavailable"
+    finally:
+        sim.faults()
+    assert sim.provider.GetInstance(ref).state == "running"  # the provider never heard of the stop
+    assert v.instance_call("Stop", made.id).state == "stopped"  # the retry
+    assert sim.provider.GetInstance(ref).state == "stopped"

@@ -110,14 +110,22 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         return row, reservation, True
 
     row, reservation, new = await db.run_in_transaction(rt.pool, decide)
-    if not new:
+    if not new and (row["state"] != "running" or row["placement"] == "on-demand"):
         return row
+    # A retry asks the provider again (it answers the same name with the same instance), so a
+    # create whose first answer was lost, or whose process died after the commit, completes.
     account = await _account_of(rt, row)
+    if reservation is None:
+        async with db.read_only(rt.pool) as conn:
+            reservation = await (await conn.execute(q.RESERVATION, {
+                "account_id": row["account_id"], "reservation_id": row["reservation_id"]})).fetchone()
     try:
         await scan.provider_of(rt, account).create_instance(account["external_account"], row["id"], row["flavor"],
-                                                            reservation["region"], row["reservation_id"])
+                                                            reservation["region"] if reservation else "",
+                                                            row["reservation_id"])
     except ProviderFailure as exc:
-        await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
+        if new:  # its slot is freed again; a retry under the key decides anew
+            await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
         log.warning("provider refused an instance", instance_id=row["id"], kind=exc.kind, error=str(exc))
         raise errors.CapacityUnavailable("the provider did not create the instance", reason=f"provider-{exc.kind}",
                                          reservationId=row["reservation_id"]) from exc
@@ -178,13 +186,15 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
             return row, False
         return await _restart(conn, row), True
 
-    row, changed = await db.run_in_transaction(rt.pool, work)
-    if changed:
-        account = await _account_of(rt, row)
-        call = {"stop": "stop_instance", "start": "start_instance", "delete": "delete_instance"}[action]
-        try:
-            await getattr(scan.provider_of(rt, account), call)(account["external_account"], row["id"])
-        except ProviderFailure as exc:
+    row, _ = await db.run_in_transaction(rt.pool, work)
+    # The provider is asked even when the row was already so: its calls are idempotent, and a
+    # retry after a failed or lost answer brings the provider in line with the row.
+    account = await _account_of(rt, row)
+    call = {"stop": "stop_instance", "start": "start_instance", "delete": "delete_instance"}[action]
+    try:
+        await getattr(scan.provider_of(rt, account), call)(account["external_account"], row["id"])
+    except ProviderFailure as exc:
+        if exc.kind != "not-found" or action != "delete":
             # The slot decision stands (it is ours); the provider's side is retried by the caller.
             log.warning("provider call failed", instance_id=row["id"], call=call, kind=exc.kind)
             raise errors.CapacityUnavailable("the provider did not answer; retry", reason=f"provider-{exc.kind}",
