@@ -135,15 +135,16 @@ async def take_in(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> i
 
 
 async def hand_over(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> None:
-    """An ended grant's instances: to a renewal live at `at_ms` up to its free slots (a scheduled
-    renewal due by then is activated first), else to the reservation rate."""
+    """An ended grant's running instances: to a renewal live at `at_ms` up to its free slots (a
+    scheduled renewal due by then is activated after), else to the reservation rate."""
     instances = await (await conn.execute(q.OF_GRANT, {"grant_id": grant["id"]})).fetchall()
     renewals = await (await conn.execute(q.RENEWALS, {
         "tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
         "reservation_id": grant["reservation_id"], "id": grant["id"], "at_ms": at_ms})).fetchall()
     free = {r["id"]: r["slots"] - await used(conn, r["id"]) for r in renewals}
     for instance in instances:
-        target = next((r for r in renewals if free[r["id"]] > 0
+        # Running instances only: a stopped one leaves with the grant and holds no slot.
+        target = next((r for r in renewals if free[r["id"]] > 0 and instance["state"] == "running"
                        and r["project_id"] in (None, instance["project_id"])), None)
         if target is None:
             await move(conn, instance, "reserved", None, at_ms)
