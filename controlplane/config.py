@@ -115,9 +115,13 @@ class Settings:
     )
     # Provider reservations, grants, instances, metering (spec 001; README "Limits").
     # Every call to a provider's API has this deadline (a stalled provider fails, it does not hang).
-    provider_call_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_PROVIDER_CALL_SECONDS", "10")))
+    provider_call_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_PROVIDER_CALL_SECONDS", "10"))
+    )
     # The vps.reservations scan of every provider account runs this often (and on demand).
-    provider_scan_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_PROVIDER_SCAN_SECONDS", "60")))
+    provider_scan_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_PROVIDER_SCAN_SECONDS", "60"))
+    )
     # A grant's start may be at most this far in the past (spec: 5 minutes), at most
     # grant_start_ahead_days ahead, and its term at most grant_max_days long.
     grant_start_past_seconds: int = field(default_factory=lambda: _int("BC_GRANT_START_PAST_SECONDS", 300))

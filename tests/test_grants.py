@@ -382,7 +382,8 @@ def test_account_delete_waits_until_the_ended_grants_are_metered_then_removes_th
     assert rpc_error(exc)[1:] == ("INVALID_STATE", {"accountId": v.account_id, "grantIds": f'["{ended.id}"]'})
     v.advance(2 * HOUR)  # past the hour the grant ended in: the metering worker's next pass meters it
     deadline = time.monotonic() + 15
-    while v.world.sql("SELECT metered_until < ends_at FROM reservation_grants WHERE id = %s", (ended.id,)) != [(False,)]:
+    while v.world.sql("SELECT metered_until < ends_at FROM reservation_grants WHERE id = %s",
+                      (ended.id,)) != [(False,)]:
         assert time.monotonic() < deadline, "the grant was never metered to its end"
         time.sleep(0.05)
     assert v.root("accounts", "Delete", delete).id == v.account_id

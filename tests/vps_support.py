@@ -40,7 +40,8 @@ class SimThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server, self.port, self.state = asyncio.run_coroutine_threadsafe(serve("127.0.0.1:0"), self.loop).result(10)
+        started = asyncio.run_coroutine_threadsafe(serve("127.0.0.1:0"), self.loop)
+        self.server, self.port, self.state = started.result(10)
         self.endpoint = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.endpoint)
         self.sim = ppb_grpc.SimulatorStub(self.channel)
@@ -105,7 +106,8 @@ class Vps:
             tenant_id="root", account_id=self.account_id)).items)
 
     def grant_request(self, *, slots: int = 1, starts_at: int | None = None, ends_at: int | None = None,
-                      tenant: str | None = None, key: str | None = None, **kw: Any) -> gpb.CreateReservationGrantRequest:
+                      tenant: str | None = None, key: str | None = None,
+                      **kw: Any) -> gpb.CreateReservationGrantRequest:
         start = starts_at if starts_at is not None else self.now()
         return gpb.CreateReservationGrantRequest(
             tenant_id="root", account_id=kw.pop("account_id", self.account_id),

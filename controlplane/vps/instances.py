@@ -92,7 +92,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                 raise errors.NotFound("no such project", projectId=spec["project_id"])
         live = await (await conn.execute(q.INSTANCES_OF_TENANT, spec)).fetchall()
         if len(live) >= rt.settings.instances_per_tenant:
-            raise errors.InvalidState("the tenant has as many instances as it may", limit=rt.settings.instances_per_tenant)
+            raise errors.InvalidState("the tenant has as many instances as it may",
+                                      limit=rt.settings.instances_per_tenant)
         reservation = await (await conn.execute(q.POOL_RESERVATION_FOR_UPDATE, spec)).fetchone()
         if reservation is None:
             raise errors.InvalidInput("flavor", "no provider reservation of this flavor is bound to the pool",
