@@ -483,3 +483,9 @@ def test_list_answers_at_most_the_configured_number(pg_uri: str, sim: SimThread)
         w.close()
     finally:
         stack.close()
+
+
+def test_a_reservation_whose_name_we_cannot_take_is_skipped_not_fatal(v: Vps) -> None:
+    v.put(2, "bad name")
+    v.put(2, "res-2")
+    assert [r.reservation_id for r in v.scan()] == ["res-1", "res-2"]

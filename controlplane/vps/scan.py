@@ -17,7 +17,7 @@ from psycopg import AsyncConnection
 from controlplane import db, errors
 from controlplane.auth import Caller
 from controlplane.runtime import Runtime
-from controlplane.vps import accounts, events, lifecycle, sim_adapter
+from controlplane.vps import accounts, events, lifecycle, names, sim_adapter
 from controlplane.vps import queries as q
 from controlplane.vps.provider import ProviderFailure, ProviderReservation
 
@@ -46,7 +46,9 @@ async def apply(conn: AsyncConnection, account_id: str, reported: list[ProviderR
     now = await lifecycle.now_ms(conn)
     seen = set()
     for r in reported:
-        if not r.name or len(r.name) > 300:
+        if not names.PROVIDER_RESERVATION_ID.fullmatch(r.name) or not names.FLAVOR.fullmatch(r.flavor):
+            log.warning("provider reservation skipped: its name or flavor is not one we take",
+                        account_id=account_id, name=r.name[:64])
             continue
         seen.add(r.name)
         before = known.get(r.name)
