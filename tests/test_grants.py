@@ -489,3 +489,19 @@ def test_a_reservation_whose_name_we_cannot_take_is_skipped_not_fatal(v: Vps) ->
     v.put(2, "bad name")
     v.put(2, "res-2")
     assert [r.reservation_id for r in v.scan()] == ["res-1", "res-2"]
+
+
+def test_a_subscriber_watching_reservation_grant_events_reads_them(v: Vps) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from tests.test_watch import Stream
+    stream = Stream(v.world.user, tenant_id=v.world.tenant, types=["reservation-grant."])
+    start = v.now() + HOUR
+    g = v.grant(slots=2, starts_at=start, ends_at=start + HOUR)
+    v.end(g.id)
+    got = stream.take(2)
+    assert [(e.type, e.subject) for e in got] == [("reservation-grant.created", f"reservation-grant/{g.id}"),
+                                                  ("reservation-grant.cancelled", f"reservation-grant/{g.id}")]
+    assert MessageToDict(got[1].data) == {"grantId": g.id, "poolId": v.world.pool_id, "slots": 2, "startsAt": start,
+                                          "endsAt": start + HOUR, "state": "cancelled", "reason": "end"}
+    stream.call.cancel()
