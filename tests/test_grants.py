@@ -505,3 +505,15 @@ def test_a_subscriber_watching_reservation_grant_events_reads_them(v: Vps) -> No
     assert MessageToDict(got[1].data) == {"grantId": g.id, "poolId": v.world.pool_id, "slots": 2, "startsAt": start,
                                           "endsAt": start + HOUR, "state": "cancelled", "reason": "end"}
     stream.call.cancel()
+
+
+def test_binding_to_another_pool_refuses_while_a_grant_is_live(v: Vps) -> None:
+    g = v.grant(starts_at=v.now() + HOUR)
+    other = v.world.root.admin("CreatePool", apb.CreatePoolRequest(owner_tenant_id=v.world.tenant, name="p2")).id
+    rebind = vpb.BindReservationRequest(tenant_id="root", account_id=v.account_id, reservation_id=v.reservation,
+                                        pool_id=other)
+    with pytest.raises(grpc.RpcError) as exc:
+        v.root("accounts", "BindReservation", rebind)
+    assert rpc_error(exc)[1:] == ("INVALID_STATE", {"reservationId": v.reservation, "grantIds": f'["{g.id}"]'})
+    v.end(g.id)
+    assert v.root("accounts", "BindReservation", rebind).pool_id == other
