@@ -19,10 +19,18 @@ from bettercompute.v1 import (
     capacity_pb2_grpc,
     events_pb2,
     events_pb2_grpc,
+    grants_pb2,
+    grants_pb2_grpc,
+    instances_pb2,
+    instances_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
+    providers_pb2,
+    providers_pb2_grpc,
     reservations_pb2,
     reservations_pb2_grpc,
+    usage_pb2,
+    usage_pb2_grpc,
 )
 from controlplane import db, iam, metrics, watch
 from controlplane.api.admin import AdminServicer
@@ -31,6 +39,13 @@ from controlplane.api.events import EventsServicer, WebhooksServicer
 from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
+from controlplane.api.vps import (
+    InstancesServicer,
+    ProjectsServicer,
+    ProviderAccountsServicer,
+    ReservationGrantsServicer,
+    UsageServicer,
+)
 from controlplane.config import Settings
 from controlplane.placement import lease
 from controlplane.nodes import hosts
@@ -38,6 +53,8 @@ from controlplane.metal import deploy
 from controlplane.placement.index_sync import CapacityIndex
 from controlplane.reservations import queued, reconciler
 from controlplane.runtime import Runtime
+from controlplane.vps import lifecycle as grant_lifecycle
+from controlplane.vps import metering, scan as provider_scan
 from controlplane.webhooks import delivery
 from controlplane.workers import drafts, pending, queue
 
@@ -51,10 +68,16 @@ SERVICES = (
     nodes_pb2.DESCRIPTOR.services_by_name["NodeAdmin"].full_name,
     events_pb2.DESCRIPTOR.services_by_name["Events"].full_name,
     events_pb2.DESCRIPTOR.services_by_name["Webhooks"].full_name,
+    providers_pb2.DESCRIPTOR.services_by_name["ProviderAccounts"].full_name,
+    providers_pb2.DESCRIPTOR.services_by_name["Projects"].full_name,
+    grants_pb2.DESCRIPTOR.services_by_name["ReservationGrants"].full_name,
+    instances_pb2.DESCRIPTOR.services_by_name["Instances"].full_name,
+    usage_pb2.DESCRIPTOR.services_by_name["Usage"].full_name,
 )
 
 # The work queue's handlers, by kind (a kind without one is refused at insert).
-WORK_HANDLERS = {"reservation": reconciler.reconcile, "metal": deploy.handle}
+WORK_HANDLERS = {"reservation": reconciler.reconcile, "metal": deploy.handle,
+                 grant_lifecycle.KIND: grant_lifecycle.reconcile}
 
 
 @dataclass
@@ -99,6 +122,11 @@ async def start_app(
                                                      settings.watch_streams_per_tenant))
     events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), server)
     events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), server)
+    providers_pb2_grpc.add_ProviderAccountsServicer_to_server(ProviderAccountsServicer(rt), server)
+    providers_pb2_grpc.add_ProjectsServicer_to_server(ProjectsServicer(rt), server)
+    grants_pb2_grpc.add_ReservationGrantsServicer_to_server(ReservationGrantsServicer(rt), server)
+    instances_pb2_grpc.add_InstancesServicer_to_server(InstancesServicer(rt), server)
+    usage_pb2_grpc.add_UsageServicer_to_server(UsageServicer(rt), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -129,6 +157,8 @@ async def start_app(
         app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
         app.tasks.append(asyncio.create_task(hosts.run(rt.pool, settings.host_sync_seconds, app.stopping),
                                              name="capacity-hosts"))
+        app.tasks.append(asyncio.create_task(provider_scan.run(rt, app.stopping), name="vps.reservations"))
+        app.tasks.append(asyncio.create_task(metering.run(rt, app.stopping), name="metering"))
     log.info("control plane serving", port=port, workers=workers, tls=bool(settings.tls_cert))
     return app
 

@@ -142,3 +142,26 @@ class Settings:
     # Operator-managed node profiles: how many may exist, and versions per profile.
     node_profiles_max: int = field(default_factory=lambda: _int("BC_NODE_PROFILES_MAX", 1000))
     node_profile_versions_max: int = field(default_factory=lambda: _int("BC_NODE_PROFILE_VERSIONS_MAX", 100))
+    # Provider reservations, grants, instances, metering (spec 001; README "Limits").
+    # Every call to a provider's API has this deadline (a stalled provider fails, it does not hang).
+    provider_call_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_PROVIDER_CALL_SECONDS", "10"))
+    )
+    # The vps.reservations scan of every provider account runs this often (and on demand).
+    provider_scan_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_PROVIDER_SCAN_SECONDS", "60"))
+    )
+    # A grant's start may be at most this far in the past (spec: 5 minutes), at most
+    # grant_start_ahead_days ahead, and its term at most grant_max_days long.
+    grant_start_past_seconds: int = field(default_factory=lambda: _int("BC_GRANT_START_PAST_SECONDS", 300))
+    grant_start_ahead_days: int = field(default_factory=lambda: _int("BC_GRANT_START_AHEAD_DAYS", 365))
+    grant_max_days: int = field(default_factory=lambda: _int("BC_GRANT_MAX_DAYS", 1096))
+    # reservationGrants.list answers at most this many (spec: 1000).
+    grants_list_max: int = field(default_factory=lambda: _int("BC_GRANTS_LIST_MAX", 1000))
+    # Live (not deleted) instances per tenant; usage rows per query.
+    instances_per_tenant: int = field(default_factory=lambda: _int("BC_INSTANCES_PER_TENANT", 1000))
+    usage_query_max_rows: int = field(default_factory=lambda: _int("BC_USAGE_QUERY_MAX_ROWS", 10000))
+    # The metering reconcilers run this often; an hour is metered once it ended this long ago
+    # (so a state change handled late by the work queue is in before its hour is written).
+    metering_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_METERING_SECONDS", "60")))
+    metering_settle_seconds: int = field(default_factory=lambda: _int("BC_METERING_SETTLE_SECONDS", 120))

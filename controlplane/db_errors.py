@@ -39,6 +39,7 @@ BY_CONSTRAINT: dict[str, Mapping] = {
     "quotas_tenant_id_fkey": Mapping(errors.NotFound, "no such tenant", "tenantId"),
     "policies_tenant_id_fkey": Mapping(errors.NotFound, "no such tenant", "tenantId"),
     "join_tokens_pool_id_fkey": Mapping(errors.NotFound, "no such pool", "poolId"),
+    "provider_accounts_name_key": Mapping(errors.Conflict, "a provider account with this name exists", "name"),
 }
 
 

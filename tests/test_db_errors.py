@@ -30,6 +30,18 @@ def _join_token_for_no_pool(world: World) -> None:
         npb.CreateJoinTokenRequest(pool_id=NO_POOL, node_name="n"), metadata=world.root.metadata, timeout=30)
 
 
+def _second_provider_account(world: World) -> None:
+    from bettercompute.v1 import providers_pb2 as ppb
+    from bettercompute.v1 import providers_pb2_grpc
+
+    world.root.admin("PutPolicy", apb.PutPolicyRequest(tenant_id="root", cedar=PERMIT_ALL))
+    accounts = providers_pb2_grpc.ProviderAccountsStub(world.root.channel)
+    for _ in range(2):
+        accounts.Create(ppb.CreateProviderAccountRequest(tenant_id="root", name="twin", provider="sim",
+                                                         endpoint="127.0.0.1:1", external_account="a"),
+                        metadata=world.root.metadata, timeout=30)
+
+
 # constraint -> (call that violates it, spec reason, detail field, its value)
 CASES: dict[str, tuple[Callable[[World], object], str, str, str]] = {
     "identities_delegator_id_fkey": (lambda w: w.root.admin("CreateIdentity", apb.CreateIdentityRequest(
@@ -53,6 +65,7 @@ CASES: dict[str, tuple[Callable[[World], object], str, str, str]] = {
     "policies_tenant_id_fkey": (lambda w: w.root.admin("PutPolicy", apb.PutPolicyRequest(
         tenant_id="no-such-tenant", cedar=PERMIT_ALL)), "NOT_FOUND", "tenantId", "no-such-tenant"),
     "join_tokens_pool_id_fkey": (_join_token_for_no_pool, "NOT_FOUND", "poolId", NO_POOL),
+    "provider_accounts_name_key": (_second_provider_account, "CONFLICT", "name", "twin"),
 }
 
 

@@ -28,7 +28,7 @@ import grpc
 import psutil
 import pytest
 
-from bettercompute.v1 import admin_pb2, admin_pb2_grpc
+from bettercompute.v1 import admin_pb2, admin_pb2_grpc, providers_pb2, providers_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import reservations_pb2_grpc
 
@@ -171,6 +171,12 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
                 metadata=_auth(conn["rootToken"]),
                 timeout=30,
             )
+            # providersim runs too: its demo reservation is recorded and bound to the demo pool.
+            provided = providers_pb2_grpc.ProviderAccountsStub(channel).ListReservations(
+                providers_pb2.GetProviderAccountRequest(tenant_id="root", account_id=conn["providerAccountId"]),
+                metadata=_auth(conn["rootToken"]), timeout=30)
+        assert [(r.reservation_id, r.state, r.total, r.pool_id) for r in provided.items] == [
+            ("demo-vm-reservation", "ready", 8, conn["poolId"])]
         assert created.state == "placed", created
         assert [len(a.device_ids) for a in created.allocations] == [4]
         assert sorted(n.name for n in nodes.items) == [f"sim-{i:03d}" for i in range(8)]

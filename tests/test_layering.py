@@ -5,7 +5,10 @@
   that write node rows are called only from there;
 - the gateway is transport: it imports the nodes package, the PKI, the shared vocabulary
   (controlplane.common) and process-level modules, nothing else of the control plane;
-- nodesim is another program: it imports nothing of controlplane or gateway;
+- nodesim is another program: it imports nothing of controlplane or gateway; providersim too;
+- the vps package's tables (provider accounts and reservations, grants, projects, instances,
+  their segments, the usage ledger) are written only by controlplane/vps/queries.py, and the
+  vps package's domain modules never import grpc (the provider adapter, sim_adapter, is transport);
 - only the servers' assembly (controlplane/app.py) and the servicers themselves import
   controlplane.api.
 """
@@ -17,7 +20,7 @@ import pathlib
 import re
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PRODUCT = ("controlplane", "gateway", "nodesim")
+PRODUCT = ("controlplane", "gateway", "nodesim", "providersim")
 
 NODE_TABLES = r"(nodes|atoms|host_resources|node_reports|report_sequences)"
 NODE_TABLE_WRITE = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+{NODE_TABLES}\b")
@@ -95,4 +98,32 @@ def test_only_the_server_assembly_imports_the_api() -> None:
     wrong = [f"{relative(path)}: {name}" for path in sources(*PRODUCT) for name in imported(path)
              if within(name, "controlplane.api") and relative(path) not in allowed
              and not relative(path).startswith("controlplane/api/")]
+    assert wrong == []
+
+
+VPS_TABLES = (r"(provider_accounts|provider_reservations|reservation_grants|projects|instances|instance_segments"
+              r"|usage_records|metering_progress)")
+VPS_TABLE_WRITE = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+{VPS_TABLES}\b")
+
+
+def test_only_the_vps_queries_write_vps_tables() -> None:
+    found = []
+    for path in sources(*PRODUCT):
+        if relative(path) == "controlplane/vps/queries.py":
+            continue
+        found += [f"{relative(path)}: {m.group(0)}" for m in VPS_TABLE_WRITE.finditer(path.read_text())]
+    assert found == []
+    assert VPS_TABLE_WRITE.search((REPO / "controlplane/vps/queries.py").read_text())
+
+
+def test_providersim_imports_nothing_of_the_control_plane() -> None:
+    assert len(sources("providersim")) >= 3
+    wrong = [f"{relative(path)}: {name}" for path in sources("providersim") for name in imported(path)
+             if within(name, "controlplane") or within(name, "gateway") or within(name, "nodesim")]
+    assert wrong == []
+
+
+def test_vps_domain_code_never_imports_grpc() -> None:
+    wrong = [f"{relative(path)}: {name}" for path in sources("controlplane/vps") for name in imported(path)
+             if within(name, "grpc") and relative(path) != "controlplane/vps/sim_adapter.py"]
     assert wrong == []

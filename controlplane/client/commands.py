@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.connection import RPC_TIMEOUT_S, Client
 from controlplane.client.errors import UsageError
 from controlplane.client.times import parse_minutes, parse_moment
@@ -206,3 +207,16 @@ def watch(client: Client, args: argparse.Namespace) -> Iterator[epb.Event]:
                 return
     finally:
         stream.cancel()
+
+
+def usage(client: Client, args: argparse.Namespace) -> Message:
+    """The tenant's metered usage by meter, pool and hour range (hours starting in [from, to))."""
+    pool_id = (args.pool or client.conn.pool_id) if args.only_pool else ""
+    if args.only_pool and not pool_id:
+        raise UsageError("no pool: pass --pool or use a connection file that names one")
+    request = upb.QueryUsageRequest(tenant_id=client.conn.tenant_id, meter=args.meter or "", pool_id=pool_id)
+    if args.from_:
+        setattr(request, "from", parse_moment("--from", args.from_))  # `from` is a keyword
+    if args.to:
+        request.to = parse_moment("--to", args.to)
+    return client.call("usage", "Query", request)

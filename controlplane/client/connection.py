@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, reservations_pb2_grpc
+from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
 from controlplane.client.errors import UsageError
 from controlplane.config import Settings
 
@@ -88,6 +88,7 @@ class Client:
             "confirmations": reservations_pb2_grpc.ConfirmationsStub(channel),
             "capacity": capacity_pb2_grpc.CapacityStub(channel),
             "events": events_pb2_grpc.EventsStub(channel),
+            "usage": usage_pb2_grpc.UsageStub(channel),
         }
 
     def call(self, service: str, method: str, request: Message, timeout: float | None = RPC_TIMEOUT_S) -> Any:

@@ -108,6 +108,13 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=0, help="stop after this many events")
     p.set_defaults(run=commands.watch, stream=True)
 
+    p = sub.add_parser("usage", parents=[common], help="the tenant's metered usage, by meter, pool and hours")
+    p.add_argument("--meter", help="a meter (vm.grant.slot.hours) or a prefix ending in '.' (vm.reserved.)")
+    p.add_argument("--only-pool", action="store_true", help="only the pool of --pool (or the connection's)")
+    p.add_argument("--from", dest="from_", help="ISO 8601 or epoch ms (default: every hour kept)")
+    p.add_argument("--to", help="ISO 8601 or epoch ms (default: now)")
+    p.set_defaults(run=commands.usage)
+
     p = sub.add_parser("confirmations", parents=[common], help="decide on an agent's held request")
     p.add_argument("decision", choices=["approve", "reject"])
     p.add_argument("confirmation_id", metavar="ID")

@@ -18,6 +18,7 @@ from rich.text import Text
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.times import fmt_duration, fmt_time
 from controlplane.durations import parse_duration_ms
 
@@ -35,6 +36,9 @@ def as_json(message: Message) -> dict[str, Any]:
         out.setdefault("items", [])  # an empty page is a list, not a missing field
     if isinstance(message, cpb.TimelineResponse):
         out.setdefault("buckets", [])
+    if isinstance(message, upb.QueryUsageResponse):
+        out.setdefault("items", [])
+        out.setdefault("total", 0)
     return out
 
 
@@ -227,10 +231,22 @@ def timeline(t: cpb.TimelineResponse) -> Group:
     return Group(Text(title, style="bold"), table)
 
 
+def usage(u: upb.QueryUsageResponse) -> Group:
+    """One row per metered hour: hour, meter, subject, quantity, pool and region."""
+    table = Table(box=None, header_style="bold")
+    for name, justify in (("HOUR", "left"), ("METER", "left"), ("SUBJECT", "left"), ("QUANTITY", "right"),
+                          ("POOL", "left"), ("REGION", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for r in u.items:
+        table.add_row(fmt_time(r.hour), r.meter, r.subject, f"{r.quantity:.4f}", r.pool_id, r.region)
+    return Group(table, Text(f"total {u.total:.4f}", style="bold"))
+
+
 _RENDERERS: dict[type, Callable[[Any], Any]] = {
     pb.Reservation: reservation,
     pb.ListReservationsResponse: reservation_list,
     pb.ExtendReservationResponse: extended,
     pb.Confirmation: confirmation,
     cpb.TimelineResponse: timeline,
+    upb.QueryUsageResponse: usage,
 }

@@ -37,6 +37,7 @@ import psycopg  # noqa: E402
 import structlog  # noqa: E402
 
 from bettercompute.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
+from bettercompute.v1 import providers_pb2, providers_pb2_grpc  # noqa: E402
 from controlplane import bootstrap, db, tokens  # noqa: E402
 from controlplane.devtools import devstack  # noqa: E402
 from controlplane.config import Settings  # noqa: E402
@@ -47,6 +48,11 @@ TENANT = "acme"
 USER = "alice"
 POOL = "demo-h100"
 REGION = "local"
+# The simulated provider's demo capacity reservation, bound to the demo pool.
+PROVIDER_ACCOUNT = "demo"
+PROVIDER_RESERVATION = "demo-vm-reservation"
+PROVIDER_FLAVOR = "n2-standard-8"
+PROVIDER_SLOTS = 8
 GPU_QUOTA = 64
 HOST_QUOTA = {"vcpu": 512, "memoryGiB": 4096}
 NODE_COUNT = 8
@@ -85,6 +91,7 @@ class Demo:
     pool_id: str
     gateway_endpoint: str = ""
     sandbox: str = ""
+    provider_account_id: str = ""
 
     def as_json(self) -> dict[str, str]:
         return {
@@ -95,6 +102,7 @@ class Demo:
             "poolId": self.pool_id,
             "gatewayEndpoint": self.gateway_endpoint,
             "sandbox": self.sandbox,
+            "providerAccountId": self.provider_account_id,
         }
 
 
@@ -214,7 +222,9 @@ async def _serve(
                                    json.dumps({"root": demo.root_token, USER: demo.token}, indent=2) + "\n")
             await asyncio.to_thread(fleet.start, endpoint, root_token, demo.pool_id, sim)
             await _wait_connected(channel, root_token, demo.pool_id, sim)
-        demo = Demo(**{**demo.__dict__, "gateway_endpoint": fleet.session, "sandbox": str(fleet.sandbox.resolve())})
+            account_id = await seed_provider(channel, root_token, demo.pool_id, fleet.provider)
+        demo = Demo(**{**demo.__dict__, "gateway_endpoint": fleet.session, "sandbox": str(fleet.sandbox.resolve()),
+                       "provider_account_id": account_id})
         _write_connection(connection_path, demo)
         log.info("dev ready", endpoint=endpoint, tenant=demo.tenant_id, pool=demo.pool_id)
         external = bool(settings.database_url)
@@ -289,6 +299,37 @@ async def seed(channel: grpc.aio.Channel, endpoint: str, root_token: str, user_t
     return Demo(endpoint, user_token, root_token, TENANT, pool.id)
 
 
+async def seed_provider(channel: grpc.aio.Channel, root_token: str, pool_id: str, provider: str) -> str:
+    """A root provider account on the simulated provider (one per provider endpoint), its scan,
+    and its demo reservation bound to the demo pool; returns the account id. Root's policy is
+    set to permit-all when the account is first made (provider calls are decided by IAM)."""
+    admin = admin_pb2_grpc.AdminStub(channel)
+    accounts = providers_pb2_grpc.ProviderAccountsStub(channel)
+    auth = (("authorization", f"Bearer {root_token}"),)
+    name = "demo-sim-" + provider.rpartition(":")[2]
+
+    async def call(method: Any, request: Any) -> Any:
+        return await method(request, metadata=auth, timeout=RPC_TIMEOUT_S)
+
+    try:
+        found = await call(accounts.List, providers_pb2.ListProviderAccountsRequest(tenant_id=bootstrap.ROOT_TENANT))
+        account = next((a for a in found.items if a.name == name), None)
+    except grpc.aio.AioRpcError:
+        account = None  # no root policy yet: IAM refuses until it is seeded below
+    if account is None:
+        await call(admin.PutPolicy, admin_pb2.PutPolicyRequest(tenant_id=bootstrap.ROOT_TENANT, cedar=POLICY))
+        account = await call(accounts.Create, providers_pb2.CreateProviderAccountRequest(
+            tenant_id=bootstrap.ROOT_TENANT, name=name, provider="sim", endpoint=provider,
+            external_account=PROVIDER_ACCOUNT))
+    ref = providers_pb2.GetProviderAccountRequest(tenant_id=bootstrap.ROOT_TENANT, account_id=account.id)
+    await call(accounts.ScanReservations, ref)
+    await call(accounts.BindReservation, providers_pb2.BindReservationRequest(
+        tenant_id=bootstrap.ROOT_TENANT, account_id=account.id, reservation_id=PROVIDER_RESERVATION,
+        pool_id=pool_id))
+    log.info("provider seeded", account=account.id, reservation=PROVIDER_RESERVATION, provider=provider)
+    return account.id
+
+
 class Fleet:
     """The gateway and `nodesim --sim N` as real processes. Nodes enrol with one-time join
     tokens, issued only to nodes without a valid certificate in their sandbox."""
@@ -299,11 +340,19 @@ class Fleet:
         self.listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_GATEWAY_LISTEN", "127.0.0.1:50061")
         self.enrol_listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_GATEWAY_ENROL_LISTEN",
                                                                              "127.0.0.1:50062")
+        self.provider_listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_PROVIDERSIM_LISTEN",
+                                                                               "127.0.0.1:50063")
         self.session = ""
+        self.provider = ""
         self.processes: list[devstack.Process] = []
 
     def start(self, endpoint: str, root_token: str, pool_id: str, count: int) -> None:
         logs, ca, join_tokens = self.data_dir / "logs", self.data_dir / "ca.pem", self.data_dir / "join-tokens.json"
+        provider, self.provider = devstack.providersim(
+            logs / "providersim.log", listen=self.provider_listen,
+            reservations=[f"{PROVIDER_ACCOUNT}/{PROVIDER_RESERVATION}/{PROVIDER_FLAVOR}/{REGION}/{PROVIDER_SLOTS}"])
+        self.processes.append(provider)
+        log.info("providersim running", endpoint=self.provider, log=str(logs / "providersim.log"))
         gateway, self.session, enrol = devstack.gateway(self.conninfo, logs / "gateway.log", ca,
                                                         listen=self.listen, enrol_listen=self.enrol_listen)
         self.processes.append(gateway)
@@ -377,6 +426,8 @@ Better Compute is running.
               seeded with a quota of {GPU_QUOTA} GPUs and a permit-all Cedar policy
   gateway     {demo.gateway_endpoint}  (node sessions, mutual TLS)
   fleet       nodesim: 8x {GPU_MODEL} per node, files under {_relative(pathlib.Path(demo.sandbox))}
+  provider    providersim: reservation {PROVIDER_RESERVATION} ({PROVIDER_SLOTS}x {PROVIDER_FLAVOR}) of account
+              {demo.provider_account_id}, bound to the pool (grants, instances, usage)
   logs        {_relative(connection_path.parent / "logs")}
   connection  {_relative(connection_path)}  (alice's token, the root token, tenant, pool)
 

@@ -27,6 +27,7 @@ from bettercompute.v1 import nodes_pb2, nodes_pb2_grpc
 
 CONTROLPLANE_READY = re.compile(r"control plane listening on (\S+)")
 GATEWAY_READY = re.compile(r"gateway listening on (\S+) .* enrol on (\S+) ")
+PROVIDERSIM_READY = re.compile(r"providersim listening on (\S+)")
 
 
 class Process:
@@ -169,3 +170,14 @@ def nodesim(count: int, session: str, enrol: str, sandbox: pathlib.Path, tokens_
                 "--sandbox", str(sandbox), "--tokens", str(tokens_path), "--ca", str(ca_path),
                 "--log-format", "json", *extra),
         env={}, log_path=log_path)
+
+
+def providersim(log_path: pathlib.Path, *, listen: str = "127.0.0.1:0",
+                reservations: Sequence[str] = ()) -> tuple[Process, str]:
+    """The simulated provider; `reservations` are ACCOUNT/NAME/FLAVOR/REGION/TOTAL. Returns the
+    process and its endpoint."""
+    extra = [arg for r in reservations for arg in ("--reservation", r)]
+    proc = Process(_python("providersim", "--listen", listen, "--log-format", "json", *extra),
+                   env={}, log_path=log_path, ready=PROVIDERSIM_READY)
+    assert proc.match is not None
+    return proc, proc.match.group(1)
