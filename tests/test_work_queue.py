@@ -144,3 +144,13 @@ def test_the_queue_is_handed_its_handlers_and_imports_none() -> None:
              "print(sorted(m for m in sys.modules if m.startswith('controlplane.reservations')), hasattr(q, 'HANDLERS'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "False"]
+
+
+def test_every_served_kind_can_be_inserted(database: str) -> None:
+    """The kind constraint and the app's handlers agree: each migration that adds a kind keeps the
+    kinds before it (a later one rewriting the list must not drop another's)."""
+    from controlplane.app import WORK_HANDLERS
+
+    for kind in WORK_HANDLERS:
+        sql(database, "SELECT schedule_work(%s, 'k-1', compute_now())", (kind,))
+    assert sorted(r[0] for r in sql(database, "SELECT kind FROM work_items")) == sorted(WORK_HANDLERS)
