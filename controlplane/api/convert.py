@@ -25,6 +25,7 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "wait_timeout_ms": m.wait.timeout_ms if m.HasField("wait") else None,
         "lease_seconds": m.lease_seconds if m.HasField("lease_seconds") else None,
         "node_selector": dict(m.node_selector),
+        "gang": {"size": m.gang.size, "topology_key": m.gang.topology_key} if m.HasField("gang") else None,
     }
 
 
@@ -52,6 +53,8 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             start=request.get("start"),
             lease_seconds=request.get("leaseSeconds"),
             node_selector=request.get("nodeSelector") or {},
+            gang=pb.Gang(size=request["gang"]["size"], topology_key=request["gang"]["topologyKey"])
+            if request.get("gang") else None,
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],

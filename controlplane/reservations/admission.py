@@ -43,7 +43,7 @@ class Draft:
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
     limits = TimeLimits.of(rt.settings)
-    inp = validate_create(raw, limits)
+    inp = validate_create(raw, limits, max_gang_size=rt.settings.max_gang_size)
     caller.require_member(inp.tenant_id)
     rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
     digest = request_hash(inp.request)
@@ -148,7 +148,7 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
     """What IAM sees of the reservation: everything it asks for."""
     request = row["request"]
     device = request["devices"][0]
-    gang_size = 1
+    gang_size = gang_size_of(request)
     return {
         "tenantId": row["tenant_id"],
         "ownerIdentityId": row["owner_identity_id"],
@@ -170,6 +170,11 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
         "vcpu": 0,
         "memoryGiB": 0,
     }
+
+
+def gang_size_of(request: dict[str, Any]) -> int:
+    """Nodes the request books: its gang's size, 1 for a request that is not a gang."""
+    return request["gang"]["size"] if request.get("gang") else 1
 
 
 @dataclass
@@ -213,7 +218,8 @@ async def _transaction_2(
 
     assert prepared is not None
     device = row["request"]["devices"][0]
-    await quota.charge(conn, row["tenant_id"], rid, {"gpu": device["count"]})  # QUOTA_EXCEEDED rolls back
+    gpus = device["count"] * gang_size_of(row["request"])  # a gang: size x per node, all or nothing
+    await quota.charge(conn, row["tenant_id"], rid, {"gpu": gpus})  # QUOTA_EXCEEDED rolls back
     await placing.place_locked(conn, rt, row, prepared, now_ms)
     return Outcome()
 

@@ -15,7 +15,7 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.common.locks import pool_lock
-from controlplane.placement import placer
+from controlplane.placement import gang, placer
 from controlplane.reservations import kubernetes, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
@@ -26,7 +26,7 @@ class Prepared:
     """What `prepare` planned, before any lock; `place_locked` commits it (re-planning lost races)."""
 
     ask: placer.Ask
-    planned: placer.Planned
+    planned: placer.Planned | gang.GangPlanned  # a gang's plan has every member
 
 
 async def prepare(
@@ -36,7 +36,12 @@ async def prepare(
     in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
     (admission does both in one statement)."""
     ask = ask_for(row, now_ms)
-    planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
+    members = gang.Gang.of(row["request"])
+    if members is not None:  # every node of the pool, on the index; never the SQL shortlist
+        planned: placer.Planned | gang.GangPlanned = await gang.plan(conn, ask, members, rt.settings,
+                                                                     index=rt.capacity)
+    else:
+        planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
     if lock:
         await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
@@ -56,6 +61,33 @@ async def place_again(
     planned = await placer.plan(conn, ask, rt.settings, exclude=avoid, index=rt.capacity)
     return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics,
                                     index=rt.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """What `place_again_any` placed: the nodes (none when nothing fits) and why none fit."""
+
+    node_ids: list[str]
+    reason: str = ""
+
+
+async def place_again_any(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], window: tuple[int, int], avoid: frozenset[str],
+    now_ms: int,
+) -> Replaced:
+    """`place_again` for any reservation: a gang is placed again as a whole, on any label value."""
+    members = gang.Gang.of(row["request"])
+    if members is None:
+        ask, placement = await place_again(conn, rt, row, window, avoid, now_ms)
+        if placement is None:
+            return Replaced([], await placer.explain(conn, ask))
+        return Replaced([placement.node_id])
+    await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
+    ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
+    planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity, exclude=avoid)
+    committed = await gang.commit(conn, ask, members, row["id"], planned, rt.settings, index=rt.capacity,
+                                  exclude=avoid, metrics=rt.metrics)
+    return Replaced(committed.node_ids, committed.reason)
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
@@ -93,10 +125,18 @@ async def place_locked(
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
     Unschedulable condition. Emits the event in the same transaction. True when placed."""
     ask = prepared.ask
-    placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
-                                    index=rt.capacity)
-    if placement is None:
-        reason = await placer.explain(conn, ask)
+    if isinstance(prepared.planned, gang.GangPlanned):
+        members = gang.Gang.of(row["request"])
+        assert members is not None
+        committed = await gang.commit(conn, ask, members, row["id"], prepared.planned, rt.settings,
+                                      index=rt.capacity, metrics=rt.metrics)
+        node_ids, why = committed.node_ids, committed.reason
+    else:
+        placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
+                                        index=rt.capacity)
+        node_ids, why = ([placement.node_id] if placement else []), ""
+    if not node_ids:
+        reason = why or await placer.explain(conn, ask)
         if row["state"] == states.PENDING:
             # A retry that still finds nothing keeps the reason it went pending for (NoFit, or
             # BookingRepairFailed after a repair) and only refreshes the message.
@@ -115,7 +155,7 @@ async def place_locked(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
         window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
         moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
-        event_type="reservation.placed", nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
+        event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,
     )
     return True
 
