@@ -72,17 +72,20 @@ async def bind_failed(
         await move(conn, row, states.FAILED, operation_state="failed", end_reason=reason)
         await events.emit_reservation(conn, row, "reservation.failed", reason=reason, failures=failures)
         return
+    window = (now_ms, row["during_end"])
     if gang.Gang.of(row["request"]) is not None:
         # A gang moves as a whole: every member ends, and only the members that failed count as
-        # failed (their nodes are avoided from now on; the others may take the gang again).
+        # failed (their nodes are avoided from now on; the others may take the gang again). Their
+        # bookings end at compute_now(), which now_ms may round down: the new window starts on the
+        # next millisecond, so a member's node can take the gang again without overlapping itself.
         live = await (await conn.execute(queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
         await end_bookings(conn, row["id"], allocation_state="released")
         await conn.execute(queries.MARK_FAILED, {"ids": [a["id"] for a in live if a["node_id"] in nodes]})
+        window = (now_ms + 1, row["during_end"])
     else:
         await end_bookings(conn, row["id"], allocation_state="failed")
     failed_before = await (await conn.execute(queries.FAILED_NODES, {"id": row["id"]})).fetchall()
     avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
-    window = (now_ms, row["during_end"])
     replaced = await placing.place_again_any(conn, rt, row, window, avoid, now_ms)
     if not replaced.node_ids:
         message = f"binding failed on {', '.join(nodes)} ({reason}); " + replaced.reason
