@@ -365,3 +365,17 @@ def test_reserve_kubernetes_books_the_kubernetes_binding(cli, world: World) -> N
     assert placed["request"]["binding"] == "kubernetes"
     assert placed["allocations"][0]["nodeId"] == world.nodes[1].id  # the node whose daemon serves it
     assert cli("reserve", "--gpus", "1").json["request"]["binding"] == "hold"
+
+
+def test_reserve_gang_books_one_node_per_member_sharing_the_label(cli, tty, world: World) -> None:
+    racked = [world.add_node(labels={"rack": "r7"}) for _ in range(2)]
+    placed = cli("reserve", "--gpus", "8", "--gang", "2", "--topology-key", "rack").json
+    assert placed["request"]["gang"] == {"size": 2, "topologyKey": "rack"}
+    assert sorted(a["nodeId"] for a in placed["allocations"]) == sorted(n.id for n in racked)
+    assert [len(a["deviceIds"]) for a in placed["allocations"]] == [8, 8]
+    error = cli("reserve", "--gpus", "8", "--gang", "1").error
+    assert error["code"] == "INVALID_INPUT" and error["details"]["field"] == "gang.size"
+    usage = cli("reserve", "--gpus", "8", "--topology-key", "rack")
+    assert usage.code == 2 and "--topology-key needs --gang" in usage.err
+    shown = tty("get", placed["id"])
+    assert "2 nodes sharing one rack" in shown.out

@@ -34,6 +34,8 @@ def reserve_request(
     pool: str | None = None,
     lease: str | None = None,
     kubernetes: bool = False,
+    gang: int | None = None,
+    topology_key: str = "",
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -46,6 +48,10 @@ def reserve_request(
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
         binding="kubernetes" if kubernetes else "",
     )
+    if gang is not None:
+        request.gang.CopyFrom(pb.Gang(size=gang, topology_key=topology_key))
+    elif topology_key:
+        raise UsageError("--topology-key needs --gang")
     if start:
         request.start = parse_moment("--start", start)
     if lease:
@@ -80,6 +86,7 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
     request = reserve_request(
         client, gpus=args.gpus, topology=args.topology, duration=args.duration, start=args.start,
         key=args.key, pool=args.pool, lease=args.lease, kubernetes=args.kubernetes,
+        gang=args.gang, topology_key=args.topology_key,
     )
     return create_and_wait(client, request, args.wait, on_state)
 
