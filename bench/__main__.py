@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from bench import creates, diag, phases, procstat, report, stack
+from bench import gang as gang_bench
 from bench.load import Result
 from bench.phases import say
 from bench.seed import Seeded, seed
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the temp dir (database, server log)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 100 nodes, 5 s of creates, 3 s per baseline (flags given win)")
+    gang_bench.add_args(p)
     args = p.parse_args(argv)
     defaults = (100, 5.0, 3.0) if args.quick else (1000, 25.0, 10.0)
     for name, value in zip(("nodes", "seconds", "baseline_seconds"), defaults):
@@ -85,6 +87,7 @@ class Run:
     server_log: pathlib.Path | None
     pg_log: pathlib.Path
     pg_log_offset: int
+    gang: str = ""  # the gang phase's report (--gang)
 
 
 async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_token: str) -> Run:
@@ -110,6 +113,7 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             pg_log = tmp / "pgdata" / "log"
             offset = diag.log_offset(pg_log)
             create_res = await phases.create_phase(args, channel, seeded, work, conninfo, pg_log, watch)
+            gang_report = await gang_bench.gang_phase(args, channel, seeded, conninfo) if args.gang else ""
         states = stack.count_rows(
             conninfo,
             "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
@@ -120,7 +124,7 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
         await server.stop()
     results = [create_res, *(r for r in (echo_res, sql_res) if r)]
     return Run(seeded, results, create_res, echo_res, sql_res, states, bookings,
-               server.log_path, pg_log, offset)
+               server.log_path, pg_log, offset, gang=gang_report)
 
 
 def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out: Run) -> None:
@@ -140,6 +144,7 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
         diag.statement_summary(out.pg_log, out.pg_log_offset, calls=out.create.calls)
         if args.pg_statements else "",
         diag.profile_summary(tmp) if args.profile_server else "",
+        out.gang,
     ):
         if block:
             say("")
