@@ -40,15 +40,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gang-repeats", type=int, default=5, help="gangs created one after another (default 5)")
 
 
-async def _plan_only_ms(conninfo: str, pool_id: str, size: int, now_ms: int) -> float:
+async def _plan_only_ms(conninfo: str, pool_id: str, size: int, now_ms: int) -> tuple[float, float]:
+    """The plan of every node on a pool just read (each node planned for the first time), then
+    again on the same pool (idle nodes' plans remembered, as in a serving control plane)."""
     async with await psycopg.AsyncConnection.connect(conninfo, row_factory=dict_row) as conn:
         pool = await read_pool(conn, pool_id)
     window = Window(GPUS_PER_NODE, "any", "", {}, now_ms + HOUR_MS, now_ms + 2 * HOUR_MS)
-    started = time.perf_counter()
-    planned = gang.plan_in(pool, window, gang.Gang(size, ""), top_n=3, rng=random.Random())
-    elapsed = (time.perf_counter() - started) * 1000
-    assert planned.plan is not None, planned.reason
-    return elapsed
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
+        planned = gang.plan_in(pool, window, gang.Gang(size, ""), top_n=3, rng=random.Random())
+        times.append((time.perf_counter() - started) * 1000)
+        assert planned.plan is not None, planned.reason
+    return times[0], times[1]
 
 
 async def gang_phase(args: argparse.Namespace, channel: grpc.aio.Channel, seeded: Seeded, conninfo: str) -> str:
@@ -70,7 +74,7 @@ async def gang_phase(args: argparse.Namespace, channel: grpc.aio.Channel, seeded
         reply = await stub.Create(request, metadata=md, timeout=120)
         times.append((time.perf_counter() - started) * 1000)
         states.append(f"{reply.state} ({len(reply.allocations)} nodes)")
-    plan_ms = await _plan_only_ms(conninfo, seeded.pool_id, args.gang_size, now_ms)
+    cold_ms, warm_ms = await _plan_only_ms(conninfo, seeded.pool_id, args.gang_size, now_ms)
     median = statistics.median(times)
     verdict = "within" if median <= GOAL_MS else "over"
     return "\n".join([
@@ -78,6 +82,7 @@ async def gang_phase(args: argparse.Namespace, channel: grpc.aio.Channel, seeded
         f"{seeded.nodes} nodes, one Create each, one after another",
         f"  time to place (Create, client side): median {median:.0f} ms, min {min(times):.0f} ms, "
         f"max {max(times):.0f} ms ({verdict} the {GOAL_MS:.0f} ms goal)",
-        f"  of which planning every node in memory (one plan, this process): {plan_ms:.0f} ms",
+        f"  of which planning every node in memory (this process): {warm_ms:.0f} ms "
+        f"({cold_ms:.0f} ms the first time each node is planned)",
         f"  outcomes: {', '.join(states)}",
     ])

@@ -254,6 +254,7 @@ def test_plan_in_ranks_by_score_sum_then_group_name() -> None:
     planned = gang.plan_in(pool, window, gang.Gang(2, FABRIC), top_n=1, rng=random.Random(1))
     assert planned.plan is not None and planned.plan.group == "w"  # equal sums: the group name decides
     pool.nodes["b1"].atoms["b1-0"].intervals.append((0, 1000))  # b1 no longer fits 8
+    pool.put(pool.nodes["b1"])  # as a refresh would: the index learns of the booking
     planned = gang.plan_in(pool, window, gang.Gang(2, FABRIC), top_n=1, rng=random.Random(1))
     assert planned.plan is not None and planned.plan.group == "x"
     seven = gang.plan_in(pool, Window(7, "any", "", {}, 0, 1000), gang.Gang(2, FABRIC), top_n=1, rng=random.Random(1))

@@ -6,7 +6,8 @@ each taking all of the per-node request, committed all together or not at all.
    shortlist: without a built index the pool is read from rows into an index of its own.
 2. The fitting nodes are grouped by their `topologyKey` label value (nodes without the label never
    join; without a key the whole pool is one group). Each group with at least `size` fitting nodes
-   contributes a candidate gang of its `size` best nodes.
+   contributes a candidate gang of its `size` best nodes (ties between equally good nodes broken
+   at random).
 3. Candidate gangs are ranked by the sum of their members' scores, then by group name, and one is
    picked at random among the best `topN`.
 4. All members are committed inside one outer savepoint, one allocation per node. If any member
@@ -19,6 +20,7 @@ The plan is pure (`plan_in`); `plan` finds the index to plan on, `commit` writes
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import random
 import time
 from collections import Counter, defaultdict
@@ -33,13 +35,20 @@ from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.metrics import Metrics
 from controlplane.placement import gang_queries, planner
-from controlplane.placement.index import PoolIndex, Window
+from controlplane.placement.index import Node, PoolIndex, Window
 from controlplane.placement.index_sync import CapacityIndex, read_pool
 from controlplane.placement.placer import Ask, Placement
 
 log = structlog.get_logger(__name__)
 
 _rng = random.SystemRandom()
+
+# The plan of a node with no booking in the window depends only on the node (its atoms, health and
+# NUMA/NVLink layout) and the request's shape, so it is kept per node object and shape: the index
+# replaces a node's object whenever it re-reads the node, which retires the entry. A gang plans every
+# node of the pool, and in a large pool most nodes are idle for any one window.
+_IDLE_PLANS: dict[tuple[str, int, str, str], tuple[Node, planner.Plan | None]] = {}
+_IDLE_PLANS_MAX = 500_000
 
 
 @dataclass(frozen=True)
@@ -99,21 +108,27 @@ def plan_in(
 ) -> GangPlanned:
     """The gang to commit, planned on `pool`; `within` keeps to one label value (a member repair)."""
     fitting: dict[str, list[planner.Plan]] = defaultdict(list)
+    busy = pool.touched(window.start_ms, window.end_ms)
     for node in pool.nodes.values():
         if node.id in exclude or not node.matches(window):
             continue
         group = label_value(node.labels, gang.key) if gang.key else ""
         if group is None or (within is not None and group != within):
             continue
-        chosen = planner.plan_node(pool.candidate(node, window), window.count, window.topology)
+        if node.id in busy:
+            chosen = planner.plan_node(pool.candidate(node, window), window.count, window.topology)
+        else:
+            chosen = _idle_plan(pool, node, window)
         if chosen is not None:
             fitting[group].append(chosen)
     gangs: list[GangPlan] = []
     for group, plans in fitting.items():
         if len(plans) < gang.size:
             continue
-        plans.sort(key=lambda p: (-p.score, p.node_id))
-        members = tuple(plans[: gang.size])
+        # The best nodes; among equally good ones a random pick, so concurrent gangs (and a gang
+        # planned on an index that has not yet heard of the last one) spread out instead of all
+        # reaching for the same nodes.
+        members = tuple(heapq.nsmallest(gang.size, plans, key=lambda p: (-p.score, rng.random())))
         uuids = {a: pool.nodes[m.node_id].atoms[a].device_uuid for m in members for a in m.atom_ids}
         gangs.append(GangPlan(group, members, uuids))
     if not gangs:
@@ -121,6 +136,19 @@ def plan_in(
         return GangPlanned(None, no_fit_reason(gang.size, gang.key, most, within=within))
     gangs.sort(key=lambda g: (-g.score, g.group))
     return GangPlanned(rng.choice(gangs[: max(1, top_n)]))
+
+
+def _idle_plan(pool: PoolIndex, node: Node, window: Window) -> planner.Plan | None:
+    """plan_node for a node with no booking in the window, remembered per node object and shape."""
+    key = (node.id, window.count, window.topology, window.model)
+    cached = _IDLE_PLANS.get(key)
+    if cached is not None and cached[0] is node:
+        return cached[1]
+    chosen = planner.plan_node(pool.candidate(node, window), window.count, window.topology)
+    if len(_IDLE_PLANS) >= _IDLE_PLANS_MAX:
+        _IDLE_PLANS.clear()
+    _IDLE_PLANS[key] = (node, chosen)
+    return chosen
 
 
 async def plan(
