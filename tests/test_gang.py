@@ -205,7 +205,12 @@ def _settings() -> Settings:
     return Settings(database_url="", placement_top_n=1)
 
 
-def test_a_member_that_loses_its_race_rolls_back_the_whole_gang_and_the_gang_is_planned_again(bare: World) -> None:
+@pytest.mark.parametrize("race", ["booked", "cordoned"])
+def test_a_member_that_loses_its_race_rolls_back_the_whole_gang_and_the_gang_is_planned_again(
+    bare: World, race: str
+) -> None:
+    """`booked`: another booking on a planned atom (found by the probe before the insert);
+    `cordoned`: the node left service (found by the insert, whose savepoint rolls back)."""
     nodes = fleet(bare, {"fab-a": 3, "fab-b": 2})
     r = gang_create(bare, 2, start=bare.later(5))  # a reservation row to hang the allocations on
     bare.user.res("Cancel", pb.CancelReservationRequest(tenant_id=bare.tenant, reservation_id=r.id))
@@ -220,18 +225,24 @@ def test_a_member_that_loses_its_race_rolls_back_the_whole_gang_and_the_gang_is_
                 planned = await gang.plan(conn, ask, members, _settings())
                 assert planned.plan is not None and planned.plan.group == "fab-a"
                 first = planned.plan.node_ids
-                # Someone takes one GPU of a planned member before the commit.
                 taken = planned.plan.members[1]
-                await conn.execute(
-                    "INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)"
-                    " VALUES ('alloc_x', %s, %s, '{}', 'released')",
-                    (r.id, taken.node_id))
-                await conn.execute(
-                    "INSERT INTO bookings (atom_id, allocation_id, during)"
-                    " VALUES (%s, 'alloc_x', tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)'))",
-                    (taken.atom_ids[0], start, start + 60_000))
+                if race == "booked":  # someone takes one GPU of a planned member before the commit
+                    await conn.execute(
+                        "INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)"
+                        " VALUES ('alloc_x', %s, %s, '{}', 'released')",
+                        (r.id, taken.node_id))
+                    await conn.execute(
+                        "INSERT INTO bookings (atom_id, allocation_id, during)"
+                        " VALUES (%s, 'alloc_x', tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)'))",
+                        (taken.atom_ids[0], start, start + 60_000))
+                else:
+                    await conn.execute("UPDATE nodes SET state = 'cordoned' WHERE id = %s", (taken.node_id,))
                 committed = await gang.commit(conn, ask, members, r.id, planned, _settings())
+                kept = (await (await conn.execute(
+                    "SELECT count(*) AS n FROM allocations WHERE reservation_id = %s AND state = 'placed'",
+                    (r.id,))).fetchone())["n"]
                 await conn.rollback()
+                assert kept == 0, "a partial gang was left behind"
                 return committed, first, taken.node_id
         finally:
             await pool.close()

@@ -12,7 +12,9 @@ each taking all of the per-node request, committed all together or not at all.
    picked at random among the best `topN`.
 4. All members are committed inside one outer savepoint, one allocation per node. If any member
    loses a race the whole gang rolls back, that node is excluded (and refreshed in the index), and
-   the gang is planned again, up to `placement_max_attempts` times.
+   the gang is planned again, up to `placement_max_attempts` times. A cheap probe first finds
+   planned atoms already booked in the window (a change the index has not heard of yet), which are
+   lost the same way without paying for the whole gang's insert and rollback.
 
 The plan is pure (`plan_in`); `plan` finds the index to plan on, `commit` writes under the pool lock.
 """
@@ -226,6 +228,9 @@ async def _commit(
             atom_ids=[a for m in chosen.members for a in m.atom_ids],
         )
         try:
+            taken = await (await conn.execute(gang_queries.TAKEN_NODES, params)).fetchall()
+            if taken:
+                raise _Lost([r["node_id"] for r in taken])
             async with conn.transaction():  # the outer savepoint: every member, or none
                 rows = await (await conn.execute(gang_queries.INSERT_GANG, params)).fetchall()
                 got = Counter(r["allocation_id"] for r in rows)

@@ -31,3 +31,14 @@ WHERE n.id = al.node_id
 ON CONFLICT DO NOTHING
 RETURNING allocation_id
 """
+
+# Under the pool lock, before the insert: the planned member nodes that already have a booking on
+# one of their planned atoms in the window (a change the index has not heard of yet). Finding them
+# here costs one index probe; finding them by the insert would cost the whole gang's insert and its
+# rollback.
+TAKEN_NODES = """
+SELECT DISTINCT a.node_id
+FROM bookings b JOIN atoms a ON a.id = b.atom_id
+WHERE b.atom_id = ANY(%(atom_ids)s)
+  AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
+"""
