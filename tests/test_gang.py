@@ -19,7 +19,7 @@ from controlplane.placement import gang, placer
 from controlplane.placement.index import Atom, Node, PoolIndex, Window
 from controlplane.placement.index_sync import read_pool
 from tests.invariants import check_invariants
-from tests.support import World, get, gpus, make_world, rpc_error
+from tests.support import World, eventually, get, gpus, make_world, rpc_error
 
 FABRIC = "fabric.domain"
 
@@ -288,3 +288,14 @@ def test_read_pool_sees_the_transactions_own_writes(bare: World) -> None:
             await pool.close()
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_pending_gang_is_placed_as_soon_as_a_release_frees_its_room(bare: World) -> None:
+    nodes = fleet(bare, {"fab-a": 2})
+    blocker = bare.create(count=1)
+    waiting = gang_create(bare, 2)
+    assert waiting.state == "pending"
+    bare.user.res("Release", pb.ReleaseReservationRequest(tenant_id=bare.tenant, reservation_id=blocker.id))
+    placed = eventually(bare, waiting.id, lambda x: x.state in ("placed", "binding", "active"))
+    assert sorted(a.node_id for a in live(placed)) == sorted(nodes["fab-a"])
+    check_invariants(bare.conninfo, bare.tenant)
