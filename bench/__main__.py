@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench import creates, diag, hostres, phases, pgstat, preload, procstat, report, stack
+from bench import gang as gang_bench
 from bench.load import Result
 from bench.phases import say
 from bench.seed import Seeded, seed
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the temp dir (database, server log)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 100 nodes, 5 s of creates, 3 s per baseline (flags given win)")
+    gang_bench.add_args(p)
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
@@ -135,6 +137,7 @@ class Run:
     statements: dict[str, pgstat.Statements] = field(default_factory=dict)  # phase name -> counters
     profiled: tuple[list[pathlib.Path], int] | None = None  # profile files, creates they cover
     hostres: Result | None = None  # --resources: the create phase again with host resources booked
+    gang: str = ""  # the gang phase's report (--gang)
 
 
 async def start_replicas(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str) -> tuple[list, str]:
@@ -216,6 +219,8 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
         out.create = out.creates[0]
         if args.resources:
             out.hostres = await hostres.resources_phase(args, channels[0], seeded, work, conninfo, watch)
+        if args.gang:
+            out.gang = await gang_bench.gang_phase(args, channels[0], seeded, conninfo)
         out.states = stack.count_rows(
             conninfo,
             "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
@@ -269,6 +274,7 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
         blocks.append(diag.statement_summary(out.pg_log, out.pg_log_offset, calls=out.creates[0].calls))
     if out.profiled:
         blocks.append(diag.profile_summary(out.profiled[0], calls=out.profiled[1]))
+    blocks.append(out.gang)
     for block in blocks:
         if block:
             say("")

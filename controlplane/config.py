@@ -36,6 +36,8 @@ class Settings:
         default_factory=lambda: int(os.environ.get("BC_PLACEMENT_SHORTLIST", "24"))
     )
     placement_max_attempts: int = 5
+    # The most nodes one gang reservation may ask for (the spec's range is 2 to 64).
+    max_gang_size: int = field(default_factory=lambda: _int("BC_MAX_GANG_SIZE", 64))
     # Parsed Cedar policy sets kept per process (one per tenant and policy version).
     policy_cache_entries: int = field(
         default_factory=lambda: int(os.environ.get("BC_POLICY_CACHE_ENTRIES", "1024"))

@@ -35,8 +35,10 @@ SELECT coalesce(creator_identity_id, owner_identity_id) AS creator, idempotency_
 FROM reservations WHERE tenant_id = %(t)s GROUP BY 1, 2
 """
 
+# `count` is every GPU the reservation books: per node times the gang's size (1 without a gang).
 CHARGES = """
-SELECT r.id, r.state, (r.request #>> '{devices,0,count}')::int AS count,
+SELECT r.id, r.state,
+       (r.request #>> '{devices,0,count}')::int * coalesce((r.request #>> '{gang,size}')::int, 1) AS count,
        coalesce(sum(c.amount) FILTER (WHERE c.refunded_at IS NULL AND c.resource = 'gpu'), 0)::int AS live,
        count(c.*) FILTER (WHERE c.refunded_at IS NULL AND c.resource = 'gpu')::int AS live_rows
 FROM reservations r LEFT JOIN quota_charges c ON c.reservation_id = r.id
@@ -53,14 +55,21 @@ SELECT coalesce((SELECT sum(amount) FROM quota_charges
 # Per reservation: the bookings of its live allocations, and of all of them, recomputed from rows.
 BOOKINGS = """
 SELECT r.id, r.state, r.pool_id,
-       (r.request #>> '{devices,0,count}')::int AS count,
+       (r.request #>> '{devices,0,count}')::int * coalesce((r.request #>> '{gang,size}')::int, 1) AS count,
+       coalesce((r.request #>> '{gang,size}')::int, 1) AS size,
+       r.request #>> '{gang,topologyKey}' AS gang_key,
        r.request #>> '{devices,0,topology}' AS topology,
        count(b.atom_id) FILTER (WHERE live)::int AS bookings,
        count(DISTINCT b.atom_id) FILTER (WHERE live)::int AS atoms,
        count(DISTINCT an.id) FILTER (WHERE live)::int AS nodes,
-       count(DISTINCT at.nvlink_domain) FILTER (WHERE live)::int AS domains,
+       count(DISTINCT (a.id, at.nvlink_domain)) FILTER (WHERE live)::int AS domains,
        coalesce(bool_or(at.nvlink_domain = '') FILTER (WHERE live), false) AS outside_domain,
-       count(DISTINCT at.numa_node) FILTER (WHERE live)::int AS numa_nodes,
+       count(DISTINCT (a.id, at.numa_node)) FILTER (WHERE live)::int AS numa_nodes,
+       count(DISTINCT a.gang_group) FILTER (WHERE live)::int AS gang_groups,
+       count(DISTINCT an.labels -> (r.request #>> '{gang,topologyKey}') ->> 'value')
+           FILTER (WHERE live)::int AS label_values,
+       coalesce(bool_or(an.labels -> (r.request #>> '{gang,topologyKey}') ->> 'value' IS DISTINCT FROM a.gang_group)
+           FILTER (WHERE live AND r.request #>> '{gang,topologyKey}' <> ''), false) AS off_group,
        count(b.atom_id) FILTER (WHERE live AND b.during <> r.during)::int AS off_window,
        count(b.atom_id) FILTER (WHERE an.id <> a.node_id OR an.pool_id <> r.pool_id)::int AS elsewhere,
        count(b.atom_id) FILTER (
@@ -146,12 +155,17 @@ def check_invariants(conninfo: str, tenant: str) -> dict[str, list[dict[str, Any
         assert b["elsewhere"] == 0, "bookings are on the allocation's node, in the pool; " + where
         if b["state"] in states.BOOKED:
             assert b["bookings"] == b["count"] == b["atoms"], "a placed one books exactly count atoms; " + where
-            assert b["nodes"] == 1 and b["live_allocations"] == 1, where
+            assert b["nodes"] == b["size"] and b["live_allocations"] == b["size"], \
+                "one allocation per node, every member of a gang; " + where
             assert b["off_window"] == 0, "bookings cover the reservation's window; " + where
             if b["topology"] == "nvlink-all":
-                assert b["domains"] == 1 and not b["outside_domain"], "nvlink-all in one domain; " + where
+                assert b["domains"] == b["size"] and not b["outside_domain"], "nvlink-all in one domain; " + where
             if b["topology"] == "numa":
-                assert b["numa_nodes"] == 1, "numa on one NUMA node; " + where
+                assert b["numa_nodes"] == b["size"], "numa on one NUMA node; " + where
+            if b["size"] > 1:
+                assert b["gang_groups"] == 1 and not b["off_group"], "a gang's members share one value; " + where
+                if b["gang_key"]:
+                    assert b["label_values"] == 1, "a gang's members share one label value; " + where
         elif b["state"] in ENDED:
             assert b["past_end"] == 0, "an ended reservation keeps no booking past its end; " + where
             assert b["live_allocations"] == 0, where

@@ -378,6 +378,8 @@ def test_reserve_books_slots_of_a_shared_pool_with_class(cli, world: World) -> N
     assert all(":" in d for d in placed["allocations"][0]["deviceIds"])
     refused = cli("reserve", "--gpus", "1").error  # whole GPUs: the pool does not book them
     assert refused["code"] == "INVALID_INPUT" and refused["details"]["field"] == "devices[0].class"
+
+
 def test_reserve_node_profile_books_the_node_binding(cli, world: World) -> None:
     from tests.test_node_profiles import register
 
@@ -396,3 +398,17 @@ def test_reserve_node_profile_books_the_node_binding(cli, world: World) -> None:
         assert run.code == 2 and "--node-profile" in run.err, (bad, run)
     run = cli("reserve", "--gpus", "8", "--node-profile", profile_id, "--kubernetes")
     assert run.code == 2 and "pick one" in run.err
+
+
+def test_reserve_gang_books_one_node_per_member_sharing_the_label(cli, tty, world: World) -> None:
+    racked = [world.add_node(labels={"rack": "r7"}) for _ in range(2)]
+    placed = cli("reserve", "--gpus", "8", "--gang", "2", "--topology-key", "rack").json
+    assert placed["request"]["gang"] == {"size": 2, "topologyKey": "rack"}
+    assert sorted(a["nodeId"] for a in placed["allocations"]) == sorted(n.id for n in racked)
+    assert [len(a["deviceIds"]) for a in placed["allocations"]] == [8, 8]
+    error = cli("reserve", "--gpus", "8", "--gang", "1").error
+    assert error["code"] == "INVALID_INPUT" and error["details"]["field"] == "gang.size"
+    usage = cli("reserve", "--gpus", "8", "--topology-key", "rack")
+    assert usage.code == 2 and "--topology-key needs --gang" in usage.err
+    shown = tty("get", placed["id"])
+    assert "2 nodes sharing one rack" in shown.out

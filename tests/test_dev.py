@@ -183,6 +183,11 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
         # Enrolled nodesim nodes, as their Hello reported them.
         assert all(n.gpu_count == 8 and n.connectivity == "connected" for n in nodes.items)
         assert all(n.labels["fabric.domain"] for n in nodes.items)
+        # Two NVLink fabrics of four nodes each, so a gang can be tried (README "Gangs").
+        fabrics: dict[str, list[str]] = {}
+        for n in sorted(nodes.items, key=lambda n: n.name):
+            fabrics.setdefault(n.labels["fabric.domain"], []).append(n.name)
+        assert sorted(fabrics.values()) == [[f"sim-{i:03d}" for i in range(4)], [f"sim-{i:03d}" for i in range(4, 8)]]
         assert all(n.labels["bc.dev/cap.devices.limits"] for n in nodes.items)
 
         postmaster = dev.postmaster_pid()
@@ -303,6 +308,28 @@ def test_cli_reserve_get_list_release(dev: Dev) -> None:
     code, live, err = cli(dev, "list", *live_filter)
     assert code == 0, err
     assert placed["id"] not in [item["id"] for item in live["items"]]
+
+
+def test_cli_reserves_a_gang_of_two_8_gpu_nodes_of_one_fabric_and_it_goes_active(dev: Dev) -> None:
+    code, placed, err = cli(dev, "reserve", "--gpus", "8", "--gang", "2", "--topology-key", "fabric.domain")
+    assert code == 0, err
+    assert placed["request"]["gang"] == {"size": 2, "topologyKey": "fabric.domain"}
+    assert len(placed["allocations"]) == 2
+    got = placed
+    deadline = time.monotonic() + 30
+    while got["state"] != "active" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        code, got, err = cli(dev, "get", placed["id"])
+    assert got["state"] == "active", got
+    assert [a["state"] for a in got["allocations"]] == ["bound", "bound"]
+    with dev.channel() as channel:
+        nodes = admin_pb2_grpc.AdminStub(channel).ListNodes(
+            admin_pb2.ListNodesRequest(pool_id=dev.connection["poolId"]),
+            metadata=_auth(dev.connection["rootToken"]), timeout=30).items
+    fabric = {n.id: n.labels["fabric.domain"] for n in nodes}
+    assert len({fabric[a["nodeId"]] for a in got["allocations"]}) == 1
+    code, released, err = cli(dev, "release", placed["id"])
+    assert code == 0 and released["state"] == "released", err
 
 
 def test_cli_reserve_with_a_key_is_idempotent_and_cancel_withdraws_it(dev: Dev) -> None:

@@ -115,6 +115,7 @@ class CreateReservationRequest(_message.Message):
     WAIT_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
+    GANG_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
@@ -135,6 +136,10 @@ class CreateReservationRequest(_message.Message):
     @_builtins.property
     def node_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Node labels every chosen node must carry with exactly these values."""
+
+    @_builtins.property
+    def gang(self) -> Global___Gang:
+        """Book `size` nodes that each take all of `devices` (which then describe one node)."""
 
     @_builtins.property
     def resources(self) -> Global___HostResources:
@@ -160,12 +165,13 @@ class CreateReservationRequest(_message.Message):
         wait: Global___Wait | None = ...,
         lease_seconds: _builtins.int | None = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        gang: Global___Gang | None = ...,
         resources: Global___HostResources | None = ...,
         node: Global___NodeLease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
@@ -181,6 +187,32 @@ class CreateReservationRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_duration_spec) -> _WhichOneofReturnType_duration_spec | None: ...
 
 Global___CreateReservationRequest: _TypeAlias = CreateReservationRequest  # noqa: Y015
+
+@_typing.final
+class Gang(_message.Message):
+    """A gang: `size` nodes (2 to 64) sharing one value of the node label `topology_key`; without a
+    key any nodes of the pool form a gang.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_KEY_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    topology_key: _builtins.str
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+        topology_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["size", b"size", "topology_key", b"topology_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Gang: _TypeAlias = Gang  # noqa: Y015
 
 @_typing.final
 class HostResources(_message.Message):
@@ -492,6 +524,7 @@ class StoredRequest(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
+    GANG_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
@@ -504,6 +537,8 @@ class StoredRequest(_message.Message):
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceRequest]: ...
     @_builtins.property
     def node_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def gang(self) -> Global___Gang: ...
     @_builtins.property
     def resources(self) -> Global___HostResources:
         """What is booked per node: the request's resources raised to the pool's per-GPU share."""
@@ -520,12 +555,13 @@ class StoredRequest(_message.Message):
         start: _builtins.int | None = ...,
         lease_seconds: _builtins.int | None = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        gang: Global___Gang | None = ...,
         resources: Global___HostResources | None = ...,
         node: Global___NodeLease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015

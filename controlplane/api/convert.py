@@ -28,6 +28,7 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "node_selector": dict(m.node_selector),
         "resources": host_resources_input(m.resources) if m.HasField("resources") else None,
         "node": _node_lease(m.node) if m.HasField("node") else None,
+        "gang": {"size": m.gang.size, "topology_key": m.gang.topology_key} if m.HasField("gang") else None,
     }
 
 
@@ -81,6 +82,8 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             node_selector=request.get("nodeSelector") or {},
             resources=resources_message(request.get("resources")) if request.get("resources") is not None else None,
             node=_stored_node_lease(request.get("node")),
+            gang=pb.Gang(size=request["gang"]["size"], topology_key=request["gang"]["topologyKey"])
+            if request.get("gang") else None,
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],

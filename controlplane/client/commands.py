@@ -40,6 +40,8 @@ def reserve_request(
     cpus: int | None = None,
     memory_gib: int | None = None,
     node_profile: str | None = None,
+    gang: int | None = None,
+    topology_key: str = "",
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -59,6 +61,10 @@ def reserve_request(
             raise UsageError("--node-profile and --kubernetes are different bindings: pick one")
         request.binding = "node"
         request.node.CopyFrom(node_lease("--node-profile", node_profile))
+    if gang is not None:
+        request.gang.CopyFrom(pb.Gang(size=gang, topology_key=topology_key))
+    elif topology_key:
+        raise UsageError("--topology-key needs --gang")
     if start:
         request.start = parse_moment("--start", start)
     if lease:
@@ -107,6 +113,7 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
         device_class=args.device_class, profile=args.profile,
         cpus=args.cpus, memory_gib=args.memory,
         node_profile=args.node_profile,
+        gang=args.gang, topology_key=args.topology_key,
     )
     return create_and_wait(client, request, args.wait, on_state)
 

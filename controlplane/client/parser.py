@@ -58,6 +58,10 @@ def build() -> argparse.ArgumentParser:
                    help="whole GPUs (default); MIG instances or time-slice/MPS slots in a pool that shares its GPUs")
     p.add_argument("--profile", default="", help="the MIG profile of the instances, e.g. 1g.10gb (--class gpu.mig)")
     p.add_argument("--topology", default="", help="nvlink-all, numa or any (default any)")
+    p.add_argument("--gang", type=int, metavar="NODES",
+                   help="a gang: this many nodes (2-64), each taking all of --gpus")
+    p.add_argument("--topology-key", default="", metavar="LABEL",
+                   help="with --gang: every node shares one value of this label, e.g. fabric.domain")
     p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 3d... (default 1h)")
     p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")
     p.add_argument("--key", help="idempotency key (default: a new random key)")

@@ -131,6 +131,9 @@ def _summary(heading: Text, rows: list[tuple[str, Any]]) -> Group:
 
 def _reservation_rows(r: pb.Reservation) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = [("pool", r.pool_id), ("devices", _devices(r.request))]
+    if r.request.HasField("gang"):
+        key = r.request.gang.topology_key
+        rows.append(("gang", f"{r.request.gang.size} nodes" + (f" sharing one {key}" if key else "")))
     if r.during.end:
         rows.append(("window", _window(r.during)))
     else:

@@ -58,7 +58,9 @@ HOST_QUOTA = {"vcpu": 512, "memoryGiB": 4096}
 NODE_COUNT = 8
 GPU_MODEL = "H100-SXM5-80GB"
 GPU_MEMORY_MIB = 81559
-FABRIC = "fabric-0"
+# Nodes per NVLink fabric (nodesim --fabric-size): the eight nodes form two fabrics of four, each
+# sharing one `fabric.domain` label value, so a gang can be tried (README "Gangs").
+FABRIC_SIZE = 4
 CONNECTION_FILE = "connection.json"
 TOKENS_FILE = "tokens.json"
 # A saved token is reused while it has this long left (or half the default lifetime, if shorter).
@@ -364,7 +366,7 @@ class Fleet:
                                             enrolled=enrolled)
         log.info("join tokens issued", issued=issued, certified=len(enrolled))
         self.processes.append(devstack.nodesim(count, self.session, enrol, self.sandbox, join_tokens, ca,
-                                               logs / "nodesim.log"))
+                                               logs / "nodesim.log", extra=("--fabric-size", str(FABRIC_SIZE))))
         log.info("nodesim running", nodes=count, sandbox=str(self.sandbox), log=str(logs / "nodesim.log"))
 
     def stop(self) -> None:
@@ -425,7 +427,8 @@ Better Compute is running.
   demo        tenant {demo.tenant_id}, user {USER}, pool {demo.pool_id} ({POOL}, region {REGION})
               seeded with a quota of {GPU_QUOTA} GPUs and a permit-all Cedar policy
   gateway     {demo.gateway_endpoint}  (node sessions, mutual TLS)
-  fleet       nodesim: 8x {GPU_MODEL} per node, files under {_relative(pathlib.Path(demo.sandbox))}
+  fleet       nodesim: 8x {GPU_MODEL} per node, NVLink fabrics of {FABRIC_SIZE} nodes (label fabric.domain),
+              files under {_relative(pathlib.Path(demo.sandbox))}
   provider    providersim: reservation {PROVIDER_RESERVATION} ({PROVIDER_SLOTS}x {PROVIDER_FLAVOR}) of account
               {demo.provider_account_id}, bound to the pool (grants, instances, usage)
   logs        {_relative(connection_path.parent / "logs")}
@@ -433,6 +436,7 @@ Better Compute is running.
 
 Try it from another terminal:
   {cli} reserve --gpus 4 --topology nvlink-all --for 8h
+  {cli} reserve --gpus 8 --gang 2 --topology-key fabric.domain   # two whole nodes of one fabric
   {cli} list
   {cli} get <rsv_... from above>       # placed, then active once the node bound it
   {cli} release <rsv_... from above>

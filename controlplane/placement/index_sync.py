@@ -171,3 +171,12 @@ async def _read(conn: AsyncConnection, *, pool: str | None, nodes: list[str], ti
         await cur.execute(query, params)
         rows.append(await cur.fetchall())
     return build_nodes(*rows, ticket=ticket)
+
+
+async def read_pool(conn: AsyncConnection, pool_id: str) -> PoolIndex:
+    """One pool's index read from rows on `conn` (its transaction's view, own writes included), for
+    a plan that must not rest on the shared index alone (a gang the index found no room for)."""
+    pool = PoolIndex(pool_id)
+    for node in (await _read(conn, pool=pool_id, nodes=[], ticket=0)).values():
+        pool.put(node)
+    return pool

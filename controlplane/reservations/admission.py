@@ -48,7 +48,7 @@ class Draft:
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
     limits = TimeLimits.of(rt.settings)
-    inp = validate_create(raw, limits)
+    inp = validate_create(raw, limits, max_gang_size=rt.settings.max_gang_size)
     caller.require_member(inp.tenant_id)
     rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
     digest = request_hash(inp.request)
@@ -128,7 +128,7 @@ async def _transaction_1(
         pool = {**pool, "models": await _pool_models(conn, rt, row["pool_id"])}
     draft.attributes = _attributes(row, pool)
     draft.lease = queued.uses_lease(pool, row["request"])
-    draft.charges = devices.charges(row["request"], pool)
+    draft.charges = devices.charges(row["request"], pool, gang_size_of(row["request"]))
     await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
@@ -190,7 +190,7 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
     """What IAM sees of the reservation: everything it asks for."""
     request = row["request"]
     device = request["devices"][0]
-    gang_size = 1
+    gang_size = gang_size_of(request)
     return {
         "tenantId": row["tenant_id"],
         "ownerIdentityId": row["owner_identity_id"],
@@ -206,8 +206,13 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
         "hasStart": request.get("start") is not None,
         "start": request.get("start") or 0,
         "leaseSeconds": request.get("leaseSeconds") or 0,
-        **hostshare.attributes(row),
+        **{k: v * gang_size for k, v in hostshare.attributes(row).items()},  # summed over a gang
     }
+
+
+def gang_size_of(request: dict[str, Any]) -> int:
+    """Nodes the request books: its gang's size, 1 for a request that is not a gang."""
+    return request["gang"]["size"] if request.get("gang") else 1
 
 
 @dataclass
@@ -260,7 +265,8 @@ async def _transaction_2(
 
     assert charges is not None
     # QUOTA_EXCEEDED rolls back; host resources above the share are charged beside the devices.
-    await quota.charge(conn, row["tenant_id"], rid, {**charges.amounts, **hostshare.excess(row)},
+    excess = {k: v * gang_size_of(row["request"]) for k, v in hostshare.excess(row).items()}
+    await quota.charge(conn, row["tenant_id"], rid, {**charges.amounts, **excess},
                        unnamed_models=charges.unnamed_models)
     if queueing:
         await queued.enqueue(conn, row)

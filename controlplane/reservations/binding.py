@@ -13,7 +13,7 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.nodes import desired
-from controlplane.placement import placer
+from controlplane.placement import gang
 from controlplane.reservations import placing, queries, reports, schedule, states
 from controlplane.reservations.lifecycle import end_bookings, free_capacity
 from controlplane.reservations.transitions import condition, move, set_conditions
@@ -72,18 +72,28 @@ async def bind_failed(
         await move(conn, row, states.FAILED, operation_state="failed", end_reason=reason)
         await events.emit_reservation(conn, row, "reservation.failed", reason=reason, failures=failures)
         return
-    await end_bookings(conn, row["id"], allocation_state="failed")
+    window = (now_ms, row["during_end"])
+    if gang.Gang.of(row["request"]) is not None:
+        # A gang moves as a whole: every member ends, and only the members that failed count as
+        # failed (their nodes are avoided from now on; the others may take the gang again). Their
+        # bookings end at compute_now(), which now_ms may round down: the new window starts on the
+        # next millisecond, so a member's node can take the gang again without overlapping itself.
+        live = await (await conn.execute(queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
+        await end_bookings(conn, row["id"], allocation_state="released")
+        await conn.execute(queries.MARK_FAILED, {"ids": [a["id"] for a in live if a["node_id"] in nodes]})
+        window = (now_ms + 1, row["during_end"])
+    else:
+        await end_bookings(conn, row["id"], allocation_state="failed")
     failed_before = await (await conn.execute(queries.FAILED_NODES, {"id": row["id"]})).fetchall()
     avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
-    ask, placement = await placing.place_again(conn, rt, row, (now_ms, row["during_end"]), avoid, now_ms)
-    if placement is None:
-        message = f"binding failed on {', '.join(nodes)} ({reason}); " + await placer.explain(conn, ask)
+    replaced = await placing.place_again_any(conn, rt, row, window, avoid, now_ms)
+    if not replaced.node_ids:
+        message = f"binding failed on {', '.join(nodes)} ({reason}); " + replaced.reason
         await placing.go_pending(conn, row, "BindingFailed", message, now_ms)
         return
-    await move(conn, row, states.PLACED, operation_state="succeeded", conditions=[],
-               window=(ask.start_ms, ask.end_ms))
-    await events.emit_reservation(conn, row, "reservation.placed", nodeIds=[placement.node_id],
-                                  start=ask.start_ms, end=ask.end_ms, reason=reason)
+    await move(conn, row, states.PLACED, operation_state="succeeded", conditions=[], window=window)
+    await events.emit_reservation(conn, row, "reservation.placed", nodeIds=replaced.node_ids,
+                                  start=window[0], end=window[1], reason=reason)
     await schedule.at(conn, row["id"], now_ms)  # binds again at once
 
 

@@ -18,7 +18,7 @@ from controlplane.common.locks import pool_lock
 from controlplane.nodes.inventory import CAP_PREFIX, SYSTEM
 from controlplane.metal import is_node_lease
 from controlplane.metal import placement as whole_machines
-from controlplane.placement import placer
+from controlplane.placement import gang, placer
 from controlplane.reservations import kubernetes, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
@@ -31,7 +31,7 @@ class Prepared:
     """What `prepare` planned, before any lock; `place_locked` commits it (re-planning lost races)."""
 
     ask: placer.Ask
-    planned: placer.Planned
+    planned: placer.Planned | gang.GangPlanned  # a gang's plan has every member
 
 
 async def prepare(
@@ -41,8 +41,11 @@ async def prepare(
     in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
     (admission does both in one statement)."""
     ask = ask_for(row, now_ms)
+    members = gang.Gang.of(row["request"])
     if is_node_lease(row["request"]):  # whole machines are planned under the pool lock, at commit
-        planned = placer.Planned(None)
+        planned: placer.Planned | gang.GangPlanned = placer.Planned(None)
+    elif members is not None:  # every node of the pool, on the index; never the SQL shortlist
+        planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity)
     else:
         planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
     if lock:
@@ -66,6 +69,33 @@ async def place_again(
     planned = await placer.plan(conn, ask, rt.settings, exclude=avoid, index=rt.capacity)
     return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics,
                                     index=rt.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """What `place_again_any` placed: the nodes (none when nothing fits) and why none fit."""
+
+    node_ids: list[str]
+    reason: str = ""
+
+
+async def place_again_any(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], window: tuple[int, int], avoid: frozenset[str],
+    now_ms: int,
+) -> Replaced:
+    """`place_again` for any reservation: a gang is placed again as a whole, on any label value."""
+    members = gang.Gang.of(row["request"])
+    if members is None:
+        ask, placement = await place_again(conn, rt, row, window, avoid, now_ms)
+        if placement is None:
+            return Replaced([], await explain(conn, row, ask))
+        return Replaced([placement.node_id])
+    await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
+    ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
+    planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity, exclude=avoid)
+    committed = await gang.commit(conn, ask, members, row["id"], planned, rt.settings, index=rt.capacity,
+                                  exclude=avoid, metrics=rt.metrics)
+    return Replaced(committed.node_ids, committed.reason)
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
@@ -123,11 +153,19 @@ async def place_locked(
     ask = prepared.ask
     if is_node_lease(row["request"]):
         placement = await whole_machines.commit(conn, ask, row["id"], rt.settings)
+        node_ids, why = ([placement.node_id] if placement else []), ""
+    elif isinstance(prepared.planned, gang.GangPlanned):
+        members = gang.Gang.of(row["request"])
+        assert members is not None
+        committed = await gang.commit(conn, ask, members, row["id"], prepared.planned, rt.settings,
+                                      index=rt.capacity, metrics=rt.metrics)
+        node_ids, why = committed.node_ids, committed.reason
     else:
         placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
                                         index=rt.capacity)
-    if placement is None:
-        reason = await explain(conn, row, ask)
+        node_ids, why = ([placement.node_id] if placement else []), ""
+    if not node_ids:
+        reason = why or await explain(conn, row, ask)
         if row["state"] == states.PENDING:
             # A retry that still finds nothing keeps the reason it went pending for (NoFit, or
             # BookingRepairFailed after a repair) and only refreshes the message.
@@ -146,7 +184,7 @@ async def place_locked(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
         window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
         moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
-        event_type="reservation.placed", nodeIds=[placement.node_id], start=ask.start_ms, end=ask.end_ms,
+        event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,
     )
     return True
 

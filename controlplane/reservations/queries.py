@@ -479,3 +479,18 @@ SELECT (SELECT count(*) FROM moved) AS moved,
        (SELECT count(pg_notify('bc_events', t.tenant_id)) FROM (SELECT DISTINCT tenant_id FROM emitted) t) AS notified,
        (SELECT count(*) FROM told) AS told
 """
+
+# gangs -----------------------------------------------------------------------------------------
+
+# A placed gang's members, with the label value they were placed under.
+PLACED_MEMBERS = """
+SELECT id, node_id, gang_group FROM allocations
+WHERE reservation_id = %(id)s AND state = 'placed' ORDER BY id
+"""
+
+# Some members leave (BookingRepair moved them): their bookings go, the allocations are history.
+DROP_BOOKINGS_OF = "DELETE FROM bookings WHERE allocation_id = ANY(%(ids)s)"
+RELEASE_ALLOCATIONS_OF = "UPDATE allocations SET state = 'released' WHERE id = ANY(%(ids)s)"
+
+# The members whose node failed to bind, once the whole gang has ended.
+MARK_FAILED = "UPDATE allocations SET state = 'failed' WHERE id = ANY(%(ids)s)"

@@ -2,15 +2,20 @@
 
 Checked at start - 15 min and at the start. The caller holds the pool lock (taken first, keeping
 capacity's lock order) and the reservation row lock.
+
+A gang first tries to replace only its bad members, with nodes of the same label value; when that
+value has no room, the whole gang is placed again, on any value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from psycopg import AsyncConnection
 
 from controlplane import events
+from controlplane.placement import gang
 from controlplane.reservations import placing, queries, schedule
 from controlplane.runtime import Runtime
 
@@ -23,16 +28,49 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
     """Release the allocations and place again for the same window, avoiding `bad` nodes; the quota
     charge is kept. True when it stays placed, False when it went pending (BookingRepairFailed)."""
     params = {"id": row["id"]}
-    left = [r["node_id"] for r in await (await conn.execute(queries.LIVE_NODES, params)).fetchall()]
-    await conn.execute(queries.DROP_PLACED_BOOKINGS, params)
-    await conn.execute(queries.RELEASE_PLACED_ALLOCATIONS, params)
-    ask, placement = await placing.place_again(
-        conn, rt, row, (row["during_start"], row["during_end"]), frozenset(bad), now_ms)
-    if placement is None:
-        message = f"booking repair found no replacement for {', '.join(bad)}: " + await placing.explain(conn, row, ask)
-        await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)
-        return False
+    window = (row["during_start"], row["during_end"])
+    members = gang.Gang.of(row["request"])
+    moved = await _repair_members(conn, rt, row, members, bad, window, now_ms) if members else None
+    if moved is not None:
+        left, node_ids = moved
+    else:
+        left = [r["node_id"] for r in await (await conn.execute(queries.LIVE_NODES, params)).fetchall()]
+        await conn.execute(queries.DROP_PLACED_BOOKINGS, params)
+        await conn.execute(queries.RELEASE_PLACED_ALLOCATIONS, params)
+        replaced = await placing.place_again_any(conn, rt, row, window, frozenset(bad), now_ms)
+        if not replaced.node_ids:
+            message = f"booking repair found no replacement for {', '.join(bad)}: " + replaced.reason
+            await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)
+            return False
+        node_ids = replaced.node_ids
     await conn.execute(queries.BUMP_VERSION, params)
-    await events.emit_reservation(conn, row, "reservation.repaired", **{"from": left, "nodeIds": [placement.node_id]})
+    await events.emit_reservation(conn, row, "reservation.repaired", **{"from": left, "nodeIds": node_ids})
     await schedule.at(conn, row["id"], row["during_start"])
     return True
+
+
+async def _repair_members(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], members: gang.Gang, bad: list[str],
+    window: tuple[int, int], now_ms: int,
+) -> tuple[list[str], list[str]] | None:
+    """Replace only the gang's members on `bad` nodes with nodes of the same label value, keeping
+    the others: (nodes left, nodes taken), or None when that value has no room for them (nothing
+    changed then: the replacements' savepoint rolled back)."""
+    placed = await (await conn.execute(queries.PLACED_MEMBERS, {"id": row["id"]})).fetchall()
+    groups = {r["gang_group"] for r in placed}
+    broken = [r for r in placed if r["node_id"] in bad]
+    if len(groups) != 1 or None in groups or not broken or len(broken) == len(placed):
+        return None
+    (group,) = groups
+    ask = dataclasses.replace(placing.ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
+    avoid = frozenset(bad) | {r["node_id"] for r in placed}
+    part = gang.Gang(len(broken), members.key)
+    planned = await gang.plan(conn, ask, part, rt.settings, index=rt.capacity, exclude=avoid, within=group)
+    committed = await gang.commit(conn, ask, part, row["id"], planned, rt.settings, index=rt.capacity,
+                                  exclude=avoid, within=group, metrics=rt.metrics)
+    if committed.placements is None:
+        return None
+    ids = [r["id"] for r in broken]
+    await conn.execute(queries.DROP_BOOKINGS_OF, {"ids": ids})
+    await conn.execute(queries.RELEASE_ALLOCATIONS_OF, {"ids": ids})
+    return [r["node_id"] for r in broken], committed.node_ids

@@ -20,6 +20,7 @@ from controlplane.placement.planner import ANY, TOPOLOGIES
 DAY_MS = 86_400_000
 MAX_DURATION_MS = 366 * DAY_MS  # the default of Settings.max_reservation_days
 MAX_GPUS = 64
+MIN_GANG, MAX_GANG = 2, 64  # nodes in a gang (spec "Gang reservations"); Settings.max_gang_size may lower it
 SERVED_CLASSES = set(device_classes.CLASSES)
 SERVED_BINDINGS = {"hold", "kubernetes", "node"}
 UNSERVED_BINDINGS = {"instance"}
@@ -85,6 +86,19 @@ def _devices(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _gang(raw: dict[str, Any] | None, max_size: int) -> dict[str, Any] | None:
+    """`{size, topologyKey}` ("" without a key), or None when the request is not a gang."""
+    if raw is None:
+        return None
+    size = raw.get("size", 0)
+    if not isinstance(size, int) or not MIN_GANG <= size <= max_size:
+        raise errors.InvalidInput("gang.size", f"must be {MIN_GANG} to {max_size}")
+    key = raw.get("topology_key") or ""
+    if key:
+        match("gang.topologyKey", key, LABEL)
+    return {"size": size, "topologyKey": key}
+
+
 def duration_ms(field: str, text: str | None, ms: int | None, max_ms: int = MAX_DURATION_MS) -> int:
     if text is not None:
         try:
@@ -100,7 +114,7 @@ def duration_ms(field: str, text: str | None, ms: int | None, max_ms: int = MAX_
     return value
 
 
-def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> CreateInput:
+def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None, *, max_gang_size: int = MAX_GANG) -> CreateInput:
     """The normalised request. The start's horizon needs the database's clock: `check_start`."""
     limits = limits or TimeLimits()
     tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
@@ -145,6 +159,9 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None) -> Cr
     if resources is not None:  # absent from requests without it, so their hash is unchanged
         request["resources"] = resources
     metal_request.normalise(raw, request)  # binding "node": its `node`, and what it refuses
+    gang = _gang(raw.get("gang"), max_gang_size)
+    if gang is not None:  # only when asked: the hash of a request without one stays what it was
+        request["gang"] = gang
     return CreateInput(tenant_id, key, wait_ms, request)
 
 
