@@ -59,7 +59,7 @@ def labels_of(world: World, node_ids: list[str], key: str = FABRIC) -> set[str |
 
 def used(world: World) -> int:
     return world.sql("SELECT coalesce(sum(amount), 0) FROM quota_charges WHERE tenant_id = %s"
-                     " AND refunded_at IS NULL", (world.tenant,))[0][0]
+                     " AND refunded_at IS NULL AND resource = 'gpu'", (world.tenant,))[0][0]
 
 
 def test_a_gang_books_size_nodes_of_one_label_value_each_with_all_devices(bare: World) -> None:
@@ -298,4 +298,34 @@ def test_a_pending_gang_is_placed_as_soon_as_a_release_frees_its_room(bare: Worl
     bare.user.res("Release", pb.ReleaseReservationRequest(tenant_id=bare.tenant, reservation_id=blocker.id))
     placed = eventually(bare, waiting.id, lambda x: x.state in ("placed", "binding", "active"))
     assert sorted(a.node_id for a in live(placed)) == sorted(nodes["fab-a"])
+    check_invariants(bare.conninfo, bare.tenant)
+
+
+def test_each_member_books_its_host_resources_and_a_node_that_cannot_give_them_is_left_out(
+        stack, bare: World) -> None:
+    """A gang's `resources` are per member: every member books them on its node in the gang's
+    commit, and a node of the right label value that cannot give them never joins; IAM and quota
+    count them over the whole gang."""
+    server, _ = stack
+    nodes = fleet(bare, {"fab-a": 3})["fab-a"]
+    give = dict(zip(nodes, (64, 64, 8)))  # the third node cannot give 30 vCPUs beside its reserve
+    for node_id, vcpu in give.items():
+        bare.sql("INSERT INTO host_resources (node_id, resource, allocatable) VALUES"
+                 " (%(n)s, 'vcpu', %(v)s), (%(n)s, 'memoryGiB', 512)", {"n": node_id, "v": vcpu})
+        bare.sql("UPDATE nodes SET labels = labels || jsonb_build_object('bc.dev/cap.devices.limits',"
+                 " jsonb_build_object('value', 'true', 'source', 'system')) WHERE id = %s", (node_id,))
+    server.call(server.app.runtime.capacity.barrier())
+    bare.quota(1000, "vcpu")
+    bare.quota(10_000, "memoryGiB")
+    r = gang_create(bare, 2, resources=pb.HostResources(vcpu=30), start=bare.later(1))
+    assert r.state == "placed" and {a.node_id for a in live(r)} == set(nodes[:2])
+    booked = bare.sql("SELECT a.node_id, h.amount FROM host_bookings h JOIN allocations a ON a.id = h.allocation_id"
+                      " WHERE a.reservation_id = %s AND h.resource = 'vcpu'", (r.id,))
+    assert sorted(n for n, _ in booked) == sorted(nodes[:2]) and {int(v) for _, v in booked} == {30}
+    attributes = bare.sql("SELECT attributes FROM authz_projection WHERE reservation_id = %s", (r.id,))[0][0]
+    assert attributes["vcpu"] == 60 and attributes["gangSize"] == 2
+    vcpu_charged = bare.sql("SELECT coalesce(sum(amount), 0) FROM quota_charges WHERE reservation_id = %s"
+                            " AND resource = 'vcpu' AND refunded_at IS NULL", (r.id,))[0][0]
+    share = int(r.host_share.vcpu) if r.HasField("host_share") and r.host_share.HasField("vcpu") else 0
+    assert vcpu_charged == 2 * (30 - share)
     check_invariants(bare.conninfo, bare.tenant)
