@@ -112,7 +112,7 @@ def plan_in(
     fitting: dict[str, list[planner.Plan]] = defaultdict(list)
     busy = pool.touched(window.start_ms, window.end_ms)
     for node in pool.nodes.values():
-        if node.id in exclude or not node.matches(window):
+        if node.id in exclude or not node.matches(window) or not node.host_fits(window):
             continue
         group = label_value(node.labels, gang.key) if gang.key else ""
         if group is None or (within is not None and group != within):
