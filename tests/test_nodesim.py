@@ -745,7 +745,8 @@ def test_unreachable_after_stops_the_session_and_heartbeats_but_keeps_the_holds(
             mine = next(r.allocations[-1].id for r in held if r.allocations[-1].node_id == ids["sim-000"])
             await reports_of(database, mine, "bound")
             fleet.go_unreachable()  # sim-001 has no such fault: only sim-000 goes
-            await rows(database, "SELECT 1 FROM nodes WHERE id = %s AND session_id IS NULL", ids["sim-000"])
+            await rows(database, "SELECT 1 FROM nodes WHERE id = %s AND session_id IS NULL", ids["sim-000"],
+                       timeout=90)  # the gateway notices the silence on its own schedule
             [silent] = await asyncio.to_thread(sql, database, "SELECT last_seen FROM nodes WHERE id = %s",
                                                (ids["sim-000"],))
             # The other node heartbeats on while this one stays silent.
