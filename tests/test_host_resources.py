@@ -271,6 +271,8 @@ def test_the_commit_rereads_the_label_under_the_lock(world: World, server: Serve
     """A daemon downgraded between plan and commit: the guarded insert books nothing."""
     node = host_world(world, server)[0]
     r = world.create(count=1, start=world.later(1))
+    # Its own allocation goes, so the insert below is the reservation's only one on the node.
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
     world.sql("UPDATE nodes SET labels = labels - %s WHERE id = %s", (LIMITS_LABEL, node.id))
     atoms = [a for (a,) in world.sql("SELECT id FROM atoms WHERE node_id = %s AND id NOT IN ("
                                      "SELECT atom_id FROM bookings) ORDER BY id LIMIT 1", (node.id,))]
@@ -307,6 +309,8 @@ def _book(conninfo: str, alloc: str, node_id: str, start: int, end: int, amounts
 def _allocation(world: World, node_id: str) -> str:
     """An allocation row to hang host bookings on (of a reservation of the world's)."""
     rid = world.create(count=1, start=world.later(200)).id
+    # Its own allocation goes, so this one is the reservation's only live one on the node.
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=rid))
     alloc = f"alloc_t{uuid.uuid4().hex[:12]}"
     world.sql("INSERT INTO allocations (id, reservation_id, node_id, device_ids) VALUES (%s, %s, %s, '{}')",
               (alloc, rid, node_id))

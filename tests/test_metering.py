@@ -121,7 +121,10 @@ def test_a_rerun_or_a_second_replica_writes_nothing_twice(v: Vps) -> None:
         await asyncio.gather(*(metering.run_once(rt) for _ in range(3)))
 
     v.server.call(side_by_side())
-    assert ledger(v) == before
+    # Hours that end while this runs (the instance keeps running) may be written meanwhile: the
+    # hours written before are written once, unchanged.
+    last = max(r[2] for r in before)
+    assert [r for r in ledger(v) if r[2] <= last] == before
     assert total(v, "vm.grant.slot.hours") == pytest.approx(6)
 
 
