@@ -153,6 +153,15 @@ GROUP BY a.id, r.request
 HAVING max(upper(b.during)) > compute_now()
 ORDER BY a.id
 """
+# The generation and the assignments in one statement, so in one snapshot: one row per
+# assignment, or one row with a NULL id when there is none (and none when the node is unknown).
+DESIRED_STATE = f"""
+SELECT n.desired_generation, d.*
+FROM nodes n
+LEFT JOIN LATERAL ({DESIRED_ASSIGNMENTS}) d ON true
+WHERE n.id = %(node_id)s
+ORDER BY d.id
+"""
 
 # Node reports ------------------------------------------------------------------------------------
 
