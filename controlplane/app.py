@@ -152,7 +152,8 @@ async def start_app(
     app.tasks.append(asyncio.create_task(leases.run(conninfo, app.stopping), name="placer-lease"))
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
-        app.tasks.append(asyncio.create_task(queue.run(rt, conninfo, app.stopping, WORK_HANDLERS), name="work-queue"))
+        app.tasks.append(asyncio.create_task(queue.run(
+            rt, conninfo, app.stopping, WORK_HANDLERS, concurrency=settings.work_concurrency), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
         app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
         app.tasks.append(asyncio.create_task(hosts.run(rt.pool, settings.host_sync_seconds, app.stopping),

@@ -56,6 +56,9 @@ class Settings:
     db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_DB_POOL_SIZE", "16")))
     # A work item whose handler failed this many times is dead: kept for operators, never retried.
     work_max_attempts: int = field(default_factory=lambda: int(os.environ.get("BC_WORK_MAX_ATTEMPTS", "20")))
+    # Work items handled at once per process, each in its own transaction (the passes of one
+    # reservation still take turns on its row lock); each holds a pool connection while it runs.
+    work_concurrency: int = field(default_factory=lambda: int(os.environ.get("BC_WORK_CONCURRENCY", "8")))
     # Attested bindings (spec P14): only node-signed AllocationBound reports count as bound.
     attested_bindings: bool = field(default_factory=lambda: _bool("BC_ATTESTED_BINDINGS", True))
     # Dev and test only: lets the admin API move compute_now() forward.

@@ -32,6 +32,15 @@ class GatewaySettings:
     # How often the unreachable sweeper looks (and stores what the heartbeats said).
     sweep_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_SWEEP_SECONDS", "5")))
     db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_GATEWAY_DB_POOL_SIZE", "8")))
+    # The largest TLS record a session's connection writes, in bytes (gRPC allows 1024-16384).
+    # Each connection keeps a buffer of this size for its whole life: node sessions carry small
+    # messages, so 4 KiB instead of 16 saves ~7 KiB per session and larger messages still go,
+    # in more records.
+    tls_frame_bytes: int = field(default_factory=lambda: int(os.environ.get("BC_GATEWAY_TLS_FRAME_BYTES", "4096")))
+    # HTTP/2 bandwidth-delay probing: a PING after data received, answered by the node, to grow
+    # the flow-control window for bulk transfers. Sessions carry a heartbeat every few seconds,
+    # never bulk: the probing doubled the gateway's CPU per heartbeat. Off unless set to 1.
+    http2_bdp_probe: bool = field(default_factory=lambda: os.environ.get("BC_GATEWAY_HTTP2_BDP_PROBE", "0") == "1")
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)

@@ -68,7 +68,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     await asyncio.wait_for(hub.listening.wait(), timeout=30)
 
     metrics = GatewayMetrics(lambda: len({s.node_id for s in hub.sessions()}))
-    server = grpc.aio.server(interceptors=[GatewayInterceptor(metrics)])
+    server = grpc.aio.server(interceptors=[GatewayInterceptor(metrics)], options=server_options(settings))
     liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
     runner = SessionRunner(pool, hub, settings.gateway_id, liveness)
     node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
@@ -86,6 +86,15 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
              node_grace_seconds=settings.node_grace_seconds)
     return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks,
                    await serve_metrics(metrics, settings.metrics_listen))
+
+
+def server_options(settings: GatewaySettings) -> list[tuple[str, int]]:
+    """gRPC's per-connection costs, which thousands of idle node sessions multiply
+    (docs/benchmarks-fleet.md): the TLS record buffer, BDP pings, and channelz's bookkeeping of
+    every socket and call (nothing here serves channelz)."""
+    return [("grpc.tsi.max_frame_size", settings.tls_frame_bytes),
+            ("grpc.http2.bdp_probe", int(settings.http2_bdp_probe)),
+            ("grpc.enable_channelz", 0)]
 
 
 def _host(listen: str) -> str:

@@ -654,3 +654,86 @@ def test_python_m_gateway_serves_nodes_as_a_real_process(database: str, pool_id:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+# Per-connection costs (docs/benchmarks-fleet.md) --------------------------------------------
+
+class RecordRelay:
+    """A TCP relay in front of the enrolment port that reads the TLS record headers the gateway
+    sends (5 bytes: type, version, length), as they go by."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.records: list[tuple[int, int]] = []  # (content type, length) from the gateway
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, source: Any, sink: Any, from_gateway: bool) -> None:
+        pending = b""
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+                if from_gateway:
+                    pending += data
+                    while len(pending) >= 5 and len(pending) >= 5 + int.from_bytes(pending[3:5], "big"):
+                        length = int.from_bytes(pending[3:5], "big")
+                        self.records.append((pending[0], length))
+                        pending = pending[5 + length:]
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_gateway_writes_tls_records_no_larger_than_its_frame_size(database: str, pool_id: str) -> None:
+    # Every connection keeps a buffer of the largest record it may write, for its whole life.
+    gw = GatewayThread(database, GatewaySettings(tls_frame_bytes=1024))
+    relay = RecordRelay(gw.enrol_endpoint)
+    try:
+        node = Node(gw)
+        with grpc.secure_channel(relay.endpoint, grpc.ssl_channel_credentials(gw.ca_pem),
+                                 options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
+            response = node_pb2_grpc.NodeGatewayStub(ch).Enrol(
+                pb.EnrolRequest(join_token=join_token(database, pool_id, "gpu-frames"), csr_pem=node.keys.csr()),
+                timeout=10)
+        node.node_id = response.node_id
+        node.certified(response.certificate_pem)
+        application = [length for kind, length in relay.records if kind == 23]  # TLS application data
+        # The answer (two certificates and the CA's, well over 1 KiB) came whole, in several records.
+        assert len(response.certificate_pem) + len(response.ca_certificate_pem) > 2048
+        assert sum(application) > 2048 and max(application) <= 1024
+        # A session over such a connection works as ever.
+        session = node.session()
+        assert session.recv().generation >= 0
+    finally:
+        relay.close()
+        gw.stop()
+
+
+def test_the_gateways_grpc_options_follow_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.server import server_options
+
+    assert dict(server_options(GatewaySettings())) == {
+        "grpc.tsi.max_frame_size": 4096, "grpc.http2.bdp_probe": 0, "grpc.enable_channelz": 0}
+    monkeypatch.setenv("BC_GATEWAY_TLS_FRAME_BYTES", "16384")
+    monkeypatch.setenv("BC_GATEWAY_HTTP2_BDP_PROBE", "1")
+    assert dict(server_options(GatewaySettings())) == {
+        "grpc.tsi.max_frame_size": 16384, "grpc.http2.bdp_probe": 1, "grpc.enable_channelz": 0}

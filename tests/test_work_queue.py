@@ -154,3 +154,38 @@ def test_every_served_kind_can_be_inserted(database: str) -> None:
     for kind in WORK_HANDLERS:
         sql(database, "SELECT schedule_work(%s, 'k-1', compute_now())", (kind,))
     assert sorted(r[0] for r in sql(database, "SELECT kind FROM work_items")) == sorted(WORK_HANDLERS)
+def test_a_process_handles_work_concurrency_items_at_once(database: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A burst of creates queues a pass per reservation: two at a time left placed -> active
+    # seconds behind (docs/benchmarks-fleet.md), so the app runs BC_WORK_CONCURRENCY of them.
+    assert Settings(database_url=database).work_concurrency == 8
+    monkeypatch.setenv("BC_WORK_CONCURRENCY", "5")
+    settings = Settings(database_url=database)
+    assert settings.work_concurrency == 5
+    sql(database, "INSERT INTO work_items (kind, subject, run_at)"
+                  " SELECT 'reservation', 'item-' || g, compute_now() FROM generate_series(1, 5) g")
+    inside: set[str] = set()
+    most = [0]
+
+    async def meet(conn, rt, subject: str) -> None:  # each waits until all five are in, or 20 s pass
+        inside.add(subject)
+        most[0] = max(most[0], len(inside))
+        deadline = time.monotonic() + 20
+        while len(inside) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        pool = await db.open_pool(database, size=8)
+        runner = asyncio.create_task(queue.run(Runtime(pool, settings), database, stop, {KIND: meet},
+                                               concurrency=settings.work_concurrency))
+        try:
+            deadline = time.monotonic() + 60
+            while most[0] < 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await runner
+            await pool.close()
+
+    asyncio.run(run())
+    assert most[0] == 5

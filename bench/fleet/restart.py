@@ -17,8 +17,8 @@ from bench.fleet.measure import mib, rss_kib
 from bench.fleet.options import PROGRESS_SECONDS, say
 from bench.fleet.report import log_count
 from bench.fleet.start import Fleet, Run
-from controlplane import devstack
-from controlplane.dev import _signals_deferred
+from controlplane.devtools import devstack
+from controlplane.devtools.dev import _signals_deferred
 
 GRACE_SECONDS = 30.0  # BC_NODE_GRACE_SECONDS, the gateway's default
 SWEEP_MARGIN = 12.0  # two sweeper rounds (BC_NODE_SWEEP_SECONDS, 5 s) and some

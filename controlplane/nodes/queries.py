@@ -112,10 +112,12 @@ SWEEP_UNREACHABLE = "SELECT sweep_unreachable(%(grace_seconds)s) AS node_id"
 # than the node's slack, so an idle fleet writes a row per node every so often, not per heartbeat.
 # Rows another transaction holds (a desired-state bump, a heartbeat's write) are skipped, not waited
 # for: the next round stores them.
+# The arrays (thousands of nodes every round) go in binary (`%(...)b`): dumping them as text kept
+# the gateway's event loop busy for tens of milliseconds a round, delaying every session.
 REFRESH_SEEN = """
 UPDATE nodes n SET last_seen = now() - make_interval(secs => d.age)
 FROM (SELECT m.id, h.age
-      FROM unnest(%(ids)s::text[], %(ages)s::float8[], %(slack)s::float8[]) AS h(id, age, slack)
+      FROM unnest(%(ids)b::text[], %(ages)b::float8[], %(slack)b::float8[]) AS h(id, age, slack)
       JOIN nodes m ON m.id = h.id
       WHERE m.last_seen IS NULL OR m.last_seen < now() - make_interval(secs => h.age + h.slack)
       ORDER BY m.id
@@ -126,14 +128,14 @@ WHERE n.id = d.id
 # stored time is older than `danger` seconds (none, normally) are stored before the sweep looks.
 REFRESH_IN_DANGER = """
 UPDATE nodes n SET last_seen = now() - make_interval(secs => h.age)
-FROM unnest(%(ids)s::text[], %(ages)s::float8[]) AS h(id, age)
+FROM unnest(%(ids)b::text[], %(ages)b::float8[]) AS h(id, age)
 WHERE n.id = h.id AND n.last_seen < now() - make_interval(secs => GREATEST(h.age, %(danger)s))
 """
 # Nodes heard within the grace that someone else marked otherwise (an operator, another gateway):
 # connected again, as a heartbeat would make them.
 RECONNECT_HEARD = """
 SELECT id, node_seen(id) AS changed FROM nodes
-WHERE id = ANY(%(ids)s::text[]) AND connectivity <> 'connected'
+WHERE id = ANY(%(ids)b::text[]) AND connectivity <> 'connected'
 ORDER BY id
 """
 SET_APPLIED_GENERATION_SEEN = """
@@ -149,7 +151,6 @@ SELECT bump_desired(node_id) FROM (
     SELECT DISTINCT node_id FROM allocations
     WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')) live
 """
-DESIRED_GENERATION = "SELECT desired_generation FROM nodes WHERE id = %(node_id)s"
 DESIRED_ASSIGNMENTS = """
 SELECT a.id, a.device_ids, a.limits, r.request->>'binding' AS binding,
        r.request->'devices'->0->>'class' AS device_class,
@@ -163,6 +164,15 @@ WHERE a.node_id = %(node_id)s AND a.state IN ('binding', 'bound')
 GROUP BY a.id, r.request, d.allocation_id
 HAVING max(upper(b.during)) > compute_now()
 ORDER BY a.id
+"""
+# The generation and the assignments in one statement, so in one snapshot: one row per
+# assignment, or one row with a NULL id when there is none (and none when the node is unknown).
+DESIRED_STATE = f"""
+SELECT n.desired_generation, d.*
+FROM nodes n
+LEFT JOIN LATERAL ({DESIRED_ASSIGNMENTS}) d ON true
+WHERE n.id = %(node_id)s
+ORDER BY d.id
 """
 
 # Node reports ------------------------------------------------------------------------------------
