@@ -154,6 +154,8 @@ def test_every_served_kind_can_be_inserted(database: str) -> None:
     for kind in WORK_HANDLERS:
         sql(database, "SELECT schedule_work(%s, 'k-1', compute_now())", (kind,))
     assert sorted(r[0] for r in sql(database, "SELECT kind FROM work_items")) == sorted(WORK_HANDLERS)
+
+
 def test_a_process_handles_work_concurrency_items_at_once(database: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A burst of creates queues a pass per reservation: two at a time left placed -> active
     # seconds behind (docs/benchmarks-fleet.md), so the app runs BC_WORK_CONCURRENCY of them.
