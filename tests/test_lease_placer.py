@@ -259,6 +259,8 @@ def test_a_batch_books_host_resources_through_the_guarded_statement(world: World
     assert eventually(world, third.id, lambda x: x.state != "queued").state == "pending"
     assert host_bookings(world, third.id) == {}
     check_invariants(world.conninfo, world.tenant)
+
+
 def test_a_batch_whose_lease_was_taken_over_meanwhile_commits_nothing(stack: tuple[ServerThread, Client]) -> None:
     """The fencing check: a batch planned under epoch N whose lease moved to epoch N+1 before its
     last statement rolls back whole. The batch is held inside its insert (an uncommitted booking
