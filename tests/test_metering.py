@@ -228,3 +228,15 @@ def test_the_usage_api_reads_the_tenants_ledger_by_meter_pool_and_hours(v: Vps) 
         v.usage()
     assert rpc_error(exc)[1] == "ACCESS_DENIED"
     other.close()
+
+
+@pytest.mark.parametrize("bounds, field", [
+    ({"from": -1}, "from"), ({"from": 2**63 - 1}, "from"), ({"from": 10, "to": 10}, "to"),
+    ({"from": 0, "to": 2**63 - 1}, "to"),
+])
+def test_the_usage_api_refuses_hours_out_of_range(v: Vps, bounds: dict, field: str) -> None:
+    """Absurd hour bounds are INVALID_INPUT naming the field, never an error from the database."""
+    with pytest.raises(grpc.RpcError) as exc:
+        v.usage(**bounds)
+    code, reason, details = rpc_error(exc)
+    assert (reason, details["field"]) == ("INVALID_INPUT", field)

@@ -120,6 +120,9 @@ async def run(rt: Runtime, stop: asyncio.Event) -> None:
             pass
 
 
+LAST_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: later hours are no hours of a ledger
+
+
 async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[str, Any]]:
     """The tenant's ledger rows by meter (exact, or a prefix ending in "."), pool and hour range."""
     tenant_id = raw.get("tenant_id", "")
@@ -128,11 +131,11 @@ async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[s
     if pool_id:
         match("poolId", pool_id, POOL_ID)
     from_ms = raw.get("from") or 0
-    if from_ms < 0:
-        raise errors.InvalidInput("from", "must be at least 0")
+    if not 0 <= from_ms <= LAST_EPOCH_MS:
+        raise errors.InvalidInput("from", f"must be epoch ms from 0 to {LAST_EPOCH_MS}")
     to_ms = raw.get("to")
-    if to_ms is not None and to_ms <= from_ms:
-        raise errors.InvalidInput("to", "must be after from")
+    if to_ms is not None and not from_ms < to_ms <= LAST_EPOCH_MS:
+        raise errors.InvalidInput("to", f"must be after from and at most {LAST_EPOCH_MS}")
     await access.on_tenant(rt, caller, tenant_id, access.USAGE_READ)
     async with db.read_only(rt.pool) as conn:
         if to_ms is None:
