@@ -87,7 +87,15 @@ def _policy(raw: dict[str, Any], max_replicas: int = 64, default_placer: str = "
         raise errors.InvalidInput("policy.placer", f"must be one of {sorted(lease.PLACERS)}")
     return {"sharing": _sharing(raw.get("sharing") or {}, max_replicas),
             "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root")),
-            "placer": placer, **_host_policy(raw)}
+            "placer": placer, **_host_policy(raw), **_spot_policy(raw)}
+
+
+def _spot_policy(raw: dict[str, Any]) -> dict[str, Any]:
+    """policy.spot {noticeSeconds}: kept only when set (0 or unset: the default notice)."""
+    notice = int(raw.get("spot_notice_seconds") or 0)
+    if not 0 <= notice <= 86_400:
+        raise errors.InvalidInput("policy.spotNoticeSeconds", "must be 0 (the default, 30) to 86400")
+    return {"spot": {"noticeSeconds": notice}} if notice else {}
 
 
 def _host_policy(raw: dict[str, Any]) -> dict[str, Any]:
