@@ -201,3 +201,19 @@ def test_a_gang_preempts_on_several_nodes_in_one_notice(bare: World) -> None:
         assert released.state == "released" and not charged(bare, s.id)
     assert charged(bare, g.id) and charged(bare, regular.id)
     check_invariants(bare.conninfo, bare.tenant)
+
+
+def test_a_lease_pool_falls_back_to_inline_placement_to_preempt(bare: World) -> None:
+    pool = bare.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=bare.tenant, name="lease", region="eu-1",
+        policy=apb.PoolPolicy(placer="lease", spot_notice_seconds=NOTICE_S)))
+    bare.pool_id = pool.id
+    node(bare)
+    bare.wait_ms = 20_000
+    spot = bare.create(count=8, spot=True, duration="8h")
+    assert spot.state == "placed"
+    r = eventually(bare, bare.create(count=8, duration="1h").id, lambda x: x.state == "placed", seconds=15)
+    assert booked_atoms(bare, r.id) == booked_atoms(bare, spot.id)
+    assert [d["by"] for d in events_of(bare, spot.id, "reservation.preempting")] == [r.id]
+    types = [t for (t,) in bare.sql("SELECT type FROM events WHERE subject = %s ORDER BY id", (f"reservation/{r.id}",))]
+    assert types == ["reservation.queued", "reservation.pending", "reservation.placed"]

@@ -28,6 +28,12 @@ from controlplane.runtime import Runtime
 PREEMPTING = "Preempting"
 
 POOL_POLICY = "SELECT policy FROM pools WHERE id = %(pool_id)s"
+# The pending worker places inline, where preemption is: woken when the pool has spot work to take.
+WAKE_IF_SPOT = """
+SELECT pg_notify('bc_pool_freed', %(pool_id)s)
+WHERE EXISTS (SELECT 1 FROM reservations WHERE pool_id = %(pool_id)s AND state IN ('placed', 'binding', 'active')
+              AND request @> '{"spot": true}')
+"""
 LOCK_VICTIMS = """
 SELECT id, tenant_id, pool_id, state, conditions FROM reservations
 WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE
@@ -83,6 +89,13 @@ async def notify(conn: AsyncConnection, victim: dict[str, Any], by: str, cut_ms:
     await desired.bump_live_of(conn, victim["id"])
     await schedule.at(conn, victim["id"], cut_ms)
     await events.emit_reservation(conn, victim, "reservation.preempting", by=by, noticeUntil=cut_ms)
+
+
+async def fall_back_inline(conn: AsyncConnection, pool_id: str, pending: list[dict[str, Any]]) -> None:
+    """The lease batch left these rows pending: when one is regular and the pool has spot work, the
+    pending worker retries them inline at once (after this commit), which may preempt."""
+    if any(not is_spot(r["request"]) for r in pending):
+        await conn.execute(WAKE_IF_SPOT, {"pool_id": pool_id})
 
 
 def notice_of(row: dict[str, Any]) -> dict[str, Any] | None:
