@@ -14,6 +14,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
 from tests.support import World, clock_now, eventually, get, gpus, make_world, rpc_error
+from tests.test_cli import cli  # noqa: F401 (fixture)
 
 FABRIC = "fabric.domain"
 NOTICE_S = 2
@@ -217,3 +218,22 @@ def test_a_lease_pool_falls_back_to_inline_placement_to_preempt(bare: World) -> 
     assert [d["by"] for d in events_of(bare, spot.id, "reservation.preempting")] == [r.id]
     types = [t for (t,) in bare.sql("SELECT type FROM events WHERE subject = %s ORDER BY id", (f"reservation/{r.id}",))]
     assert types == ["reservation.queued", "reservation.pending", "reservation.placed"]
+
+
+def test_reserve_spot_on_the_cli(cli, world: World) -> None:  # noqa: F811
+    out = cli("reserve", "--gpus", "1", "--spot").json
+    assert out["spot"] is True and out["request"]["spot"] is True and out["state"] == "placed"
+    assert "spot" not in cli("reserve", "--gpus", "1").json  # false is not printed in JSON
+
+
+def test_a_spot_gang_on_two_nodes_counts_as_one_victim(bare: World) -> None:
+    a_nodes = [node(bare, "fab-a"), node(bare, "fab-a")]
+    spot_gang = bare.create(count=8, spot=True, gang=pb.Gang(size=2, topology_key=FABRIC), duration="8h")
+    assert spot_gang.state == "placed"
+    b_nodes = [node(bare, "fab-b"), node(bare, "fab-b")]
+    singles = [bare.create(count=8, spot=True, duration="8h") for _ in range(2)]
+    assert {get(bare, s.id).allocations[0].node_id for s in singles} == set(b_nodes)
+    g = bare.create(count=8, gang=pb.Gang(size=2, topology_key=FABRIC), duration="1h")
+    assert g.state == "placed" and {a.node_id for a in g.allocations} == set(a_nodes)  # one victim, not two
+    assert [d["by"] for d in events_of(bare, spot_gang.id, "reservation.preempting")] == [g.id]
+    assert not any(events_of(bare, s.id, "reservation.preempting") for s in singles)
