@@ -12,6 +12,8 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.placement import preempt
+from controlplane.placement.index import Atom, Node, PoolIndex, Window
 from tests.invariants import check_invariants
 from tests.support import World, clock_now, eventually, get, gpus, make_world, rpc_error
 from tests.test_cli import cli  # noqa: F401 (fixture)
@@ -248,3 +250,39 @@ def test_a_spot_gang_on_two_nodes_counts_as_one_victim(bare: World) -> None:
     assert g.state == "placed" and {a.node_id for a in g.allocations} == set(a_nodes)  # one victim, not two
     assert [d["by"] for d in events_of(bare, spot_gang.id, "reservation.preempting")] == [g.id]
     assert not any(events_of(bare, s.id, "reservation.preempting") for s in singles)
+
+
+def _node_with(bookings: dict[str, list[tuple[int, int]]]) -> Node:
+    n = Node("node-1", "pool-1", "n1", {}, frozenset(), "ready", "connected")
+    for i in range(4):
+        atom_id = f"a{i}"
+        n.atoms[atom_id] = Atom(atom_id, n.id, "gpu", f"GPU-{i}", "H100", 0, "d0", True, True,
+                                intervals=sorted(bookings.get(atom_id, [])))
+    return n
+
+
+def test_the_victim_search_takes_the_smallest_set_and_never_a_regular_booking() -> None:
+    span = (0, 10_000)
+    node_ = _node_with({"a0": [span], "a1": [span], "a2": [span], "a3": [span]})
+    pool = PoolIndex("pool-1")
+    pool.put(node_)
+
+    def held(*atoms: str) -> preempt.Held:
+        h = preempt.Held()
+        for a in atoms:
+            h.atoms[a].add(span)
+        return h
+
+    spots = {"A": held("a0", "a1"), "B": held("a2"), "C": held("a3")}
+
+    def window(count: int) -> Window:
+        return Window(count, "any", "", {}, 1_000, 2_000)
+
+    victims, plan = preempt.cheapest(pool, node_, window(2), spots, limit=256)
+    assert victims == ("A",) and sorted(plan.atom_ids) == ["a0", "a1"]
+    victims, plan = preempt.cheapest(pool, node_, window(3), spots, limit=256)
+    assert sorted(victims) == ["A", "B"] and sorted(plan.atom_ids) == ["a0", "a1", "a2"]
+    assert preempt.cheapest(pool, node_, window(2), spots, limit=1) is None  # only the empty set tried
+    without_c = {"A": spots["A"], "B": spots["B"]}  # a3 is booked by a regular reservation
+    assert preempt.cheapest(pool, node_, window(4), without_c, limit=256) is None
+    assert preempt.choose_one(pool, window(1), {node_.id: spots}, 256)[0] == ["B"]  # one GPU taken, not two

@@ -170,9 +170,11 @@ def cheapest(
     pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], limit: int
 ) -> tuple[tuple[str, ...], planner.Plan] | None:
     """The smallest set of the node's spot reservations whose removal lets the window fit there
-    (the empty set when it fits as it is), with the plan; None past `limit` sets tried."""
+    (the empty set when it fits as it is), with the plan; None past `limit` sets tried. Among sets
+    of one size, those holding fewer bookings are tried first."""
     tried = 0
-    names = sorted(held)
+    # The smallest holdings first: among sets of one size, the first that fits takes the least.
+    names = sorted(held, key=lambda v: (sum(len(i) for i in held[v].atoms.values()), v))
     for k in range(len(names) + 1):
         for combo in itertools.combinations(names, k):
             tried += 1
