@@ -13,6 +13,7 @@ import pytest
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.placement import preempt
+from controlplane.reservations import preemption
 from controlplane.placement.index import Atom, Node, PoolIndex, Window
 from tests.invariants import check_invariants
 from tests.support import World, clock_now, eventually, get, gpus, make_world, rpc_error
@@ -286,3 +287,15 @@ def test_the_victim_search_takes_the_smallest_set_and_never_a_regular_booking() 
     without_c = {"A": spots["A"], "B": spots["B"]}  # a3 is booked by a regular reservation
     assert preempt.cheapest(pool, node_, window(4), without_c, limit=256) is None
     assert preempt.choose_one(pool, window(1), {node_.id: spots}, 256)[0] == ["B"]  # one GPU taken, not two
+
+
+def test_the_spot_lookups_can_use_the_partial_index(bare: World) -> None:
+    """The queries' predicates imply the index's (migration 0025), so PostgreSQL may use it."""
+    import psycopg
+
+    with psycopg.connect(bare.conninfo, autocommit=True) as conn:
+        conn.execute("SET enable_seqscan = off")
+        params = {"pool_id": bare.pool_id, "cut": 0, "end": 1, "ids": []}
+        for query in (preempt.SPOT_BOOKINGS, preemption.WAKE_IF_SPOT):
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query, params).fetchall())
+            assert "reservations_spot_live" in plan, plan
