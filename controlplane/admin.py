@@ -81,13 +81,22 @@ def _sharing(raw: dict[str, Any], max_replicas: int) -> dict[str, Any]:
     return {"mode": mode, "replicas": replicas}
 
 
-def _policy(raw: dict[str, Any], max_replicas: int = 64, default_placer: str = "inline") -> dict[str, Any]:
+def _policy(raw: dict[str, Any], max_replicas: int = 64, default_placer: str = "inline",
+            max_notice_s: int = 86_400) -> dict[str, Any]:
     placer = raw.get("placer") or default_placer
     if placer not in lease.PLACERS:
         raise errors.InvalidInput("policy.placer", f"must be one of {sorted(lease.PLACERS)}")
     return {"sharing": _sharing(raw.get("sharing") or {}, max_replicas),
             "kubernetes": bool(raw.get("kubernetes")), "tenantRoot": bool(raw.get("tenant_root")),
-            "placer": placer, **_host_policy(raw)}
+            "placer": placer, **_host_policy(raw), **_spot_policy(raw, max_notice_s)}
+
+
+def _spot_policy(raw: dict[str, Any], max_notice_s: int) -> dict[str, Any]:
+    """policy.spot {noticeSeconds}: kept only when set (0 or unset: the default notice)."""
+    notice = int(raw.get("spot_notice_seconds") or 0)
+    if not 0 <= notice <= max_notice_s:
+        raise errors.InvalidInput("policy.spotNoticeSeconds", f"must be 0 (the default, 30) to {max_notice_s}")
+    return {"spot": {"noticeSeconds": notice}} if notice else {}
 
 
 def _host_policy(raw: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +123,8 @@ def _host_policy(raw: dict[str, Any]) -> dict[str, Any]:
 async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     owner = match("ownerTenantId", raw.get("owner_tenant_id", ""), TENANT_ID)
     name = match("name", raw.get("name", ""), NODE_NAME)
-    policy = _policy(raw.get("policy") or {}, rt.settings.max_sharing_replicas, rt.settings.default_placer)
+    policy = _policy(raw.get("policy") or {}, rt.settings.max_sharing_replicas, rt.settings.default_placer,
+                     rt.settings.max_spot_notice_seconds)
     pool_id = new_id("pool")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:

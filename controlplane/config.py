@@ -36,6 +36,11 @@ class Settings:
         default_factory=lambda: int(os.environ.get("BC_PLACEMENT_SHORTLIST", "24"))
     )
     placement_max_attempts: int = 5
+    # Preemption: the most victim sets tried per node when a regular reservation looks for the
+    # fewest spot reservations to preempt there (sets of one victim first, then two, ...).
+    preempt_max_sets_per_node: int = field(default_factory=lambda: _int("BC_PREEMPT_MAX_SETS_PER_NODE", 256))
+    # A pool's policy.spotNoticeSeconds, at most this (INVALID_INPUT policy.spotNoticeSeconds beyond).
+    max_spot_notice_seconds: int = field(default_factory=lambda: _int("BC_MAX_SPOT_NOTICE_SECONDS", 86_400))
     # The most nodes one gang reservation may ask for (the spec's range is 2 to 64).
     max_gang_size: int = field(default_factory=lambda: _int("BC_MAX_GANG_SIZE", 64))
     # Parsed Cedar policy sets kept per process (one per tenant and policy version).

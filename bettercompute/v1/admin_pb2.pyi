@@ -355,12 +355,15 @@ class PoolPolicy(_message.Message):
     PLACER_FIELD_NUMBER: _builtins.int
     PER_GPU_FIELD_NUMBER: _builtins.int
     HOST_RESERVE_FIELD_NUMBER: _builtins.int
+    SPOT_NOTICE_SECONDS_FIELD_NUMBER: _builtins.int
     kubernetes: _builtins.bool
     tenant_root: _builtins.bool
     placer: _builtins.str
     """Which placer places the pool's creates: "inline" (inside the create's transaction) or
     "lease" (the pool's lease holder, in batches; create answers queued). Empty: the default.
     """
+    spot_notice_seconds: _builtins.int
+    """Seconds a preempted spot reservation keeps its devices after the notice; unset or 0: 30."""
     @_builtins.property
     def sharing(self) -> Global___SharingPolicy: ...
     @_builtins.property
@@ -382,10 +385,11 @@ class PoolPolicy(_message.Message):
         placer: _builtins.str = ...,
         per_gpu: Global___PerGpuShare | None = ...,
         host_reserve: Global___HostReserve | None = ...,
+        spot_notice_seconds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["host_reserve", b"host_reserve", "per_gpu", b"per_gpu", "sharing", b"sharing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_reserve", b"host_reserve", "kubernetes", b"kubernetes", "per_gpu", b"per_gpu", "placer", b"placer", "sharing", b"sharing", "tenant_root", b"tenant_root"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_reserve", b"host_reserve", "kubernetes", b"kubernetes", "per_gpu", b"per_gpu", "placer", b"placer", "sharing", b"sharing", "spot_notice_seconds", b"spot_notice_seconds", "tenant_root", b"tenant_root"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -118,6 +118,7 @@ class CreateReservationRequest(_message.Message):
     GANG_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    SPOT_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     pool_id: _builtins.str
     duration: _builtins.str
@@ -129,6 +130,10 @@ class CreateReservationRequest(_message.Message):
     """
     idempotency_key: _builtins.str
     lease_seconds: _builtins.int
+    spot: _builtins.bool
+    """Spot: placed like any other, but a regular reservation that does not fit otherwise may
+    preempt it after the pool's notice (policy spot.noticeSeconds). Not for binding "node".
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceRequest]: ...
     @_builtins.property
@@ -168,10 +173,11 @@ class CreateReservationRequest(_message.Message):
         gang: Global___Gang | None = ...,
         resources: Global___HostResources | None = ...,
         node: Global___NodeLease | None = ...,
+        spot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "spot", b"spot", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
@@ -527,12 +533,14 @@ class StoredRequest(_message.Message):
     GANG_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    SPOT_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     duration: _builtins.str
     """Milliseconds with an "ms" suffix, e.g. "28800000ms"."""
     binding: _builtins.str
     start: _builtins.int
     lease_seconds: _builtins.int
+    spot: _builtins.bool
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceRequest]: ...
     @_builtins.property
@@ -558,10 +566,11 @@ class StoredRequest(_message.Message):
         gang: Global___Gang | None = ...,
         resources: Global___HostResources | None = ...,
         node: Global___NodeLease | None = ...,
+        spot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "spot", b"spot", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
@@ -738,6 +747,7 @@ class Reservation(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     HOST_SHARE_FIELD_NUMBER: _builtins.int
+    SPOT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant_id: _builtins.str
     pool_id: _builtins.str
@@ -748,6 +758,8 @@ class Reservation(_message.Message):
     lease_deadline: _builtins.int
     created_at: _builtins.int
     updated_at: _builtins.int
+    spot: _builtins.bool
+    """Created with spot: true (preemptible)."""
     @_builtins.property
     def request(self) -> Global___StoredRequest: ...
     @_builtins.property
@@ -784,10 +796,11 @@ class Reservation(_message.Message):
         created_at: _builtins.int = ...,
         updated_at: _builtins.int = ...,
         host_share: Global___HostResources | None = ...,
+        spot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "binding", b"binding", "during", b"during", "host_share", b"host_share", "lease_deadline", b"lease_deadline", "operation", b"operation", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "allocations", b"allocations", "binding", b"binding", "conditions", b"conditions", "created_at", b"created_at", "during", b"during", "host_share", b"host_share", "id", b"id", "idempotency_key", b"idempotency_key", "lease_deadline", b"lease_deadline", "operation", b"operation", "owner_identity_id", b"owner_identity_id", "pool_id", b"pool_id", "request", b"request", "state", b"state", "tenant_id", b"tenant_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline", "allocations", b"allocations", "binding", b"binding", "conditions", b"conditions", "created_at", b"created_at", "during", b"during", "host_share", b"host_share", "id", b"id", "idempotency_key", b"idempotency_key", "lease_deadline", b"lease_deadline", "operation", b"operation", "owner_identity_id", b"owner_identity_id", "pool_id", b"pool_id", "request", b"request", "spot", b"spot", "state", b"state", "tenant_id", b"tenant_id", "updated_at", b"updated_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_deadline: _TypeAlias = _typing.Literal["lease_deadline"]  # noqa: Y015
     _WhichOneofArgType__lease_deadline: _TypeAlias = _typing.Literal["_lease_deadline", b"_lease_deadline"]  # noqa: Y015

@@ -29,6 +29,7 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "resources": host_resources_input(m.resources) if m.HasField("resources") else None,
         "node": _node_lease(m.node) if m.HasField("node") else None,
         "gang": {"size": m.gang.size, "topology_key": m.gang.topology_key} if m.HasField("gang") else None,
+        "spot": m.spot,
     }
 
 
@@ -84,6 +85,7 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             node=_stored_node_lease(request.get("node")),
             gang=pb.Gang(size=request["gang"]["size"], topology_key=request["gang"]["topologyKey"])
             if request.get("gang") else None,
+            spot=bool(request.get("spot")),
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],
@@ -97,6 +99,7 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
         lease_deadline=row.get("lease_deadline_ms"),
         created_at=row["created_ms"],
         updated_at=row["updated_ms"],
+        spot=bool(request.get("spot")),
     )
     if row.get("host_share") is not None:
         out.host_share.CopyFrom(resources_message(row["host_share"]))
@@ -147,6 +150,7 @@ def pool(row: dict[str, Any]) -> admin_pb2.Pool:
             if policy.get("perGpu") else None,
             host_reserve=admin_pb2.HostReserve(vcpu=policy["hostReserve"].get("vcpu"))
             if policy.get("hostReserve") else None,
+            spot_notice_seconds=(policy.get("spot") or {}).get("noticeSeconds", 0),
         ),
         offered_to=row["offered_to"],
     )

@@ -42,6 +42,7 @@ def reserve_request(
     node_profile: str | None = None,
     gang: int | None = None,
     topology_key: str = "",
+    spot: bool = False,
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -53,6 +54,7 @@ def reserve_request(
         duration=duration,
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
         binding="kubernetes" if kubernetes else "",
+        spot=spot,
     )
     if cpus is not None or memory_gib is not None:  # sent as resources; unset ones take the pool's share
         request.resources.CopyFrom(pb.HostResources(vcpu=cpus, memory_gib=memory_gib))
@@ -113,7 +115,7 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
         device_class=args.device_class, profile=args.profile,
         cpus=args.cpus, memory_gib=args.memory,
         node_profile=args.node_profile,
-        gang=args.gang, topology_key=args.topology_key,
+        gang=args.gang, topology_key=args.topology_key, spot=args.spot,
     )
     return create_and_wait(client, request, args.wait, on_state)
 

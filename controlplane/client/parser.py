@@ -68,6 +68,8 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--lease", help="a renewable lease such as 10m (see `renew`)")
     p.add_argument("--kubernetes", action="store_true",
                    help="binding kubernetes: the node's kubelet gets the GPUs (an owned pool with policy.kubernetes)")
+    p.add_argument("--spot", action="store_true",
+                   help="spot: a regular reservation that needs the GPUs may take them after the pool's notice")
     p.add_argument("--cpus", type=_bounded("--cpus", 0, 4096), metavar="N",
                    help="host CPUs per node, 0 to 4096 (default: the pool's per-GPU share)")
     p.add_argument("--memory", type=_bounded("--memory", 0, 65536), metavar="GIB",

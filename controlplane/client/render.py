@@ -134,6 +134,8 @@ def _reservation_rows(r: pb.Reservation) -> list[tuple[str, Any]]:
     if r.request.HasField("gang"):
         key = r.request.gang.topology_key
         rows.append(("gang", f"{r.request.gang.size} nodes" + (f" sharing one {key}" if key else "")))
+    if r.spot:
+        rows.append(("spot", "yes: preemptible after the pool's notice"))
     if r.during.end:
         rows.append(("window", _window(r.during)))
     else:

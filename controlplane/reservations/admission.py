@@ -202,7 +202,7 @@ def _attributes(row: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
         "durationHours": math.ceil(request["durationMs"] / 3_600_000),
         "durationMs": request["durationMs"],
         "binding": request["binding"],
-        "spot": False,
+        "spot": bool(request.get("spot")),
         "hasStart": request.get("start") is not None,
         "start": request.get("start") or 0,
         "leaseSeconds": request.get("leaseSeconds") or 0,

@@ -19,7 +19,7 @@ from controlplane.nodes.inventory import CAP_PREFIX, SYSTEM
 from controlplane.metal import is_node_lease
 from controlplane.metal import placement as whole_machines
 from controlplane.placement import gang, placer
-from controlplane.reservations import kubernetes, queries, schedule, states
+from controlplane.reservations import kubernetes, preemption, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
 
@@ -164,6 +164,10 @@ async def place_locked(
         placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
                                         index=rt.capacity)
         node_ids, why = ([placement.node_id] if placement else []), ""
+    if not node_ids:  # a regular reservation may take spot bookings, from the end of a notice
+        taken = await preemption.place(conn, rt, row, ask, now_ms)
+        if taken is not None:
+            ask, node_ids = taken.ask, taken.node_ids
     if not node_ids:
         reason = why or await explain(conn, row, ask)
         if row["state"] == states.PENDING:

@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 from controlplane.common.locks import pool_lock_key
 from controlplane.placement import batch as batches
 from controlplane.placement import placer
-from controlplane.reservations import placing, queries, schedule, states
+from controlplane.reservations import placing, preemption, queries, schedule, states
 from controlplane.reservations.transitions import condition
 from controlplane.runtime import Runtime
 
@@ -120,6 +120,7 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str, epoc
     moves: dict[str, list[Any]] = {k: [] for k in (
         "ids", "states", "conditions", "starts", "ends", "leases", "types", "data", "wake_ids", "wake_at")}
     placed = 0
+    pending: list[dict[str, Any]] = []
     for row, member in zip(rows, batch.members):
         ask, placement = member.ask, member.placement
         moves["ids"].append(row["id"])
@@ -134,10 +135,12 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str, epoc
                 moves["wake_ids"].append(row["id"])
                 moves["wake_at"].append(moment)
         else:
+            pending.append(row)
             reason = await placer.explain(conn, ask)
             data = {"state": states.PENDING, "poolId": pool_id, "reason": reason}
             _append(moves, states.PENDING, [condition("Unschedulable", "NoFit", reason, now_ms)],
                     None, None, None, "reservation.pending", data)
+    await preemption.fall_back_inline(conn, pool_id, pending)
     result = await (await conn.execute(queries.MOVE_BATCH, {
         **fence, **{k: v for k, v in moves.items()},
     })).fetchone()

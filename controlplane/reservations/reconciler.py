@@ -16,7 +16,7 @@ from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import lifecycle as node_lease
-from controlplane.reservations import binding, queries, repair, schedule, states
+from controlplane.reservations import binding, preemption, queries, repair, schedule, states
 from controlplane.reservations.lifecycle import free_capacity
 from controlplane.reservations.transitions import expire_confirmation, move
 from controlplane.runtime import Runtime
@@ -55,7 +55,7 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
         await end(conn, row, "lease-lapsed")
         return
     if now_ms >= row["during_end"]:
-        await end(conn, row, "expired")
+        await end(conn, row, "preempted" if preemption.notice_of(row) else "expired")
         return
     if is_node_lease(row["request"]):  # from its start the node is metal's (controlplane.metal)
         await node_lease.reconcile(conn, rt, row, now_ms, may_place=may_place)
@@ -82,4 +82,8 @@ async def end(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     await free_capacity(conn, row)
     await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
     await events.emit_reservation(conn, row, "reservation.released", reason=reason)
+    notice = preemption.notice_of(row) if reason == "preempted" else None
+    if notice is not None:
+        await events.emit_reservation(conn, row, "reservation.preempted", by=notice.get("by"),
+                                      noticeUntil=notice.get("noticeUntil"))
 

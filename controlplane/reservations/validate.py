@@ -162,6 +162,8 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None, *, ma
     gang = _gang(raw.get("gang"), max_gang_size)
     if gang is not None:  # only when asked: the hash of a request without one stays what it was
         request["gang"] = gang
+    if raw.get("spot"):  # only when asked: the hash of a regular request stays what it was
+        request["spot"] = True
     return CreateInput(tenant_id, key, wait_ms, request)
 
 
