@@ -290,7 +290,7 @@ def test_the_victim_search_takes_the_smallest_set_and_never_a_regular_booking() 
 
 
 def test_the_spot_lookups_can_use_the_partial_index(bare: World) -> None:
-    """The queries' predicates imply the index's (migration 0025), so PostgreSQL may use it."""
+    """The queries' predicates imply the index's (migration 0026), so PostgreSQL may use it."""
     import psycopg
 
     with psycopg.connect(bare.conninfo, autocommit=True) as conn:
