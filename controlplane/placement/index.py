@@ -137,30 +137,53 @@ class PoolIndex:
     def put(self, node: Node) -> None:
         """Replace what the index knows of `node` (all of it: facts, atoms, intervals)."""
         self.remove(node.id)
-        self.nodes[node.id] = node
+        self._hold(node)
         for entry in node.bookings():
-            if entry[1] - entry[0] > LONG_MS:
-                self._long.add(entry)
-            else:
-                bisect.insort(self._touching, entry)
-        for atom in node.atoms.values():
-            if atom.kind == GPU:
-                self._models[atom.model] += 1
-        usable = len(node.usable(""))
-        self._classes[usable][node.id] = None
-        self._class_of[node.id] = usable
+            self._add_entry(entry)
+
+    def load(self, nodes: Iterable[Node]) -> None:
+        """Put many nodes at once: their bookings sorted in once, not inserted one by one."""
+        short: list[tuple[int, int, str, str]] = []
+        for node in nodes:
+            self.remove(node.id)
+            self._hold(node)
+            for entry in node.bookings():
+                if entry[1] - entry[0] > LONG_MS:
+                    self._long.add(entry)
+                else:
+                    short.append(entry)
+        self._touching = sorted(self._touching + short) if self._touching else sorted(short)
+
+    def book(self, node_id: str, atom_id: str, start: int, end: int) -> bool:
+        """One booked interval more for an atom (a delta; one already there stays once). False when
+        the index does not hold the atom."""
+        atom = self._atom(node_id, atom_id)
+        if atom is None:
+            return False
+        i = bisect.bisect_left(atom.intervals, (start, end))
+        if i == len(atom.intervals) or atom.intervals[i] != (start, end):
+            atom.intervals.insert(i, (start, end))
+            self._add_entry((start, end, node_id, atom_id))
+        return True
+
+    def unbook(self, node_id: str, atom_id: str, start: int, end: int) -> bool:
+        """One booked interval less (a delta; one not there: nothing). False when the index does
+        not hold the atom."""
+        atom = self._atom(node_id, atom_id)
+        if atom is None:
+            return False
+        i = bisect.bisect_left(atom.intervals, (start, end))
+        if i < len(atom.intervals) and atom.intervals[i] == (start, end):
+            del atom.intervals[i]
+            self._drop_entry((start, end, node_id, atom_id))
+        return True
 
     def remove(self, node_id: str) -> None:
         old = self.nodes.pop(node_id, None)
         if old is None:
             return
         for entry in old.bookings():
-            if entry in self._long:
-                self._long.discard(entry)
-                continue
-            i = bisect.bisect_left(self._touching, entry)
-            if i < len(self._touching) and self._touching[i] == entry:
-                del self._touching[i]
+            self._drop_entry(entry)
         for atom in old.atoms.values():
             if atom.kind == GPU:
                 self._models[atom.model] -= 1
@@ -168,6 +191,33 @@ class PoolIndex:
                     del self._models[atom.model]
         usable = self._class_of.pop(node_id)
         self._classes[usable].pop(node_id, None)
+
+    def _hold(self, node: Node) -> None:
+        self.nodes[node.id] = node
+        for atom in node.atoms.values():
+            if atom.kind == GPU:
+                self._models[atom.model] += 1
+        usable = len(node.usable(""))
+        self._classes[usable][node.id] = None
+        self._class_of[node.id] = usable
+
+    def _atom(self, node_id: str, atom_id: str) -> Atom | None:
+        node = self.nodes.get(node_id)
+        return node.atoms.get(atom_id) if node is not None else None
+
+    def _add_entry(self, entry: tuple[int, int, str, str]) -> None:
+        if entry[1] - entry[0] > LONG_MS:
+            self._long.add(entry)
+        else:
+            bisect.insort(self._touching, entry)
+
+    def _drop_entry(self, entry: tuple[int, int, str, str]) -> None:
+        if entry in self._long:
+            self._long.discard(entry)
+            return
+        i = bisect.bisect_left(self._touching, entry)
+        if i < len(self._touching) and self._touching[i] == entry:
+            del self._touching[i]
 
     # -- answering ---------------------------------------------------------------------------
 
