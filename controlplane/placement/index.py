@@ -11,9 +11,10 @@ Per pool:
   atom's booked intervals as a sorted list of [start, end) epoch ms;
 - per node its counted host resources (allocatable) and their booked intervals (nothing books
   them yet; the structure is there for the planner that will);
-- `_touching`: every atom booking of the pool, sorted by start (bookings longer than LONG_MS in a
-  small list of their own), so the nodes with a booking overlapping a window are found by bisection
-  without visiting the others;
+- `_touching`: every atom booking of the pool, sorted by start (a SortedList: a delta is O(log n);
+  bookings longer than LONG_MS in a small set of their own), so the nodes with a booking overlapping
+  a window are found by bisection without visiting the others; when a window has more than
+  BUSY_EXACT bookings around it (a well-booked pool), a random sample of them stands for them;
 - `_classes`: nodes by their count of healthy bookable whole-GPU atoms, so a node with no booking
   in the window is planned from that count alone, and only the few best classes are visited.
 """
@@ -22,16 +23,24 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sortedcontainers import SortedList
+
 from controlplane.placement import planner
 
 GPU = "gpu"
 LONG_MS = 24 * 3600 * 1000  # bookings longer than this are kept in the pool's short list of long ones
+# Above this many bookings starting around a window, `candidates` does not visit every node with
+# one (in a well-booked pool that is nearly every node) but BUSY_SAMPLE of them, then checks the
+# other nodes one by one until enough fit: the cost of a plan stays bounded as bookings grow.
+BUSY_EXACT = 256
+BUSY_SAMPLE = 16
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,7 @@ class PoolIndex:
     def __init__(self, pool_id: str) -> None:
         self.pool_id = pool_id
         self.nodes: dict[str, Node] = {}
-        self._touching: list[tuple[int, int, str, str]] = []  # (start, end, node, atom), by start
+        self._touching: SortedList = SortedList()  # (start, end, node, atom), by start
         self._long: set[tuple[int, int, str, str]] = set()
         self._classes: dict[int, dict[str, None]] = defaultdict(dict)  # usable GPU count -> ordered node ids
         self._class_of: dict[str, int] = {}
@@ -152,7 +161,7 @@ class PoolIndex:
                     self._long.add(entry)
                 else:
                     short.append(entry)
-        self._touching = sorted(self._touching + short) if self._touching else sorted(short)
+        self._touching.update(short)
 
     def book(self, node_id: str, atom_id: str, start: int, end: int) -> bool:
         """One booked interval more for an atom (a delta; one already there stays once). False when
@@ -209,15 +218,13 @@ class PoolIndex:
         if entry[1] - entry[0] > LONG_MS:
             self._long.add(entry)
         else:
-            bisect.insort(self._touching, entry)
+            self._touching.add(entry)
 
     def _drop_entry(self, entry: tuple[int, int, str, str]) -> None:
         if entry in self._long:
             self._long.discard(entry)
             return
-        i = bisect.bisect_left(self._touching, entry)
-        if i < len(self._touching) and self._touching[i] == entry:
-            del self._touching[i]
+        self._touching.discard(entry)
 
     # -- answering ---------------------------------------------------------------------------
 
@@ -228,11 +235,23 @@ class PoolIndex:
     def touched(self, start: int, end: int) -> set[str]:
         """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
         starting after start - LONG_MS and before end), a scan of the few long ones."""
-        lo = bisect.bisect_left(self._touching, (start - LONG_MS,))
-        hi = bisect.bisect_left(self._touching, (end,))
+        lo, hi = self._around(start, end)
         nodes = {e[2] for e in self._touching[lo:hi] if e[1] > start}
         nodes.update(e[2] for e in self._long if e[0] < end and e[1] > start)
         return nodes
+
+    def _around(self, start: int, end: int) -> tuple[int, int]:
+        """The positions in `_touching` of the short bookings that may overlap [start, end)."""
+        return self._touching.bisect_left((start - LONG_MS,)), self._touching.bisect_left((end,))
+
+    def _busy(self, window: Window, rng: random.Random) -> set[str]:
+        """The nodes with a booking in the window; or, when more than BUSY_EXACT bookings start
+        around it, the nodes of a random sample of those (each node is checked exactly anyway:
+        this only says which to visit first)."""
+        lo, hi = self._around(window.start_ms, window.end_ms)
+        if hi - lo <= BUSY_EXACT:
+            return self.touched(window.start_ms, window.end_ms)
+        return {self._touching[rng.randrange(lo, hi)][2] for _ in range(BUSY_SAMPLE)}
 
     def candidate(self, node: Node, window: Window) -> planner.Candidate:
         free = tuple(
@@ -248,9 +267,13 @@ class PoolIndex:
         """Every node with a booking in the window that fits (planned exactly), and from the nodes
         with none, the fitting ones of the smallest usable-GPU classes until `enough` of them are
         found (bin-pack prefers the fewest free atoms left, so larger classes cannot score better).
-        Within a class the walk starts at a random node so concurrent creates spread out."""
+        Within a class the walk starts at a random node and takes random strides, so concurrent
+        creates spread out and nodes registered one after another (often booked alike) are not
+        visited one after another. In a
+        well-booked pool (see `_busy`) a sample of the nodes with bookings around the window
+        stands for them all, so a partly booked node is preferred when the sample finds it."""
         rng = rng or random.Random()
-        busy = self.touched(window.start_ms, window.end_ms)
+        busy = self._busy(window, rng)
         out: list[planner.Candidate] = []
         for node_id in busy:
             node = self.nodes.get(node_id)
@@ -264,9 +287,9 @@ class PoolIndex:
             members = list(self._classes[usable])
             if not members:
                 continue
-            begin = rng.randrange(len(members))
+            begin, stride = rng.randrange(len(members)), _stride(len(members), rng)
             for k in range(len(members)):
-                node_id = members[(begin + k) % len(members)]
+                node_id = members[(begin + k * stride) % len(members)]
                 if node_id in busy or node_id in exclude:
                     continue
                 node = self.nodes[node_id]
@@ -289,6 +312,14 @@ class PoolIndex:
             if node.id not in exclude and node.matches(window)
             and planner.plan_node(self.candidate(node, window), window.count, window.topology) is not None
         }
+
+
+def _stride(n: int, rng: random.Random) -> int:
+    """A random step that visits all of n positions (coprime with n)."""
+    while True:
+        step = rng.randrange(1, n) if n > 2 else 1
+        if math.gcd(step, n) == 1:
+            return step
 
 
 def build_nodes(
