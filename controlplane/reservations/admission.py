@@ -85,13 +85,12 @@ async def _transaction_1(
             raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
         kubernetes.check_pool(inp.request, pool, inp.tenant_id)
         await _require_draft_room(conn, rt, caller)
-        await conn.execute(
+        row = await (await conn.execute(
             queries.INSERT_DRAFT,
             {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
              "identity_id": caller.identity_id, "key": inp.idempotency_key,
              "request": Jsonb(inp.request), "hash": digest},
-        )
-        row = await _fetch(conn, rid)  # ours, or a concurrent twin's
+        )).fetchone() or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
         assert row is not None
     if row["request_hash"] != digest:
         raise errors.Conflict(
