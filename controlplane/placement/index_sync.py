@@ -29,7 +29,7 @@ import uuid
 
 import structlog
 from psycopg import AsyncConnection
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane.listen import RECONNECTED, TICK, listen
@@ -230,11 +230,18 @@ async def _read(
     params = {"pool": pool, "nodes": nodes}
     cur = conn.cursor(row_factory=dict_row)
     rows = []
-    for query in (q.NODES, q.ATOMS, q.BOOKINGS, q.HOST_RESOURCES, q.HOST_BOOKINGS):
-        if query is q.BOOKINGS and not bookings:
-            rows.append([])
-            continue
+    for query in (q.NODES, q.ATOMS, q.HOST_RESOURCES, q.HOST_BOOKINGS):
         await cur.execute(query, params)
         rows.append(await cur.fetchall())
-    return build_nodes(*rows, ticket=ticket)
-
+    built = build_nodes(rows[0], rows[1], [], rows[2], rows[3], ticket=ticket)
+    if bookings:  # as tuples: a million of them are read a second faster than as dicts
+        atoms = {a.id: a for node in built.values() for a in node.atoms.values()}
+        booked = conn.cursor(row_factory=tuple_row)
+        await booked.execute(q.BOOKINGS, params)
+        for atom_id, _node_id, start, end in await booked.fetchall():
+            atom = atoms.get(atom_id)
+            if atom is not None:
+                atom.intervals.append((start, end))
+        for atom in atoms.values():
+            atom.intervals.sort()
+    return built
