@@ -12,12 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.placement import planner
 from controlplane.placement.index import Node, PoolIndex, Window
-from controlplane.placement.index_sync import _read
+from controlplane.placement.index_sync import CapacityIndex, _read
 from tests.support import World, make_world
 
 HOUR = 3_600_000
@@ -147,6 +148,135 @@ def test_the_index_answers_what_sql_answers(world: World, fleet: list[dict], ask
                        if planner.plan_node(c, w.count, w.topology) is not None}
             assert offered <= expected
             assert bool(offered) == bool(expected)
+
+
+# Changes after the build, each in its own statement; `same_tx` joins it to the previous one's
+# transaction (a change the constraints refuse rolls back to its savepoint and notifies nothing).
+change_st = st.fixed_dictionaries({
+    "kind": st.sampled_from(["book", "book", "unbook", "move", "release", "health", "state", "new_atom", "bulk"]),
+    "node": st.integers(0, 4),
+    "atom": st.integers(0, 8),
+    "pick": st.integers(0, 1000),
+    "start": st.integers(0, 12),
+    "hours": st.integers(1, 6),
+    "flag": st.booleans(),
+    "same_tx": st.booleans(),
+})
+
+
+def _change(conn: psycopg.Connection, pool: str, change: dict, base: int, k: int) -> None:
+    nodes = [r["id"] for r in _sql(conn, "SELECT id FROM nodes WHERE pool_id = %s ORDER BY id", (pool,))]
+    node = nodes[change["node"] % len(nodes)]
+    atoms = [r["id"] for r in _sql(conn, "SELECT id FROM atoms WHERE node_id = %s ORDER BY id", (node,))]
+    booked = _sql(conn, "SELECT b.atom_id, b.allocation_id, b.during FROM bookings b JOIN atoms a ON a.id = b.atom_id"
+                        " JOIN nodes n ON n.id = a.node_id WHERE n.pool_id = %s ORDER BY 1, 3", (pool,))
+    start, end = base + change["start"] * HOUR, base + (change["start"] + change["hours"]) * HOUR
+    during = "tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)')"
+    kind = change["kind"]
+    if kind == "book" and atoms:
+        _sql(conn, f"INSERT INTO bookings (atom_id, allocation_id, during) VALUES (%s, %s, {during})"
+                   " ON CONFLICT DO NOTHING",
+             (atoms[change["atom"] % len(atoms)], f"alloc_{pool}_{nodes.index(node)}", start, end))
+    elif kind == "unbook" and booked:
+        b = booked[change["pick"] % len(booked)]
+        _sql(conn, "DELETE FROM bookings WHERE atom_id = %s AND during = %s", (b["atom_id"], b["during"]))
+    elif kind == "move" and booked:  # an extend or a truncation: the interval changes in place
+        b = booked[change["pick"] % len(booked)]
+        _sql(conn, f"UPDATE bookings SET during = {during} WHERE atom_id = %s AND during = %s",
+             (start, end, b["atom_id"], b["during"]))
+    elif kind == "release":  # every booking of the node's allocation at once (a cascade)
+        _sql(conn, "DELETE FROM allocations WHERE id = %s", (f"alloc_{pool}_{nodes.index(node)}",))
+        _sql(conn, "INSERT INTO allocations (id, reservation_id, node_id, state, device_ids)"
+                   " SELECT %s, id, %s, 'placed', '{}' FROM reservations WHERE pool_id = %s",
+             (f"alloc_{pool}_{nodes.index(node)}", node, pool))
+    elif kind == "health" and atoms:
+        _sql(conn, "UPDATE atoms SET health = %s WHERE id = %s",
+             ("healthy" if change["flag"] else "unhealthy", atoms[change["atom"] % len(atoms)]))
+    elif kind == "state":
+        _sql(conn, "UPDATE nodes SET state = %s WHERE id = %s", ("ready" if change["flag"] else "cordoned", node))
+    elif kind == "bulk" and atoms:  # too many for one notification: the node's bookings are re-read
+        _sql(conn, "INSERT INTO bookings (atom_id, allocation_id, during)"
+                   " SELECT %s, %s, tstzrange(from_epoch_ms(%s + i * 120000), from_epoch_ms(%s + i * 120000 + 60000))"
+                   " FROM generate_series(0, 199) AS i ON CONFLICT DO NOTHING",
+             (atoms[change["atom"] % len(atoms)], f"alloc_{pool}_{nodes.index(node)}", start, start))
+    elif kind == "new_atom":  # an atom and its booking in one transaction: the node's facts and a delta
+        atom_id = f"{node}-x{k}"
+        _sql(conn, "INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain, health, bookable)"
+                   " VALUES (%s, %s, 'gpu', %s, 'A', 0, 'd0', 'healthy', true)", (atom_id, node, atom_id))
+        _sql(conn, f"INSERT INTO bookings (atom_id, allocation_id, during) SELECT %s, id, {during}"
+                   " FROM allocations WHERE node_id = %s LIMIT 1", (atom_id, start, end, node))
+
+
+def _changes(conn: psycopg.Connection, pool: str, changes: list[dict], base: int, first: int) -> None:
+    i = 0
+    while i < len(changes):
+        group = [changes[i]]
+        while i + len(group) < len(changes) and changes[i + len(group)]["same_tx"]:
+            group.append(changes[i + len(group)])
+        with conn.transaction():
+            for k, change in enumerate(group):
+                try:
+                    with conn.transaction():
+                        _change(conn, pool, change, base, first + i + k)
+                except psycopg.errors.IntegrityError:
+                    pass  # refused (an overlap): rolled back to the savepoint, nothing notified
+        i += len(group)
+
+
+def _index_bookings(index: PoolIndex) -> set[tuple]:
+    return {(a.id, s, e) for n in index.nodes.values() for a in n.atoms.values() for s, e in a.intervals}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fleet=st.lists(node_st, min_size=1, max_size=5), changes=st.lists(change_st, max_size=12),
+       built_after=st.integers(0, 12), asks=st.lists(ask_st, min_size=1, max_size=4))
+def test_changes_after_the_build_reach_the_index_as_deltas(
+    world: World, fleet: list[dict], changes: list[dict], built_after: int, asks: list[dict],
+) -> None:
+    """Bookings inserted, deleted, moved and released in bulk, atoms added with their bookings and
+    node facts changed after the index was built: once the index has applied every notification
+    (booking deltas, node re-reads) it holds the tables' bookings and answers what SQL answers.
+    The build happens after a random prefix of the changes, so the notifications of that prefix
+    arrive after a read that already saw them (they must change nothing)."""
+    built_after = min(built_after, len(changes))
+    with psycopg.connect(world.conninfo, autocommit=True) as conn, \
+            psycopg.connect(world.conninfo, autocommit=True) as listener:
+        listener.execute("LISTEN bc_capacity")
+        base = _sql(conn, "SELECT epoch_ms(compute_now()) AS now")[0]["now"] + 2 * HOUR
+        pool = _seed(conn, world, fleet, base)
+        _changes(conn, pool, changes[:built_after], base, 0)
+
+        async def build_then_apply() -> tuple[PoolIndex, set[tuple]]:
+            db = AsyncConnectionPool(world.conninfo, min_size=1, max_size=2, open=False)
+            await db.open()
+            try:
+                capacity = CapacityIndex(db)
+                capacity.pools, capacity.ready = {pool: await _built(world.conninfo, pool)}, True
+                _changes(conn, pool, changes[built_after:], base, built_after)
+                token = uuid.uuid4().hex
+                conn.execute("SELECT pg_notify('bc_capacity', 'barrier ' || %s)", (token,))
+                payloads, heard = [], False
+                for note in listener.notifies(timeout=30):
+                    if note.payload == f"barrier {token}":
+                        heard = True
+                        break
+                    if note.payload.startswith(pool + " "):
+                        payloads.append(note.payload)
+                assert heard
+                await capacity._apply(payloads)
+                index = capacity.pools[pool]
+                return index, _index_bookings(index)
+            finally:
+                await db.close()
+
+        index, held = asyncio.run(build_then_apply())
+        rows = _sql(conn, "SELECT b.atom_id, epoch_ms(lower(b.during)) AS s, epoch_ms(upper(b.during)) AS e"
+                          " FROM bookings b JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id"
+                          " WHERE n.pool_id = %s", (pool,))
+        assert held == {(r["atom_id"], r["s"], r["e"]) for r in rows}, json.dumps(changes)
+        for ask in asks:
+            w = _window(ask, base)
+            assert index.fits(w) == _brute_force(conn, pool, w), (ask, json.dumps(changes))
 
 
 # -- changes made elsewhere reach the live index ---------------------------------------------

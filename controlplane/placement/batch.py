@@ -10,8 +10,8 @@ placement_max_attempts times. A member the index finds no room for is planned fr
 (the SQL shortlist, which sees this batch's inserts), as the inline placer does, so "does not
 fit" is always PostgreSQL's word.
 
-The marks stay after the commit: they are what was committed, and the notifications of the
-commit re-read those nodes anyway. After a rollback the caller re-reads the nodes the batch
+The marks stay after the commit: they are what was committed, and the commit's deltas add the
+same intervals again, which changes nothing. After a rollback the caller re-reads the nodes the batch
 touched (`forget`).
 """
 
@@ -163,20 +163,18 @@ async def _insert(conn: AsyncConnection, batch: Batch, planned: list[Member]) ->
 
 
 def _mark(index: CapacityIndex, batch: Batch, node_id: str, atom_ids: tuple[str, ...], ask: placer.Ask) -> None:
-    """Book `atom_ids` of the node for the ask's window in the index (this process's view)."""
+    """Book `atom_ids` of the node for the ask's window in the index (this process's view; the
+    commit's deltas add the same intervals, which changes nothing)."""
     pool = index.pool(batch.pool_id)
-    node = pool.nodes.get(node_id) if pool is not None else None
-    if node is None:
+    if pool is None or node_id not in pool.nodes:
         return
-    atoms = dict(node.atoms)
     for atom_id in atom_ids:
-        atom = atoms.get(atom_id)
-        if atom is not None:
-            atoms[atom_id] = dataclasses.replace(atom, intervals=sorted([*atom.intervals, (ask.start_ms, ask.end_ms)]))
-    host_booked = dict(node.host_booked)
+        pool.book(node_id, atom_id, ask.start_ms, ask.end_ms)
+    host_booked = dict(pool.nodes[node_id].host_booked)  # host resources: no delta, a new node value
     for resource, amount in ask.host_amounts().items():
         host_booked[resource] = sorted([*host_booked.get(resource, ()), (ask.start_ms, ask.end_ms, float(amount))])
-    pool.put(dataclasses.replace(node, atoms=atoms, host_booked=host_booked))
+    if host_booked != pool.nodes[node_id].host_booked:
+        pool.nodes[node_id] = dataclasses.replace(pool.nodes[node_id], host_booked=host_booked)
     batch.touched.add(node_id)
 
 

@@ -12,9 +12,10 @@ Per pool:
 - per node its counted host resources (what it can give: allocatable less the pool's host
   reserve) and their booked intervals; a node that cannot give a request's host resources for
   the window is not a fit;
-- `_touching`: every atom booking of the pool, sorted by start (bookings longer than LONG_MS in a
-  small list of their own), so the nodes with a booking overlapping a window are found by bisection
-  without visiting the others;
+- `_touching`: every atom booking of the pool, sorted by start (a SortedList: a delta is O(log n);
+  bookings longer than LONG_MS in a small set of their own), so the nodes with a booking overlapping
+  a window are found by bisection without visiting the others; when a window has more than
+  BUSY_EXACT bookings around it (a well-booked pool), a random sample of them stands for them;
 - `_classes`: nodes by their count of healthy bookable atoms (a pool books one kind: whole GPUs,
   MIG instances or slots), so a node with no booking in the window is planned from that count
   alone, and only the few best classes are visited.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import random
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -31,10 +33,17 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from sortedcontainers import SortedList
+
 from controlplane.placement import planner
 
 GPU = "gpu"
 LONG_MS = 24 * 3600 * 1000  # bookings longer than this are kept in the pool's short list of long ones
+# Above this many bookings starting around a window, `candidates` does not visit every node with
+# one (in a well-booked pool that is nearly every node) but BUSY_SAMPLE of them, then checks the
+# other nodes one by one until enough fit: the cost of a plan stays bounded as bookings grow.
+BUSY_EXACT = 256
+BUSY_SAMPLE = 16
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,7 @@ class PoolIndex:
     def __init__(self, pool_id: str) -> None:
         self.pool_id = pool_id
         self.nodes: dict[str, Node] = {}
-        self._touching: list[tuple[int, int, str, str]] = []  # (start, end, node, atom), by start
+        self._touching: SortedList = SortedList()  # (start, end, node, atom), by start
         self._long: set[tuple[int, int, str, str]] = set()
         self._classes: dict[int, dict[str, None]] = defaultdict(dict)  # usable GPU count -> ordered node ids
         self._class_of: dict[str, int] = {}
@@ -170,22 +179,46 @@ class PoolIndex:
     def put(self, node: Node) -> None:
         """Replace what the index knows of `node` (all of it: facts, atoms, intervals)."""
         self._forget(node.id)
-        self.nodes[node.id] = node
+        self._hold(node)
         for entry in node.bookings():
-            if entry[1] - entry[0] > LONG_MS:
-                self._long.add(entry)
-            else:
-                bisect.insort(self._touching, entry)
-        for atom in node.atoms.values():
-            if atom.kind == GPU:
-                self._models[atom.model] += 1
-        usable = node.bookable_count()
-        self._classes[usable][node.id] = None
-        self._class_of[node.id] = usable
-        inputs = (node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB"))
-        if self._share_of.get(node.id) != inputs:
-            self._share = None
-        self._share_of[node.id] = inputs
+            self._add_entry(entry)
+
+    def load(self, nodes: Iterable[Node]) -> None:
+        """Put many nodes at once: their bookings sorted in once, not inserted one by one."""
+        short: list[tuple[int, int, str, str]] = []
+        for node in nodes:
+            self._forget(node.id)
+            self._hold(node)
+            for entry in node.bookings():
+                if entry[1] - entry[0] > LONG_MS:
+                    self._long.add(entry)
+                else:
+                    short.append(entry)
+        self._touching.update(short)
+
+    def book(self, node_id: str, atom_id: str, start: int, end: int) -> bool:
+        """One booked interval more for an atom (a delta; one already there stays once). False when
+        the index does not hold the atom."""
+        atom = self._atom(node_id, atom_id)
+        if atom is None:
+            return False
+        i = bisect.bisect_left(atom.intervals, (start, end))
+        if i == len(atom.intervals) or atom.intervals[i] != (start, end):
+            atom.intervals.insert(i, (start, end))
+            self._add_entry((start, end, node_id, atom_id))
+        return True
+
+    def unbook(self, node_id: str, atom_id: str, start: int, end: int) -> bool:
+        """One booked interval less (a delta; one not there: nothing). False when the index does
+        not hold the atom."""
+        atom = self._atom(node_id, atom_id)
+        if atom is None:
+            return False
+        i = bisect.bisect_left(atom.intervals, (start, end))
+        if i < len(atom.intervals) and atom.intervals[i] == (start, end):
+            del atom.intervals[i]
+            self._drop_entry((start, end, node_id, atom_id))
+        return True
 
     def remove(self, node_id: str) -> None:
         self._forget(node_id)
@@ -197,12 +230,7 @@ class PoolIndex:
         if old is None:
             return
         for entry in old.bookings():
-            if entry in self._long:
-                self._long.discard(entry)
-                continue
-            i = bisect.bisect_left(self._touching, entry)
-            if i < len(self._touching) and self._touching[i] == entry:
-                del self._touching[i]
+            self._drop_entry(entry)
         for atom in old.atoms.values():
             if atom.kind == GPU:
                 self._models[atom.model] -= 1
@@ -210,6 +238,35 @@ class PoolIndex:
                     del self._models[atom.model]
         usable = self._class_of.pop(node_id)
         self._classes[usable].pop(node_id, None)
+
+    def _hold(self, node: Node) -> None:
+        self.nodes[node.id] = node
+        for atom in node.atoms.values():
+            if atom.kind == GPU:
+                self._models[atom.model] += 1
+        usable = node.bookable_count()
+        self._classes[usable][node.id] = None
+        self._class_of[node.id] = usable
+        inputs = (node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB"))
+        if self._share_of.get(node.id) != inputs:
+            self._share = None
+        self._share_of[node.id] = inputs
+
+    def _atom(self, node_id: str, atom_id: str) -> Atom | None:
+        node = self.nodes.get(node_id)
+        return node.atoms.get(atom_id) if node is not None else None
+
+    def _add_entry(self, entry: tuple[int, int, str, str]) -> None:
+        if entry[1] - entry[0] > LONG_MS:
+            self._long.add(entry)
+        else:
+            self._touching.add(entry)
+
+    def _drop_entry(self, entry: tuple[int, int, str, str]) -> None:
+        if entry in self._long:
+            self._long.discard(entry)
+            return
+        self._touching.discard(entry)
 
     # -- answering ---------------------------------------------------------------------------
 
@@ -239,11 +296,23 @@ class PoolIndex:
     def touched(self, start: int, end: int) -> set[str]:
         """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
         starting after start - LONG_MS and before end), a scan of the few long ones."""
-        lo = bisect.bisect_left(self._touching, (start - LONG_MS,))
-        hi = bisect.bisect_left(self._touching, (end,))
+        lo, hi = self._around(start, end)
         nodes = {e[2] for e in self._touching[lo:hi] if e[1] > start}
         nodes.update(e[2] for e in self._long if e[0] < end and e[1] > start)
         return nodes
+
+    def _around(self, start: int, end: int) -> tuple[int, int]:
+        """The positions in `_touching` of the short bookings that may overlap [start, end)."""
+        return self._touching.bisect_left((start - LONG_MS,)), self._touching.bisect_left((end,))
+
+    def _busy(self, window: Window, rng: random.Random) -> set[str]:
+        """The nodes with a booking in the window; or, when more than BUSY_EXACT bookings start
+        around it, the nodes of a random sample of those (each node is checked exactly anyway:
+        this only says which to visit first)."""
+        lo, hi = self._around(window.start_ms, window.end_ms)
+        if hi - lo <= BUSY_EXACT:
+            return self.touched(window.start_ms, window.end_ms)
+        return {self._touching[rng.randrange(lo, hi)][2] for _ in range(BUSY_SAMPLE)}
 
     def candidate(self, node: Node, window: Window) -> planner.Candidate:
         free = tuple(
@@ -259,9 +328,13 @@ class PoolIndex:
         """Every node with a booking in the window that fits (planned exactly), and from the nodes
         with none, the fitting ones of the smallest usable-GPU classes until `enough` of them are
         found (bin-pack prefers the fewest free atoms left, so larger classes cannot score better).
-        Within a class the walk starts at a random node so concurrent creates spread out."""
+        Within a class the walk starts at a random node and takes random strides, so concurrent
+        creates spread out and nodes registered one after another (often booked alike) are not
+        visited one after another. In a
+        well-booked pool (see `_busy`) a sample of the nodes with bookings around the window
+        stands for them all, so a partly booked node is preferred when the sample finds it."""
         rng = rng or random.Random()
-        busy = self.touched(window.start_ms, window.end_ms)
+        busy = self._busy(window, rng)
         out: list[planner.Candidate] = []
         for node_id in busy:
             node = self.nodes.get(node_id)
@@ -275,9 +348,9 @@ class PoolIndex:
             members = list(self._classes[usable])
             if not members:
                 continue
-            begin = rng.randrange(len(members))
+            begin, stride = rng.randrange(len(members)), _stride(len(members), rng)
             for k in range(len(members)):
-                node_id = members[(begin + k) % len(members)]
+                node_id = members[(begin + k * stride) % len(members)]
                 if node_id in busy or node_id in exclude:
                     continue
                 node = self.nodes[node_id]
@@ -300,6 +373,14 @@ class PoolIndex:
             if node.id not in exclude and node.matches(window) and node.host_fits(window)
             and planner.plan_node(self.candidate(node, window), window.count, window.topology) is not None
         }
+
+
+def _stride(n: int, rng: random.Random) -> int:
+    """A random step that visits all of n positions (coprime with n)."""
+    while True:
+        step = rng.randrange(1, n) if n > 2 else 1
+        if math.gcd(step, n) == 1:
+            return step
 
 
 def build_nodes(

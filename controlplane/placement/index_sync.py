@@ -1,24 +1,35 @@
 """Building the capacity index from PostgreSQL and keeping it current through one channel.
 
 Every writer of bookings, atoms, host resources and the node facts placement filters on notifies
-`bc_capacity` with "<pool id> <node id>" (triggers of migration 0015, so no path can forget); the
-index re-reads that node's rows. RECONNECTED (the LISTEN helper's re-read rule) rebuilds every
-pool from rows: until the first build the index answers nothing and placement uses SQL.
+`bc_capacity` (triggers, so no path can forget), one of:
+- "<pool id> <node id> delta <seq> <ops>" (migration 0025): the intervals a statement added to or
+  removed from the node's atoms, applied as they are, with no read;
+- "<pool id> <node id> bookings": too many for one payload (a bulk load): the node's bookings are
+  re-read;
+- "<pool id> <node id> node" (migration 0015): anything else; the node's facts (node, atoms, host
+  resources) are re-read and its atoms keep their intervals.
+RECONNECTED (the LISTEN helper's re-read rule) rebuilds every pool from rows: until the first
+build the index answers nothing and placement uses SQL.
 
-Only the listener task applies notifications, in order; a placement that lost a race refreshes one
-node itself. Each read takes a ticket first and a node is replaced only by a read that started
-later than the one that wrote it, so an older read never overwrites a newer one.
+Only the listener task applies notifications, in commit order; a placement that lost a race
+refreshes one node itself. Each read takes a ticket first and a node is replaced only by a read
+that started later than the one that wrote it, so an older read never overwrites a newer one;
+applying a delta takes a ticket too, so a read that started before it is dropped. A delta is
+idempotent (adding an interval the atom has, or removing one it has not, changes nothing), so a
+delta whose commit a read already saw, arriving after that read, changes nothing either: after
+every notification up to a commit is applied, the index holds what that commit left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 
 import structlog
 from psycopg import AsyncConnection
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane.listen import RECONNECTED, TICK, listen
@@ -69,35 +80,47 @@ class CapacityIndex:
     async def build(self) -> None:
         """Every pool from rows (after each (re)connect: what was missed is re-read)."""
         ticket = next(self._tickets)
+        started = time.perf_counter()
         async with self._db.connection() as conn:
             conn.row_factory = dict_row
             pool_ids = [r["id"] for r in await (await conn.execute(q.POOLS)).fetchall()]
             pools = {}
             for pool_id in pool_ids:
                 pools[pool_id] = PoolIndex(pool_id)
-                for node in (await _read(conn, pool=pool_id, nodes=[], ticket=ticket)).values():
-                    pools[pool_id].put(node)
+                pools[pool_id].load((await _read(conn, pool=pool_id, nodes=[], ticket=ticket)).values())
         self.pools, self.ready = pools, True
         self.builds += 1
-        log.info("capacity index built", pools=len(pools), nodes=sum(len(p.nodes) for p in pools.values()))
+        log.info("capacity index built", pools=len(pools), nodes=sum(len(p.nodes) for p in pools.values()),
+                 bookings=sum(len(a.intervals) for p in pools.values() for n in p.nodes.values() for a in n.atoms.values()),
+                 seconds=round(time.perf_counter() - started, 3))
 
     async def _apply(self, payloads: list[str]) -> None:
-        node_ids: dict[str, str] = {}  # node -> pool: re-read all of it
+        """One batch of notifications: deltas applied at once, in order; then the reads."""
+        whole: dict[str, str] = {}  # node -> pool: re-read all of it
+        facts: dict[str, str] = {}  # node -> pool: re-read its facts, keep its intervals
         booked: dict[str, str] = {}  # node -> pool: re-read its bookings only
         done: list[str] = []
+        ticket = next(self._tickets)
         for payload in payloads:
             head, _, rest = payload.partition(" ")
             if head == "barrier":
                 done.append(rest)
                 continue
             node_id, _, what = rest.partition(" ")
-            (booked if what == "bookings" else node_ids)[node_id] = head
-        booked = {n: p for n, p in booked.items() if n not in node_ids}
-        if node_ids or booked:
+            if what.startswith("delta "):
+                if not self._delta(head, node_id, what, ticket):
+                    whole[node_id] = head
+            else:
+                (booked if what == "bookings" else facts)[node_id] = head
+        booked = {n: p for n, p in booked.items() if n not in whole}
+        facts = {n: p for n, p in facts.items() if n not in whole}
+        if whole or facts or booked:
             async with self._db.connection() as conn:
                 conn.row_factory = dict_row
-                if node_ids:
-                    await self.refresh(conn, node_ids)
+                if whole:
+                    await self.refresh(conn, whole)
+                if facts:
+                    await self.refresh_facts(conn, facts)
                 if booked:
                     await self.refresh_bookings(conn, booked)
         for token in done:
@@ -105,11 +128,32 @@ class CapacityIndex:
             if event is not None:
                 event.set()
 
+    def _delta(self, pool_id: str, node_id: str, what: str, ticket: int) -> bool:
+        """Apply "delta <seq> <op>;<op>;..." to a node the index holds; False when it must be read
+        instead (a node or atom the index does not hold yet)."""
+        pool = self.pools.get(pool_id)
+        node = pool.nodes.get(node_id) if pool is not None else None
+        if node is None:
+            return not self.ready  # before the first build there is nothing to keep current
+        ops = what.split(" ", 2)[2]
+        for op in ops.split(";"):
+            atom_id, start, end = op[1:].split(",")
+            if op[0] == "+":
+                if not pool.book(node_id, atom_id, int(start), int(end)):
+                    return False
+            else:
+                pool.unbook(node_id, atom_id, int(start), int(end))
+        node.ticket = ticket
+        return True
+
     async def refresh(self, conn: AsyncConnection, node_ids: dict[str, str]) -> None:
         """Re-read these nodes ({node id: pool id it was notified under}); a node no longer in
         that pool (deleted or moved) leaves it."""
         ticket = next(self._tickets)
         nodes = await _read(conn, pool=None, nodes=list(node_ids), ticket=ticket)
+        self._replace(node_ids, nodes, ticket)
+
+    def _replace(self, node_ids: dict[str, str], nodes: dict[str, Node], ticket: int) -> None:
         for node_id, pool_id in node_ids.items():
             fresh = nodes.get(node_id)
             for index in {pool_id, fresh.pool_id if fresh else pool_id}:
@@ -126,9 +170,31 @@ class CapacityIndex:
                 else:
                     pool.remove(node_id)
 
+    async def refresh_facts(self, conn: AsyncConnection, node_ids: dict[str, str]) -> None:
+        """Re-read these nodes' facts, not their bookings: each atom the index holds keeps its
+        intervals. An atom new to the index starts with none: its bookings were inserted after it
+        (they reference it), so their deltas come after this notification. A node the index does
+        not hold in that pool is read whole."""
+        known = {n: p for n, p in node_ids.items() if p in self.pools and n in self.pools[p].nodes}
+        rest = {n: p for n, p in node_ids.items() if n not in known}
+        if known:
+            ticket = next(self._tickets)
+            nodes = await _read(conn, pool=None, nodes=list(known), ticket=ticket, bookings=False)
+            for node_id, pool_id in known.items():
+                fresh, current = nodes.get(node_id), self.pools[pool_id].nodes.get(node_id)
+                if fresh is not None and current is not None:
+                    for atom_id, atom in fresh.atoms.items():
+                        held = current.atoms.get(atom_id)
+                        if held is not None:
+                            atom.intervals = list(held.intervals)
+            self._replace(known, nodes, ticket)
+        if rest:
+            await self.refresh(conn, rest)
+
     async def refresh_bookings(self, conn: AsyncConnection, node_ids: dict[str, str]) -> None:
-        """Re-read only the bookings (devices' and host resources') of these nodes; a node the index
-        does not hold is read whole."""
+        """Re-read only the bookings (devices' and host resources') of these nodes (a change too
+        large for a delta, or host bookings, which send no delta); a node the index does not hold
+        is read whole."""
         ticket = next(self._tickets)
         known = {n: p for n, p in node_ids.items() if p in self.pools and n in self.pools[p].nodes}
         cur = conn.cursor(row_factory=dict_row)
@@ -163,20 +229,32 @@ class CapacityIndex:
             self._barriers.pop(token, None)
 
 
-async def _read(conn: AsyncConnection, *, pool: str | None, nodes: list[str], ticket: int) -> dict[str, Node]:
+async def _read(
+    conn: AsyncConnection, *, pool: str | None, nodes: list[str], ticket: int, bookings: bool = True,
+) -> dict[str, Node]:
     params = {"pool": pool, "nodes": nodes}
     cur = conn.cursor(row_factory=dict_row)
     rows = []
-    for query in (q.NODES, q.ATOMS, q.BOOKINGS, q.HOST_RESOURCES, q.HOST_BOOKINGS):
+    for query in (q.NODES, q.ATOMS, q.HOST_RESOURCES, q.HOST_BOOKINGS):
         await cur.execute(query, params)
         rows.append(await cur.fetchall())
-    return build_nodes(*rows, ticket=ticket)
+    built = build_nodes(rows[0], rows[1], [], rows[2], rows[3], ticket=ticket)
+    if bookings:  # as tuples: a million of them are read a second faster than as dicts
+        atoms = {a.id: a for node in built.values() for a in node.atoms.values()}
+        booked = conn.cursor(row_factory=tuple_row)
+        await booked.execute(q.BOOKINGS, params)
+        for atom_id, _node_id, start, end in await booked.fetchall():
+            atom = atoms.get(atom_id)
+            if atom is not None:
+                atom.intervals.append((start, end))
+        for atom in atoms.values():
+            atom.intervals.sort()
+    return built
 
 
 async def read_pool(conn: AsyncConnection, pool_id: str) -> PoolIndex:
     """One pool's index read from rows on `conn` (its transaction's view, own writes included), for
     a plan that must not rest on the shared index alone (a gang the index found no room for)."""
     pool = PoolIndex(pool_id)
-    for node in (await _read(conn, pool=pool_id, nodes=[], ticket=0)).values():
-        pool.put(node)
+    pool.load((await _read(conn, pool=pool_id, nodes=[], ticket=0)).values())
     return pool

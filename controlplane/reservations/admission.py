@@ -94,13 +94,12 @@ async def _transaction_1(
         await metal_request.check_create(conn, inp.request, pool)
         await _require_draft_room(conn, rt, caller)
         request, share = await _with_host_resources(conn, rt, inp.request, pool)
-        await conn.execute(
+        row = await (await conn.execute(
             queries.INSERT_DRAFT,
             {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
              "identity_id": caller.identity_id, "key": inp.idempotency_key,
              "request": Jsonb(request), "hash": digest, "host_share": Jsonb(share)},
-        )
-        row = await _fetch(conn, rid)  # ours, or a concurrent twin's
+        )).fetchone() or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
         assert row is not None
     if row["request_hash"] != digest:
         raise errors.Conflict(

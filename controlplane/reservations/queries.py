@@ -30,11 +30,13 @@ SELECT {COLUMNS} FROM reservations r
 WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
 """
 
-INSERT_DRAFT = """
-INSERT INTO reservations
+# The new draft as BY_ID reads it; no row when a concurrent twin inserted it first.
+INSERT_DRAFT = f"""
+INSERT INTO reservations AS r
     (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
 VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s, %(host_share)s)
 ON CONFLICT DO NOTHING
+RETURNING {COLUMNS}
 """
 
 VISIBLE_POOL = """
