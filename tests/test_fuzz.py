@@ -20,6 +20,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescri
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import errors
 from controlplane.common.status import error_info
@@ -283,4 +284,7 @@ def test_fields_of_every_root_rpc_answer_only_spec_codes(fuzz_world, method: Met
 
     fuzz()
     world.policy(PERMISSIVE)  # PutPolicy may have replaced it with one that refuses reads
+    if method.name == "RevokeTokens":  # it may have revoked the user's tokens (identityId is a known string)
+        token = world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=world.user_id)).secret
+        world.user.metadata = (("authorization", f"Bearer {token}"),)
     tenant_still_reads(world, placed)
