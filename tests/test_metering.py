@@ -52,7 +52,7 @@ def v(world: World, sim: SimThread, stack: tuple[ServerThread, Client]) -> Vps:
     return made
 
 
-def until(check, seconds: float = 20) -> None:
+def until(check, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while not check():
         assert time.monotonic() < deadline, "timed out"
