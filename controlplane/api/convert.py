@@ -29,6 +29,8 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "resources": host_resources_input(m.resources) if m.HasField("resources") else None,
         "node": _node_lease(m.node) if m.HasField("node") else None,
         "gang": {"size": m.gang.size, "topology_key": m.gang.topology_key} if m.HasField("gang") else None,
+        "start_earliest": m.start_earliest,
+        "horizon_ms": m.horizon_ms if m.HasField("horizon_ms") else None,
     }
 
 
@@ -84,6 +86,8 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             node=_stored_node_lease(request.get("node")),
             gang=pb.Gang(size=request["gang"]["size"], topology_key=request["gang"]["topologyKey"])
             if request.get("gang") else None,
+            start_earliest=bool(request.get("startEarliest")),
+            horizon_ms=request.get("horizonMs"),
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],

@@ -1,0 +1,152 @@
+"""Earliest fit (DESIGN.md section 9): the earliest start within a horizon at which a request (a
+gang too) fits for its whole length, searched on the capacity index without reading PostgreSQL.
+
+Why only a few starts are tried: if a request fits on a node from t, and t is neither now nor the
+end of one of that node's bookings, it also fits a little earlier (moving the window earlier frees
+its tail and takes nothing booked at its head). So the earliest start is now or the end of a
+booking, and a node becomes able to take the request only at the end of one of its own bookings.
+
+- One node: its candidate starts are merged lazily over the nodes (each atom's intervals are
+  sorted and never overlap, so their ends are sorted too) and tried in order; the first node that
+  fits answers. Only nodes that could ever fit (labels, schedulable, enough usable atoms in the
+  asked topology, enough host resources) are visited.
+- A gang: at each candidate start, the group of the node whose booking ends there is checked:
+  nodes with no booking in the window count from their idle fit, the others are planned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+from collections import defaultdict
+from collections.abc import Iterator
+
+from controlplane.placement import planner
+from controlplane.placement.gang import Gang, label_value
+from controlplane.placement.index import Node, PoolIndex, Window
+
+
+def _at(window: Window, start: int) -> Window:
+    return dataclasses.replace(window, start_ms=start, end_ms=start + window.end_ms - window.start_ms)
+
+
+def could_fit(node: Node, window: Window) -> bool:
+    """The node takes the request when nothing is booked on it: labels, state, usable atoms in the
+    asked topology, host resources."""
+    if not node.matches(window):
+        return False
+    if any(node.host.get(r, 0.0) < amount for r, amount in window.host):
+        return False
+    usable = node.usable(window.model, window.device_class, window.profile)
+    if len(usable) < window.count:
+        return False
+    free = tuple(planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain) for a in sorted(usable, key=lambda a: a.id))
+    return planner.plan_node(planner.Candidate(node.id, node.name, free), window.count, window.topology) is not None
+
+
+def fits_on(pool: PoolIndex, node: Node, window: Window) -> bool:
+    """The request fits on the node for exactly this window."""
+    return node.host_fits(window) and planner.plan_node(
+        pool.candidate(node, window), window.count, window.topology) is not None
+
+
+def _ends(node: Node, window: Window, after: int, until: int) -> Iterator[int]:
+    """The ends of the node's bookings (its usable atoms' and its host resources') in (after, until],
+    ascending, each once."""
+    streams: list[Iterator[int]] = []
+    for atom in node.usable(window.model, window.device_class, window.profile):
+        i = bisect.bisect_right(atom.intervals, (after, float("inf")))
+        while i > 0 and atom.intervals[i - 1][1] > after:  # begun by `after`, ending after it
+            i -= 1
+        streams.append(e for _, e in atom.intervals[i:] if after < e <= until)
+    if window.host:
+        ends = {b[1] for r, _ in window.host for b in node.host_booked.get(r, ()) if after < b[1] <= until}
+        streams.append(iter(sorted(ends)))
+    last = None
+    for end in heapq.merge(*streams):
+        if end != last:
+            yield end
+            last = end
+
+
+def search(
+    pool: PoolIndex, window: Window, *, now: int, until: int, gang: Gang | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> int | None:
+    """The earliest start in [now, until] at which the request fits for the window's length, or
+    None when none does."""
+    eligible = [n for n in pool.nodes.values() if n.id not in exclude and could_fit(n, window)]
+    if gang is not None:
+        return _search_gang(pool, window, eligible, now, until, gang)
+    if not eligible:
+        return None
+    first = _at(window, now)
+    busy = pool.touched(first.start_ms, first.end_ms)
+    if any(n.id not in busy for n in eligible):  # idle for the window and able to take it
+        return now
+    heap: list[tuple[int, str, Iterator[int]]] = []
+    for node in eligible:
+        if fits_on(pool, node, first):
+            return now
+        ends = _ends(node, window, now, until)
+        end = next(ends, None)
+        if end is not None:
+            heap.append((end, node.id, ends))
+    heapq.heapify(heap)
+    while heap:
+        start, node_id, ends = heap[0]
+        if fits_on(pool, pool.nodes[node_id], _at(window, start)):
+            return start
+        end = next(ends, None)
+        if end is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (end, node_id, ends))
+    return None
+
+
+def _search_gang(
+    pool: PoolIndex, window: Window, eligible: list[Node], now: int, until: int, gang: Gang
+) -> int | None:
+    grouped: dict[str, list[Node]] = defaultdict(list)
+    for node in eligible:
+        group = label_value(node.labels, gang.key) if gang.key else ""
+        if group is not None:
+            grouped[group].append(node)
+    groups = {g: nodes for g, nodes in grouped.items() if len(nodes) >= gang.size}
+
+    def fits_group(group: str, start: int) -> bool:
+        w = _at(window, start)
+        busy = pool.touched(w.start_ms, w.end_ms)
+        fitting = 0
+        for node in groups[group]:
+            if node.id not in busy or fits_on(pool, node, w):
+                fitting += 1
+                if fitting >= gang.size:
+                    return True
+        return False
+
+    if any(fits_group(g, now) for g in sorted(groups)):
+        return now
+    heap: list[tuple[int, str, str, Iterator[int]]] = []
+    for group, nodes in groups.items():
+        for node in nodes:
+            ends = _ends(node, window, now, until)
+            end = next(ends, None)
+            if end is not None:
+                heap.append((end, node.id, group, ends))
+    heapq.heapify(heap)
+    tried: set[tuple[str, int]] = set()
+    while heap:
+        start, node_id, group, ends = heap[0]
+        if (group, start) not in tried:
+            tried.add((group, start))
+            if fits_group(group, start):
+                return start
+        end = next(ends, None)
+        if end is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (end, node_id, group, ends))
+    return None
