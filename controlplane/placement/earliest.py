@@ -6,10 +6,11 @@ end of one of that node's bookings, it also fits a little earlier (moving the wi
 its tail and takes nothing booked at its head). So the earliest start is now or the end of a
 booking, and a node becomes able to take the request only at the end of one of its own bookings.
 
-- One node: its candidate starts are merged lazily over the nodes (each atom's intervals are
-  sorted and never overlap, so their ends are sorted too) and tried in order; the first node that
-  fits answers. Only nodes that could ever fit (labels, schedulable, enough usable atoms in the
-  asked topology, enough host resources) are visited.
+- One node: each node's next start worth trying is kept in a heap, tried in order; the first node
+  that fits answers. After a miss the node's next start is a lower bound from its atoms' gaps (the
+  count-th earliest time an atom is free for the whole length, itself a booking's end), so a node
+  booked back to back is skipped past in one step. Only nodes that could ever fit (labels,
+  schedulable, enough usable atoms in the asked topology, enough host resources) are visited.
 - A gang: at each candidate start, the group of the node whose booking ends there is checked:
   nodes with no booking in the window count from their idle fit, the others are planned.
 """
@@ -31,6 +32,12 @@ def _at(window: Window, start: int) -> Window:
     return dataclasses.replace(window, start_ms=start, end_ms=start + window.end_ms - window.start_ms)
 
 
+# Whether a node could take a request's shape when idle depends only on the node object (the index
+# replaces it whenever it re-reads the node) and the shape: remembered, as gang planning does.
+_IDLE_FITS: dict[tuple[str, int, str, str, str, str], tuple[Node, bool]] = {}
+_IDLE_FITS_MAX = 500_000
+
+
 def could_fit(node: Node, window: Window) -> bool:
     """The node takes the request when nothing is booked on it: labels, state, usable atoms in the
     asked topology, host resources."""
@@ -38,11 +45,42 @@ def could_fit(node: Node, window: Window) -> bool:
         return False
     if any(node.host.get(r, 0.0) < amount for r, amount in window.host):
         return False
+    key = (node.id, window.count, window.topology, window.model, window.device_class, window.profile)
+    cached = _IDLE_FITS.get(key)
+    if cached is not None and cached[0] is node:
+        return cached[1]
     usable = node.usable(window.model, window.device_class, window.profile)
-    if len(usable) < window.count:
-        return False
     free = tuple(planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain) for a in sorted(usable, key=lambda a: a.id))
-    return planner.plan_node(planner.Candidate(node.id, node.name, free), window.count, window.topology) is not None
+    fits = len(usable) >= window.count and planner.plan_node(
+        planner.Candidate(node.id, node.name, free), window.count, window.topology) is not None
+    if len(_IDLE_FITS) >= _IDLE_FITS_MAX:
+        _IDLE_FITS.clear()
+    _IDLE_FITS[key] = (node, fits)
+    return fits
+
+
+def _free_from(intervals: list[tuple[int, int]], after: int, length: int) -> int:
+    """The earliest t >= after at which an atom with these (sorted, disjoint) intervals is free for
+    [t, t + length)."""
+    i = bisect.bisect_right(intervals, (after, float("inf")))
+    if i > 0 and intervals[i - 1][1] > after:
+        i -= 1
+    t = after
+    for k in range(i, len(intervals)):
+        start, end = intervals[k]
+        if start >= t + length:
+            break
+        t = end  # disjoint and sorted: each end is past the last, and the first past `after`
+    return t
+
+
+def _lower_bound(node: Node, window: Window, after: int) -> int:
+    """No start before this can fit on the node: before it fewer than `count` of its usable atoms
+    are each free for the window's length (topology and host resources only add to that)."""
+    length = window.end_ms - window.start_ms
+    free = sorted(_free_from(a.intervals, after, length)
+                  for a in node.usable(window.model, window.device_class, window.profile))
+    return free[window.count - 1] if len(free) >= window.count else 1 << 62
 
 
 def fits_on(pool: PoolIndex, node: Node, window: Window) -> bool:
@@ -85,25 +123,38 @@ def search(
     busy = pool.touched(first.start_ms, first.end_ms)
     if any(n.id not in busy for n in eligible):  # idle for the window and able to take it
         return now
-    heap: list[tuple[int, str, Iterator[int]]] = []
+    # Each node's next start worth trying: a lower bound from its atoms' free gaps (itself the end
+    # of a booking), or, when that bound does not move (topology or host resources failed), the
+    # next end of any of its bookings.
+    heap: list[tuple[int, str]] = []
     for node in eligible:
-        if fits_on(pool, node, first):
-            return now
-        ends = _ends(node, window, now, until)
-        end = next(ends, None)
-        if end is not None:
-            heap.append((end, node.id, ends))
+        bound = _lower_bound(node, window, now)
+        if bound <= now:  # enough atoms free now: planned exactly
+            if fits_on(pool, node, first):
+                return now
+            bound = next(_ends(node, window, now, until), 1 << 62)
+        if bound <= until:
+            heap.append((bound, node.id))
     heapq.heapify(heap)
     while heap:
-        start, node_id, ends = heap[0]
-        if fits_on(pool, pool.nodes[node_id], _at(window, start)):
+        start, node_id = heap[0]
+        node = pool.nodes[node_id]
+        if fits_on(pool, node, _at(window, start)):
             return start
-        end = next(ends, None)
-        if end is None:
+        nxt = _next_start(node, window, start, until)
+        if nxt is None:
             heapq.heappop(heap)
         else:
-            heapq.heapreplace(heap, (end, node_id, ends))
+            heapq.heapreplace(heap, (nxt, node_id))
     return None
+
+
+def _next_start(node: Node, window: Window, failed: int, until: int) -> int | None:
+    """The next start after `failed` (where the request did not fit) worth trying on the node."""
+    bound = _lower_bound(node, window, failed)
+    if bound <= failed:
+        bound = next(_ends(node, window, failed, until), 1 << 62)
+    return bound if bound <= until else None
 
 
 def _search_gang(
