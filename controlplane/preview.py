@@ -38,6 +38,7 @@ async def preview(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str,
     await authorize.require(rt.pool, caller, inp.tenant_id, "compute:capacity:read", "Pool", pool_id,
                             {"region": resolved.pool["region"], "ownerTenantId": resolved.pool["owner_tenant_id"]},
                             message="IAM refused this read", poolId=pool_id)
+    await earliest.caught_up(rt)
     async with db.read_only(rt.pool) as conn:
         now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
         return await _plan(conn, rt, pool_id, resolved.request, now_ms)

@@ -52,6 +52,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     caller.require_member(inp.tenant_id)
     rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
     digest = request_hash(inp.request)
+    if inp.request.get("startEarliest"):  # the earliest start is searched on an index holding every commit
+        await earliest.caught_up(rt)
 
     draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest))
     if draft.decide:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
 from psycopg import AsyncConnection
 
 from controlplane.placement import earliest as search_on
@@ -15,6 +16,20 @@ from controlplane.placement import gang
 from controlplane.placement.index_sync import read_pool
 from controlplane.reservations import placing
 from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+
+async def caught_up(rt: Runtime) -> None:
+    """Wait until the capacity index holds every change committed before now, so the search (and a
+    preview's plan) is the one a create would make next: the index may lag a booking committed a
+    moment ago. Past preview_index_wait_seconds it plans on the index as it is."""
+    if rt.capacity is None or not rt.capacity.ready:
+        return
+    try:
+        await rt.capacity.barrier(timeout=rt.settings.preview_index_wait_seconds)
+    except TimeoutError:
+        log.warning("capacity index did not catch up in time; searching it as it is")
 
 
 async def find(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[str, Any], now_ms: int) -> int | None:
