@@ -94,8 +94,9 @@ def test_preview_is_decided_as_capacity_read_and_validated_as_create(world: Worl
 
 def test_rollup_counts_in_use_reserved_and_free(world: World) -> None:
     world.add_node(gpus("other", 4, model="A100-80GB"))
-    world.create(count=3)
-    world.create(count=2, start=world.later(2))
+    h100 = "H100-SXM5-80GB"
+    world.create(count=3, model=h100)
+    world.create(count=2, start=world.later(2), model=h100)
     world.create(count=1, model="A100-80GB")
     out = rollup(world)
     assert (out.total.allocatable, out.total.in_use, out.total.reserved, out.total.free) == (20, 4, 2, 16)

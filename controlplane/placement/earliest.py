@@ -121,7 +121,7 @@ def search(
         return None
     first = _at(window, now)
     busy = pool.touched(first.start_ms, first.end_ms)
-    if any(n.id not in busy for n in eligible):  # idle for the window and able to take it
+    if any(n.id not in busy and n.host_fits(first) for n in eligible):  # no device booked in the window
         return now
     # Each node's next start worth trying: a lower bound from its atoms' free gaps (itself the end
     # of a booking), or, when that bound does not move (topology or host resources failed), the
@@ -172,7 +172,7 @@ def _search_gang(
         busy = pool.touched(w.start_ms, w.end_ms)
         fitting = 0
         for node in groups[group]:
-            if node.id not in busy or fits_on(pool, node, w):
+            if (node.id not in busy and node.host_fits(w)) or fits_on(pool, node, w):
                 fitting += 1
                 if fitting >= gang.size:
                     return True
