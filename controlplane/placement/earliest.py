@@ -11,8 +11,8 @@ booking, and a node becomes able to take the request only at the end of one of i
   count-th earliest time an atom is free for the whole length, itself a booking's end), so a node
   booked back to back is skipped past in one step. Only nodes that could ever fit (labels,
   schedulable, enough usable atoms in the asked topology, enough host resources) are visited.
-- A gang: at each candidate start, the group of the node whose booking ends there is checked:
-  nodes with no booking in the window count from their idle fit, the others are planned.
+- A gang: every node walks its own starts worth trying in one heap; a node that fits joins its
+  group's ready set, and a group with enough ready nodes is checked at that start.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from controlplane.placement import planner
@@ -160,44 +160,52 @@ def _next_start(node: Node, window: Window, failed: int, until: int) -> int | No
 def _search_gang(
     pool: PoolIndex, window: Window, eligible: list[Node], now: int, until: int, gang: Gang
 ) -> int | None:
-    grouped: dict[str, list[Node]] = defaultdict(list)
+    """The earliest start at which `size` nodes of one group fit together. The gang's earliest start
+    is a start at which one member begins to fit, so each node walks its own starts worth trying
+    (as for one node) in one heap; a node that fits joins its group's `ready` set, and when that set
+    is large enough its members are checked at that start (those that no longer fit leave it)."""
+    group_of: dict[str, str] = {}
     for node in eligible:
         group = label_value(node.labels, gang.key) if gang.key else ""
         if group is not None:
-            grouped[group].append(node)
-    groups = {g: nodes for g, nodes in grouped.items() if len(nodes) >= gang.size}
+            group_of[node.id] = group
+    sizes = Counter(group_of.values())
+    group_of = {n: g for n, g in group_of.items() if sizes[g] >= gang.size}
+    ready: dict[str, set[str]] = defaultdict(set)
+    heap: list[tuple[int, str]] = []
 
-    def fits_group(group: str, start: int) -> bool:
+    def advance(node: Node, start: int, fitted: bool) -> None:
+        # After a fit the node may still fit later: its next booking end; after a miss, its bound.
+        nxt = next(_ends(node, window, start, until), None) if fitted else _next_start(node, window, start, until)
+        if nxt is not None and nxt <= until:
+            heap.append((nxt, node.id)) if start == now else heapq.heappush(heap, (nxt, node.id))
+
+    def together(group: str, start: int) -> bool:
         w = _at(window, start)
-        busy = pool.touched(w.start_ms, w.end_ms)
-        fitting = 0
-        for node in groups[group]:
-            if (node.id not in busy and node.host_fits(w)) or fits_on(pool, node, w):
-                fitting += 1
-                if fitting >= gang.size:
-                    return True
-        return False
+        for member in list(ready[group]):
+            if not fits_on(pool, pool.nodes[member], w):
+                ready[group].discard(member)  # its heap entry stays: a later start may fit again
+        return len(ready[group]) >= gang.size
 
-    if any(fits_group(g, now) for g in sorted(groups)):
+    first = _at(window, now)
+    for node_id, group in group_of.items():
+        node = pool.nodes[node_id]
+        fitted = fits_on(pool, node, first)
+        if fitted:
+            ready[group].add(node_id)
+        advance(node, now, fitted)
+    if any(len(members) >= gang.size for members in ready.values()):
         return now
-    heap: list[tuple[int, str, str, Iterator[int]]] = []
-    for group, nodes in groups.items():
-        for node in nodes:
-            ends = _ends(node, window, now, until)
-            end = next(ends, None)
-            if end is not None:
-                heap.append((end, node.id, group, ends))
     heapq.heapify(heap)
-    tried: set[tuple[str, int]] = set()
     while heap:
-        start, node_id, group, ends = heap[0]
-        if (group, start) not in tried:
-            tried.add((group, start))
-            if fits_group(group, start):
+        start, node_id = heapq.heappop(heap)
+        node, group = pool.nodes[node_id], group_of[node_id]
+        if fits_on(pool, node, _at(window, start)):
+            ready[group].add(node_id)
+            advance(node, start, True)
+            if len(ready[group]) >= gang.size and together(group, start):
                 return start
-        end = next(ends, None)
-        if end is None:
-            heapq.heappop(heap)
         else:
-            heapq.heapreplace(heap, (end, node_id, group, ends))
+            ready[group].discard(node_id)
+            advance(node, start, False)
     return None
