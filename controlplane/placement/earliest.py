@@ -178,7 +178,7 @@ def _search_gang(
         # After a fit the node may still fit later: its next booking end; after a miss, its bound.
         nxt = next(_ends(node, window, start, until), None) if fitted else _next_start(node, window, start, until)
         if nxt is not None and nxt <= until:
-            heap.append((nxt, node.id)) if start == now else heapq.heappush(heap, (nxt, node.id))
+            heapq.heappush(heap, (nxt, node.id))
 
     def together(group: str, start: int) -> bool:
         w = _at(window, start)
@@ -196,7 +196,6 @@ def _search_gang(
         advance(node, now, fitted)
     if any(len(members) >= gang.size for members in ready.values()):
         return now
-    heapq.heapify(heap)
     while heap:
         start, node_id = heapq.heappop(heap)
         node, group = pool.nodes[node_id], group_of[node_id]
