@@ -39,6 +39,7 @@ test: $(STAMP) proto-check
 
 bench: $(STAMP)
 	$(PY) -m bench
+	$(PY) -m bench --earliest --bookings 100000 --horizon-days 14 --no-baselines --seconds 3
 	$(PY) -m bench.fleet
 
 clean:

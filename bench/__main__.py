@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench import creates, diag, hostres, phases, pgstat, preload, procstat, report, stack
+from bench import earliest as earliest_bench
 from bench import gang as gang_bench
 from bench.load import Result
 from bench.phases import say
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 100 nodes, 5 s of creates, 3 s per baseline (flags given win)")
     gang_bench.add_args(p)
+    earliest_bench.add_args(p)
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
@@ -138,6 +140,7 @@ class Run:
     profiled: tuple[list[pathlib.Path], int] | None = None  # profile files, creates they cover
     hostres: Result | None = None  # --resources: the create phase again with host resources booked
     gang: str = ""  # the gang phase's report (--gang)
+    earliest: str = ""  # the earliest-fit phase's report (--earliest)
 
 
 async def start_replicas(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str) -> tuple[list, str]:
@@ -221,6 +224,9 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             out.hostres = await hostres.resources_phase(args, channels[0], seeded, work, conninfo, watch)
         if args.gang:
             out.gang = await gang_bench.gang_phase(args, channels[0], seeded, conninfo)
+        if args.earliest:
+            slot = preloaded.slot_hours if preloaded else 0.0
+            out.earliest = await earliest_bench.earliest_phase(args, channels[0], seeded, conninfo, slot)
         out.states = stack.count_rows(
             conninfo,
             "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
@@ -275,6 +281,7 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
     if out.profiled:
         blocks.append(diag.profile_summary(out.profiled[0], calls=out.profiled[1]))
     blocks.append(out.gang)
+    blocks.append(out.earliest)
     for block in blocks:
         if block:
             say("")

@@ -70,3 +70,81 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
     buckets = [{"start": r["start"], "end": min(r["end"], end), "booked": r["booked"],
                 "free": max(0, allocatable - r["booked"])} for r in rows]
     return {"pool_id": pool_id, "allocatable": allocatable, "buckets": buckets}
+
+
+# capacity.rollup -------------------------------------------------------------------------------
+
+# Per whole GPU of the pool: its model, whether it is allocatable (as _ALLOCATABLE), and per tenant
+# whether a booking holds it now or only later (a window that has not begun: `reserved`).
+_ROLLUP = """
+WITH gpus AS (
+    SELECT a.id, a.model,
+           (a.health = 'healthy' AND a.bookable AND n.state IN ('ready', 'leased')
+            AND n.connectivity <> 'unreachable') AS allocatable
+    FROM atoms a JOIN nodes n ON n.id = a.node_id
+    WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
+),
+held AS (
+    SELECT b.atom_id, r.tenant_id, bool_or(lower(b.during) <= compute_now()) AS now_held,
+           bool_or(lower(b.during) > compute_now()) AS later
+    FROM bookings b
+    JOIN gpus g ON g.id = b.atom_id
+    JOIN allocations al ON al.id = b.allocation_id
+    JOIN reservations r ON r.id = al.reservation_id
+    WHERE upper(b.during) > compute_now()
+    GROUP BY b.atom_id, r.tenant_id
+)
+SELECT g.model, h.tenant_id, GROUPING(h.tenant_id) = 1 AS whole_model,
+       count(DISTINCT g.id) FILTER (WHERE g.allocatable) AS allocatable,
+       count(DISTINCT g.id) FILTER (WHERE h.now_held) AS in_use,
+       count(DISTINCT g.id) FILTER (WHERE h.later) AS reserved,
+       count(DISTINCT g.id) FILTER (WHERE g.allocatable AND h.now_held) AS allocatable_in_use
+FROM gpus g LEFT JOIN held h ON h.atom_id = g.id
+GROUP BY GROUPING SETS ((g.model), (g.model, h.tenant_id))
+ORDER BY g.model, GROUPING(h.tenant_id) DESC, h.tenant_id
+"""
+
+
+def _counts(allocatable: int, in_use: int, reserved: int, allocatable_in_use: int) -> dict[str, int]:
+    return {"allocatable": allocatable, "in_use": in_use, "reserved": reserved,
+            "free": max(0, allocatable - allocatable_in_use)}
+
+
+async def rollup(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+    """The pool's whole GPUs now: allocatable, in use, reserved (booked for a window not yet begun)
+    and free, for the pool and per model; the caller's tenant's use, and the others' in aggregate
+    (per tenant for the pool's owner only)."""
+    tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
+    pool_id = match("poolId", raw.get("pool_id", ""), POOL_ID)
+    caller.require_member(tenant_id)
+    async with db.read_only(rt.pool) as conn:
+        pool = await (await conn.execute(queries.VISIBLE_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
+    if pool is None:
+        raise errors.NotFound("no such pool", poolId=pool_id)
+    await authorize.require(rt.pool, caller, tenant_id, "compute:capacity:read", "Pool", pool_id,
+                            {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
+                            message="IAM refused this read", poolId=pool_id)
+    async with db.read_only(rt.pool) as conn:
+        rows = await (await conn.execute(_ROLLUP, {"pool_id": pool_id})).fetchall()
+    models: list[dict[str, Any]] = []
+    tenants: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r["whole_model"]:
+            models.append({"model": r["model"], "counts": _counts(
+                r["allocatable"], r["in_use"], r["reserved"], r["allocatable_in_use"])})
+            continue
+        if r["tenant_id"] is None:  # the model's GPUs nobody holds
+            continue
+        use = tenants.setdefault(r["tenant_id"], {"in_use": 0, "reserved": 0})
+        use["in_use"] += r["in_use"]
+        use["reserved"] += r["reserved"]
+    total = {k: sum(m["counts"][k] for m in models) for k in ("allocatable", "in_use", "reserved", "free")}
+    own = tenants.get(tenant_id, {"in_use": 0, "reserved": 0})
+    others = [u for t, u in tenants.items() if t != tenant_id]
+    owner = pool["owner_tenant_id"] == tenant_id
+    return {
+        "pool_id": pool_id, "total": total, "models": models,
+        "own_in_use": own["in_use"], "own_reserved": own["reserved"],
+        "others_in_use": sum(u["in_use"] for u in others), "others_reserved": sum(u["reserved"] for u in others),
+        "tenants": [{"tenant_id": t, **u} for t, u in sorted(tenants.items())] if owner else [],
+    }

@@ -72,6 +72,13 @@ class Settings:
     # a reservation (after any extension) at most this long.
     max_start_ahead_days: int = field(default_factory=lambda: _int("BC_MAX_START_AHEAD_DAYS", 365))
     max_reservation_days: int = field(default_factory=lambda: _int("BC_MAX_RESERVATION_DAYS", 366))
+    # How far ahead an earliest-fit start is searched: the default horizon and the most one may ask.
+    earliest_horizon_days: int = field(default_factory=lambda: _int("BC_EARLIEST_HORIZON_DAYS", 14))
+    max_earliest_horizon_days: int = field(default_factory=lambda: _int("BC_MAX_EARLIEST_HORIZON_DAYS", 60))
+    # How long a preview (or a create with start "earliest") waits for the capacity index to hold
+    # every change committed before it; past that it plans on the index as it is.
+    preview_index_wait_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_PREVIEW_INDEX_WAIT_SECONDS", "5")))
     # Every string field of every request, in characters (a policy's Cedar text has its own cap).
     max_string_chars: int = field(default_factory=lambda: _int("BC_MAX_STRING_CHARS", 4096))
     max_policy_chars: int = field(default_factory=lambda: _int("BC_MAX_POLICY_CHARS", 65536))

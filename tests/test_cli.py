@@ -201,7 +201,7 @@ def test_usage_errors_exit_2(cli) -> None:
         ("extend", "rsv_x", "--until", "+1h", "--by", "1h"),
         ("extend", "rsv_x", "--until", "tomorrow-ish"),
         ("reserve", "--gpus", "1", "--start", "soon"),
-        ("capacity",),
+        ("capacity", "--gpus", "1"),  # the reserve flags go with --preview
         ("confirmations", "maybe", "conf_x"),
         ("no-such-command",),
     ):

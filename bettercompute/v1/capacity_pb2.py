@@ -22,21 +22,38 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from bettercompute.v1 import reservations_pb2 as bettercompute_dot_v1_dot_reservations__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x65ttercompute/v1/capacity.proto\x12\x10\x62\x65ttercompute.v1\"\x95\x01\n\x0fTimelineRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\x04\x66rom\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x02to\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x19\n\x0cstep_minutes\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05_fromB\x05\n\x03_toB\x0f\n\r_step_minutes\"J\n\x0eTimelineBucket\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\x12\x0e\n\x06\x62ooked\x18\x03 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x04 \x01(\x05\"k\n\x10TimelineResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61llocatable\x18\x02 \x01(\x05\x12\x31\n\x07\x62uckets\x18\x03 \x03(\x0b\x32 .bettercompute.v1.TimelineBucket2]\n\x08\x43\x61pacity\x12Q\n\x08Timeline\x12!.bettercompute.v1.TimelineRequest\x1a\".bettercompute.v1.TimelineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x65ttercompute/v1/capacity.proto\x12\x10\x62\x65ttercompute.v1\x1a#bettercompute/v1/reservations.proto\"\x95\x01\n\x0fTimelineRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\x04\x66rom\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x02to\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x19\n\x0cstep_minutes\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05_fromB\x05\n\x03_toB\x0f\n\r_step_minutes\"J\n\x0eTimelineBucket\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\x12\x0e\n\x06\x62ooked\x18\x03 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x04 \x01(\x05\"k\n\x10TimelineResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61llocatable\x18\x02 \x01(\x05\x12\x31\n\x07\x62uckets\x18\x03 \x03(\x0b\x32 .bettercompute.v1.TimelineBucket\"Y\n\rPreviewMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x10\n\x08\x61tom_ids\x18\x03 \x03(\t\x12\x12\n\ndevice_ids\x18\x04 \x03(\t\"<\n\x0b\x46ilterCount\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x81\x02\n\x0fPreviewResponse\x12\x0c\n\x04\x66its\x18\x01 \x01(\x08\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x03\x12\x30\n\x07members\x18\x05 \x03(\x0b\x32\x1f.bettercompute.v1.PreviewMember\x12\r\n\x05group\x18\x06 \x01(\t\x12\x32\n\tresources\x18\x07 \x01(\x0b\x32\x1f.bettercompute.v1.HostResources\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12.\n\x07\x66ilters\x18\t \x03(\x0b\x32\x1d.bettercompute.v1.FilterCount\"3\n\rRollupRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\"U\n\x0e\x43\x61pacityCounts\x12\x13\n\x0b\x61llocatable\x18\x01 \x01(\x05\x12\x0e\n\x06in_use\x18\x02 \x01(\x05\x12\x10\n\x08reserved\x18\x03 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x04 \x01(\x05\"N\n\x0bModelRollup\x12\r\n\x05model\x18\x01 \x01(\t\x12\x30\n\x06\x63ounts\x18\x02 \x01(\x0b\x32 .bettercompute.v1.CapacityCounts\"@\n\tTenantUse\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0e\n\x06in_use\x18\x02 \x01(\x05\x12\x10\n\x08reserved\x18\x03 \x01(\x05\"\x89\x02\n\x0eRollupResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12/\n\x05total\x18\x02 \x01(\x0b\x32 .bettercompute.v1.CapacityCounts\x12-\n\x06models\x18\x03 \x03(\x0b\x32\x1d.bettercompute.v1.ModelRollup\x12\x12\n\nown_in_use\x18\x04 \x01(\x05\x12\x14\n\x0cown_reserved\x18\x05 \x01(\x05\x12\x15\n\rothers_in_use\x18\x06 \x01(\x05\x12\x17\n\x0fothers_reserved\x18\x07 \x01(\x05\x12,\n\x07tenants\x18\x08 \x03(\x0b\x32\x1b.bettercompute.v1.TenantUse2\x84\x02\n\x08\x43\x61pacity\x12Q\n\x08Timeline\x12!.bettercompute.v1.TimelineRequest\x1a\".bettercompute.v1.TimelineResponse\x12X\n\x07Preview\x12*.bettercompute.v1.CreateReservationRequest\x1a!.bettercompute.v1.PreviewResponse\x12K\n\x06Rollup\x12\x1f.bettercompute.v1.RollupRequest\x1a .bettercompute.v1.RollupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bettercompute.v1.capacity_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIMELINEREQUEST']._serialized_start=54
-  _globals['_TIMELINEREQUEST']._serialized_end=203
-  _globals['_TIMELINEBUCKET']._serialized_start=205
-  _globals['_TIMELINEBUCKET']._serialized_end=279
-  _globals['_TIMELINERESPONSE']._serialized_start=281
-  _globals['_TIMELINERESPONSE']._serialized_end=388
-  _globals['_CAPACITY']._serialized_start=390
-  _globals['_CAPACITY']._serialized_end=483
+  _globals['_TIMELINEREQUEST']._serialized_start=91
+  _globals['_TIMELINEREQUEST']._serialized_end=240
+  _globals['_TIMELINEBUCKET']._serialized_start=242
+  _globals['_TIMELINEBUCKET']._serialized_end=316
+  _globals['_TIMELINERESPONSE']._serialized_start=318
+  _globals['_TIMELINERESPONSE']._serialized_end=425
+  _globals['_PREVIEWMEMBER']._serialized_start=427
+  _globals['_PREVIEWMEMBER']._serialized_end=516
+  _globals['_FILTERCOUNT']._serialized_start=518
+  _globals['_FILTERCOUNT']._serialized_end=578
+  _globals['_PREVIEWRESPONSE']._serialized_start=581
+  _globals['_PREVIEWRESPONSE']._serialized_end=838
+  _globals['_ROLLUPREQUEST']._serialized_start=840
+  _globals['_ROLLUPREQUEST']._serialized_end=891
+  _globals['_CAPACITYCOUNTS']._serialized_start=893
+  _globals['_CAPACITYCOUNTS']._serialized_end=978
+  _globals['_MODELROLLUP']._serialized_start=980
+  _globals['_MODELROLLUP']._serialized_end=1058
+  _globals['_TENANTUSE']._serialized_start=1060
+  _globals['_TENANTUSE']._serialized_end=1124
+  _globals['_ROLLUPRESPONSE']._serialized_start=1127
+  _globals['_ROLLUPRESPONSE']._serialized_end=1392
+  _globals['_CAPACITY']._serialized_start=1395
+  _globals['_CAPACITY']._serialized_end=1655
 # @@protoc_insertion_point(module_scope)

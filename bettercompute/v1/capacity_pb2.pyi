@@ -3,6 +3,7 @@
 isort:skip_file
 Capacity views of a pool."""
 
+from bettercompute.v1 import reservations_pb2 as _reservations_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -113,3 +114,263 @@ class TimelineResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TimelineResponse: _TypeAlias = TimelineResponse  # noqa: Y015
+
+@_typing.final
+class PreviewMember(_message.Message):
+    """One node a create would take, with the atoms the placer picks there."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    ATOM_IDS_FIELD_NUMBER: _builtins.int
+    DEVICE_IDS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    node_name: _builtins.str
+    @_builtins.property
+    def atom_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def device_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        atom_ids: _abc.Iterable[_builtins.str] | None = ...,
+        device_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["atom_ids", b"atom_ids", "device_ids", b"device_ids", "node_id", b"node_id", "node_name", b"node_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreviewMember: _TypeAlias = PreviewMember  # noqa: Y015
+
+@_typing.final
+class FilterCount(_message.Message):
+    """How many nodes one filter removed, in the words of an Unschedulable condition."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    filter: _builtins.str
+    nodes: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        filter: _builtins.str = ...,
+        nodes: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "nodes", b"nodes", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FilterCount: _TypeAlias = FilterCount  # noqa: Y015
+
+@_typing.final
+class PreviewResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FITS_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    FILTERS_FIELD_NUMBER: _builtins.int
+    fits: _builtins.bool
+    pool_id: _builtins.str
+    start: _builtins.int
+    """The window it would book (epoch ms); with start_earliest, the earliest start found."""
+    end: _builtins.int
+    group: _builtins.str
+    """A gang's label value ("" without a topology key)."""
+    reason: _builtins.str
+    """Why nothing fits (the Unschedulable message), and each filter's count."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___PreviewMember]:
+        """The nodes it would take: one, or a gang's members."""
+
+    @_builtins.property
+    def resources(self) -> _reservations_pb2.HostResources:
+        """Host resources booked per node: the request's, or the pool's per-GPU share."""
+
+    @_builtins.property
+    def filters(self) -> _containers.RepeatedCompositeFieldContainer[Global___FilterCount]: ...
+    def __init__(
+        self,
+        *,
+        fits: _builtins.bool = ...,
+        pool_id: _builtins.str = ...,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        members: _abc.Iterable[Global___PreviewMember] | None = ...,
+        group: _builtins.str = ...,
+        resources: _reservations_pb2.HostResources | None = ...,
+        reason: _builtins.str = ...,
+        filters: _abc.Iterable[Global___FilterCount] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "filters", b"filters", "fits", b"fits", "group", b"group", "members", b"members", "pool_id", b"pool_id", "reason", b"reason", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreviewResponse: _TypeAlias = PreviewResponse  # noqa: Y015
+
+@_typing.final
+class RollupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    tenant_id: _builtins.str
+    pool_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_id", b"pool_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollupRequest: _TypeAlias = RollupRequest  # noqa: Y015
+
+@_typing.final
+class CapacityCounts(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALLOCATABLE_FIELD_NUMBER: _builtins.int
+    IN_USE_FIELD_NUMBER: _builtins.int
+    RESERVED_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    allocatable: _builtins.int
+    in_use: _builtins.int
+    reserved: _builtins.int
+    """Booked for a window that has not begun."""
+    free: _builtins.int
+    def __init__(
+        self,
+        *,
+        allocatable: _builtins.int = ...,
+        in_use: _builtins.int = ...,
+        reserved: _builtins.int = ...,
+        free: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable", b"allocatable", "free", b"free", "in_use", b"in_use", "reserved", b"reserved"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CapacityCounts: _TypeAlias = CapacityCounts  # noqa: Y015
+
+@_typing.final
+class ModelRollup(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    @_builtins.property
+    def counts(self) -> Global___CapacityCounts: ...
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        counts: Global___CapacityCounts | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelRollup: _TypeAlias = ModelRollup  # noqa: Y015
+
+@_typing.final
+class TenantUse(_message.Message):
+    """One tenant's use of the pool (shown to the pool's owner only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    IN_USE_FIELD_NUMBER: _builtins.int
+    RESERVED_FIELD_NUMBER: _builtins.int
+    tenant_id: _builtins.str
+    in_use: _builtins.int
+    reserved: _builtins.int
+    def __init__(
+        self,
+        *,
+        tenant_id: _builtins.str = ...,
+        in_use: _builtins.int = ...,
+        reserved: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_use", b"in_use", "reserved", b"reserved", "tenant_id", b"tenant_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantUse: _TypeAlias = TenantUse  # noqa: Y015
+
+@_typing.final
+class RollupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    OWN_IN_USE_FIELD_NUMBER: _builtins.int
+    OWN_RESERVED_FIELD_NUMBER: _builtins.int
+    OTHERS_IN_USE_FIELD_NUMBER: _builtins.int
+    OTHERS_RESERVED_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.str
+    own_in_use: _builtins.int
+    """The caller's tenant's share of in_use and reserved."""
+    own_reserved: _builtins.int
+    others_in_use: _builtins.int
+    """Every other tenant's, in aggregate."""
+    others_reserved: _builtins.int
+    @_builtins.property
+    def total(self) -> Global___CapacityCounts: ...
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRollup]: ...
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantUse]:
+        """Per tenant, for the pool's owner; empty for a pool merely offered to the caller's tenant."""
+
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.str = ...,
+        total: Global___CapacityCounts | None = ...,
+        models: _abc.Iterable[Global___ModelRollup] | None = ...,
+        own_in_use: _builtins.int = ...,
+        own_reserved: _builtins.int = ...,
+        others_in_use: _builtins.int = ...,
+        others_reserved: _builtins.int = ...,
+        tenants: _abc.Iterable[Global___TenantUse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["total", b"total"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models", "others_in_use", b"others_in_use", "others_reserved", b"others_reserved", "own_in_use", b"own_in_use", "own_reserved", b"own_reserved", "pool_id", b"pool_id", "tenants", b"tenants", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollupResponse: _TypeAlias = RollupResponse  # noqa: Y015

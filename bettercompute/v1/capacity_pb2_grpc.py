@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from bettercompute.v1 import capacity_pb2 as bettercompute_dot_v1_dot_capacity__pb2
+from bettercompute.v1 import reservations_pb2 as bettercompute_dot_v1_dot_reservations__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -39,6 +40,16 @@ class CapacityStub:
                 request_serializer=bettercompute_dot_v1_dot_capacity__pb2.TimelineRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_capacity__pb2.TimelineResponse.FromString,
                 _registered_method=True)
+        self.Preview = channel.unary_unary(
+                '/bettercompute.v1.Capacity/Preview',
+                request_serializer=bettercompute_dot_v1_dot_reservations__pb2.CreateReservationRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_capacity__pb2.PreviewResponse.FromString,
+                _registered_method=True)
+        self.Rollup = channel.unary_unary(
+                '/bettercompute.v1.Capacity/Rollup',
+                request_serializer=bettercompute_dot_v1_dot_capacity__pb2.RollupRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_capacity__pb2.RollupResponse.FromString,
+                _registered_method=True)
 
 
 class CapacityServicer:
@@ -51,6 +62,22 @@ class CapacityServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preview(self, request, context):
+        """Where a create would place now (or, with start_earliest, the earliest start it fits), booking
+        nothing. Takes exactly what Reservations.Create takes; idempotency_key and wait are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollup(self, request, context):
+        """The pool's rollup: allocatable, in use now, reserved (booked for a window not yet begun) and
+        free now, in whole GPUs, for the pool and per GPU model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CapacityServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +85,16 @@ def add_CapacityServicer_to_server(servicer, server):
                     servicer.Timeline,
                     request_deserializer=bettercompute_dot_v1_dot_capacity__pb2.TimelineRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_capacity__pb2.TimelineResponse.SerializeToString,
+            ),
+            'Preview': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preview,
+                    request_deserializer=bettercompute_dot_v1_dot_reservations__pb2.CreateReservationRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_capacity__pb2.PreviewResponse.SerializeToString,
+            ),
+            'Rollup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollup,
+                    request_deserializer=bettercompute_dot_v1_dot_capacity__pb2.RollupRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_capacity__pb2.RollupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +124,60 @@ class Capacity:
             '/bettercompute.v1.Capacity/Timeline',
             bettercompute_dot_v1_dot_capacity__pb2.TimelineRequest.SerializeToString,
             bettercompute_dot_v1_dot_capacity__pb2.TimelineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preview(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Capacity/Preview',
+            bettercompute_dot_v1_dot_reservations__pb2.CreateReservationRequest.SerializeToString,
+            bettercompute_dot_v1_dot_capacity__pb2.PreviewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Capacity/Rollup',
+            bettercompute_dot_v1_dot_capacity__pb2.RollupRequest.SerializeToString,
+            bettercompute_dot_v1_dot_capacity__pb2.RollupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -119,6 +119,8 @@ class CreateReservationRequest(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     SPOT_FIELD_NUMBER: _builtins.int
+    START_EARLIEST_FIELD_NUMBER: _builtins.int
+    HORIZON_MS_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     pool_id: _builtins.str
     duration: _builtins.str
@@ -134,6 +136,10 @@ class CreateReservationRequest(_message.Message):
     """Spot: placed like any other, but a regular reservation that does not fit otherwise may
     preempt it after the pool's notice (policy spot.noticeSeconds). Not for binding "node".
     """
+    start_earliest: _builtins.bool
+    """Start at the earliest moment the whole request fits within horizon_ms of now (`start` unset)."""
+    horizon_ms: _builtins.int
+    """How far ahead the earliest start is searched: default 14 days, at most 60."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceRequest]: ...
     @_builtins.property
@@ -174,17 +180,23 @@ class CreateReservationRequest(_message.Message):
         resources: Global___HostResources | None = ...,
         node: Global___NodeLease | None = ...,
         spot: _builtins.bool = ...,
+        start_earliest: _builtins.bool = ...,
+        horizon_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_horizon_ms", b"_horizon_ms", "_lease_seconds", b"_lease_seconds", "_start", b"_start", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "horizon_ms", b"horizon_ms", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "spot", b"spot", "start", b"start", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_horizon_ms", b"_horizon_ms", "_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "duration_ms", b"duration_ms", "duration_spec", b"duration_spec", "gang", b"gang", "horizon_ms", b"horizon_ms", "idempotency_key", b"idempotency_key", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "spot", b"spot", "start", b"start", "start_earliest", b"start_earliest", "tenant_id", b"tenant_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__horizon_ms: _TypeAlias = _typing.Literal["horizon_ms"]  # noqa: Y015
+    _WhichOneofArgType__horizon_ms: _TypeAlias = _typing.Literal["_horizon_ms", b"_horizon_ms"]  # noqa: Y015
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
     _WhichOneofReturnType__start: _TypeAlias = _typing.Literal["start"]  # noqa: Y015
     _WhichOneofArgType__start: _TypeAlias = _typing.Literal["_start", b"_start"]  # noqa: Y015
     _WhichOneofReturnType_duration_spec: _TypeAlias = _typing.Literal["duration", "duration_ms"]  # noqa: Y015
     _WhichOneofArgType_duration_spec: _TypeAlias = _typing.Literal["duration_spec", b"duration_spec"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__horizon_ms) -> _WhichOneofReturnType__horizon_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_seconds) -> _WhichOneofReturnType__lease_seconds | None: ...
     @_typing.overload
@@ -534,6 +546,8 @@ class StoredRequest(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
     SPOT_FIELD_NUMBER: _builtins.int
+    START_EARLIEST_FIELD_NUMBER: _builtins.int
+    HORIZON_MS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     duration: _builtins.str
     """Milliseconds with an "ms" suffix, e.g. "28800000ms"."""
@@ -541,6 +555,9 @@ class StoredRequest(_message.Message):
     start: _builtins.int
     lease_seconds: _builtins.int
     spot: _builtins.bool
+    start_earliest: _builtins.bool
+    """Created with start "earliest": the start chosen, recorded so a retry returns the same booking."""
+    horizon_ms: _builtins.int
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceRequest]: ...
     @_builtins.property
@@ -567,15 +584,21 @@ class StoredRequest(_message.Message):
         resources: Global___HostResources | None = ...,
         node: Global___NodeLease | None = ...,
         spot: _builtins.bool = ...,
+        start_earliest: _builtins.bool = ...,
+        horizon_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_horizon_ms", b"_horizon_ms", "_lease_seconds", b"_lease_seconds", "_start", b"_start", "gang", b"gang", "horizon_ms", b"horizon_ms", "lease_seconds", b"lease_seconds", "node", b"node", "resources", b"resources", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "gang", b"gang", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "spot", b"spot", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_horizon_ms", b"_horizon_ms", "_lease_seconds", b"_lease_seconds", "_start", b"_start", "binding", b"binding", "devices", b"devices", "duration", b"duration", "gang", b"gang", "horizon_ms", b"horizon_ms", "lease_seconds", b"lease_seconds", "node", b"node", "node_selector", b"node_selector", "pool_id", b"pool_id", "resources", b"resources", "spot", b"spot", "start", b"start", "start_earliest", b"start_earliest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__horizon_ms: _TypeAlias = _typing.Literal["horizon_ms"]  # noqa: Y015
+    _WhichOneofArgType__horizon_ms: _TypeAlias = _typing.Literal["_horizon_ms", b"_horizon_ms"]  # noqa: Y015
     _WhichOneofReturnType__lease_seconds: _TypeAlias = _typing.Literal["lease_seconds"]  # noqa: Y015
     _WhichOneofArgType__lease_seconds: _TypeAlias = _typing.Literal["_lease_seconds", b"_lease_seconds"]  # noqa: Y015
     _WhichOneofReturnType__start: _TypeAlias = _typing.Literal["start"]  # noqa: Y015
     _WhichOneofArgType__start: _TypeAlias = _typing.Literal["_start", b"_start"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__horizon_ms) -> _WhichOneofReturnType__horizon_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_seconds) -> _WhichOneofReturnType__lease_seconds | None: ...
     @_typing.overload

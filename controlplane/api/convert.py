@@ -30,6 +30,8 @@ def create_input(m: pb.CreateReservationRequest) -> dict[str, Any]:
         "node": _node_lease(m.node) if m.HasField("node") else None,
         "gang": {"size": m.gang.size, "topology_key": m.gang.topology_key} if m.HasField("gang") else None,
         "spot": m.spot,
+        "start_earliest": m.start_earliest,
+        "horizon_ms": m.horizon_ms if m.HasField("horizon_ms") else None,
     }
 
 
@@ -86,6 +88,8 @@ def reservation(row: dict[str, Any]) -> pb.Reservation:
             gang=pb.Gang(size=request["gang"]["size"], topology_key=request["gang"]["topologyKey"])
             if request.get("gang") else None,
             spot=bool(request.get("spot")),
+            start_earliest=bool(request.get("startEarliest")),
+            horizon_ms=request.get("horizonMs"),
         ),
         owner_identity_id=row["owner_identity_id"],
         idempotency_key=row["idempotency_key"],

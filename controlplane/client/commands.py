@@ -43,6 +43,8 @@ def reserve_request(
     gang: int | None = None,
     topology_key: str = "",
     spot: bool = False,
+    earliest: bool = False,
+    horizon: str | None = None,
 ) -> pb.CreateReservationRequest:
     pool_id = pool or client.conn.pool_id
     if not pool_id:
@@ -68,7 +70,17 @@ def reserve_request(
     elif topology_key:
         raise UsageError("--topology-key needs --gang")
     if start:
+        if earliest:
+            raise UsageError("--start and --earliest: pick one")
         request.start = parse_moment("--start", start)
+    request.start_earliest = earliest
+    if horizon:
+        if not earliest:
+            raise UsageError("--horizon needs --earliest")
+        try:
+            request.horizon_ms = parse_duration_ms(horizon)
+        except ValueError:
+            raise UsageError(f"--horizon {horizon!r}: use a duration such as 14d") from None
     if lease:
         try:
             request.lease_seconds = parse_duration_ms(lease) // 1000
@@ -115,9 +127,30 @@ def reserve(client: Client, args: argparse.Namespace, on_state: Callable[[str], 
         device_class=args.device_class, profile=args.profile,
         cpus=args.cpus, memory_gib=args.memory,
         node_profile=args.node_profile,
-        gang=args.gang, topology_key=args.topology_key, spot=args.spot,
+        gang=args.gang, topology_key=args.topology_key, spot=args.spot, earliest=args.earliest,
+        horizon=args.horizon,
     )
     return create_and_wait(client, request, args.wait, on_state)
+
+
+def capacity(client: Client, args: argparse.Namespace) -> Message:
+    """The pool's rollup, or with --preview where `reserve` with the same flags would place."""
+    pool_id = args.pool or client.conn.pool_id
+    if not pool_id:
+        raise UsageError("no pool: pass --pool or use a connection file that names one")
+    if not args.preview:
+        if args.gpus is not None:
+            raise UsageError("--gpus and the other reserve flags go with --preview")
+        return client.call("capacity", "Rollup", cpb.RollupRequest(tenant_id=client.conn.tenant_id, pool_id=pool_id))
+    if args.gpus is None:
+        raise UsageError("--preview needs --gpus")
+    request = reserve_request(
+        client, gpus=args.gpus, topology=args.topology, duration=args.duration, start=args.start, pool=args.pool,
+        kubernetes=args.kubernetes, device_class=args.device_class, profile=args.profile, cpus=args.cpus,
+        memory_gib=args.memory, node_profile=args.node_profile, gang=args.gang, topology_key=args.topology_key,
+        spot=args.spot, earliest=args.earliest, horizon=args.horizon,
+    )
+    return client.call("capacity", "Preview", request)
 
 
 def _get_request(client: Client, reservation_id: str) -> pb.GetReservationRequest:

@@ -83,6 +83,15 @@ class Tools:
             answer["note"] = "still queued: read it again later with get_reservation"
         return answer
 
+    def preview_capacity(
+        self, gpus: int, topology: str, duration: str, start: str | None, pool: str | None, gang: int | None,
+        topology_key: str, earliest: bool, horizon: str | None,
+    ) -> dict[str, Any]:
+        request = self._call(commands.reserve_request, self.client, gpus=gpus, topology=topology, duration=duration,
+                             start=start, pool=pool, gang=gang, topology_key=topology_key, earliest=earliest,
+                             horizon=horizon)
+        return as_json(self._call(self.client.call, "capacity", "Preview", request))
+
     def get_reservation(self, reservation_id: str) -> dict[str, Any]:
         request = pb.GetReservationRequest(tenant_id=self.client.conn.tenant_id, reservation_id=reservation_id)
         return as_json(self._call(self.client.call, "reservations", "Get", request))
@@ -147,6 +156,24 @@ def build(tools: Tools) -> MCPServer:
         Pass idempotencyKey to retry safely; one is generated and returned otherwise. The answer's
         status is the reservation's state, or 'confirmation-required' (see 'next')."""
         return tools.reserve_gpus(gpus, topology, duration, start, pool, waitSeconds, idempotencyKey)
+
+    @server.tool()
+    def preview_capacity(
+        gpus: int,
+        topology: str = "",
+        duration: str = "1h",
+        start: str | None = None,
+        pool: str | None = None,
+        gang: int | None = None,
+        topologyKey: str = "",  # noqa: N803
+        earliest: bool = False,
+        horizon: str | None = None,
+    ) -> dict[str, Any]:
+        """Where reserve_gpus with these arguments would place now, booking nothing: fits, the
+        nodes (a gang's members: gang nodes of `gpus` each, sharing topologyKey) and their devices,
+        or the reason with each filter's count. earliest=true: the earliest start within horizon
+        ('14d' by default, at most '60d') at which it fits."""
+        return tools.preview_capacity(gpus, topology, duration, start, pool, gang, topologyKey, earliest, horizon)
 
     @server.tool()
     def get_reservation(reservationId: str) -> dict[str, Any]:  # noqa: N803

@@ -52,31 +52,9 @@ def build() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("reserve", parents=[common], help="reserve GPUs")
-    p.add_argument("--gpus", type=int, required=True,
-                   help="how many GPUs (or MIG instances with --class gpu.mig, slots with --class gpu.slot)")
-    p.add_argument("--class", dest="device_class", default="gpu", choices=("gpu", "gpu.mig", "gpu.slot"),
-                   help="whole GPUs (default); MIG instances or time-slice/MPS slots in a pool that shares its GPUs")
-    p.add_argument("--profile", default="", help="the MIG profile of the instances, e.g. 1g.10gb (--class gpu.mig)")
-    p.add_argument("--topology", default="", help="nvlink-all, numa or any (default any)")
-    p.add_argument("--gang", type=int, metavar="NODES",
-                   help="a gang: this many nodes (2-64), each taking all of --gpus")
-    p.add_argument("--topology-key", default="", metavar="LABEL",
-                   help="with --gang: every node shares one value of this label, e.g. fabric.domain")
-    p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 3d... (default 1h)")
-    p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")
+    _shape_flags(p, required=True)
     p.add_argument("--key", help="idempotency key (default: a new random key)")
     p.add_argument("--lease", help="a renewable lease such as 10m (see `renew`)")
-    p.add_argument("--kubernetes", action="store_true",
-                   help="binding kubernetes: the node's kubelet gets the GPUs (an owned pool with policy.kubernetes)")
-    p.add_argument("--spot", action="store_true",
-                   help="spot: a regular reservation that needs the GPUs may take them after the pool's notice")
-    p.add_argument("--cpus", type=_bounded("--cpus", 0, 4096), metavar="N",
-                   help="host CPUs per node, 0 to 4096 (default: the pool's per-GPU share)")
-    p.add_argument("--memory", type=_bounded("--memory", 0, 65536), metavar="GIB",
-                   help="host memory per node in GiB, 0 to 65536 (default: the pool's per-GPU share)")
-    p.add_argument("--node-profile", metavar="ID[:VERSION]",
-                   help="binding node: lease whole machines of --gpus GPUs running this profile (its newest"
-                        " version unless one is named), in a pool with policy.tenantRoot")
     p.add_argument("--wait", type=float, default=20.0, help="seconds to wait while queued (default 20)")
     p.set_defaults(run=commands.reserve, progress=True)
 
@@ -98,8 +76,14 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--cursor", help="nextCursor of the previous page")
     p.set_defaults(run=commands.list_)
 
-    p = sub.add_parser("capacity", parents=[common], help="the pool's capacity over time")
-    views = p.add_subparsers(dest="view", required=True, metavar="VIEW")
+    # No abbreviations here: `capacity timeline --to` must not read as a prefix of --topology.
+    p = sub.add_parser("capacity", parents=[common], allow_abbrev=False,
+                       help="the pool's rollup; --preview: where a reservation would go; `timeline`: over time")
+    p.add_argument("--preview", action="store_true",
+                   help="where `reserve` with these flags would place now (or --earliest), booking nothing")
+    _shape_flags(p, required=False)
+    p.set_defaults(run=commands.capacity)
+    views = p.add_subparsers(dest="view", required=False, metavar="VIEW")
     t = views.add_parser("timeline", parents=[common], help="booked and free GPUs per time bucket")
     t.add_argument("--from", dest="from_", help="+1h, ISO 8601 or epoch ms (default: this hour)")
     t.add_argument("--to", help="+1d, ISO 8601 or epoch ms (default: from plus 24h)")
@@ -126,6 +110,37 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("confirmation_id", metavar="ID")
     p.set_defaults(run=commands.confirmation)
     return parser
+
+
+def _shape_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """What a reservation asks for: `reserve`'s flags, and `capacity --preview`'s."""
+    p.add_argument("--gpus", type=int, required=required,
+                   help="how many GPUs (or MIG instances with --class gpu.mig, slots with --class gpu.slot)")
+    p.add_argument("--class", dest="device_class", default="gpu", choices=("gpu", "gpu.mig", "gpu.slot"),
+                   help="whole GPUs (default); MIG instances or time-slice/MPS slots in a pool that shares its GPUs")
+    p.add_argument("--profile", default="", help="the MIG profile of the instances, e.g. 1g.10gb (--class gpu.mig)")
+    p.add_argument("--topology", default="", help="nvlink-all, numa or any (default any)")
+    p.add_argument("--gang", type=int, metavar="NODES",
+                   help="a gang: this many nodes (2-64), each taking all of --gpus")
+    p.add_argument("--topology-key", default="", metavar="LABEL",
+                   help="with --gang: every node shares one value of this label, e.g. fabric.domain")
+    p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 3d... (default 1h)")
+    p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")
+    p.add_argument("--spot", action="store_true",
+                   help="spot: a regular reservation that needs the GPUs may take them after the pool's notice")
+    p.add_argument("--kubernetes", action="store_true",
+                   help="binding kubernetes: the node's kubelet gets the GPUs (an owned pool with policy.kubernetes)")
+    p.add_argument("--cpus", type=_bounded("--cpus", 0, 4096), metavar="N",
+                   help="host CPUs per node, 0 to 4096 (default: the pool's per-GPU share)")
+    p.add_argument("--memory", type=_bounded("--memory", 0, 65536), metavar="GIB",
+                   help="host memory per node in GiB, 0 to 65536 (default: the pool's per-GPU share)")
+    p.add_argument("--node-profile", metavar="ID[:VERSION]",
+                   help="binding node: lease whole machines of --gpus GPUs running this profile (its newest"
+                        " version unless one is named), in a pool with policy.tenantRoot")
+    p.add_argument("--earliest", action="store_true",
+                   help="start at the earliest moment the whole request fits (instead of --start)")
+    p.add_argument("--horizon", metavar="DURATION",
+                   help="with --earliest: how far ahead to search, up to 60d (default 14d)")
 
 
 def _bounded(flag: str, lo: int, hi: int) -> Callable[[str], int]:

@@ -36,6 +36,8 @@ def as_json(message: Message) -> dict[str, Any]:
         out.setdefault("items", [])  # an empty page is a list, not a missing field
     if isinstance(message, cpb.TimelineResponse):
         out.setdefault("buckets", [])
+    if isinstance(message, cpb.PreviewResponse):
+        out.setdefault("fits", False)
     if isinstance(message, upb.QueryUsageResponse):
         out.setdefault("items", [])
         out.setdefault("total", 0)
@@ -236,6 +238,49 @@ def timeline(t: cpb.TimelineResponse) -> Group:
     return Group(Text(title, style="bold"), table)
 
 
+def rollup(r: cpb.RollupResponse) -> Group:
+    """The pool's whole GPUs now, for the pool and per model, and who uses them."""
+    table = Table(box=None, header_style="bold")
+    for name, justify in (("MODEL", "left"), ("ALLOCATABLE", "right"), ("IN USE", "right"),
+                          ("RESERVED", "right"), ("FREE", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for m in r.models:
+        c = m.counts
+        table.add_row(m.model, str(c.allocatable), str(c.in_use), str(c.reserved), str(c.free))
+    t = r.total
+    table.add_row(Text("all", style="bold"), str(t.allocatable), str(t.in_use), str(t.reserved), str(t.free))
+    lines = [Text(f"{r.pool_id}: {t.free} of {t.allocatable} GPUs free now", style="bold"), table,
+             Text(f"this tenant: {r.own_in_use} in use, {r.own_reserved} reserved; "
+                  f"others: {r.others_in_use} in use, {r.others_reserved} reserved")]
+    if r.tenants:
+        per = Table(box=None, header_style="bold")
+        for name in ("TENANT", "IN USE", "RESERVED"):
+            per.add_column(name, justify="left" if name == "TENANT" else "right", no_wrap=True)
+        for u in r.tenants:
+            per.add_row(u.tenant_id, str(u.in_use), str(u.reserved))
+        lines.append(per)
+    return Group(*lines)
+
+
+def preview(p: cpb.PreviewResponse) -> Group:
+    """Where the reservation would go, or why nothing fits, filter by filter."""
+    if not p.fits:
+        table = Table(box=None, header_style="bold")
+        for name in ("FILTER", "NODES", "REASON"):
+            table.add_column(name, justify="right" if name == "NODES" else "left")
+        for f in p.filters:
+            table.add_row(f.filter, str(f.nodes), f.reason)
+        return Group(Text("does not fit", style="bold red"), Text(p.reason), table)
+    rows = [("window", f"{fmt_time(p.start)} → {fmt_time(p.end)}")]
+    if p.group:
+        rows.append(("group", p.group))
+    if p.HasField("resources"):
+        rows.append(("host", f"{p.resources.vcpu} vcpu, {p.resources.memory_gib} GiB memory per node"))
+    for m in p.members:
+        rows.append(("node", f"{m.node_name or m.node_id}: {', '.join(m.device_ids)}"))
+    return _summary(Text("fits", style="bold green"), rows)
+
+
 def usage(u: upb.QueryUsageResponse) -> Group:
     """One row per metered hour: hour, meter, subject, quantity, pool and region."""
     table = Table(box=None, header_style="bold")
@@ -253,5 +298,7 @@ _RENDERERS: dict[type, Callable[[Any], Any]] = {
     pb.ExtendReservationResponse: extended,
     pb.Confirmation: confirmation,
     cpb.TimelineResponse: timeline,
+    cpb.RollupResponse: rollup,
+    cpb.PreviewResponse: preview,
     upb.QueryUsageResponse: usage,
 }

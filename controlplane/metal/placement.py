@@ -62,6 +62,11 @@ async def commit(
     return None
 
 
+async def leasable(conn: AsyncConnection, ask: placer.Ask) -> dict[str, Any] | None:
+    """The machine `commit` would book for the ask now (capacity.preview), or None."""
+    return await (await conn.execute(queries.LEASABLE_NODE, _params(ask, exclude=[]))).fetchone()
+
+
 async def explain(conn: AsyncConnection, ask: placer.Ask) -> str:
     """A human reason for an Unschedulable condition."""
     facts = await (await conn.execute(queries.DIAGNOSE, _params(ask))).fetchone()

@@ -23,7 +23,7 @@ from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
-from controlplane.reservations import devices, hostshare, kubernetes, placing, queries, queued, schedule, states
+from controlplane.reservations import devices, earliest, hostshare, kubernetes, placing, queries, queued, schedule, states
 from controlplane.reservations.reads import load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -52,6 +52,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     caller.require_member(inp.tenant_id)
     rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
     digest = request_hash(inp.request)
+    if inp.request.get("startEarliest"):  # the earliest start is searched on an index holding every commit
+        await earliest.caught_up(rt)
 
     draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest))
     if draft.decide:
@@ -86,14 +88,11 @@ async def _transaction_1(
     if row is None:
         now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
         check_start(inp, now_ms, TimeLimits.of(rt.settings))
-        pool = await _visible_pool(conn, rt, inp.request["poolId"], inp.tenant_id)
-        if pool is None:
-            raise errors.NotFound("no such pool", poolId=inp.request["poolId"])
-        kubernetes.check_pool(inp.request, pool, inp.tenant_id)
-        devices.check_pool(inp.request, pool)
-        await metal_request.check_create(conn, inp.request, pool)
+        resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id)
+        pool, request, share = resolved.pool, resolved.request, resolved.share
         await _require_draft_room(conn, rt, caller)
-        request, share = await _with_host_resources(conn, rt, inp.request, pool)
+        if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
+            request = await earliest.choose_start(conn, rt, request, now_ms)
         row = await (await conn.execute(
             queries.INSERT_DRAFT,
             {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
@@ -132,6 +131,28 @@ async def _transaction_1(
     draft.policy = await authorize.read_policy(conn, row["tenant_id"])
     draft.decide = True
     return draft
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated request resolved against its pool, as create stores it (capacity.preview too)."""
+
+    pool: dict[str, Any]
+    request: dict[str, Any]  # with the host resources it books
+    share: dict[str, int]  # the pool's per-GPU share it was raised to
+
+
+async def resolve_request(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], tenant_id: str) -> Resolved:
+    """The pool the tenant sees (NOT_FOUND otherwise), the checks against it, and the host
+    resources the request books: what create and capacity.preview both do before planning."""
+    pool = await _visible_pool(conn, rt, request["poolId"], tenant_id)
+    if pool is None:
+        raise errors.NotFound("no such pool", poolId=request["poolId"])
+    kubernetes.check_pool(request, pool, tenant_id)
+    devices.check_pool(request, pool)
+    await metal_request.check_create(conn, request, pool)
+    booked, share = await _with_host_resources(conn, rt, request, pool)
+    return Resolved(pool, booked, share)
 
 
 async def _with_host_resources(

@@ -41,16 +41,23 @@ async def prepare(
     in capacity's lock order. With lock=False the caller takes the pool lock itself, before the row
     (admission does both in one statement)."""
     ask = ask_for(row, now_ms)
-    members = gang.Gang.of(row["request"])
-    if is_node_lease(row["request"]):  # whole machines are planned under the pool lock, at commit
-        planned: placer.Planned | gang.GangPlanned = placer.Planned(None)
-    elif members is not None:  # every node of the pool, on the index; never the SQL shortlist
-        planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity)
-    else:
-        planned = await placer.plan(conn, ask, rt.settings, index=rt.capacity)
+    planned = await plan_for(conn, rt, row, ask)
     if lock:
         await pool_lock(conn, row["pool_id"])
     return Prepared(ask, planned)
+
+
+async def plan_for(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: placer.Ask
+) -> placer.Planned | gang.GangPlanned:
+    """The plan of `row` for the ask's window, reads only: what create commits and what
+    capacity.preview answers (one code path, so a preview that fits is a create that fits)."""
+    members = gang.Gang.of(row["request"])
+    if is_node_lease(row["request"]):  # whole machines are planned under the pool lock, at commit
+        return placer.Planned(None)
+    if members is not None:  # every node of the pool, on the index; never the SQL shortlist
+        return await gang.plan(conn, ask, members, rt.settings, index=rt.capacity)
+    return await placer.plan(conn, ask, rt.settings, index=rt.capacity)
 
 
 async def place_again(

@@ -43,11 +43,15 @@ class TimeLimits:
     # What `resources` may ask per node (README "Limits"; not times, but bounds of the same request).
     max_host_vcpu: int = 4096
     max_host_memory_gib: int = 65536
+    # An earliest-fit search: its default horizon and the longest one asked for.
+    earliest_horizon_ms: int = 14 * DAY_MS
+    max_earliest_horizon_ms: int = 60 * DAY_MS
 
     @classmethod
     def of(cls, settings: Settings) -> TimeLimits:
         return cls(settings.max_start_ahead_days * DAY_MS, settings.max_reservation_days * DAY_MS,
-                   settings.max_host_vcpu, settings.max_host_memory_gib)
+                   settings.max_host_vcpu, settings.max_host_memory_gib,
+                   settings.earliest_horizon_days * DAY_MS, settings.max_earliest_horizon_days * DAY_MS)
 
 
 def epoch_ms(field: str, value: int, now_ms: int, limits: TimeLimits) -> int:
@@ -164,7 +168,26 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None, *, ma
         request["gang"] = gang
     if raw.get("spot"):  # only when asked: the hash of a regular request stays what it was
         request["spot"] = True
+    _earliest(raw, request, limits)
     return CreateInput(tenant_id, key, wait_ms, request)
+
+
+def _earliest(raw: dict[str, Any], request: dict[str, Any], limits: TimeLimits) -> None:
+    """start "earliest": `startEarliest` and its `horizonMs`, only when asked (other hashes stay)."""
+    horizon = raw.get("horizon_ms")
+    if not raw.get("start_earliest"):
+        if horizon is not None:
+            raise errors.InvalidInput("horizonMs", "is for start 'earliest' only")
+        return
+    if request["start"] is not None:
+        raise errors.InvalidInput("start", "give a start or ask for the earliest one, not both")
+    if request["binding"] == "node":
+        raise errors.InvalidInput("startEarliest", "is not served for binding 'node'")
+    most = limits.max_earliest_horizon_ms
+    if horizon is not None and not 1 <= horizon <= most:
+        raise errors.InvalidInput("horizonMs", f"must be 1 to {most} ms ({most / DAY_MS:g} days)", maxMs=most)
+    request["startEarliest"] = True
+    request["horizonMs"] = horizon if horizon is not None else min(limits.earliest_horizon_ms, most)
 
 
 HOST_RESOURCES = ("vcpu", "memoryGiB", "hugepages1Gi")

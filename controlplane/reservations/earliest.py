@@ -1,0 +1,52 @@
+"""Start "earliest" (create) and `startEarliest` (capacity.preview): the earliest start within the
+request's horizon at which the whole request fits, found on the capacity index
+(controlplane.placement.earliest). When the shared index finds none (its pool not built yet, or a
+change it has not heard of), the pool is read from rows in this transaction and searched again, so
+"nothing fits" is PostgreSQL's word."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from psycopg import AsyncConnection
+
+from controlplane.placement import earliest as search_on
+from controlplane.placement import gang
+from controlplane.placement.index_sync import read_pool
+from controlplane.reservations import placing
+from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
+
+
+async def caught_up(rt: Runtime) -> None:
+    """Wait until the capacity index holds every change committed before now, so the search (and a
+    preview's plan) is the one a create would make next: the index may lag a booking committed a
+    moment ago. Past preview_index_wait_seconds it plans on the index as it is."""
+    if rt.capacity is None or not rt.capacity.ready:
+        return
+    try:
+        await rt.capacity.barrier(timeout=rt.settings.preview_index_wait_seconds)
+    except TimeoutError:
+        log.warning("capacity index did not catch up in time; searching it as it is")
+
+
+async def find(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[str, Any], now_ms: int) -> int | None:
+    """The earliest start of the request (its `horizonMs` from now), or None when none fits."""
+    window = placing.ask_for({"pool_id": pool_id, "request": {**request, "start": None}}, now_ms).window()
+    members = gang.Gang.of(request)
+    until = now_ms + request["horizonMs"]
+    pool = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+    if pool is not None:
+        found = search_on.search(pool, window, now=now_ms, until=until, gang=members)
+        if found is not None:
+            return found
+    return search_on.search(await read_pool(conn, pool_id), window, now=now_ms, until=until, gang=members)
+
+
+async def choose_start(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], now_ms: int) -> dict[str, Any]:
+    """The request as stored: with the chosen start, or none when nothing fits within the horizon
+    (it then goes pending like any other)."""
+    start = await find(conn, rt, request["poolId"], request, now_ms)
+    return request if start is None else {**request, "start": start}
