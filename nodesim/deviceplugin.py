@@ -1,16 +1,19 @@
 """The node's kubelet device plugin (device plugin API v1beta1; spec "Bindings", kubernetes).
 
+A kubelet takes one resource per plugin socket, so the node runs one plugin per device class:
+`bcd.dev/gpu` (whole GPUs), `bcd.dev/gpu.mig` (MIG instances) and `bcd.dev/gpu.slot` (GPU slots).
 Under the node's root, in the kubelet's directory `var/lib/kubelet/device-plugins/`:
-- the plugin serves `DevicePlugin` on `bcd-gpu.sock`;
-- it registers with the kubelet's `Registration` service on `kubelet.sock` once that socket exists,
-  retrying while it does not, and again when a new kubelet (a new socket) appears.
+- each plugin serves `DevicePlugin` on its own socket (`bcd-gpu.sock`, `bcd-gpu.mig.sock`,
+  `bcd-gpu.slot.sock`);
+- it registers its resource with the kubelet's `Registration` service on `kubelet.sock` once that
+  socket exists, retrying while it does not, and again when a new kubelet (a new socket) appears.
 
-It advertises exactly the devices of the node's live kubernetes bindings (the holds whose CDI spec
-carries the kubernetes marker) as resource `bcd.dev/gpu`, Healthy, until the hold ends; ListAndWatch
-sends the whole list again whenever it changes. Allocate answers the devices' CDI names
-(`bcd.dev/gpu=<uuid>`, the names of the hold's CDI spec) and refuses a device it does not advertise.
-The plugin's socket is created when the kubelet is first found, so a node with no kubelet costs one
-stat per retry period.
+Each advertises exactly the devices of its class in the node's live kubernetes bindings (the holds
+whose CDI spec carries the kubernetes marker), Healthy, until the hold ends; ListAndWatch sends the
+whole list again whenever it changes. Allocate answers the devices' CDI names (`bcd.dev/gpu=<uuid>`,
+`bcd.dev/gpu.mig=<uuid>:<n>`, ...: the names of the hold's CDI spec) and refuses a device it does not
+advertise. A plugin's socket is created when the kubelet is first found, so a node with no kubelet
+costs one stat per plugin and retry period.
 """
 
 from __future__ import annotations
@@ -26,22 +29,28 @@ import structlog
 
 from k8s.deviceplugin.v1beta1 import api_pb2 as dp
 from k8s.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from nodesim.artefacts import VENDOR, Hold
+from nodesim.artefacts import DEVICE_CLASSES, VENDOR, Hold
 
 API_VERSION = "v1beta1"
 PLUGIN_DIR = Path("var/lib/kubelet/device-plugins")
 KUBELET_SOCKET = "kubelet.sock"
-PLUGIN_SOCKET = "bcd-gpu.sock"
-RESOURCE = f"{VENDOR}/gpu"
 HEALTHY = "Healthy"
 REGISTER_TIMEOUT = 5.0
 # A Unix socket path holds at most 107 bytes; a longer one is reached through the directory's fd.
 _SUN_PATH_MAX = 100
 
 
-def advertised(holds: Iterable[Hold]) -> list[str]:
-    """The device ids of live kubernetes bindings of whole GPUs, sorted, without repeats."""
-    return sorted({d for h in holds if h.kubernetes and h.device_class == "gpu" for d in h.device_ids})
+def resource_of(device_class: str) -> str:
+    return f"{VENDOR}/{device_class}"
+
+
+def socket_of(device_class: str) -> str:
+    return f"bcd-{device_class}.sock"
+
+
+def advertised(holds: Iterable[Hold], device_class: str = "gpu") -> list[str]:
+    """The device ids of live kubernetes bindings of one class, sorted, without repeats."""
+    return sorted({d for h in holds if h.kubernetes and h.device_class == device_class for d in h.device_ids})
 
 
 class UnixPath:
@@ -65,25 +74,51 @@ class UnixPath:
             self._dir_fd = None
 
 
-class DevicePlugin(dp_grpc.DevicePluginServicer):
+class DevicePlugins:
+    """The node's plugins, one per device class, told of every change of the holds together."""
+
     def __init__(self, root: Path, holds: Callable[[], Iterable[Hold]], node_name: str,
                  retry: float = 2.0) -> None:
+        self.plugins = [DevicePlugin(root, holds, node_name, retry, c) for c in DEVICE_CLASSES]
+
+    def changed(self) -> None:
+        for plugin in self.plugins:
+            plugin.changed()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(p.run(), name=f"plugin-{p.device_class}") for p in self.plugins]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class DevicePlugin(dp_grpc.DevicePluginServicer):
+    """The plugin of one device class (resource `bcd.dev/<class>`)."""
+
+    def __init__(self, root: Path, holds: Callable[[], Iterable[Hold]], node_name: str,
+                 retry: float = 2.0, device_class: str = "gpu") -> None:
         self.dir = root / PLUGIN_DIR
         self.holds = holds
+        self.device_class = device_class
+        self.resource = resource_of(device_class)
+        self.endpoint = socket_of(device_class)
         self.retry = retry
         self.devices: list[str] = []
         self.registrations = 0
         self._changed = asyncio.Condition()
         self._server: grpc.aio.Server | None = None
-        self._socket = UnixPath(self.dir / PLUGIN_SOCKET)
+        self._socket = UnixPath(self.dir / self.endpoint)
         self._kubelet = UnixPath(self.dir / KUBELET_SOCKET)
-        self.log = structlog.get_logger("nodesim.deviceplugin").bind(node=node_name)
+        self.log = structlog.get_logger("nodesim.deviceplugin").bind(node=node_name, resource=self.resource)
 
     # -- the node's side ---------------------------------------------------------------------
 
     def changed(self) -> None:
         """The node's holds changed: wake the ListAndWatch streams when the device list did."""
-        devices = advertised(self.holds())
+        devices = advertised(self.holds(), self.device_class)
         if devices == self.devices:
             return
         self.devices = devices
@@ -95,7 +130,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
 
     async def run(self) -> None:
         """Register with the kubelet whenever one (a new kubelet.sock) appears; serve meanwhile."""
-        self.devices = advertised(self.holds())
+        self.devices = advertised(self.holds(), self.device_class)
         registered_with: tuple[int, int] | None = None
         try:
             while True:
@@ -117,7 +152,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
     async def _register(self) -> bool:
         await self._serve()
         request = dp.RegisterRequest(
-            version=API_VERSION, endpoint=PLUGIN_SOCKET, resource_name=RESOURCE,
+            version=API_VERSION, endpoint=self.endpoint, resource_name=self.resource,
             options=dp.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True))
         try:
             async with grpc.aio.insecure_channel(self._kubelet.address()) as channel:
@@ -126,11 +161,11 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
             self.log.info("kubelet registration failed; retrying", code=exc.code().name, details=exc.details())
             return False
         self.registrations += 1
-        self.log.info("registered with the kubelet", resource=RESOURCE, devices=len(self.devices))
+        self.log.info("registered with the kubelet", devices=len(self.devices))
         return True
 
     async def _serve(self) -> None:
-        path = self.dir / PLUGIN_SOCKET
+        path = self.dir / self.endpoint
         if self._server is not None and path.exists():
             return
         await self._stop()
@@ -185,7 +220,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"devices not advertised by this plugin: {', '.join(unknown)}")
             out.container_responses.append(dp.ContainerAllocateResponse(
-                cdi_devices=[dp.CDIDevice(name=f"{RESOURCE}={d}") for d in req.devices_ids]))
+                cdi_devices=[dp.CDIDevice(name=f"{self.resource}={d}") for d in req.devices_ids]))
         return out
 
     async def PreStartContainer(self, request: dp.PreStartContainerRequest,

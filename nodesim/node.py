@@ -26,7 +26,7 @@ from nodesim import DAEMON_VERSION, LEGACY_DAEMON_VERSION
 from nodesim.artefacts import Sandbox
 from nodesim.config import Faults, FleetConfig
 from nodesim.converge import Bound, Converger, Event
-from nodesim.deviceplugin import DevicePlugin
+from nodesim.deviceplugin import DevicePlugins
 from nodesim.identity import Identity, IdentityError, IdentityStore, KeyPair, Sequence
 from nodesim.inventory import Hardware, build
 from nodesim.metal import Metal
@@ -83,7 +83,7 @@ class SimNode:
         self.store = IdentityStore(self.root)
         self.sandbox = Sandbox(self.root)
         self.converger = Converger(self.sandbox, self.hardware, self.faults, name)
-        self.plugin = DevicePlugin(self.root, lambda: self.converger.holds.values(), name, config.kubelet_retry)
+        self.plugin = DevicePlugins(self.root, lambda: self.converger.holds.values(), name, config.kubelet_retry)
         self.metal = Metal(self.root, self.hardware, self.faults, name, reimage_seconds=config.reimage_seconds,
                            wipe_seconds=config.wipe_seconds, changed=self._inventory_changed)
         self.identity: Identity | None = None

@@ -141,7 +141,7 @@ def test_drafts_are_not_found_and_not_listed(world: World) -> None:
         ({"device_class": "tpu"}, "devices[0].class", "INVALID_INPUT"),
         ({"device_class": "gpu.mig"}, "devices[0].class", "INVALID_INPUT"),  # the pool is exclusive
         ({"profile": "1g.10gb"}, "devices[0].profile", "INVALID_INPUT"),  # whole GPUs have no profile
-        ({"device_class": "gpu.slot", "binding": "kubernetes"}, "devices[0].class", "UNSUPPORTED"),
+        ({"device_class": "gpu.slot", "binding": "kubernetes"}, "binding", "INVALID_INPUT"),  # no policy.kubernetes
         ({"duration": "8 hours"}, "duration", "INVALID_INPUT"),
         ({"duration": "0h"}, "duration", "INVALID_INPUT"),
         ({"duration": None}, "duration", "INVALID_INPUT"),

@@ -6,8 +6,9 @@ nodesim processes; the test plays the kubelet.
 - It places only on nodes whose daemon advertises binding.kubernetes (the system label written from
   Hello); an operator label of that name does not count.
 - The node binds it like a hold, marks its CDI spec for its device plugin and gives it no cgroup
-  slice; its device plugin registers with the kubelet and advertises exactly those devices as
-  bcd.dev/gpu until the reservation ends; Allocate answers their CDI names.
+  slice; its device plugins (one per resource: bcd.dev/gpu, bcd.dev/gpu.mig, bcd.dev/gpu.slot)
+  register with the kubelet and each advertises exactly the devices of its class until the
+  reservation ends; Allocate answers their CDI names.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from tests.support import World, make_world, rpc_error
 from tests.test_e2e import Fleet, Stack, eventually, fleet_factory, stack  # noqa: F401 (fixtures)
 
 CAP_LABEL = "bc.dev/cap.binding.kubernetes"
+A100 = "A100-SXM4-40GB"
+# The node's plugins: resource -> socket (a kubelet takes one resource per plugin socket).
+PLUGINS = {"bcd.dev/gpu": "bcd-gpu.sock", "bcd.dev/gpu.mig": "bcd-gpu.mig.sock",
+           "bcd.dev/gpu.slot": "bcd-gpu.slot.sock"}
 
 
 @pytest.fixture
@@ -149,6 +154,16 @@ class Kubelet(dp_grpc.RegistrationServicer):
         self._socket.close()
 
 
+def registrations(kubelet: Kubelet) -> dict[str, dp.RegisterRequest]:
+    """The node's registrations, one per plugin, by resource name (they come in any order)."""
+    got: dict[str, dp.RegisterRequest] = {}
+    while len(got) < len(PLUGINS):
+        request = kubelet.requests.get(timeout=30)
+        got[request.resource_name] = request
+    assert {r: (q.version, q.endpoint) for r, q in got.items()} == {r: ("v1beta1", e) for r, e in PLUGINS.items()}
+    return got
+
+
 def watch(stub: dp_grpc.DevicePluginStub) -> tuple[queue.Queue, grpc.Future]:
     """ListAndWatch in a thread: every list it sends, as (id, health) pairs."""
     lists: queue.Queue[list[tuple[str, str]]] = queue.Queue()
@@ -181,9 +196,7 @@ def test_the_device_plugin_advertises_the_bound_devices_to_the_kubelet_until_rel
     kubelet = Kubelet(fleet.sandbox / fleet.names[0] / PLUGIN_DIR)  # after the node started: it retries
     channel = path = None
     try:
-        registered = kubelet.requests.get(timeout=30)
-        assert (registered.version, registered.resource_name, registered.endpoint) == (
-            "v1beta1", "bcd.dev/gpu", "bcd-gpu.sock")
+        registered = registrations(kubelet)["bcd.dev/gpu"]
         channel, stub, path = kubelet.plugin(registered.endpoint)
         assert stub.GetDevicePluginOptions(dp.Empty(), timeout=10).get_preferred_allocation_available
         lists, call = watch(stub)
@@ -227,10 +240,10 @@ def test_the_device_plugin_advertises_the_bound_devices_to_the_kubelet_until_rel
         # A restarted kubelet removes the plugins' sockets and listens anew: the plugin registers
         # again, on a fresh socket.
         kubelet.stop()
-        (kubelet.dir / registered.endpoint).unlink()
+        for endpoint in PLUGINS.values():
+            (kubelet.dir / endpoint).unlink()
         kubelet = Kubelet(kubelet.dir)
-        again = kubelet.requests.get(timeout=30)
-        assert (again.resource_name, again.endpoint) == ("bcd.dev/gpu", "bcd-gpu.sock")
+        again = registrations(kubelet)["bcd.dev/gpu"]
         channel, stub, path = kubelet.plugin(again.endpoint)
         lists, call = watch(stub)
         assert lists.get(timeout=30) == []
@@ -241,3 +254,54 @@ def test_the_device_plugin_advertises_the_bound_devices_to_the_kubelet_until_rel
         if path is not None:
             path.close()
         kubelet.stop()
+
+
+def test_a_mig_kubernetes_binding_is_advertised_as_bcd_dev_gpu_mig(stack: Stack) -> None:  # noqa: F811
+    """MIG instances bound for kubernetes reach the kubelet through their own plugin and resource."""
+    world = make_world(stack.endpoint, stack.root, stack.conninfo, nodes=0)
+    world.pool_id = stack.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="k8s-mig", region="eu-1",
+        policy=apb.PoolPolicy(kubernetes=True, sharing=apb.SharingPolicy(mode="mig"),
+                              per_gpu=apb.PerGpuShare(vcpu=0, memory_gib=0)))).id
+    fleet = Fleet(stack, world, 1)
+    kubelet = channels = None
+    try:
+        fleet.start("--kubelet-retry", "0.2", "--gpu-model", A100, "--gpu-memory-mib", "40960", "--mig-gpus", "2")
+        kubelet = Kubelet(fleet.sandbox / fleet.names[0] / PLUGIN_DIR)
+        registered = registrations(kubelet)
+        mig_channel, mig, mig_path = kubelet.plugin(registered["bcd.dev/gpu.mig"].endpoint)
+        gpu_channel, gpu, gpu_path = kubelet.plugin(registered["bcd.dev/gpu"].endpoint)
+        channels = [(mig_channel, mig_path), (gpu_channel, gpu_path)]
+        lists, call = watch(mig)
+        assert lists.get(timeout=30) == []  # nothing bound yet
+
+        # Booked (once UNSUPPORTED): the class has its own plugin.
+        r = kubernetes(world, count=2, device_class="gpu.mig", profile="1g.5gb", duration="8h")
+        active = eventually(world, r.id, lambda x: x.state == "active")
+        devices = sorted(active.allocations[0].device_ids)
+        assert len(devices) == 2 and all(":" in d for d in devices)  # "<uuid>:<instance>"
+        assert active.binding.cgroup_parent == ""
+        next_list(lists, [(d, "Healthy") for d in devices])
+
+        answer = mig.Allocate(dp.AllocateRequest(container_requests=[
+            dp.ContainerAllocateRequest(devices_ids=devices)]), timeout=10)
+        assert [c.name for c in answer.container_responses[0].cdi_devices] == [
+            f"bcd.dev/gpu.mig={d}" for d in devices]
+        assert sorted(active.binding.cdi_devices) == [f"bcd.dev/gpu.mig={d}" for d in devices]
+        # The whole-GPU plugin does not advertise MIG instances.
+        with pytest.raises(grpc.RpcError) as other_class:
+            gpu.Allocate(dp.AllocateRequest(container_requests=[
+                dp.ContainerAllocateRequest(devices_ids=devices[:1])]), timeout=10)
+        assert other_class.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+        next_list(lists, [])  # the instances leave the kubelet when the reservation ends
+        call.cancel()
+    finally:
+        for channel, path in channels or []:
+            channel.close()
+            path.close()
+        if kubelet is not None:
+            kubelet.stop()
+        fleet.stop()
+        world.close()

@@ -131,9 +131,6 @@ def validate_create(raw: dict[str, Any], limits: TimeLimits | None = None, *, ma
     if binding not in SERVED_BINDINGS:
         raise errors.InvalidInput("binding", "must be 'hold', 'kubernetes' or 'node'")
     devices = _devices(raw.get("devices") or [])
-    if binding == "kubernetes" and devices[0]["class"] != device_classes.GPU:
-        raise errors.Unsupported("the kubernetes binding books whole GPUs only (its device plugin serves bcd.dev/gpu)",
-                                 field="devices[0].class")
     duration = duration_ms("duration", raw.get("duration"), raw.get("duration_ms"), limits.max_length_ms)
     start = raw.get("start")
     if start is not None and start < 0:
