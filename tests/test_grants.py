@@ -17,36 +17,17 @@ from bettercompute.v1 import providers_pb2 as vpb
 from controlplane.common.status import error_info
 from tests.conftest import module_stack
 from tests.support import PERMISSIVE, Client, ServerThread, World, make_world, rpc_error
-from tests.vps_support import HOUR, MIN, SimThread, Stubs, Vps, make_vps
+from tests.vps_support import HOUR, MIN, SimThread, Stubs, Vps, make_vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    """A control plane of this test's own (it moves the clock), metering every 0.2 s."""
-    yield from module_stack(pg_uri, clock_control=True, metering_seconds=0.2, metering_settle_seconds=0,
-                            provider_call_seconds=1, provider_scan_seconds=0.3)
+    yield from own_stack(pg_uri, provider_scan_seconds=0.3)
 
 
 @pytest.fixture
 def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
-    server, root = stack
-    w = make_world(server.endpoint, root, server.conninfo, nodes=0)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def sim() -> Iterator[SimThread]:
-    s = SimThread()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def v(world: World, sim: SimThread, stack: tuple[ServerThread, Client]) -> Vps:
-    made = make_vps(world, sim, total=4)
-    made.server = stack[0]
-    return made
+    yield from world_of(stack)
 
 
 def events(v: Vps, tenant: str, prefix: str = "reservation-grant.") -> list[tuple[str, dict]]:

@@ -15,37 +15,18 @@ from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
-from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
-from tests.vps_support import HOUR, SimThread, Stubs, Vps, make_vps
+from tests.vps_support import HOUR, SimThread, Stubs, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from module_stack(pg_uri, clock_control=True, metering_seconds=0.2, metering_settle_seconds=0,
-                            provider_call_seconds=1)
+    yield from own_stack(pg_uri)
 
 
 @pytest.fixture
 def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
-    server, root = stack
-    w = make_world(server.endpoint, root, server.conninfo, nodes=0)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def sim() -> Iterator[SimThread]:
-    s = SimThread()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def v(world: World, sim: SimThread, stack: tuple[ServerThread, Client]) -> Vps:
-    made = make_vps(world, sim, total=4)
-    made.server = stack[0]
-    return made
+    yield from world_of(stack)
 
 
 @pytest.fixture

@@ -18,38 +18,19 @@ import pytest
 
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import usage_pb2 as upb
-from tests.conftest import module_stack
 from tests.promise_support import SigningNodes
 from tests.support import PERMISSIVE, Client, ServerThread, World, eventually, make_world, rpc_error
-from tests.vps_support import HOUR, MIN, SimThread, Stubs, Vps, make_vps
+from tests.vps_support import HOUR, MIN, Stubs, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from module_stack(pg_uri, clock_control=True, metering_seconds=0.2, metering_settle_seconds=0,
-                            provider_call_seconds=1)
+    yield from own_stack(pg_uri)
 
 
 @pytest.fixture
 def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
-    server, root = stack
-    w = make_world(server.endpoint, root, server.conninfo, nodes=1)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def sim() -> Iterator[SimThread]:
-    s = SimThread()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def v(world: World, sim: SimThread, stack: tuple[ServerThread, Client]) -> Vps:
-    made = make_vps(world, sim, total=4)
-    made.server = stack[0]
-    return made
+    yield from world_of(stack, nodes=1)
 
 
 def until(check, seconds: float = 60) -> None:

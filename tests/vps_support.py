@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import pytest
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.provider.v1 import provider_pb2_grpc as ppb_grpc
@@ -23,7 +25,8 @@ from bettercompute.v1 import providers_pb2 as vpb
 from bettercompute.v1 import providers_pb2_grpc
 from bettercompute.v1 import usage_pb2 as upb
 from bettercompute.v1 import usage_pb2_grpc
-from tests.support import PERMISSIVE, Client, World
+from tests.conftest import module_stack
+from tests.support import PERMISSIVE, Client, ServerThread, World, make_world
 
 HOUR = 3_600_000
 MIN = 60_000
@@ -160,3 +163,33 @@ def make_vps(world: World, sim: SimThread, *, total: int = 4, external: str | No
     v.root("accounts", "BindReservation", vpb.BindReservationRequest(
         tenant_id="root", account_id=v.account_id, reservation_id=v.reservation, pool_id=world.pool_id))
     return v
+
+
+# The fixtures the vps test modules share: a module names them in its imports (and defines its own
+# `stack` with `own_stack`, and `world` with `world_of`, where it needs other settings).
+
+def own_stack(pg_uri: str, **extra: Any) -> Iterator[tuple[ServerThread, Client]]:
+    """A control plane of the test's own (it moves the clock), metering every 0.2 s."""
+    yield from module_stack(pg_uri, clock_control=True, metering_seconds=0.2, metering_settle_seconds=0,
+                            provider_call_seconds=1, **extra)
+
+
+def world_of(stack: tuple[ServerThread, Client], nodes: int = 0) -> Iterator[World]:
+    server, root = stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=nodes)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimThread]:
+    s = SimThread()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def v(world: World, sim: SimThread, stack: tuple[ServerThread, Client]) -> Vps:
+    made = make_vps(world, sim, total=4)
+    made.server = stack[0]
+    return made
