@@ -67,23 +67,10 @@ async def drive(
             number = next(numbers)
             if number >= last_call or time.perf_counter() >= deadline:
                 return
-            t0 = time.perf_counter()
-            try:
-                outcome = await call(number)
-            except Exception as exc:  # noqa: BLE001 - a benchmark counts failures, it does not stop
-                outcome = f"exception:{type(exc).__name__}"
-            result.latencies.append(time.perf_counter() - t0)
-            result.outcomes[outcome] += 1
-
-    async def progress() -> None:
-        while True:
-            await asyncio.sleep(progress_every)
-            done = len(result.latencies)
-            elapsed = time.perf_counter() - started
-            print(f"  {name}: {done} calls in {elapsed:.0f}s ({done / elapsed:.0f}/s)", flush=True)
+            await _timed(call, number, time.perf_counter(), result)
 
     before = procstat.sample(cpu_of or {})
-    reporter = asyncio.create_task(progress())
+    reporter = asyncio.create_task(_progress(name, result, started, progress_every))
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
@@ -124,20 +111,10 @@ async def drive_open(
     peak = 0
 
     async def one(number: int, due: float) -> None:
-        try:
-            outcome = await call(number)
-        except Exception as exc:  # noqa: BLE001 - a benchmark counts failures, it does not stop
-            outcome = f"exception:{type(exc).__name__}"
-        result.latencies.append(time.perf_counter() - due)
-        result.outcomes[outcome] += 1
+        await _timed(call, number, due, result)
 
-    async def progress() -> None:
-        while True:
-            await asyncio.sleep(progress_every)
-            done = len(result.latencies)
-            elapsed = time.perf_counter() - started
-            print(f"  {name}: {done} calls in {elapsed:.0f}s ({done / elapsed:.0f}/s), "
-                  f"{len(in_flight)} in flight", flush=True)
+    def progress() -> Awaitable[None]:
+        return _progress(name, result, started, progress_every, lambda: f", {len(in_flight)} in flight")
 
     before = procstat.sample(cpu_of or {})
     reporter = asyncio.create_task(progress())
@@ -165,3 +142,22 @@ async def drive_open(
     result.concurrency = peak
     result.cpu = procstat.delta(before, procstat.sample(cpu_of or {}))
     return result
+
+
+async def _timed(call: Call, number: int, since: float, result: Result) -> None:
+    """One call: its latency from `since` (when it started, or when it was due) and its outcome."""
+    try:
+        outcome = await call(number)
+    except Exception as exc:  # noqa: BLE001 - a benchmark counts failures, it does not stop
+        outcome = f"exception:{type(exc).__name__}"
+    result.latencies.append(time.perf_counter() - since)
+    result.outcomes[outcome] += 1
+
+
+async def _progress(name: str, result: Result, started: float, every: float,
+                    extra: Callable[[], str] = lambda: "") -> None:
+    while True:
+        await asyncio.sleep(every)
+        done = len(result.latencies)
+        elapsed = time.perf_counter() - started
+        print(f"  {name}: {done} calls in {elapsed:.0f}s ({done / elapsed:.0f}/s){extra()}", flush=True)
