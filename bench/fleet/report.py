@@ -167,7 +167,7 @@ def report(args: argparse.Namespace, bench: Run, conninfo: str, fleet: Fleet, en
         + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in ending.alive.items()))
     say(f"  verdict: {'HEALTHY' if healthy else 'UNHEALTHY'}")
     for path in (logs / "gateway.log", logs / "controlplane.log"):
-        summary = server_log_summary(path)
+        summary = server_log_summary([path])
         if summary:
             say("")
             say(summary)
