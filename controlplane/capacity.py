@@ -60,9 +60,7 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
         if pool is None:
             raise errors.NotFound("no such pool", poolId=pool_id)
     # Decided with the read transaction closed; the buckets are read after the decision.
-    await authorize.require(rt.pool, caller, tenant_id, "compute:capacity:read", "Pool", pool_id,
-                            {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
-                            message="IAM refused this read", poolId=pool_id)
+    await _require_read(rt, caller, tenant_id, pool)
     async with db.read_only(rt.pool) as conn:
         allocatable = (await (await conn.execute(_ALLOCATABLE, {"pool_id": pool_id})).fetchone())["n"]
         rows = await (await conn.execute(
@@ -70,6 +68,13 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
     buckets = [{"start": r["start"], "end": min(r["end"], end), "booked": r["booked"],
                 "free": max(0, allocatable - r["booked"])} for r in rows]
     return {"pool_id": pool_id, "allocatable": allocatable, "buckets": buckets}
+
+
+async def _require_read(rt: Runtime, caller: Caller, tenant_id: str, pool: dict[str, Any]) -> None:
+    """IAM's `compute:capacity:read` on the pool, decided with no transaction open."""
+    await authorize.require(rt.pool, caller, tenant_id, "compute:capacity:read", "Pool", pool["id"],
+                            {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
+                            message="IAM refused this read", poolId=pool["id"])
 
 
 # capacity.rollup -------------------------------------------------------------------------------
@@ -121,9 +126,7 @@ async def rollup(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         pool = await (await conn.execute(queries.VISIBLE_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
     if pool is None:
         raise errors.NotFound("no such pool", poolId=pool_id)
-    await authorize.require(rt.pool, caller, tenant_id, "compute:capacity:read", "Pool", pool_id,
-                            {"region": pool["region"], "ownerTenantId": pool["owner_tenant_id"]},
-                            message="IAM refused this read", poolId=pool_id)
+    await _require_read(rt, caller, tenant_id, pool)
     async with db.read_only(rt.pool) as conn:
         rows = await (await conn.execute(_ROLLUP, {"pool_id": pool_id})).fetchall()
     models: list[dict[str, Any]] = []

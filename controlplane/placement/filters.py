@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from controlplane.placement import planner
 from controlplane.placement.index import Node, PoolIndex, Window
 
-_NOUNS = {"gpu": "GPU", "gpu.mig": "MIG instance", "gpu.slot": "GPU slot"}
-
 
 @dataclass(frozen=True)
 class FilterCount:
@@ -30,16 +28,8 @@ def _label(key: str, value: str, source: str = "") -> Callable[[Node], bool]:
 def funnel(pool: PoolIndex, window: Window, gang_key: str = "") -> list[FilterCount]:
     """Each filter that removed a node, in the placer's order, with how many it removed (a gang
     with a topology key also needs that label on every member)."""
-    noun = _NOUNS.get(window.device_class, "GPU")
-    shape = f"{window.count} healthy {noun}{'s' if window.count != 1 else ''}"
-    if window.profile:
-        shape += f" of profile {window.profile}"
-    if window.model:
-        shape += f" of model {window.model}"
-    if window.topology == planner.NVLINK_ALL:
-        shape += " in one NVLink domain"
-    elif window.topology == planner.NUMA:
-        shape += " on one NUMA node"
+    shape = planner.shape_words(window.count, window.device_class, window.profile, window.model,
+                                window.topology, "healthy")
 
     def devices(node: Node) -> bool:
         usable = node.usable(window.model, window.device_class, window.profile)

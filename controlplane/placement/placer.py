@@ -218,22 +218,10 @@ def limits_of(amounts: dict[str, int]) -> dict[str, int]:
             "vcpu": vcpu, "memoryGiB": memory}
 
 
-_NOUNS = {"gpu": "GPU", "gpu.mig": "MIG instance", "gpu.slot": "GPU slot"}
-
-
 async def explain(conn: AsyncConnection, ask: Ask) -> str:
     """A human reason for an Unschedulable condition."""
     facts = await (await conn.execute(queries.DIAGNOSE, ask.params())).fetchone()
-    noun = _NOUNS.get(ask.device_class, "GPU")
-    shape = f"{ask.count} free healthy {noun}{'s' if ask.count != 1 else ''}"
-    if ask.profile:
-        shape += f" of profile {ask.profile}"
-    if ask.model:
-        shape += f" of model {ask.model}"
-    if ask.topology == planner.NVLINK_ALL:
-        shape += " in one NVLink domain"
-    elif ask.topology == planner.NUMA:
-        shape += " on one NUMA node"
+    shape = planner.shape_words(ask.count, ask.device_class, ask.profile, ask.model, ask.topology, "free healthy")
     if ask.host_amounts():
         shape += " with " + ", ".join(f"{v} {k}" for k, v in ask.host_amounts().items()) + " of host resources free"
     parts = [f"no node has {shape} for the window"]
@@ -244,5 +232,5 @@ async def explain(conn: AsyncConnection, ask: Ask) -> str:
                        ("unlabelled", "without the selected labels")):
         if facts[key]:
             parts.append(f"{facts[key]} {words}")
-    parts.append(f"at most {facts['most_free']} free {noun}s on one eligible node")
+    parts.append(f"at most {facts['most_free']} free {planner.noun(ask.device_class)}s on one eligible node")
     return "; ".join(parts)

@@ -111,3 +111,26 @@ def choose(
         return None
     plans.sort(key=lambda p: (-p.score, p.node_id))
     return rng.choice(plans[: max(1, top_n)])
+
+
+_NOUNS = {"gpu": "GPU", "gpu.mig": "MIG instance", "gpu.slot": "GPU slot"}
+
+
+def noun(device_class: str) -> str:
+    """A device class in words: GPU, MIG instance, GPU slot."""
+    return _NOUNS.get(device_class, "GPU")
+
+
+def shape_words(count: int, device_class: str, profile: str, model: str, topology: str, adjective: str) -> str:
+    """What a request's devices are, in the words of an Unschedulable reason, e.g. `4 free healthy
+    GPUs of model H100-SXM5-80GB in one NVLink domain` (`adjective`: "healthy", "free healthy")."""
+    shape = f"{count} {adjective} {noun(device_class)}{'s' if count != 1 else ''}"
+    if profile:
+        shape += f" of profile {profile}"
+    if model:
+        shape += f" of model {model}"
+    if topology == NVLINK_ALL:
+        shape += " in one NVLink domain"
+    elif topology == NUMA:
+        shape += " on one NUMA node"
+    return shape
