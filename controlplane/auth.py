@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import errors
+from controlplane import db, errors
 from controlplane.bootstrap import ROOT_TENANT
 from controlplane.ids import token_hash
 
@@ -57,10 +57,7 @@ def bearer_secret(metadata: dict[str, str]) -> str:
 
 
 async def authenticate(pool: AsyncConnectionPool, secret: str) -> Caller:
-    async with pool.connection() as conn:
-        cur = await conn.execute(_CALLER_SQL, {"hash": token_hash(secret)})
-        row = await cur.fetchone()
-        await conn.commit()
+    row = await db.fetch_one(pool, _CALLER_SQL, {"hash": token_hash(secret)})
     if row is None:
         raise errors.Unauthenticated("invalid or revoked token")
     if row["expired"]:

@@ -165,6 +165,42 @@ async def run_in_transaction(
     raise AssertionError("unreachable")
 
 
+async def run_autocommit(
+    pool: AsyncConnectionPool,
+    work: Callable[[psycopg.AsyncConnection], Awaitable[T]],
+    *,
+    attempts: int = 5,
+) -> T:
+    """Run `work` on a connection in autocommit: each statement is its own transaction and one
+    round trip (no BEGIN, no COMMIT). For a single statement (a read, or a write made atomic in
+    SQL), or statements that need no atomicity together; deadlocks and serialization failures
+    are retried as in run_in_transaction."""
+    for attempt in range(1, attempts + 1):
+        try:
+            async with pool.connection() as conn:
+                await conn.set_autocommit(True)
+                try:
+                    return await work(conn)
+                finally:
+                    if not conn.closed:
+                        await conn.set_autocommit(False)
+        except psycopg.errors.OperationalError as exc:
+            if getattr(exc, "sqlstate", None) not in _RETRYABLE or attempt == attempts:
+                raise
+            log.info("statement retried", sqlstate=exc.sqlstate, attempt=attempt)
+            await asyncio.sleep(0.005 * attempt)
+    raise AssertionError("unreachable")
+
+
+async def fetch_one(pool: AsyncConnectionPool, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    """One statement's first row, read in autocommit: one round trip."""
+    return await run_autocommit(pool, lambda conn: _fetch_one(conn, sql, params))
+
+
+async def _fetch_one(conn: psycopg.AsyncConnection, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    return await (await conn.execute(sql, params)).fetchone()
+
+
 @asynccontextmanager
 async def read_only(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
     async with pool.connection() as conn:

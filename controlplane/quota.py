@@ -10,10 +10,14 @@ row for it; its charge is recorded either way.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
+from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
+import psycopg
 from psycopg import AsyncConnection
 
 from controlplane import errors
@@ -24,20 +28,15 @@ _SET_LIMIT = """
 INSERT INTO quotas (tenant_id, resource, "limit") VALUES (%(tenant_id)s, %(resource)s, %(limit)s)
 ON CONFLICT (tenant_id, resource) DO UPDATE SET "limit" = EXCLUDED."limit"
 """
-# Lock the limit row, sum the live charges, charge if it fits: one call per resource
-# (migration 0020), all of them in one statement, in the given (sorted) order.
-_CHARGE = """
-SELECT r.resource, c.quota_limit, c.used, c.charged
-FROM unnest(%(resources)s::text[], %(amounts)s::bigint[], %(pers)s::bigint[], %(lenient)s::boolean[])
-     WITH ORDINALITY AS r(resource, amount, per, lenient, n)
-CROSS JOIN LATERAL charge_quota(%(tenant_id)s, r.resource, %(reservation_id)s, r.amount, r.per, r.lenient) c
-ORDER BY r.n
+# Every charge or none, in one statement (charge_all, migration 0028): it locks each limit row,
+# sums the live charges and charges when it fits, in the given (sorted) order, and raises
+# BCQ01 / BCQ02 (below) for the first that does not fit.
+_CHARGE_ALL = """
+SELECT charge_all(%(tenant_id)s, %(reservation_id)s, %(resources)s::text[], %(amounts)s::bigint[],
+                  %(pers)s::bigint[], %(lenient)s::boolean[], %(unnamed)s::text[])
 """
-# The first of these resources the tenant has a limit row for.
-_FIRST_LIMITED = """
-SELECT resource, "limit" FROM quotas WHERE tenant_id = %(tenant_id)s AND resource = ANY(%(resources)s)
-ORDER BY resource LIMIT 1
-"""
+EXCEEDED = "BCQ01"  # SQLSTATE: a resource cannot take its charge; DETAIL {resource, limit, used}
+MODEL_REQUIRED = "BCQ02"  # SQLSTATE: a limited per-model resource the request does not name; DETAIL {resource, limit}
 _REFUND = """
 UPDATE quota_charges SET refunded_at = compute_now()
 WHERE reservation_id = %(reservation_id)s AND refunded_at IS NULL
@@ -63,6 +62,18 @@ def shown(value: Fraction | int) -> str:
     return f"{float(value):.4f}".rstrip("0")
 
 
+def charge_params(tenant_id: str, reservation_id: str, amounts: Mapping[str, int | Fraction],
+                  unnamed_models: Iterable[str] = ()) -> dict[str, Any]:
+    """charge_all's arguments: the positive amounts in resource order, as exact fractions."""
+    wanted = sorted((r, Fraction(a)) for r, a in amounts.items() if a > 0)
+    return {
+        "tenant_id": tenant_id, "reservation_id": reservation_id,
+        "resources": [r for r, _ in wanted], "amounts": [a.numerator for _, a in wanted],
+        "pers": [a.denominator for _, a in wanted], "lenient": [r.startswith(MODEL_PREFIX) for r, _ in wanted],
+        "unnamed": sorted(unnamed_models),
+    }
+
+
 async def charge(
     conn: AsyncConnection, tenant_id: str, reservation_id: str, amounts: Mapping[str, int | Fraction],
     *, unnamed_models: Iterable[str] = (),
@@ -71,37 +82,33 @@ async def charge(
 
     `unnamed_models`: the per-model resources a request without a model could land on (a pool of
     several models). Any of them the tenant limits refuses it: the charge could not name a model.
+    A refusal is an error in SQL: the transaction around it is aborted and rolls back.
     """
-    await _require_no_model_limit(conn, tenant_id, sorted(unnamed_models))
-    wanted = sorted((r, Fraction(a)) for r, a in amounts.items() if a > 0)
-    if not wanted:
+    params = charge_params(tenant_id, reservation_id, amounts, unnamed_models)
+    if not params["resources"] and not params["unnamed"]:
         return
-    rows = await (await conn.execute(_CHARGE, {
-        "tenant_id": tenant_id, "reservation_id": reservation_id,
-        "resources": [r for r, _ in wanted], "amounts": [a.numerator for _, a in wanted],
-        "pers": [a.denominator for _, a in wanted], "lenient": [r.startswith(MODEL_PREFIX) for r, _ in wanted],
-    })).fetchall()
-    for (resource, amount), row in zip(wanted, rows, strict=True):
-        if not row["charged"]:
-            limit, used = int(row["quota_limit"]), Fraction(row["used"])
-            raise errors.QuotaExceeded(
-                f"quota for {resource} is {limit}, {shown(used)} in use, {shown(amount)} requested",
-                resource=resource,
-                limit=limit,
-                used=shown(used),
-                requested=shown(amount),
-            )
+    try:
+        await conn.execute(_CHARGE_ALL, params)
+    except psycopg.Error as exc:
+        raise refusal(exc, amounts) from None
 
 
-async def _require_no_model_limit(conn: AsyncConnection, tenant_id: str, resources: list[str]) -> None:
-    if not resources:
-        return
-    row = await (await conn.execute(_FIRST_LIMITED, {"tenant_id": tenant_id, "resources": resources})).fetchone()
-    if row is not None:
-        raise errors.QuotaExceeded(
-            f"quota limits {row['resource']} and this pool has GPUs of several models: name the model",
-            resource=row["resource"], limit=int(row["limit"]), reason="model-required", field="devices[0].model",
+def refusal(exc: psycopg.Error, amounts: Mapping[str, int | Fraction]) -> Exception:
+    """QUOTA_EXCEEDED for charge_all's refusals (BCQ01, BCQ02); any other error as it is."""
+    if exc.sqlstate not in (EXCEEDED, MODEL_REQUIRED) or exc.diag.message_detail is None:
+        return exc
+    detail = json.loads(exc.diag.message_detail)
+    resource, limit = detail["resource"], int(detail["limit"])
+    if exc.sqlstate == MODEL_REQUIRED:
+        return errors.QuotaExceeded(
+            f"quota limits {resource} and this pool has GPUs of several models: name the model",
+            resource=resource, limit=limit, reason="model-required", field="devices[0].model",
         )
+    used, amount = Fraction(Decimal(detail["used"])), Fraction(amounts[resource])
+    return errors.QuotaExceeded(
+        f"quota for {resource} is {limit}, {shown(used)} in use, {shown(amount)} requested",
+        resource=resource, limit=limit, used=shown(used), requested=shown(amount),
+    )
 
 
 async def refund(conn: AsyncConnection, reservation_id: str) -> None:

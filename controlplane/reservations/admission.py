@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
@@ -24,7 +25,7 @@ from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
 from controlplane.reservations import devices, earliest, hostshare, kubernetes, placing, queries, queued, schedule, states
-from controlplane.reservations.reads import load_view
+from controlplane.reservations.reads import fetch_view, load_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
 from controlplane.reservations.wait import wait_for_operation
@@ -64,10 +65,12 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                 draft.policy, caller, iam.CREATE, "Reservation", rid, draft.attributes,
                 tenant_id=inp.tenant_id, approved=draft.approved,
             )
-        outcome = await db.run_in_transaction(
-            rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, lease=draft.lease,
-                                              charges=draft.charges)
-        )
+        if draft.lease and decision.allowed:
+            outcome = await _admit_queued(rt, draft.row, decision, draft.charges)
+        else:
+            outcome = await db.run_in_transaction(
+                rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, charges=draft.charges)
+            )
         outcome.raise_if_refused()
         if outcome.view is not None:  # placed to start now: the answer as placed, read before commit
             return outcome.view
@@ -76,8 +79,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         queued_now = False
     if inp.wait_ms:
         return await wait_for_operation(rt, inp.tenant_id, rid, inp.wait_ms, just_queued=queued_now)
-    async with db.read_only(rt.pool) as conn:
-        return await load_view(conn, rid)
+    return await fetch_view(rt, rid)
 
 
 async def _transaction_1(
@@ -248,21 +250,52 @@ class Outcome:
             raise self.error
 
 
+UNDECIDED = [states.DRAFT, states.AWAITING_CONFIRMATION]
+
+
+def _charged(row: dict[str, Any], charges: devices.Charges) -> dict[str, Any]:
+    """What the reservation charges: its devices, and the host resources above its share (summed
+    over a gang)."""
+    excess = {k: v * gang_size_of(row["request"]) for k, v in hostshare.excess(row).items()}
+    return {**charges.amounts, **excess}
+
+
+async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.Decision,
+                        charges: devices.Charges | None) -> Outcome:
+    """Transaction 2 of an allowed create in a lease-policy pool: one statement in autocommit
+    (admit_queued, migration 0028) that records the decision, charges quota (QUOTA_EXCEEDED
+    charges nothing) and queues the reservation for the pool's lease holder: no plan, no pool
+    lock, one round trip."""
+    assert charges is not None
+    rid, amounts = draft_row["id"], _charged(draft_row, charges)
+    params = quota.charge_params(draft_row["tenant_id"], rid, amounts, charges.unnamed_models)
+    try:
+        found = await db.fetch_one(rt.pool, queries.ADMIT_QUEUED, {
+            **params, "id": rid, "version": draft_row["version"], "decision": decision.outcome,
+            "undecided": UNDECIDED, "from_states": states.sources_of(states.QUEUED),
+        })
+    except psycopg.Error as exc:
+        raise quota.refusal(exc, amounts) from None
+    assert found is not None
+    if found["outcome"] == "missing":  # an expired draft, deleted by the sweeper while IAM decided
+        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
+    if found["outcome"] == "decided":  # by a concurrent twin: answer with the stored row
+        return Outcome()
+    return Outcome(queued=True)
+
+
 async def _transaction_2(
     conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision,
-    *, lease: bool = False, charges: devices.Charges | None = None,
+    *, charges: devices.Charges | None = None,
 ) -> Outcome:
     """Plans from the row transaction 1 read (its request never changes; the version is checked
-    under the lock), so the row is read once here, locked. With `lease` (a lease-policy pool) it
-    charges quota and queues the reservation for the pool's lease holder: no plan, no pool lock."""
+    under the lock), so the row is read once here, locked. (An allowed create of a lease-policy
+    pool takes _admit_queued instead.)"""
     rid, version = draft_row["id"], draft_row["version"]
-    queueing = decision.allowed and lease  # needs no clock: nothing is placed or scheduled
-    now_ms = 0 if queueing else (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     prepared = None
-    undecided = [states.DRAFT, states.AWAITING_CONFIRMATION]
-    if queueing:
-        row = await queued.lock_undecided(conn, rid, decision.outcome, undecided, version)
-    elif decision.allowed:
+    undecided = UNDECIDED
+    if decision.allowed:
         prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
         row = await (await conn.execute(queries.POOL_LOCK_THEN_BY_ID_FOR_UPDATE, {
             "id": rid, "lock_key": pool_lock_key(draft_row["pool_id"]),
@@ -283,15 +316,9 @@ async def _transaction_2(
     if decision.outcome == iam.CONFIRM:
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
-    assert charges is not None
+    assert charges is not None and prepared is not None
     # QUOTA_EXCEEDED rolls back; host resources above the share are charged beside the devices.
-    excess = {k: v * gang_size_of(row["request"]) for k, v in hostshare.excess(row).items()}
-    await quota.charge(conn, row["tenant_id"], rid, {**charges.amounts, **excess},
-                       unnamed_models=charges.unnamed_models)
-    if queueing:
-        await queued.enqueue(conn, row)
-        return Outcome(queued=True)
-    assert prepared is not None
+    await quota.charge(conn, row["tenant_id"], rid, _charged(row, charges), unnamed_models=charges.unnamed_models)
     placed = await placing.place_locked(conn, rt, row, prepared, now_ms)
     if placed and prepared.ask.start_ms <= now_ms:
         return Outcome(view=await load_view(conn, rid))

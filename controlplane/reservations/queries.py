@@ -126,6 +126,17 @@ SELECT id, node_id, device_ids, state, binding, limits
 FROM allocations WHERE reservation_id = %(id)s ORDER BY created_at, id
 """
 
+# A reservation with its allocations (as ALLOCATIONS reads them) in one statement, so one snapshot
+# and one round trip: what create and its wait answer.
+VIEW_BY_ID = f"""
+SELECT {COLUMNS},
+       coalesce((SELECT jsonb_agg(jsonb_build_object('id', a.id, 'node_id', a.node_id, 'device_ids', a.device_ids,
+                                                     'state', a.state, 'binding', a.binding, 'limits', a.limits)
+                                  ORDER BY a.created_at, a.id)
+                 FROM allocations a WHERE a.reservation_id = r.id), '[]') AS allocations
+FROM reservations r WHERE r.id = %(id)s
+"""
+
 # Release: bookings that have not begun are deleted, running ones end now.
 DELETE_FUTURE_BOOKINGS = """
 DELETE FROM bookings b USING allocations a
@@ -384,38 +395,12 @@ WHERE id = %(id)s
 
 # the pool-lease placer (controlplane/reservations/queued.py) ----------------------------------
 
-# Admission's locked read for a lease-policy pool: POOL_LOCK_THEN_BY_ID_FOR_UPDATE without the pool
-# lock (nothing is placed in this transaction, so creates of a lease pool never queue on it).
-BY_ID_FOR_UPDATE_RECORDING = f"""
-WITH locked AS MATERIALIZED (SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s FOR UPDATE OF r),
-recorded AS (
-    UPDATE authz_projection SET decision = %(decision)s, decided_at = compute_now()
-    WHERE reservation_id = %(id)s
-      AND EXISTS (SELECT 1 FROM locked WHERE locked.state = ANY(%(undecided)s) AND locked.version = %(version)s)
-)
-SELECT * FROM locked
-"""
-
-# Queue an admitted reservation: queued with its operation running, reservation.queued emitted,
-# watchers and the pool's lease holder woken. One statement.
-ENQUEUE = """
-WITH moved AS (
-    UPDATE reservations
-    SET state = 'queued', operation_state = 'running', conditions = '[]',
-        version = version + 1, updated_at = clock_timestamp()
-    WHERE id = %(id)s AND state = ANY(%(from_states)s)
-    RETURNING id, tenant_id, pool_id
-),
-emitted AS (
-    INSERT INTO events (tenant_id, type, subject, data)
-    SELECT tenant_id, 'reservation.queued', 'reservation/' || id,
-           jsonb_build_object('state', 'queued', 'poolId', pool_id)
-    FROM moved
-    RETURNING tenant_id
-)
-SELECT (SELECT count(*) FROM moved) AS moved,
-       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified,
-       (SELECT count(pg_notify('bc_queued', pool_id)) FROM moved) AS woken
+# Transaction 2 of an allowed create in a lease-policy pool, one statement (migration 0028):
+# 'queued', or 'missing' / 'decided' when the row is no longer the undecided draft it was.
+ADMIT_QUEUED = """
+SELECT admit_queued(%(id)s, %(version)s, %(decision)s, %(undecided)s, %(from_states)s,
+                    %(resources)s::text[], %(amounts)s::bigint[], %(pers)s::bigint[], %(lenient)s::boolean[],
+                    %(unnamed)s::text[]) AS outcome
 """
 
 # A batch: the pool lock, the fencing check (this holder's lease at this epoch), then the oldest

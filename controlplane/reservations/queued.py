@@ -1,8 +1,9 @@
 """Queued reservations: the pool-lease placer's side of the reservation lifecycle (DESIGN.md
 sections 8 and 9).
 
-Admission of a lease-policy pool's create charges quota and `enqueue`s (queued, operation
-running, `reservation.queued`, the lease holder woken) instead of placing. The holder's lease
+Admission of a lease-policy pool's create charges quota and queues it (queued, operation
+running, `reservation.queued`, the lease holder woken: one statement, admit_queued) instead of
+placing. The holder's lease
 worker (controlplane.placement.lease) calls `drain` for the pools it holds: one transaction per
 batch of at most BC_PLACER_BATCH reservations, in arrival order:
 
@@ -46,25 +47,6 @@ def uses_lease(pool: dict[str, Any], request: dict[str, Any]) -> bool:
     and not a gang or a whole-machine lease (those always place inline)."""
     return ((pool.get("policy") or {}).get("placer") == LEASE and not request.get("gang")
             and request.get("binding") != "node")
-
-
-async def lock_undecided(conn: AsyncConnection, rid: str, decision: str, undecided: list[str],
-                         version: int) -> dict[str, Any] | None:
-    """Admission's locked read for a lease pool: the row locked and an allowed decision recorded,
-    without the pool lock."""
-    return await (await conn.execute(queries.BY_ID_FOR_UPDATE_RECORDING, {
-        "id": rid, "decision": decision, "undecided": undecided, "version": version,
-    })).fetchone()
-
-
-async def enqueue(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """Queue the locked, charged row for its pool's lease holder."""
-    result = await (await conn.execute(queries.ENQUEUE, {
-        "id": row["id"], "from_states": states.sources_of(states.QUEUED),
-    })).fetchone()
-    if result["moved"] != 1:
-        raise AssertionError(f"a {row['state']} reservation cannot become queued")
-    row["state"] = states.QUEUED
 
 
 async def drain(rt: Runtime, pool_id: str, holder: str, epoch: int) -> int:

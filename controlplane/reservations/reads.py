@@ -14,10 +14,16 @@ from controlplane.runtime import Runtime
 
 
 async def load_view(conn: AsyncConnection, rid: str) -> dict[str, Any]:
-    row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    """The reservation with its allocations: one statement (in autocommit, one round trip)."""
+    row = await (await conn.execute(queries.VIEW_BY_ID, {"id": rid})).fetchone()
     if row is None:
         raise errors.NotFound("no such reservation", reservationId=rid)
-    return await with_allocations(conn, row)
+    return row
+
+
+async def fetch_view(rt: Runtime, rid: str) -> dict[str, Any]:
+    """load_view on a connection of its own, in autocommit."""
+    return await db.run_autocommit(rt.pool, lambda conn: load_view(conn, rid))
 
 
 async def with_allocations(conn: AsyncConnection, row: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,7 @@ from typing import Any
 
 import structlog
 
-from controlplane import db
-from controlplane.reservations.reads import load_view
+from controlplane.reservations.reads import fetch_view
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -34,7 +33,7 @@ async def wait_for_operation(
     ids it moved; every process's lease worker wakes its own waiters), so a queued create answers
     as soon as it is placed; the back-off stays as the safety net. `just_queued`: the caller has
     just queued it, so the wait starts with the first pause rather than a read that would find it
-    queued (a read-only transaction of five round trips)."""
+    queued."""
     started = time.monotonic()
     deadline = started + capped_ms(rt, timeout_ms) / 1000
     delay = FIRST_DELAY_S
@@ -49,8 +48,7 @@ async def wait_for_operation(
                     woken.clear()  # before the read: a wake-up after it ends the next pause
                 remaining = deadline - time.monotonic()
                 if pauses_ms or not just_queued or remaining <= 0:
-                    async with db.read_only(rt.pool) as conn:
-                        view = await load_view(conn, rid)
+                    view = await fetch_view(rt, rid)
                     reads += 1
                     remaining = deadline - time.monotonic()
                     if view["operation_state"] != "running" or remaining <= 0:
