@@ -56,7 +56,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     if inp.request.get("startEarliest"):  # the earliest start is searched on an index holding every commit
         await earliest.caught_up(rt)
 
-    draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest))
+    draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest),
+                                        pipeline=True)
     if draft.decide:
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
@@ -82,25 +83,62 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     return await fetch_view(rt, rid)
 
 
+@dataclass
+class Facts:
+    """What transaction 1 reads before it decides anything, in one round trip (pipelined)."""
+
+    row: dict[str, Any] | None  # the stored reservation of this key, if any
+    now_ms: int
+    pool: dict[str, Any] | None  # the pool as the tenant sees it (None: not visible)
+    drafts: dict[str, Any]  # the identity's live drafts (LIVE_DRAFTS)
+    policy: str | None  # the tenant's Cedar policy
+
+
+async def _read_facts(conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str) -> Facts:
+    """The stored row, the clock, the pool, the identity's drafts and the policy: five reads sent
+    together (pipeline mode), answered in one round trip. A retry of a stored row reads a little it
+    may not need; a new request needs every one."""
+    index = _pool_index(rt, inp.request["poolId"])
+    pool_params = {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id}
+    async with conn.pipeline():
+        stored = await conn.execute(queries.BY_ID, {"id": rid})
+        now = await conn.execute(queries.NOW_MS)
+        pool = await conn.execute(queries.VISIBLE_POOL if index is None else queries.VISIBLE_POOL_FACTS, pool_params)
+        drafts = await conn.execute(queries.LIVE_DRAFTS, {
+            "identity_id": caller.identity_id, "cap": rt.settings.max_drafts_per_identity,
+            "retention_s": rt.settings.draft_retention_hours * 3600,
+        })
+        policy = await conn.execute(authorize.POLICY, {"tenant_id": inp.tenant_id})
+        facts = Facts(await stored.fetchone(), (await now.fetchone())["now_ms"], await pool.fetchone(),
+                      await drafts.fetchone(), ((await policy.fetchone()) or {}).get("cedar"))
+    if facts.pool is not None and index is not None:
+        facts.pool = {**facts.pool, "single_model": index.single_model()}
+    return facts
+
+
 async def _transaction_1(
     conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str, digest: str
 ) -> Draft:
-    row = await _fetch(conn, rid)
-    pool = None  # read once per create: before inserting a new draft, or below
+    """A new request costs three round trips: the facts (with BEGIN), the draft and its IAM
+    attributes in one statement, COMMIT."""
+    facts = await _read_facts(conn, rt, caller, inp, rid)
+    row, pool, fresh = facts.row, facts.pool, False
     if row is None:
-        now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
-        check_start(inp, now_ms, TimeLimits.of(rt.settings))
-        resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id)
+        check_start(inp, facts.now_ms, TimeLimits.of(rt.settings))
+        resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id, pool=pool)
         pool, request, share = resolved.pool, resolved.request, resolved.share
-        await _require_draft_room(conn, rt, caller)
+        _require_draft_room(rt, facts.drafts)
         if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
-            request = await earliest.choose_start(conn, rt, request, now_ms)
-        row = await (await conn.execute(
-            queries.INSERT_DRAFT,
-            {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
-             "identity_id": caller.identity_id, "key": inp.idempotency_key,
-             "request": Jsonb(request), "hash": digest, "host_share": Jsonb(share)},
-        )).fetchone() or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
+            request = await earliest.choose_start(conn, rt, request, facts.now_ms)
+        pool = await _with_models(conn, rt, request, pool)
+        new = {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
+               "owner_identity_id": caller.identity_id, "request": request, "host_share": share}
+        row = await (await conn.execute(queries.INSERT_DRAFT_WITH_AUTHZ, {
+            **new, "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
+            "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(_attributes(new, pool)),
+        })).fetchone()
+        fresh = row is not None
+        row = row or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
         assert row is not None
     if row["request_hash"] != digest:
         raise errors.Conflict(
@@ -121,18 +159,24 @@ async def _transaction_1(
         return draft  # past the draft stage: the stored reservation, no second decision
 
     if pool is None:
-        pool = await _visible_pool(conn, rt, row["pool_id"], row["tenant_id"])
-    if pool is None:
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
-    if not _model_known(row["request"], pool):  # several models: a model quota may refuse it
-        pool = {**pool, "models": await _pool_models(conn, rt, row["pool_id"])}
+    pool = await _with_models(conn, rt, row["request"], pool)
     draft.attributes = _attributes(row, pool)
     draft.lease = queued.uses_lease(pool, row["request"])
     draft.charges = devices.charges(row["request"], pool, gang_size_of(row["request"]))
-    await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
-    draft.policy = await authorize.read_policy(conn, row["tenant_id"])
+    if not fresh:  # the new draft's attributes went in with it
+        await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
+    draft.policy = facts.policy
     draft.decide = True
     return draft
+
+
+async def _with_models(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
+    """The pool with its GPU models listed when the request's model is not known from it (a pool
+    of several models: a model quota may refuse it)."""
+    if _model_known(request, pool) or "models" in pool:
+        return pool
+    return {**pool, "models": await _pool_models(conn, rt, pool["id"])}
 
 
 @dataclass(frozen=True)
@@ -144,10 +188,13 @@ class Resolved:
     share: dict[str, int]  # the pool's per-GPU share it was raised to
 
 
-async def resolve_request(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], tenant_id: str) -> Resolved:
-    """The pool the tenant sees (NOT_FOUND otherwise), the checks against it, and the host
-    resources the request books: what create and capacity.preview both do before planning."""
-    pool = await _visible_pool(conn, rt, request["poolId"], tenant_id)
+async def resolve_request(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], tenant_id: str,
+                          *, pool: dict[str, Any] | None = None) -> Resolved:
+    """The pool the tenant sees (NOT_FOUND otherwise; `pool`: as the caller read it), the checks
+    against it, and the host resources the request books: what create and capacity.preview both
+    do before planning."""
+    if pool is None:
+        pool = await _visible_pool(conn, rt, request["poolId"], tenant_id)
     if pool is None:
         raise errors.NotFound("no such pool", poolId=request["poolId"])
     kubernetes.check_pool(request, pool, tenant_id)
@@ -170,13 +217,11 @@ async def _with_host_resources(
     return {**request, "resources": booked}, share
 
 
-async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller) -> None:
+def _require_draft_room(rt: Runtime, live: dict[str, Any]) -> None:
     """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates)
-    until the retention window deletes them: QUOTA_EXCEEDED, retryable after the window."""
+    until the retention window deletes them: QUOTA_EXCEEDED, retryable after the window.
+    `live`: its drafts as LIVE_DRAFTS counts them."""
     cap = rt.settings.max_drafts_per_identity
-    live = await (await conn.execute(queries.LIVE_DRAFTS, {
-        "identity_id": caller.identity_id, "cap": cap, "retention_s": rt.settings.draft_retention_hours * 3600,
-    })).fetchone()
     if live["n"] >= cap:
         raise errors.QuotaExceeded(
             f"this identity has {cap} unfinished create requests; retry one of their keys or wait for them to expire",
@@ -185,11 +230,15 @@ async def _require_draft_room(conn: AsyncConnection, rt: Runtime, caller: Caller
         )
 
 
+def _pool_index(rt: Runtime, pool_id: str) -> Any:
+    return rt.capacity.pool(pool_id) if rt.capacity is not None else None
+
+
 async def _visible_pool(conn: AsyncConnection, rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any] | None:
     """The pool if the tenant sees it, with its single GPU model (None when it has several or
     none): from the capacity index when built, so no create scans the pool's atoms."""
     params = {"pool_id": pool_id, "tenant_id": tenant_id}
-    index = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+    index = _pool_index(rt, pool_id)
     if index is None:
         return await (await conn.execute(queries.VISIBLE_POOL, params)).fetchone()
     pool = await (await conn.execute(queries.VISIBLE_POOL_FACTS, params)).fetchone()
@@ -202,7 +251,7 @@ def _model_known(request: dict[str, Any], pool: dict[str, Any]) -> bool:
 
 async def _pool_models(conn: AsyncConnection, rt: Runtime, pool_id: str) -> list[str]:
     """The pool's GPU models: from the capacity index when built, else read."""
-    index = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+    index = _pool_index(rt, pool_id)
     if index is not None:
         return index.models()
     return [r["model"] for r in await (await conn.execute(queries.POOL_MODELS, {"pool_id": pool_id})).fetchall()]

@@ -39,6 +39,17 @@ ON CONFLICT DO NOTHING
 RETURNING {COLUMNS}
 """
 
+# INSERT_DRAFT with the draft's IAM attributes (authz_projection) in the same statement: nothing
+# is inserted when a concurrent twin's draft is there.
+INSERT_DRAFT_WITH_AUTHZ = f"""
+WITH d AS ({INSERT_DRAFT.strip()}),
+a AS (
+    INSERT INTO authz_projection (reservation_id, attributes) SELECT d.id, %(attributes)s FROM d
+    ON CONFLICT (reservation_id) DO UPDATE SET attributes = EXCLUDED.attributes
+)
+SELECT * FROM d
+"""
+
 VISIBLE_POOL = """
 SELECT p.id, p.region, p.policy, p.owner_tenant_id,
        (SELECT min(a.model) FROM atoms a JOIN nodes n ON n.id = a.node_id

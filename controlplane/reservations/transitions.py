@@ -45,7 +45,7 @@ async def move(
             "from_states": states.sources_of(target),
         },
     )
-    if cur.rowcount != 1:
+    if await cur.fetchone() is None:  # the row, not rowcount: also right in pipeline mode
         raise errors.InvalidState(
             f"a {row['state']} reservation cannot become {target}", state=row["state"]
         )
