@@ -52,6 +52,18 @@ SELECT coalesce((SELECT sum(amount) FROM quota_charges
        coalesce((SELECT "limit" FROM quotas WHERE tenant_id = %(t)s AND resource = 'gpu'), 0)::int AS limit
 """
 
+# The running usage (migration 0029) against the sum of live charges, per resource and
+# denominator: rows where they differ.
+USAGE_DRIFT = """
+SELECT coalesce(u.resource, c.resource) AS resource, coalesce(u.per, c.per) AS per,
+       coalesce(u.amount, 0) AS kept, coalesce(c.amount, 0) AS summed
+FROM (SELECT resource, per, amount FROM quota_usage WHERE tenant_id = %(t)s) u
+FULL JOIN (SELECT resource, per, sum(amount) AS amount FROM quota_charges
+           WHERE tenant_id = %(t)s AND refunded_at IS NULL GROUP BY resource, per) c
+       ON c.resource = u.resource AND c.per = u.per
+WHERE coalesce(u.amount, 0) <> coalesce(c.amount, 0)
+"""
+
 # Per reservation: the bookings of its live allocations, and of all of them, recomputed from rows.
 BOOKINGS = """
 SELECT r.id, r.state, r.pool_id,
@@ -104,7 +116,7 @@ def snapshot(conninfo: str, tenant: str) -> dict[str, list[dict[str, Any]]]:
         with conn.transaction():
             params = {"t": tenant}
             return {name: conn.execute(sql, params).fetchall() for name, sql in (
-                ("double_booked", DOUBLE_BOOKED), ("keys", KEYS), ("charges", CHARGES), ("used", USED),
+                ("double_booked", DOUBLE_BOOKED), ("keys", KEYS), ("charges", CHARGES), ("used", USED), ("usage_drift", USAGE_DRIFT),
                 ("bookings", BOOKINGS), ("events", EVENTS),
             )}
 
@@ -149,6 +161,7 @@ def check_invariants(conninfo: str, tenant: str) -> dict[str, list[dict[str, Any
     charged = sum(c["count"] for c in s["charges"] if c["state"] in CHARGING)
     assert used == charged, f"quota used {used} != {charged}, the GPUs of pending/placed reservations"
     assert used <= limit, f"quota used {used} exceeds the limit {limit}"
+    assert s["usage_drift"] == [], f"the running quota usage differs from the live charges: {s['usage_drift']}"
 
     for b in s["bookings"]:
         where = f"reservation {b['id']} ({b['state']}): {b}"

@@ -40,10 +40,9 @@ END $$;
 -- Transaction 2 of a create in a lease-policy pool, as one statement run in autocommit: lock the
 -- reservation; unless it is still the undecided version transaction 1 read, answer what it is
 -- ('missing': deleted by the draft sweeper; 'decided': a concurrent twin got there first);
--- otherwise record the allowed decision, charge quota (all or none: charge_all raises), move it to
--- queued with its operation running, emit reservation.queued and wake watchers and the pool's
--- lease holder. No pool lock: the holder places it. The tenant's quota rows stay locked only
--- until this statement's own commit.
+-- otherwise record the allowed decision, move it to queued with its operation running, emit
+-- reservation.queued, wake watchers and the pool's lease holder, and charge quota (all or none:
+-- charge_all raises, and the statement undoes everything). No pool lock: the holder places it.
 CREATE FUNCTION admit_queued(
     p_id text, p_version bigint, p_decision text, p_undecided text[], p_from_states text[],
     p_resources text[], p_amounts bigint[], p_pers bigint[], p_lenient boolean[], p_unnamed_models text[]
@@ -60,7 +59,6 @@ BEGIN
         RETURN 'decided';
     END IF;
     UPDATE authz_projection SET decision = p_decision, decided_at = compute_now() WHERE reservation_id = p_id;
-    PERFORM charge_all(r.tenant_id, p_id, p_resources, p_amounts, p_pers, p_lenient, p_unnamed_models);
     UPDATE reservations
     SET state = 'queued', operation_state = 'running', conditions = '[]',
         version = version + 1, updated_at = clock_timestamp()
@@ -73,5 +71,7 @@ BEGIN
             jsonb_build_object('state', 'queued', 'poolId', r.pool_id));
     PERFORM pg_notify('bc_events', r.tenant_id);
     PERFORM pg_notify('bc_queued', r.pool_id);
+    -- Last, so the tenant's quota rows are locked only for the charge and the commit.
+    PERFORM charge_all(r.tenant_id, p_id, p_resources, p_amounts, p_pers, p_lenient, p_unnamed_models);
     RETURN 'queued';
 END $$;
