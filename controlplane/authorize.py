@@ -16,12 +16,12 @@ from psycopg_pool import AsyncConnectionPool
 from controlplane import db, errors, iam
 from controlplane.auth import Caller
 
-POLICY = "SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s"
+_POLICY = "SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s"
 
 
 async def read_policy(conn: AsyncConnection, tenant_id: str) -> str | None:
     """The tenant's policy, read in the caller's transaction (to stage a later decision)."""
-    row = await (await conn.execute(POLICY, {"tenant_id": tenant_id})).fetchone()
+    row = await (await conn.execute(_POLICY, {"tenant_id": tenant_id})).fetchone()
     return row["cedar"] if row else None
 
 

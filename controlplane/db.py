@@ -146,18 +146,12 @@ async def run_in_transaction(
     work: Callable[[psycopg.AsyncConnection], Awaitable[T]],
     *,
     attempts: int = 5,
-    pipeline: bool = False,
 ) -> T:
-    """Run `work` in one transaction, retrying deadlocks and serialization failures.
-
-    `pipeline`: in psycopg's pipeline mode, so BEGIN and every statement whose result is not
-    fetched go with the next round trip, and COMMIT ends the last one. An error of such a
-    statement is raised at the next fetch (or at COMMIT), not at its execute: only for work that
-    does not catch errors of single statements."""
+    """Run `work` in one transaction, retrying deadlocks and serialization failures."""
     for attempt in range(1, attempts + 1):
         try:
             async with pool.connection() as conn:
-                async with conn.pipeline() if pipeline else _no_pipeline(), conn.transaction():
+                async with conn.transaction():
                     token = _OPEN.set(conn)
                     try:
                         return await work(conn)
@@ -169,11 +163,6 @@ async def run_in_transaction(
             log.info("transaction retried", sqlstate=exc.sqlstate, attempt=attempt)
             await asyncio.sleep(0.005 * attempt)
     raise AssertionError("unreachable")
-
-
-@asynccontextmanager
-async def _no_pipeline() -> AsyncIterator[None]:
-    yield None
 
 
 async def run_autocommit(

@@ -56,8 +56,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     if inp.request.get("startEarliest"):  # the earliest start is searched on an index holding every commit
         await earliest.caught_up(rt)
 
-    draft = await db.run_in_transaction(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest),
-                                        pipeline=True)
+    draft = await db.run_autocommit(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest))
     if draft.decide:
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
@@ -85,7 +84,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
 
 @dataclass
 class Facts:
-    """What transaction 1 reads before it decides anything, in one round trip (pipelined)."""
+    """What transaction 1 reads before it decides anything: the stored row, and the rest in one
+    statement (queries.DRAFT_FACTS)."""
 
     row: dict[str, Any] | None  # the stored reservation of this key, if any
     now_ms: int
@@ -95,32 +95,28 @@ class Facts:
 
 
 async def _read_facts(conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str) -> Facts:
-    """The stored row, the clock, the pool, the identity's drafts and the policy: five reads sent
-    together (pipeline mode), answered in one round trip. A retry of a stored row reads a little it
-    may not need; a new request needs every one."""
+    """The stored row, then the clock, the pool, the identity's drafts and the policy in one
+    statement (a retry of a stored row reads a little it may not need; a new request needs all)."""
+    stored = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     index = _pool_index(rt, inp.request["poolId"])
-    pool_params = {"pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id}
-    async with conn.pipeline():
-        stored = await conn.execute(queries.BY_ID, {"id": rid})
-        now = await conn.execute(queries.NOW_MS)
-        pool = await conn.execute(queries.VISIBLE_POOL if index is None else queries.VISIBLE_POOL_FACTS, pool_params)
-        drafts = await conn.execute(queries.LIVE_DRAFTS, {
-            "identity_id": caller.identity_id, "cap": rt.settings.max_drafts_per_identity,
-            "retention_s": rt.settings.draft_retention_hours * 3600,
-        })
-        policy = await conn.execute(authorize.POLICY, {"tenant_id": inp.tenant_id})
-        facts = Facts(await stored.fetchone(), (await now.fetchone())["now_ms"], await pool.fetchone(),
-                      await drafts.fetchone(), ((await policy.fetchone()) or {}).get("cedar"))
-    if facts.pool is not None and index is not None:
-        facts.pool = {**facts.pool, "single_model": index.single_model()}
-    return facts
+    read = await (await conn.execute(queries.DRAFT_FACTS if index is not None else queries.DRAFT_FACTS_READING_MODELS, {
+        "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": caller.identity_id,
+        "cap": rt.settings.max_drafts_per_identity, "retention_s": rt.settings.draft_retention_hours * 3600,
+    })).fetchone()
+    assert read is not None
+    pool = read["pool"]
+    if pool is not None and index is not None:
+        pool = {**pool, "single_model": index.single_model()}
+    return Facts(stored, read["now_ms"], pool, {"n": read["drafts"], "expires_in_s": read["drafts_expire_in_s"]},
+                 read["policy"])
 
 
 async def _transaction_1(
     conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str, digest: str
 ) -> Draft:
-    """A new request costs three round trips: the facts (with BEGIN), the draft and its IAM
-    attributes in one statement, COMMIT."""
+    """Runs in autocommit: its one write for a new request, the draft with its IAM attributes, is
+    one statement, so a new request costs three round trips (the stored row, the facts, the
+    insert) and no BEGIN or COMMIT. A stored row's confirmation expiry takes a transaction."""
     facts = await _read_facts(conn, rt, caller, inp, rid)
     row, pool, fresh = facts.row, facts.pool, False
     if row is None:
@@ -151,7 +147,8 @@ async def _transaction_1(
     if state == states.AWAITING_CONFIRMATION:
         confirmation = await _latest_confirmation(conn, rid)
         if confirmation is not None and confirmation["expired"]:
-            await expire_confirmation(conn, row)  # a late retry finds it expired
+            async with conn.transaction():
+                await expire_confirmation(conn, row)  # a late retry finds it expired
             return draft
         draft.approved = confirmation is not None and confirmation["state"] == "approved"
         draft.rejected = confirmation is not None and confirmation["state"] == "rejected"

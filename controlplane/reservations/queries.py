@@ -375,6 +375,23 @@ FROM (SELECT created_at FROM reservations
       ORDER BY created_at LIMIT %(cap)s) d
 """
 
+# What a new draft needs besides its stored row, in one statement: the clock, the pool as the
+# tenant sees it (NULL: not visible; `pool_sql` is VISIBLE_POOL or VISIBLE_POOL_FACTS), the
+# identity's live drafts (LIVE_DRAFTS) and the tenant's policy.
+def draft_facts(pool_sql: str) -> str:
+    return f"""
+SELECT epoch_ms(compute_now()) AS now_ms,
+       (SELECT to_jsonb(p) FROM ({pool_sql.strip()}) p) AS pool,
+       d.n AS drafts, d.expires_in_s AS drafts_expire_in_s,
+       (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS policy
+FROM ({LIVE_DRAFTS.strip()}) d
+"""
+
+
+DRAFT_FACTS = draft_facts(VISIBLE_POOL_FACTS)  # with the capacity index, which knows the pool's models
+DRAFT_FACTS_READING_MODELS = draft_facts(VISIBLE_POOL)  # without it
+
+
 # Draft expiry: one batch of drafts past the retention window (wall-clock, like created_at); rows
 # a create is deciding right now are locked and skipped.
 DELETE_EXPIRED_DRAFTS = """
