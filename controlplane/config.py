@@ -64,6 +64,11 @@ class Settings:
     # Work items handled at once per process, each in its own transaction (the passes of one
     # reservation still take turns on its row lock); each holds a pool connection while it runs.
     work_concurrency: int = field(default_factory=lambda: int(os.environ.get("BC_WORK_CONCURRENCY", "8")))
+    # The work queue's safety poll: each runner re-reads when its next item is due at least this
+    # often, though the NOTIFY bc_work that comes with every new item already tells it.
+    work_safety_poll_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_WORK_SAFETY_POLL_SECONDS", "30"))
+    )
     # Attested bindings (spec P14): only node-signed AllocationBound reports count as bound.
     attested_bindings: bool = field(default_factory=lambda: _bool("BC_ATTESTED_BINDINGS", True))
     # Dev and test only: lets the admin API move compute_now() forward.

@@ -89,6 +89,10 @@ class Metrics(RpcMetrics):
         self.placer_reservations = Counter(
             "bc_placer_batch_reservations", "Queued reservations the lease placer's batches decided, by outcome:"
             " placed or pending", ["outcome"], registry=self.registry)
+        self.work_queries = Counter(
+            "bc_work_queue_queries", "Queries the work queue runner sent, by query: claim (take a due item) and"
+            " next_due (read when the next item is due); an item due later costs none until it is due",
+            ["query"], registry=self.registry)
         self._pool = pool
         self._refresh_seconds = refresh_seconds
         self._refreshed = float("-inf")

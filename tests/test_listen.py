@@ -212,9 +212,8 @@ def later(world: World) -> int:
     return world.sql("SELECT epoch_ms(compute_now())")[0][0] + 86_400_000
 
 
-def test_the_work_queue_handles_an_item_queued_after_its_listener_was_killed(
-        database: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(queue, "SAFETY_POLL_S", 3600.0)  # only a NOTIFY (or the marker) wakes it
+def test_the_work_queue_handles_an_item_queued_after_its_listener_was_killed(database: str) -> None:
+    # No safety poll (work_safety_poll_seconds): only a NOTIFY (or the marker) wakes it.
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("CREATE TABLE handled (subject text NOT NULL)")
 
@@ -228,7 +227,8 @@ def test_the_work_queue_handles_an_item_queued_after_its_listener_was_killed(
     async def scenario() -> None:
         stop = asyncio.Event()
         pool = await db.open_pool(database, size=4)
-        runner = asyncio.ensure_future(queue.run(Runtime(pool, Settings(database_url=database)), database, stop,
+        settings = Settings(database_url=database, work_safety_poll_seconds=3600.0)
+        runner = asyncio.ensure_future(queue.run(Runtime(pool, settings), database, stop,
                                                  {"reservation": record}))
         try:
             await asyncio.to_thread(kill_listener, database, "work-queue")
