@@ -1,7 +1,10 @@
 """Quota: per tenant and resource; a missing row grants 0; charges are rows per reservation.
 
-This module owns the quotas and quota_charges tables and their SQL. Used is always the sum of live (unrefunded) charges, never a counter that can drift. A charge
-locks the tenant's quota rows (in resource order) so concurrent charges are decided one at a time.
+This module owns the quotas and quota_charges tables and their SQL. Used is the sum of live
+(unrefunded) charges; a charge reads it from quota_usage, which triggers keep in the same
+transaction as the charges (migration 0029), so it cannot drift from that sum. A charge locks the
+tenant's limit rows (in resource order) so concurrent charges are decided one at a time; it runs
+in admission's locking statement (charge_all), and `charge_params` / `refusal` are its two ends.
 
 Amounts are exact fractions: a MIG instance charges 1/7 of a `gpu`, a slot 1/replicas (stored as
 amount/per, migration 0020). A per-model resource (`gpu:<model>`) limits only when the tenant has a
@@ -28,13 +31,9 @@ _SET_LIMIT = """
 INSERT INTO quotas (tenant_id, resource, "limit") VALUES (%(tenant_id)s, %(resource)s, %(limit)s)
 ON CONFLICT (tenant_id, resource) DO UPDATE SET "limit" = EXCLUDED."limit"
 """
-# Every charge or none, in one statement (charge_all, migration 0028): it locks each limit row,
-# sums the live charges and charges when it fits, in the given (sorted) order, and raises
-# BCQ01 / BCQ02 (below) for the first that does not fit.
-_CHARGE_ALL = """
-SELECT charge_all(%(tenant_id)s, %(reservation_id)s, %(resources)s::text[], %(amounts)s::bigint[],
-                  %(pers)s::bigint[], %(lenient)s::boolean[], %(unnamed)s::text[])
-"""
+# A charge is made in SQL, inside admission's locking statement (charge_all, migration 0028: it
+# locks each limit row, reads the running usage and charges when it fits, every resource or none)
+# and raises these for the first that does not fit:
 EXCEEDED = "BCQ01"  # SQLSTATE: a resource cannot take its charge; DETAIL {resource, limit, used}
 MODEL_REQUIRED = "BCQ02"  # SQLSTATE: a limited per-model resource the request does not name; DETAIL {resource, limit}
 _REFUND = """
@@ -72,25 +71,6 @@ def charge_params(tenant_id: str, reservation_id: str, amounts: Mapping[str, int
         "pers": [a.denominator for _, a in wanted], "lenient": [r.startswith(MODEL_PREFIX) for r, _ in wanted],
         "unnamed": sorted(unnamed_models),
     }
-
-
-async def charge(
-    conn: AsyncConnection, tenant_id: str, reservation_id: str, amounts: Mapping[str, int | Fraction],
-    *, unnamed_models: Iterable[str] = (),
-) -> None:
-    """Charge every amount or none (QUOTA_EXCEEDED names the first resource that cannot take it).
-
-    `unnamed_models`: the per-model resources a request without a model could land on (a pool of
-    several models). Any of them the tenant limits refuses it: the charge could not name a model.
-    A refusal is an error in SQL: the transaction around it is aborted and rolls back.
-    """
-    params = charge_params(tenant_id, reservation_id, amounts, unnamed_models)
-    if not params["resources"] and not params["unnamed"]:
-        return
-    try:
-        await conn.execute(_CHARGE_ALL, params)
-    except psycopg.Error as exc:
-        raise refusal(exc, amounts) from None
 
 
 def refusal(exc: psycopg.Error, amounts: Mapping[str, int | Fraction]) -> Exception:

@@ -342,11 +342,19 @@ async def _transaction_2(
     prepared = None
     undecided = UNDECIDED
     if decision.allowed:
+        assert charges is not None
         prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
-        row = await (await conn.execute(queries.POOL_LOCK_THEN_BY_ID_FOR_UPDATE, {
-            "id": rid, "lock_key": pool_lock_key(draft_row["pool_id"]),
-            "decision": decision.outcome, "undecided": undecided, "version": version,
-        })).fetchone()  # the pool lock, the row and the decision recorded if still undecided: one round trip
+        # The pool lock, the row, and if still undecided the decision recorded and the quota
+        # charged (host resources above the share beside the devices): one round trip.
+        amounts = _charged(draft_row, charges)
+        try:
+            row = await (await conn.execute(queries.POOL_LOCK_THEN_CHARGE, {
+                **quota.charge_params(draft_row["tenant_id"], rid, amounts, charges.unnamed_models),
+                "id": rid, "lock_key": pool_lock_key(draft_row["pool_id"]),
+                "decision": decision.outcome, "undecided": undecided, "version": version,
+            })).fetchone()
+        except psycopg.Error as exc:
+            raise quota.refusal(exc, amounts) from None  # QUOTA_EXCEEDED: the transaction rolls back
     else:
         row = await _fetch(conn, rid, for_update=True)
     if row is None:  # an expired draft, deleted by the sweeper while IAM decided
@@ -362,9 +370,7 @@ async def _transaction_2(
     if decision.outcome == iam.CONFIRM:
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
-    assert charges is not None and prepared is not None
-    # QUOTA_EXCEEDED rolls back; host resources above the share are charged beside the devices.
-    await quota.charge(conn, row["tenant_id"], rid, _charged(row, charges), unnamed_models=charges.unnamed_models)
+    assert prepared is not None and row["charged"] == 1
     placed = await placing.place_locked(conn, rt, row, prepared, now_ms)
     if placed and prepared.ask.start_ms <= now_ms:
         return Outcome(view=await load_view(conn, rid))

@@ -11,19 +11,28 @@ COLUMNS = """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
-# The pool lock, then the row locked, and the decision recorded when the row is still the
-# undecided version transaction 1 read: one round trip, in the lock order (the row is locked above
-# the join, after the materialized lock was taken). FOR UPDATE returns the row's newest committed
-# version even though the statement's snapshot predates the wait for the pool lock.
-POOL_LOCK_THEN_BY_ID_FOR_UPDATE = f"""
+# The pool lock, then the row locked, and, when the row is still the undecided version
+# transaction 1 read, the decision recorded and quota charged (charge_all, migration 0028: all or
+# none; a refusal is an error that aborts the transaction): one round trip, in the lock order (the
+# row is locked above the join, after the materialized lock was taken). FOR UPDATE returns the
+# row's newest committed version even though the statement's snapshot predates the wait for the
+# pool lock. `charged` is 1 when it charged, 0 when the row was no longer undecided.
+POOL_LOCK_THEN_CHARGE = f"""
 WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))),
 locked AS MATERIALIZED (SELECT {COLUMNS} FROM pool_lock, reservations r WHERE r.id = %(id)s FOR UPDATE OF r),
+undecided AS MATERIALIZED (
+    SELECT id, tenant_id FROM locked WHERE locked.state = ANY(%(undecided)s) AND locked.version = %(version)s
+),
 recorded AS (
     UPDATE authz_projection SET decision = %(decision)s, decided_at = compute_now()
-    WHERE reservation_id = %(id)s
-      AND EXISTS (SELECT 1 FROM locked WHERE locked.state = ANY(%(undecided)s) AND locked.version = %(version)s)
+    WHERE reservation_id = %(id)s AND EXISTS (SELECT 1 FROM undecided)
+),
+charged AS MATERIALIZED (
+    SELECT charge_all(u.tenant_id, u.id, %(resources)s::text[], %(amounts)s::bigint[], %(pers)s::bigint[],
+                      %(lenient)s::boolean[], %(unnamed)s::text[])
+    FROM undecided u
 )
-SELECT * FROM locked
+SELECT locked.*, (SELECT count(*) FROM charged) AS charged FROM locked
 """
 BY_ID_IN_TENANT = f"""
 SELECT {COLUMNS} FROM reservations r
