@@ -40,6 +40,9 @@ BY_CONSTRAINT: dict[str, Mapping] = {
     "policies_tenant_id_fkey": Mapping(errors.NotFound, "no such tenant", "tenantId"),
     "join_tokens_pool_id_fkey": Mapping(errors.NotFound, "no such pool", "poolId"),
     "provider_accounts_name_key": Mapping(errors.Conflict, "a provider account with this name exists", "name"),
+    # A create authenticated just before its identity was offboarded (migration 0013's trigger).
+    "reservations_owner_not_offboarded": Mapping(errors.Unauthenticated, "this identity was offboarded",
+                                                 "identityId"),
 }
 
 

@@ -272,3 +272,39 @@ def test_the_schema_refuses_a_new_reservation_for_an_offboarded_identity(world: 
                   " request_hash) VALUES ('rsv_late', %s, %s, %s, 'late', '{}', '')",
                   (world.tenant, world.pool_id, world.user_id))
     assert exc.value.diag.constraint_name == "reservations_owner_not_offboarded"
+
+
+def test_a_create_authenticated_just_before_its_identity_is_offboarded_is_unauthenticated(world: World) -> None:
+    """The race the insert trigger closes (migration 0013): the create authenticated, then the
+    offboarding committed before its draft went in. The answer is UNAUTHENTICATED naming the
+    identity, not INTERNAL, and nothing is stored."""
+    import threading
+    import time
+
+    request = world.create_request(count=1, start=world.later(2))
+    with psycopg.connect(world.conninfo) as offboarding:  # holds the identity row, as offboarding does
+        offboarding.execute("SELECT 1 FROM identities WHERE id = %s FOR UPDATE", (world.user_id,))
+        answer: list[BaseException] = []
+
+        def create() -> None:
+            try:
+                world.user.res("Create", request)
+            except grpc.RpcError as exc:
+                answer.append(exc)
+
+        caller = threading.Thread(target=create)
+        caller.start()
+        deadline = time.monotonic() + 30
+        while world.sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND query LIKE %s", ("%INSERT INTO reservations%",)) == [(0,)]:  # not in its snapshot
+            assert time.monotonic() < deadline, "the create's draft insert never waited for the identity row"
+            time.sleep(0.02)
+        offboarding.execute("UPDATE identities SET offboarded_at = now(), offboard_reason = 'offboarded' WHERE id = %s",
+                            (world.user_id,))
+        offboarding.commit()
+        caller.join(30)
+    assert len(answer) == 1
+    code, reason, details = rpc_error(pytest.ExceptionInfo.from_exc_info((type(answer[0]), answer[0], None)))
+    assert (code, reason, details["identityId"]) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", world.user_id)
+    assert world.sql("SELECT count(*) FROM reservations WHERE idempotency_key = %s",
+                     (request.idempotency_key,)) == [(0,)]

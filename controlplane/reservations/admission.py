@@ -17,7 +17,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import authorize, confirmations, db, errors, events, iam, quota
+from controlplane import authorize, confirmations, db, db_errors, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
@@ -129,10 +129,11 @@ async def _transaction_1(
         pool = await _with_models(conn, rt, request, pool)
         new = {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
                "owner_identity_id": caller.identity_id, "request": request, "host_share": share}
-        row = await (await conn.execute(queries.INSERT_DRAFT_WITH_AUTHZ, {
-            **new, "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
-            "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(_attributes(new, pool)),
-        })).fetchone()
+        with db_errors.mapped(identityId=caller.identity_id):  # offboarded since it authenticated
+            row = await (await conn.execute(queries.INSERT_DRAFT_WITH_AUTHZ, {
+                **new, "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
+                "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(_attributes(new, pool)),
+            })).fetchone()
         fresh = row is not None
         row = row or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
         assert row is not None
