@@ -25,7 +25,7 @@ from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
 from controlplane.reservations import devices, earliest, hostshare, kubernetes, placing, queries, queued, schedule, states
-from controlplane.reservations.reads import fetch_view, load_view
+from controlplane.reservations.reads import fetch_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
 from controlplane.reservations.wait import wait_for_operation
@@ -373,8 +373,8 @@ async def _transaction_2(
 
     assert prepared is not None and row["charged"] == 1
     placed = await placing.place_locked(conn, rt, row, prepared, now_ms)
-    if placed and prepared.ask.start_ms <= now_ms:
-        return Outcome(view=await load_view(conn, rid))
+    if placed is not None and prepared.ask.start_ms <= now_ms:
+        return Outcome(view=placed)  # as placed, read in the move's own statement
     return Outcome()
 
 

@@ -154,9 +154,10 @@ async def place_locked(
     row: dict[str, Any],
     prepared: Prepared,
     now_ms: int,
-) -> bool:
+) -> dict[str, Any] | None:
     """Commit the plan (re-planning lost races) and move the row to placed, or to pending with an
-    Unschedulable condition. Emits the event in the same transaction. True when placed."""
+    Unschedulable condition. Emits the event in the same transaction. When placed, the reservation
+    as placed, with its allocations (as reads.load_view reads it); None when pending."""
     ask = prepared.ask
     if is_node_lease(row["request"]):
         placement = await whole_machines.commit(conn, ask, row["id"], rt.settings)
@@ -184,18 +185,17 @@ async def place_locked(
             if held is None or held.get("message") != reason:
                 why = held.get("reason", "NoFit") if held else "NoFit"
                 await set_conditions(conn, row, [condition("Unschedulable", why, reason, now_ms)])
-            return False
+            return None
         await move(conn, row, states.PENDING, operation_state="succeeded",
                    conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)
         await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
-        return False
+        return None
     lease = row["request"].get("leaseSeconds")
     lease_deadline = now_ms + lease * 1000 if lease else None
-    await move_wake_emit(
+    return await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
         window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
         moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
         event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,
     )
-    return True
 

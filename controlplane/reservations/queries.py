@@ -104,8 +104,8 @@ WHERE reservation_id = %(id)s
 NOW_MS = "SELECT epoch_ms(compute_now()) AS now_ms"
 
 # A transition: only from a state the state table allows, bumping the version.
-TRANSITION = """
-UPDATE reservations
+# The body of a transition: only from a state the state table allows, bumping the version.
+_TRANSITION_BODY = """
 SET state = %(state)s,
     operation_state = %(operation_state)s,
     conditions = %(conditions)s,
@@ -118,14 +118,23 @@ SET state = %(state)s,
     version = version + 1,
     updated_at = clock_timestamp()
 WHERE id = %(id)s AND state = ANY(%(from_states)s)
-RETURNING id
+"""
+TRANSITION = f"UPDATE reservations {_TRANSITION_BODY.strip()}\nRETURNING id"
+
+# A reservation's allocations as JSON objects of ALLOCATIONS' columns; `{ref}` names its id.
+ALLOCATIONS_JSON = """
+coalesce((SELECT jsonb_agg(jsonb_build_object('id', a.id, 'node_id', a.node_id, 'device_ids', a.device_ids,
+                                              'state', a.state, 'binding', a.binding, 'limits', a.limits)
+                           ORDER BY a.created_at, a.id)
+          FROM allocations a WHERE a.reservation_id = {ref}), '[]')
 """
 
 # TRANSITION, the wake-ups of schedule.at and the event of events.emit in one statement, for the
-# locked part of a placement: nothing is scheduled or emitted unless the row moved. `moved` says
-# whether it did (0 rows: the state table forbids the move, and the caller raises).
+# locked part of a placement: nothing is scheduled or emitted unless the row moved. Its row is the
+# reservation as moved, with its allocations (those this transaction inserted included), as
+# VIEW_BY_ID reads it; no row: the state table forbids the move, and the caller raises.
 TRANSITION_WAKE_EMIT = f"""
-WITH moved AS ({TRANSITION.strip()}),
+WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.strip()} RETURNING {COLUMNS}),
 woken AS (
     SELECT schedule_work('reservation', moved.id, due)
     FROM moved, (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
@@ -136,9 +145,10 @@ emitted AS (
     SELECT %(tenant_id)s, %(event_type)s, %(subject)s, %(data)s FROM moved
     RETURNING tenant_id
 )
-SELECT (SELECT count(*) FROM moved) AS moved,
+SELECT moved.*, {ALLOCATIONS_JSON.format(ref="moved.id").strip()} AS allocations,
        (SELECT count(*) FROM woken) AS woken,
        (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified
+FROM moved
 """
 
 ALLOCATIONS = """
@@ -149,11 +159,7 @@ FROM allocations WHERE reservation_id = %(id)s ORDER BY created_at, id
 # A reservation with its allocations (as ALLOCATIONS reads them) in one statement, so one snapshot
 # and one round trip: what create and its wait answer.
 VIEW_BY_ID = f"""
-SELECT {COLUMNS},
-       coalesce((SELECT jsonb_agg(jsonb_build_object('id', a.id, 'node_id', a.node_id, 'device_ids', a.device_ids,
-                                                     'state', a.state, 'binding', a.binding, 'limits', a.limits)
-                                  ORDER BY a.created_at, a.id)
-                 FROM allocations a WHERE a.reservation_id = r.id), '[]') AS allocations
+SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations
 FROM reservations r WHERE r.id = %(id)s
 """
 

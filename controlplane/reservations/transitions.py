@@ -64,9 +64,10 @@ async def move_wake_emit(
     moments: list[int],
     event_type: str,
     **extra: Any,
-) -> None:
+) -> dict[str, Any]:
     """`move` with attempt=True, then schedule.at(moments) and events.emit_reservation(event_type,
-    **extra), in one statement: what a placement does while it holds the pool lock."""
+    **extra), in one statement: what a placement does while it holds the pool lock. Returns the
+    reservation as moved, with its allocations (as reads.load_view reads it)."""
     data = {"state": target, "poolId": row["pool_id"], **extra}
     result = await (await conn.execute(
         queries.TRANSITION_WAKE_EMIT,
@@ -88,11 +89,12 @@ async def move_wake_emit(
             "data": Jsonb(data),
         },
     )).fetchone()
-    if result["moved"] != 1:
+    if result is None:
         raise errors.InvalidState(
             f"a {row['state']} reservation cannot become {target}", state=row["state"]
         )
     row["state"] = target
+    return result
 
 
 async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions: list[dict[str, Any]]) -> None:

@@ -50,7 +50,7 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
-    return await placing.place_locked(conn, rt, row, prepared, now_ms)
+    return await placing.place_locked(conn, rt, row, prepared, now_ms) is not None
 
 
 async def retry_all(rt: Runtime) -> None:
