@@ -72,7 +72,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                 rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, charges=draft.charges)
             )
         outcome.raise_if_refused()
-        if outcome.view is not None:  # placed to start now: the answer as placed, read before commit
+        if outcome.view is not None:  # placed: the answer as placed, read before commit
             return outcome.view
         queued_now = outcome.queued
     else:
@@ -288,8 +288,7 @@ def gang_size_of(request: dict[str, Any]) -> int:
 class Outcome:
     error: errors.DomainError | None = None
     queued: bool = False  # queued for the pool's lease holder by this transaction
-    # Placed to start now: the reservation as placed, read inside the transaction, since the
-    # reconciler moves it on to binding the moment it commits (the answer would race it).
+    # Placed: the reservation as placed, read inside the transaction (see _transaction_2).
     view: dict[str, Any] | None = None
 
     def raise_if_refused(self) -> None:
@@ -373,9 +372,9 @@ async def _transaction_2(
 
     assert prepared is not None and row["charged"] == 1
     placed = await placing.place_locked(conn, rt, row, prepared, now_ms)
-    if placed is not None and prepared.ask.start_ms <= now_ms:
-        return Outcome(view=placed)  # as placed, read in the move's own statement
-    return Outcome()
+    # Placed: the answer as placed, read in the move's own statement (for one that starts now the
+    # reconciler moves it on to binding the moment this commits; a read after would race it).
+    return Outcome(view=placed)
 
 
 async def _require_confirmation(
