@@ -45,6 +45,7 @@ class Draft:
     rejected: bool = False
     lease: bool = False  # queued for the pool's lease holder rather than placed inline
     charges: devices.Charges | None = None  # the quota transaction 2 charges
+    now_ms: int = 0  # the database clock as transaction 1 read it: transaction 2 plans from it
 
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +70,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
             outcome = await _admit_queued(rt, draft.row, decision, draft.charges)
         else:
             outcome = await db.run_in_transaction(
-                rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, charges=draft.charges)
+                rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, draft.now_ms,
+                                                  charges=draft.charges)
             )
         outcome.raise_if_refused()
         if outcome.view is not None:  # placed: the answer as placed, read before commit
@@ -144,7 +146,7 @@ async def _transaction_1(
     state = row["state"]
     if state == states.DENIED:
         raise errors.AccessDenied("this request was refused", reservationId=rid)
-    draft = Draft(row)
+    draft = Draft(row, now_ms=facts.now_ms)
     if state == states.AWAITING_CONFIRMATION:
         confirmation = await _latest_confirmation(conn, rid)
         if confirmation is not None and confirmation["expired"]:
@@ -332,13 +334,12 @@ async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.De
 
 async def _transaction_2(
     conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision,
-    *, charges: devices.Charges | None = None,
+    now_ms: int, *, charges: devices.Charges | None = None,
 ) -> Outcome:
-    """Plans from the row transaction 1 read (its request never changes; the version is checked
-    under the lock), so the row is read once here, locked. (An allowed create of a lease-policy
+    """Plans from the row and the clock transaction 1 read (its request never changes; the
+    version is checked under the lock), so the row is read once here, locked. (An allowed create of a lease-policy
     pool takes _admit_queued instead.)"""
     rid, version = draft_row["id"], draft_row["version"]
-    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
     prepared = None
     undecided = UNDECIDED
     if decision.allowed:
