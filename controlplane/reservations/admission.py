@@ -131,11 +131,15 @@ async def _transaction_1(
         pool = await _with_models(conn, rt, request, pool)
         new = {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
                "owner_identity_id": caller.identity_id, "request": request, "host_share": share}
-        with db_errors.mapped(identityId=caller.identity_id):  # offboarded since it authenticated
+        try:
             row = await (await conn.execute(queries.INSERT_DRAFT_WITH_AUTHZ, {
                 **new, "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
                 "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(_attributes(new, pool)),
             })).fetchone()
+        except psycopg.errors.IntegrityError as exc:
+            if db_errors.violates(exc, db_errors.OWNER_OFFBOARDED):  # since the call authenticated
+                raise errors.Unauthenticated("this identity was offboarded", identityId=caller.identity_id) from None
+            raise
         fresh = row is not None
         row = row or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
         assert row is not None
