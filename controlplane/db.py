@@ -148,21 +148,16 @@ async def run_in_transaction(
     attempts: int = 5,
 ) -> T:
     """Run `work` in one transaction, retrying deadlocks and serialization failures."""
-    for attempt in range(1, attempts + 1):
-        try:
-            async with pool.connection() as conn:
-                async with conn.transaction():
-                    token = _OPEN.set(conn)
-                    try:
-                        return await work(conn)
-                    finally:
-                        _OPEN.reset(token)
-        except psycopg.errors.OperationalError as exc:
-            if getattr(exc, "sqlstate", None) not in _RETRYABLE or attempt == attempts:
-                raise
-            log.info("transaction retried", sqlstate=exc.sqlstate, attempt=attempt)
-            await asyncio.sleep(0.005 * attempt)
-    raise AssertionError("unreachable")
+    async def once() -> T:
+        async with pool.connection() as conn:
+            async with conn.transaction():
+                token = _OPEN.set(conn)
+                try:
+                    return await work(conn)
+                finally:
+                    _OPEN.reset(token)
+
+    return await _retrying(once, attempts, "transaction retried")
 
 
 async def run_autocommit(
@@ -175,19 +170,27 @@ async def run_autocommit(
     round trip (no BEGIN, no COMMIT). For a single statement (a read, or a write made atomic in
     SQL), or statements that need no atomicity together; deadlocks and serialization failures
     are retried as in run_in_transaction."""
+    async def once() -> T:
+        async with pool.connection() as conn:
+            await conn.set_autocommit(True)
+            try:
+                return await work(conn)
+            finally:
+                if not conn.closed:
+                    await conn.set_autocommit(False)
+
+    return await _retrying(once, attempts, "statement retried")
+
+
+async def _retrying(once: Callable[[], Awaitable[T]], attempts: int, what: str) -> T:
+    """`once()`, run again after a deadlock or a serialization failure, up to `attempts` times."""
     for attempt in range(1, attempts + 1):
         try:
-            async with pool.connection() as conn:
-                await conn.set_autocommit(True)
-                try:
-                    return await work(conn)
-                finally:
-                    if not conn.closed:
-                        await conn.set_autocommit(False)
+            return await once()
         except psycopg.errors.OperationalError as exc:
             if getattr(exc, "sqlstate", None) not in _RETRYABLE or attempt == attempts:
                 raise
-            log.info("statement retried", sqlstate=exc.sqlstate, attempt=attempt)
+            log.info(what, sqlstate=exc.sqlstate, attempt=attempt)
             await asyncio.sleep(0.005 * attempt)
     raise AssertionError("unreachable")
 
