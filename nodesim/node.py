@@ -298,6 +298,7 @@ class SimNode:
             call.cancel()
             left = list(self._unacked.values())  # written before anything still queued
             self._unacked.clear()
+            self._timing.clear()  # binds are reported again from the holds, with new sequences
             while not outbox.empty():
                 item = outbox.get_nowait()
                 if isinstance(item, tuple):
