@@ -8,7 +8,8 @@ came since. Nothing is unfrozen (the gateway does, periodically): what a simulat
 freed by reference counting, and the cycles of sessions that end (a reconnect) stay, a bounded
 cost for a simulator.
 
-Collections of `GC_SECONDS` or more and stalls of the loop (a timer that fires late) are logged,
+Collections of `GC_SECONDS` or more and stalls of the loop (a timer that fires late) are logged
+(at info: they say how busy the simulator's own host is, not that a node went wrong),
 with the CPU time the loop's thread had meanwhile (far less than the stall: the process was
 waiting for a CPU), so a slow bind or a late heartbeat can be told apart from the gateway's share.
 """
@@ -42,7 +43,7 @@ class Collections:
         if info.get("generation") == 2:
             self.full_collections += 1
         if (took := time.perf_counter() - self._started[0]) >= self.long_seconds:
-            log.warning("long garbage collection", generation=info.get("generation"), seconds=round(took, 3),
+            log.info("long garbage collection", generation=info.get("generation"), seconds=round(took, 3),
                         cpu_seconds=round(time.thread_time() - self._started[1], 3), collected=info.get("collected"))
 
     def tend(self) -> None:
@@ -72,5 +73,5 @@ async def watch(collections: Collections, interval: float = LAG_INTERVAL, long_s
         due, cpu = loop.time() + interval, time.thread_time()
         await asyncio.sleep(interval)
         if (late := loop.time() - due) >= long_seconds:
-            log.warning("event loop stalled", seconds=round(late, 3), cpu_seconds=round(time.thread_time() - cpu, 3))
+            log.info("event loop stalled", seconds=round(late, 3), cpu_seconds=round(time.thread_time() - cpu, 3))
         collections.tend()
