@@ -41,6 +41,11 @@ class GatewaySettings:
     # the flow-control window for bulk transfers. Sessions carry a heartbeat every few seconds,
     # never bulk: the probing doubled the gateway's CPU per heartbeat. Off unless set to 1.
     http2_bdp_probe: bool = field(default_factory=lambda: os.environ.get("BC_GATEWAY_HTTP2_BDP_PROBE", "0") == "1")
+    # After each full garbage collection the survivors are frozen (the next one scans only what came
+    # since); this often they are unfrozen, so one full collection frees what became garbage
+    # meanwhile (gateway.session_gc). 0: no freezing.
+    gc_unfreeze_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_GATEWAY_GC_UNFREEZE_SECONDS", "600")))
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)

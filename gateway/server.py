@@ -58,7 +58,7 @@ class Gateway:
 
 async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str | None = None,
                         enrol_listen: str | None = None) -> Gateway:
-    session_gc.log_long_pauses()
+    collections = session_gc.install(settings.gc_unfreeze_seconds)
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     ca = await enrolment.load_ca(pool, settings.pki)
     server_tls = ServerTls(pool, ca, settings.pki, settings.hosts)
@@ -82,6 +82,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     tasks.append(asyncio.create_task(
         sweeper.run(liveness, settings.sweep_seconds, stopping), name="gateway-sweeper"))
     tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
+    tasks.append(asyncio.create_task(session_gc.watch(collections), name="gateway-gc"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)
     return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks,

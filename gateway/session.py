@@ -91,9 +91,13 @@ class SessionRunner:
             if CHECK in kinds:
                 await self._check(session)
             if DESIRED in kinds:
+                woke = time.perf_counter()
                 state = await desired.read(self.pool, session.node_id)
+                read = time.perf_counter()
                 await context.write(node_pb2.GatewayMessage(desired_state=state))
-                log.info("desired state sent", generation=state.generation, assignments=len(state.assignments))
+                log.info("desired state sent", generation=state.generation, assignments=len(state.assignments),
+                         wait_ms=_ms(woke - session.desired_since), read_ms=_ms(read - woke),
+                         write_ms=_ms(time.perf_counter() - read))
             if RENEW in kinds:
                 not_after = int(session.peer.not_after.timestamp() * 1000)
                 await context.write(node_pb2.GatewayMessage(renew_hint=node_pb2.RenewHint(not_after=not_after)))
@@ -123,6 +127,7 @@ class SessionRunner:
             await inventory.apply_inventory(self.pool, node_id, message.inventory)
             await self.liveness.hello(node_id)
         elif kind == "report":
+            started = time.perf_counter()
             ack = await reports.intake(self.pool, node_id, message.report)
             if ack.outcome == reports.IGNORED:
                 session.reports_ignored += 1
@@ -130,7 +135,7 @@ class SessionRunner:
                 session.reports_replayed += 1
             session.acknowledge(ack)
             log.info("report " + node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower(),
-                     key_id=ack.key_id, sequence=ack.sequence)
+                     key_id=ack.key_id, sequence=ack.sequence, intake_ms=_ms(time.perf_counter() - started))
 
     async def release_all(self) -> None:
         """On shutdown, once the server stopped: the freshest time each node was heard, then every
@@ -171,3 +176,6 @@ class SessionRunner:
         return [loop.call_later(max(0.0, (hint_at - now).total_seconds()), session.signal, RENEW),
                 loop.call_later(max(0.0, (peer.not_after - now).total_seconds()) + 1, session.signal, CHECK)]
 
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)

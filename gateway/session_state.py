@@ -4,6 +4,7 @@ a push is in flight make one more push, not ten), and the report acks waiting to
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from bettercompute.node.v1 import node_pb2
@@ -27,12 +28,15 @@ class NodeSession:
     reports_replayed: int = 0
     # In the order the reports arrived; only the session's writer sends them.
     acks: list[node_pb2.ReportAck] = field(default_factory=list)
+    desired_since: float = 0.0  # time.perf_counter() of the first DESIRED not served yet
 
     @property
     def node_id(self) -> str:
         return self.peer.node_id
 
     def signal(self, kind: str) -> None:
+        if kind == DESIRED and DESIRED not in self._pending:
+            self.desired_since = time.perf_counter()
         self._pending.add(kind)
         self._event.set()
 

@@ -92,6 +92,8 @@ class FleetConfig:
     # TLS server name to expect instead of the endpoint's host (grpc.ssl_target_name_override).
     server_name: str | None = None
     heartbeat: float = 5.0
+    # Each heartbeat comes up to this fraction of the period after its place (nodesim.beats).
+    heartbeat_jitter: float = 0.1
     # Nodes started per second (enrolment and first connection are staggered at this rate).
     connect_rate: float = 100.0
     # How often each node's device plugin looks for a (new) kubelet socket in its sandbox; 0: no plugin.
@@ -153,6 +155,13 @@ def _positive(value: str) -> float:
     return number
 
 
+def _jitter(value: str) -> float:
+    number = float(value)
+    if not 0.0 <= number < 0.5:
+        raise argparse.ArgumentTypeError("a fraction of the period, at least 0 and below 0.5")
+    return number
+
+
 def _names(value: str) -> frozenset[str]:
     return frozenset(part.strip() for part in value.split(",") if part.strip())
 
@@ -174,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ca", type=Path, metavar="FILE", help="PEM of the CA that signed the gateway's certificate")
     p.add_argument("--server-name", help="TLS name to verify in the gateway certificate (default: the host)")
     p.add_argument("--heartbeat", type=_positive, default=5.0, metavar="SECONDS")
+    p.add_argument("--heartbeat-jitter", type=_jitter, default=0.1, metavar="FRACTION",
+                   help="each heartbeat comes up to this fraction of the period after its place (0 to 0.5)")
     p.add_argument("--connect-rate", type=_positive, default=100.0, metavar="PER_SECOND")
     p.add_argument("--kubelet-retry", type=float, default=2.0, metavar="SECONDS",
                    help="how often a node's device plugin looks for its kubelet's socket (0: no device plugin)")
@@ -276,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         enrol_gateway=a.enrol_gateway,
         server_name=a.server_name,
         heartbeat=a.heartbeat,
+        heartbeat_jitter=a.heartbeat_jitter,
         connect_rate=a.connect_rate,
         kubelet_retry=max(0.0, a.kubelet_retry),
         reimage_seconds=max(0.0, a.reimage_seconds),

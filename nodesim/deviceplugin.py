@@ -13,7 +13,7 @@ whose CDI spec carries the kubernetes marker), Healthy, until the hold ends; Lis
 whole list again whenever it changes. Allocate answers the devices' CDI names (`bcd.dev/gpu=<uuid>`,
 `bcd.dev/gpu.mig=<uuid>:<n>`, ...: the names of the hold's CDI spec) and refuses a device it does not
 advertise. A plugin's socket is created when the kubelet is first found, so a node with no kubelet
-costs one stat per plugin and retry period.
+costs one stat per retry period.
 """
 
 from __future__ import annotations
@@ -79,33 +79,53 @@ class DevicePlugins:
 
     def __init__(self, root: Path, holds: Callable[[], Iterable[Hold]], node_name: str,
                  retry: float = 2.0) -> None:
-        self.plugins = [DevicePlugin(root, holds, node_name, retry, c) for c in DEVICE_CLASSES]
+        self.plugins = [DevicePlugin(root, holds, node_name, c) for c in DEVICE_CLASSES]
+        self.retry = retry
+        self._kubelet = str(root / PLUGIN_DIR / KUBELET_SOCKET)
 
     def changed(self) -> None:
         for plugin in self.plugins:
             plugin.changed()
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(p.run(), name=f"plugin-{p.device_class}") for p in self.plugins]
+        """Register each plugin with the kubelet whenever one (a new kubelet.sock) appears; serve
+        meanwhile. One look at the socket per period for all the node's plugins: a fleet of
+        thousands of nodes on one event loop pays it thousands of times a period."""
+        for plugin in self.plugins:
+            plugin.devices = advertised(plugin.holds(), plugin.device_class)
+        registered: dict[str, tuple[int, int]] = {}  # device class -> the kubelet it registered with
         try:
-            await asyncio.gather(*tasks)
+            while True:
+                kubelet = kubelet_identity(self._kubelet)
+                if kubelet is not None:
+                    for plugin in self.plugins:
+                        if registered.get(plugin.device_class) != kubelet and await plugin.register():
+                            registered[plugin.device_class] = kubelet
+                await asyncio.sleep(self.retry)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for plugin in self.plugins:
+                await plugin.stop()
+
+
+def kubelet_identity(path: str) -> tuple[int, int] | None:
+    """The kubelet socket's inode and change time (a new kubelet makes a new socket); None without one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 class DevicePlugin(dp_grpc.DevicePluginServicer):
     """The plugin of one device class (resource `bcd.dev/<class>`)."""
 
     def __init__(self, root: Path, holds: Callable[[], Iterable[Hold]], node_name: str,
-                 retry: float = 2.0, device_class: str = "gpu") -> None:
+                 device_class: str = "gpu") -> None:
         self.dir = root / PLUGIN_DIR
         self.holds = holds
         self.device_class = device_class
         self.resource = resource_of(device_class)
         self.endpoint = socket_of(device_class)
-        self.retry = retry
         self.devices: list[str] = []
         self.registrations = 0
         self._changed = asyncio.Condition()
@@ -128,28 +148,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         async with self._changed:
             self._changed.notify_all()
 
-    async def run(self) -> None:
-        """Register with the kubelet whenever one (a new kubelet.sock) appears; serve meanwhile."""
-        self.devices = advertised(self.holds(), self.device_class)
-        registered_with: tuple[int, int] | None = None
-        try:
-            while True:
-                kubelet = self._kubelet_identity()
-                if kubelet is not None and kubelet != registered_with:
-                    if await self._register():
-                        registered_with = kubelet
-                await asyncio.sleep(self.retry)
-        finally:
-            await self._stop()
-
-    def _kubelet_identity(self) -> tuple[int, int] | None:
-        try:
-            st = (self.dir / KUBELET_SOCKET).stat()
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns
-
-    async def _register(self) -> bool:
+    async def register(self) -> bool:
         await self._serve()
         request = dp.RegisterRequest(
             version=API_VERSION, endpoint=self.endpoint, resource_name=self.resource,
@@ -168,7 +167,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         path = self.dir / self.endpoint
         if self._server is not None and path.exists():
             return
-        await self._stop()
+        await self.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -178,7 +177,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         await server.start()
         self._server = server
 
-    async def _stop(self) -> None:
+    async def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace=0.5)

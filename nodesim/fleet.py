@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from bettercompute.node.v1 import node_pb2_grpc
+from nodesim import pauses
 from nodesim.config import FleetConfig
 from nodesim.node import Shared, SimNode, restarted
 
@@ -65,6 +66,7 @@ class Fleet:
             delay = position / config.connect_rate
             self._tasks.append(asyncio.create_task(self._run_node(position, name, delay), name=f"node-{name}"))
         self._tasks.append(asyncio.create_task(self._progress(), name="fleet-progress"))
+        self._tasks.append(asyncio.create_task(pauses.watch(pauses.install()), name="fleet-gc"))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -24,6 +24,7 @@ from bettercompute.node.v1 import node_pb2 as pb
 from bettercompute.node.v1 import node_pb2_grpc
 from nodesim import DAEMON_VERSION, LEGACY_DAEMON_VERSION
 from nodesim.artefacts import Sandbox
+from nodesim.beats import Beats
 from nodesim.config import Faults, FleetConfig
 from nodesim.converge import Bound, Converger, Event
 from nodesim.deviceplugin import DevicePlugins
@@ -108,6 +109,9 @@ class SimNode:
         self._pending: list[tuple[bool, pb.AttestedReport]] = []
         # Reports written to the current session, by sequence, until the gateway acknowledges them.
         self._unacked: dict[int, tuple[bool, pb.AttestedReport]] = {}
+        # Bind reports of this process's desired states, by sequence: (allocation id, when the
+        # desired state arrived, when the report was queued), until written (logged: "bind sent").
+        self._timing: dict[int, tuple[str, float, float]] = {}
         self._channel: grpc.aio.Channel | None = None
         self._channel_key_id = ""
         self._failures_logged = False
@@ -294,6 +298,7 @@ class SimNode:
             call.cancel()
             left = list(self._unacked.values())  # written before anything still queued
             self._unacked.clear()
+            self._timing.clear()  # binds are reported again from the holds, with new sequences
             while not outbox.empty():
                 item = outbox.get_nowait()
                 if isinstance(item, tuple):
@@ -328,21 +333,20 @@ class SimNode:
             self.log.info("connected again")
         self._failures_logged = False
         loop = asyncio.get_running_loop()
-        period = self.config.heartbeat
-        next_beat = loop.time() + random.uniform(0, period)
+        beats = Beats(self.config.heartbeat, loop.time(), self.config.heartbeat_jitter)
         while True:
             if self._renew_due() and await self._renew(stub):
                 return True
             item: object = _HEARTBEAT
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, next_beat - loop.time())):
+                async with asyncio.timeout(max(0.0, beats.due - loop.time())):
                     item = await outbox.get()
             if item is _WAKE:
                 continue
             if item is _INVENTORY:
                 message = pb.NodeMessage(inventory=self.metal.inventory())
             elif item is _HEARTBEAT:
-                next_beat = loop.time() + period
+                beats.sent(loop.time())
                 message = pb.NodeMessage(
                     heartbeat=pb.Heartbeat(time=now_ms(), applied_generation=self.applied_generation)
                 )
@@ -350,14 +354,24 @@ class SimNode:
                 assert isinstance(item, tuple)
                 message = pb.NodeMessage(report=item[1])
                 # Kept before the write: the ack can come back before write() returns.
-                self._unacked[_sequence(item[1])] = item
+                sequence = _sequence(item[1])
+                self._unacked[sequence] = item
+                timing = self._timing.pop(sequence, None)
+                if timing is not None:
+                    writing = time.perf_counter()
+                    await call.write(message)
+                    allocation, arrived, queued = timing
+                    self.log.info("bind sent", allocation=allocation, apply_ms=_ms(queued - arrived),
+                                  queue_ms=_ms(writing - queued), write_ms=_ms(time.perf_counter() - writing))
+                    continue
             await call.write(message)
 
     # -- convergence and reports -------------------------------------------------------------
 
     def _on_desired(self, desired: pb.DesiredState) -> None:
+        arrived = time.perf_counter()
         if not self.faults.never_answer:
-            self._emit(self.converger.apply(desired, now_ms()))
+            self._emit(self.converger.apply(desired, now_ms()), arrived)
             self.metal.apply([a for a in desired.assignments if a.binding == pb.BINDING_NODE])
         if desired.generation != self.applied_generation:
             self.applied_generation = desired.generation
@@ -368,7 +382,7 @@ class SimNode:
         if self._outbox is not None:
             self._outbox.put_nowait(_INVENTORY)
 
-    def _emit(self, events: list[Event]) -> None:
+    def _emit(self, events: list[Event], arrived: float | None = None) -> None:
         self.plugin.changed()  # every change of the holds passes here
         if self.faults.never_answer or not events:
             return
@@ -378,9 +392,15 @@ class SimNode:
         for event in events:
             item = (isinstance(event, Bound), self.reporter.report(event))
             if self._outbox is not None:
+                if arrived is not None and isinstance(event, Bound):
+                    self._timing[_sequence(item[1])] = (event.hold.allocation_id, arrived, time.perf_counter())
                 self._outbox.put_nowait(item)
             else:
                 self._pending.append(item)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
 
 
 def _sequence(report: pb.AttestedReport) -> int:

@@ -36,6 +36,9 @@ def test_quick_fleet_benchmark_runs_and_prints_its_figures() -> None:
     assert re.search(r"50/50 active within", out), out
     row = re.search(r"^placed -> active \(commit times\)\s+50(\s+[0-9.]+){4}$", out, re.M)
     assert row, out
+    # The node side of binding -> report, from the processes' logs: one bind and one push a reservation.
+    assert re.search(r"^nodesim: report waits in the node's outbox\s+50(\s+[0-9.]+){4}$", out, re.M), out
+    assert re.search(r"^gateway: report intake \(database\)\s+50(\s+[0-9.]+){4}$", out, re.M), out
     assert "verdict: HEALTHY" in out, out
     # Every process was stopped and the temp dir removed.
     temp = re.search(r"^temp dir (\S+)$", out, re.M)

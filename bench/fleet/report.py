@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 import psycopg
 
+from bench.fleet import stages
 from bench.fleet.measure import mib, percentile, slope
 from bench.fleet.options import say
 from bench.fleet.reserve import Latencies
@@ -152,6 +153,7 @@ def report(args: argparse.Namespace, bench: Run, conninfo: str, fleet: Fleet, en
         + (("; other events: " + ", ".join(f"{t} {count}" for t, count in lat.other_events))
            if lat.other_events else ""))
     say(latency_table(lat))
+    say(stages.table(stages.collect(logs, stages.Window(lat.began_at, lat.ended_at))))
     say("")
     say(timeline_table(lat))
     say("")

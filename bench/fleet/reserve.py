@@ -104,6 +104,9 @@ class Latencies:
     timeline_step: float = 1.0
     worst_heartbeat_age: float = 0.0  # seconds, sampled while the reservations ran
     other_events: list[tuple[str, int]] = field(default_factory=list)
+    # time.time() when the phase began and ended (the log lines of bench.fleet.stages)
+    began_at: float = 0.0
+    ended_at: float = 0.0
 
 
 def db_latencies(conninfo: str, ids: list[str], out: Latencies) -> None:
@@ -165,6 +168,7 @@ async def reservations_phase(args: argparse.Namespace, endpoint: str, conninfo: 
     with psycopg.connect(conninfo) as conn:
         after_id = conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
     seen: dict[str, float] = {}
+    began_at = time.time()
     watcher = asyncio.create_task(watch_active(endpoint, seeded.token, after_id, seen))
     run_id = f"fleet-{uuid.uuid4().hex[:10]}"
     pace = f", paced at {args.rate:g}/s" if args.rate else ""
@@ -205,7 +209,8 @@ async def reservations_phase(args: argparse.Namespace, endpoint: str, conninfo: 
     (ended,) = await asyncio.gather(watcher, return_exceptions=True)
     if isinstance(ended, grpc.aio.AioRpcError):
         say(f"  note: Events.Watch failed ({ended.code().name}: {ended.details()}); the client-side row is partial")
-    out = Latencies(created, create_seconds, active, waited, worst_heartbeat_age=worst_age)
+    out = Latencies(created, create_seconds, active, waited, worst_heartbeat_age=worst_age,
+                    began_at=began_at, ended_at=time.time())
     await asyncio.to_thread(db_latencies, conninfo, placed, out)
     out.client = [seen[c.rid] - c.answered for c in created if c.rid in seen]
     return out
