@@ -42,7 +42,7 @@ def raise_open_files_limit(nodes: int) -> None:
 
 
 async def serve(config: FleetConfig) -> None:
-    fleet = Fleet(config)
+    fleet = Fleet(config, freeze_gc=True)  # this process is the fleet's own
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -31,8 +31,10 @@ log = structlog.get_logger("nodesim.fleet")
 
 
 class Fleet:
-    def __init__(self, config: FleetConfig) -> None:
+    def __init__(self, config: FleetConfig, *, freeze_gc: bool = False) -> None:
+        """`freeze_gc`: freeze the survivors of full collections (nodesim's own process only)."""
         self.config = config
+        self.freeze_gc = freeze_gc
         self.names = config.node_names()
         # The current incarnation of each node (a --restart-after fault replaces it).
         self.nodes: dict[str, SimNode] = {}
@@ -66,7 +68,7 @@ class Fleet:
             delay = position / config.connect_rate
             self._tasks.append(asyncio.create_task(self._run_node(position, name, delay), name=f"node-{name}"))
         self._tasks.append(asyncio.create_task(self._progress(), name="fleet-progress"))
-        self._tasks.append(asyncio.create_task(pauses.watch(pauses.install()), name="fleet-gc"))
+        self._tasks.append(asyncio.create_task(pauses.watch(pauses.install(freeze=self.freeze_gc)), name="fleet-gc"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -163,5 +165,7 @@ class Fleet:
                 log.info("all nodes connected", nodes=total, seconds=round(time.monotonic() - self._started_at, 2))
                 announced = True
                 # The fleet's objects live as long as the process: no full collection scans them again
-                # (with thousands of nodes one would stop every node's loop for seconds).
-                gc.freeze()
+                # (with thousands of nodes one would stop every node's loop for seconds). Only in
+                # nodesim's own process (see pauses.install).
+                if self.freeze_gc:
+                    gc.freeze()

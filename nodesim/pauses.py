@@ -30,8 +30,9 @@ LAG_SECONDS = 0.1  # a timer this late is a stall worth a log line
 
 
 class Collections:
-    def __init__(self, long_seconds: float = GC_SECONDS) -> None:
+    def __init__(self, long_seconds: float = GC_SECONDS, *, freeze: bool = True) -> None:
         self.long_seconds = long_seconds
+        self.freeze = freeze  # False: log only (a fleet embedded in another program's process)
         self.full_collections = 0
         self._frozen_at = 0
         self._started = (0.0, 0.0)
@@ -49,7 +50,7 @@ class Collections:
     def tend(self) -> None:
         """Freeze the survivors of a full collection that ran since the last call (from the loop,
         never from inside a collection)."""
-        if self.full_collections != self._frozen_at:
+        if self.freeze and self.full_collections != self._frozen_at:
             gc.freeze()
             self._frozen_at = self.full_collections
 
@@ -57,10 +58,13 @@ class Collections:
 _installed: list[Collections] = []
 
 
-def install() -> Collections:
-    """Once per process (tests run several fleets in one)."""
+def install(*, freeze: bool) -> Collections:
+    """Once per process (tests run several fleets in one). `freeze`: only nodesim's own process
+    freezes its heap; a fleet embedded in another process (the tests) must leave that process's
+    collector alone: with frozen garbage there, a cancelled stream to the test's in-process
+    gateway sometimes never ended (about one run in four of tests/test_nodesim.py when loaded)."""
     if not _installed:
-        collections = Collections()
+        collections = Collections(freeze=freeze)
         gc.callbacks.append(collections.callback)
         _installed.append(collections)
     return _installed[0]

@@ -5,6 +5,7 @@ the unreachable sweeper, and `python -m gateway` as a real process."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pathlib
 import queue
@@ -46,7 +47,9 @@ class GatewayThread:
     def __init__(self, conninfo: str, settings: GatewaySettings | None = None, *, listen: str = "127.0.0.1:0",
                  enrol_listen: str = "127.0.0.1:0") -> None:
         self.conninfo = conninfo
-        self.settings = settings or GatewaySettings()
+        # Embedded in the test process: the gateway must not freeze that process's heap (its
+        # frozen garbage kept in-process streams from ending); tests/test_session_gc.py covers it.
+        self.settings = dataclasses.replace(settings or GatewaySettings(), gc_unfreeze_seconds=0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

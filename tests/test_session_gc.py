@@ -96,6 +96,16 @@ def test_nodesim_freezes_the_survivors_of_each_full_collection(clean_gc: None) -
     assert gc.get_freeze_count() >= frozen + len(kept)
 
 
+def test_a_fleet_embedded_in_another_process_freezes_nothing(clean_gc: None) -> None:
+    """Only nodesim's own process freezes its heap; a fleet run inside another program (the
+    tests) logs its collections but leaves that process's collector alone."""
+    collections = pauses.Collections(freeze=False)
+    gc.callbacks.append(collections.callback)
+    gc.collect()
+    collections.tend()
+    assert collections.full_collections == 1 and gc.get_freeze_count() == 0
+
+
 def test_a_stalled_loop_is_logged_with_its_cpu_time(clean_gc: None) -> None:
     lines = Lines()
     collections = session_gc.Collections(0, logger=lines)
