@@ -120,7 +120,7 @@ async def _transaction_1(
     one statement, so a new request costs three round trips (the stored row, the facts, the
     insert) and no BEGIN or COMMIT. A stored row's confirmation expiry takes a transaction."""
     facts = await _read_facts(conn, rt, caller, inp, rid)
-    row, pool, fresh = facts.row, facts.pool, False
+    row, pool, attributes = facts.row, facts.pool, None  # attributes: of the draft inserted here
     if row is None:
         check_start(inp, facts.now_ms, TimeLimits.of(rt.settings))
         resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id, pool=pool)
@@ -129,19 +129,21 @@ async def _transaction_1(
         if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
             request = await earliest.choose_start(conn, rt, request, facts.now_ms)
         pool = await _with_models(conn, rt, request, pool)
-        new = {"id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
-               "owner_identity_id": caller.identity_id, "request": request, "host_share": share}
+        attributes = _attributes({"tenant_id": inp.tenant_id, "owner_identity_id": caller.identity_id,
+                                  "pool_id": inp.request["poolId"], "request": request, "host_share": share}, pool)
         try:
             row = await (await conn.execute(queries.INSERT_DRAFT_WITH_AUTHZ, {
-                **new, "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
-                "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(_attributes(new, pool)),
+                "id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
+                "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
+                "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(attributes),
             })).fetchone()
         except psycopg.errors.IntegrityError as exc:
             if db_errors.violates(exc, db_errors.OWNER_OFFBOARDED):  # since the call authenticated
                 raise errors.Unauthenticated("this identity was offboarded", identityId=caller.identity_id) from None
             raise
-        fresh = row is not None
-        row = row or await _fetch(conn, rid)  # ours as inserted, or a concurrent twin's
+        if row is None:  # a concurrent twin's draft: its attributes are upserted below
+            attributes = None
+            row = await _fetch(conn, rid)
         assert row is not None
     if row["request_hash"] != digest:
         raise errors.Conflict(
@@ -165,10 +167,12 @@ async def _transaction_1(
     if pool is None:
         raise errors.NotFound("no such pool", poolId=row["pool_id"])
     pool = await _with_models(conn, rt, row["request"], pool)
-    draft.attributes = _attributes(row, pool)
     draft.lease = queued.uses_lease(pool, row["request"])
     draft.charges = devices.charges(row["request"], pool, gang_size_of(row["request"]))
-    if not fresh:  # the new draft's attributes went in with it
+    if attributes is not None:  # the new draft's attributes went in with it
+        draft.attributes = attributes
+    else:
+        draft.attributes = _attributes(row, pool)
         await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
     draft.policy = facts.policy
     draft.decide = True
