@@ -38,6 +38,7 @@ class SessionRunner:
     def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness) -> None:
         self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
         self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
+        self._ending: set[asyncio.Future[None]] = set()  # sessions being unregistered (see run)
 
     async def run(self, peer: Peer, requests: AsyncIterator[node_pb2.NodeMessage],
                   context: grpc.aio.ServicerContext, arrival: object = None) -> None:
@@ -73,10 +74,18 @@ class SessionRunner:
             self.hub.remove(session)
             if not self.hub.sessions(session.node_id):
                 self.liveness.ended(session.node_id)
-            await self._unregister(session)
-            log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
-                     reports_replayed=session.reports_replayed,
-                     duration_s=round(time.perf_counter() - started, 3))
+            # gRPC cancels this task when the node cancels its call, which may come just after
+            # the node closed its side, while the session is being unregistered: the end runs to
+            # its end on its own (a session left registered would wait for the sweeper's grace).
+            ending = asyncio.ensure_future(self._end(session, outcome, started))
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
+            await asyncio.shield(ending)
+
+    async def _end(self, session: NodeSession, outcome: str, started: float) -> None:
+        await self._unregister(session)
+        log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
+                 reports_replayed=session.reports_replayed, duration_s=round(time.perf_counter() - started, 3))
 
     async def _serve(self, session: NodeSession, reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
         session.signal(DESIRED)
@@ -140,6 +149,7 @@ class SessionRunner:
     async def release_all(self) -> None:
         """On shutdown, once the server stopped: the freshest time each node was heard, then every
         session of this gateway, one statement each, before the pool closes."""
+        await asyncio.gather(*self._ending, return_exceptions=True)
         try:
             await self.liveness.store_all()
         except Exception:

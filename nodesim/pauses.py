@@ -60,9 +60,8 @@ _installed: list[Collections] = []
 
 def install(*, freeze: bool) -> Collections:
     """Once per process (tests run several fleets in one). `freeze`: only nodesim's own process
-    freezes its heap; a fleet embedded in another process (the tests) must leave that process's
-    collector alone: with frozen garbage there, a cancelled stream to the test's in-process
-    gateway sometimes never ended (about one run in four of tests/test_nodesim.py when loaded)."""
+    freezes its heap; a fleet embedded in another process (the tests) leaves that process's
+    collector alone."""
     if not _installed:
         collections = Collections(freeze=freeze)
         gc.callbacks.append(collections.callback)

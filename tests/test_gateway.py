@@ -47,8 +47,8 @@ class GatewayThread:
     def __init__(self, conninfo: str, settings: GatewaySettings | None = None, *, listen: str = "127.0.0.1:0",
                  enrol_listen: str = "127.0.0.1:0") -> None:
         self.conninfo = conninfo
-        # Embedded in the test process: the gateway must not freeze that process's heap (its
-        # frozen garbage kept in-process streams from ending); tests/test_session_gc.py covers it.
+        # Embedded in the test process: the gateway leaves that process's heap unfrozen;
+        # tests/test_session_gc.py covers the freezing.
         self.settings = dataclasses.replace(settings or GatewaySettings(), gc_unfreeze_seconds=0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -350,6 +350,27 @@ def test_a_revoked_certificate_is_refused_and_its_open_session_closed(gateway: G
     assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in ended.details()
     refused = node.session()
     assert refused.ended().code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_session_cancelled_while_it_is_unregistered_is_still_unregistered(
+    gateway: GatewayThread, pool_id: str
+) -> None:
+    """The FakeDaemon's unreachable fault closes its side, then cancels the call: gRPC cancels the
+    session's task while it unregisters. The unregistering must finish all the same."""
+    node, session = connected(gateway, pool_id, "gpu-01")
+    waiting = ("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+               "AND query LIKE '%%UPDATE nodes SET session_id = NULL%%'")
+    with capture_logs() as logs, psycopg.connect(gateway.conninfo) as holder:
+        holder.execute("SELECT 1 FROM nodes WHERE id = %s FOR UPDATE", (node.node_id,))  # the unregister waits
+        session.outbox.put(None)  # the node closes its side: the gateway ends the session...
+        eventually(lambda: sql(gateway.conninfo, waiting), what="the unregister waiting for the row")
+        session.call.cancel()  # ...and, while it unregisters, the node cancels the call
+        eventually(lambda: session.call.done(), what="the call cancelled")
+        time.sleep(0.5)  # for the cancellation to reach the gateway's task
+        assert sql(gateway.conninfo, waiting)  # still waiting: not cancelled with the call
+        holder.rollback()
+        eventually(lambda: node_row(gateway.conninfo, node.node_id)["session_id"] is None, 10, "unregistered")
+        eventually(lambda: any(e["event"] == "session ended" for e in logs), 10, "the end logged")
 
 
 def test_the_newest_session_of_a_node_wins_across_gateways(gateway: GatewayThread, pool_id: str) -> None:
