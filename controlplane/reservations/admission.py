@@ -97,20 +97,21 @@ class Facts:
 
 
 async def _read_facts(conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str) -> Facts:
-    """The stored row, then the clock, the pool, the identity's drafts and the policy in one
-    statement (a retry of a stored row reads a little it may not need; a new request needs all)."""
-    stored = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    """The stored row, the clock, the pool, the identity's drafts and the policy: one statement (a
+    retry of a stored row reads a little it may not need; a new request needs all of it)."""
     index = _pool_index(rt, inp.request["poolId"])
     read = await (await conn.execute(queries.DRAFT_FACTS if index is not None else queries.DRAFT_FACTS_READING_MODELS, {
-        "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": caller.identity_id,
+        "id": rid, "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": caller.identity_id,
         "cap": rt.settings.max_drafts_per_identity, "retention_s": rt.settings.draft_retention_hours * 3600,
     })).fetchone()
     assert read is not None
-    pool = read["pool"]
+    facts = {key: read.pop(key) for key in queries.DRAFT_FACT_COLUMNS}
+    stored = read if read["id"] is not None else None  # the rest is BY_ID's row, or NULLs
+    pool = facts["facts_pool"]
     if pool is not None and index is not None:
         pool = {**pool, "single_model": index.single_model()}
-    return Facts(stored, read["now_ms"], pool, {"n": read["drafts"], "expires_in_s": read["drafts_expire_in_s"]},
-                 read["policy"])
+    return Facts(stored, facts["facts_now_ms"], pool,
+                 {"n": facts["facts_drafts"], "expires_in_s": facts["facts_drafts_expire_in_s"]}, facts["facts_policy"])
 
 
 async def _transaction_1(

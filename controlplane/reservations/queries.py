@@ -390,16 +390,21 @@ FROM (SELECT created_at FROM reservations
       ORDER BY created_at LIMIT %(cap)s) d
 """
 
-# What a new draft needs besides its stored row, in one statement: the clock, the pool as the
+# What a create reads before it decides anything, in one statement: the clock, the pool as the
 # tenant sees it (NULL: not visible; `pool_sql` is VISIBLE_POOL or VISIBLE_POOL_FACTS), the
-# identity's live drafts (LIVE_DRAFTS) and the tenant's policy.
+# identity's live drafts (LIVE_DRAFTS), the tenant's policy (the `facts_` columns), and the stored
+# reservation of its key as BY_ID reads it (every other column; all NULL when there is none).
+DRAFT_FACT_COLUMNS = ("facts_now_ms", "facts_pool", "facts_drafts", "facts_drafts_expire_in_s", "facts_policy")
+
+
 def draft_facts(pool_sql: str) -> str:
     return f"""
-SELECT epoch_ms(compute_now()) AS now_ms,
-       (SELECT to_jsonb(p) FROM ({pool_sql.strip()}) p) AS pool,
-       d.n AS drafts, d.expires_in_s AS drafts_expire_in_s,
-       (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS policy
-FROM ({LIVE_DRAFTS.strip()}) d
+SELECT epoch_ms(compute_now()) AS facts_now_ms,
+       (SELECT to_jsonb(p) FROM ({pool_sql.strip()}) p) AS facts_pool,
+       d.n AS facts_drafts, d.expires_in_s AS facts_drafts_expire_in_s,
+       (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS facts_policy,
+       stored.*
+FROM ({LIVE_DRAFTS.strip()}) d LEFT JOIN LATERAL ({BY_ID}) stored ON true
 """
 
 
