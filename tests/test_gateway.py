@@ -568,9 +568,11 @@ def test_failed_and_released_reports_are_kept_and_wake_the_reservation(
 # Connectivity -------------------------------------------------------------------------------
 
 def test_the_unreachable_sweeper_flips_connectivity_and_wakes_reservations_once(database: str) -> None:
-    # The gateways' own sweepers run often but with an hour's grace: they never flip the node on
-    # a slow machine; the test sweeps with no grace, on demand, from both gateways at once.
-    settings = GatewaySettings(node_grace_seconds=3600, sweep_seconds=0.1)
+    # The test sweeps with no grace, on demand, from both gateways at once. The gateways' own
+    # sweepers do not run meanwhile (an hour's grace, one round at start): the holding gateway
+    # heard the node within its grace, so its next round would make it connected again and wake
+    # the reservation a second time before the test looked.
+    settings = GatewaySettings(node_grace_seconds=3600, sweep_seconds=3600)
     first, second = GatewayThread(database, settings), GatewayThread(database, settings)
     cp = ControlPlane(database)
     try:
