@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
@@ -153,6 +154,45 @@ def test_freed_capacity_wakes_pending_reservations_at_once(world: World) -> None
     events = [t for (t,) in world.sql("SELECT type FROM events WHERE subject = %s ORDER BY id",
                                       (f"reservation/{waiting.id}",))]
     assert [e for e in events if e != "reservation.queued"][:2] == ["reservation.pending", "reservation.placed"]
+
+
+def test_a_race_lost_to_bookings_the_index_missed_is_planned_again_on_the_same_node(
+    world: World, stack: tuple[ServerThread, Client]
+) -> None:
+    """The pool's one ready node has GPUs booked behind the capacity index's back (written without
+    their notifications): the plan picks them, the commit refuses them, the node is read again
+    under the lock and the create lands on its other GPUs instead of going pending."""
+    if stack[0].app.runtime.capacity is None:
+        pytest.skip("planned from the tables: there is no index to miss a booking")
+    node = world.nodes[-1]
+    world.sql("UPDATE nodes SET state = 'cordoned' WHERE pool_id = %s AND id <> %s", (world.pool_id, node.id))
+    start = world.sql("SELECT epoch_ms(compute_now())")[0][0] + 3 * 3600 * 1000
+    probe = world.create(count=4, start=start, duration="2h")  # which GPUs the plan picks for this
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=probe.id))
+    picked = list(probe.allocations[0].device_ids)
+    hidden = "rsv_hidden" + world.tenant
+    world.sql("""
+        WITH r AS (INSERT INTO reservations (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request,
+                                             request_hash, state, operation_state, during)
+                   SELECT %(id)s, tenant_id, pool_id, owner_identity_id, 'hidden', request, 'x', 'placed', 'succeeded',
+                          tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(start)s + 7200000), '[)')
+                   FROM reservations WHERE id = %(probe)s RETURNING id)
+        INSERT INTO allocations (id, reservation_id, node_id, device_ids)
+        SELECT 'alloc_' || %(id)s, id, %(node)s, '{}' FROM r""", {"id": hidden, "start": start, "probe": probe.id,
+                                                                 "node": node.id})
+    with world._conn.transaction():  # the bookings without their triggers: the index never hears of them
+        world._conn.execute("SET LOCAL session_replication_role = replica")
+        world._conn.execute(
+            "INSERT INTO bookings (atom_id, allocation_id, during) SELECT a.id, %s, "
+            "tstzrange(from_epoch_ms(%s), from_epoch_ms(%s), '[)') FROM atoms a WHERE a.node_id = %s "
+            "AND a.device_uuid = ANY(%s)", ("alloc_" + hidden, start, start + 7_200_000, node.id, picked))
+    with capture_logs() as logs:
+        again = world.create(count=4, start=start, duration="2h")
+    assert again.state == "placed" and again.allocations[0].node_id == node.id
+    assert not set(again.allocations[0].device_ids) & set(picked)
+    assert any(e["event"] in ("placement race lost", "batch placement races lost") for e in logs), \
+        "the plan did not pick the hidden GPUs: the test did not play the race"
+    world.sql("UPDATE nodes SET state = 'ready' WHERE pool_id = %s", (world.pool_id,))
 
 
 def test_placed_event_carries_node_ids_start_end_state_and_pool(world: World) -> None:

@@ -44,6 +44,7 @@ class Member:
     ask: placer.Ask
     placement: placer.Placement | None = None
     excluded: set[str] = field(default_factory=set)
+    lost_on: set[str] = field(default_factory=set)  # nodes it lost a race on once (see placer.lost_on)
     attempts: int = 0
     _planned: placer.Planned | None = None
     _allocation_id: str = ""
@@ -113,8 +114,8 @@ async def place(conn: AsyncConnection, batch: Batch, settings: Settings, index: 
             if index is not None:  # what the index missed about those nodes, read under the lock
                 await index.refresh(conn, {n: batch.pool_id for n in nodes})
                 batch.touched |= nodes
-            for m in lost:
-                m.excluded.add(m._planned.plan.node_id)
+            for m in lost:  # planned again on what was read; a second loss there excludes the node
+                placer.lost_on(m.lost_on, m.excluded, m._planned.plan.node_id)
         todo = [m for m in lost if m.attempts < settings.placement_max_attempts]
     for m in from_tables:
         started = time.perf_counter()

@@ -156,8 +156,8 @@ async def commit(
     index: CapacityIndex | None = None,
 ) -> Placement | None:
     """Insert the planned allocation and bookings (the pool lock must be held). A lost race
-    deletes the partial allocation, refreshes that node in the index, excludes it and plans again,
-    at most placement_max_attempts times.
+    deletes the partial allocation, refreshes that node in the index and plans again (a node that
+    loses twice is excluded: `lost_on`), at most placement_max_attempts times.
     `metrics` gets the time from the first plan to the outcome."""
     placement = await _commit(conn, ask, reservation_id, planned, settings, exclude, index)
     if metrics is not None:
@@ -170,6 +170,7 @@ async def _commit(
     exclude: frozenset[str], index: CapacityIndex | None,
 ) -> Placement | None:
     excluded: set[str] = set(exclude)
+    lost: set[str] = set()
     for attempt in range(settings.placement_max_attempts):
         if planned.plan is None:
             return None
@@ -190,11 +191,21 @@ async def _commit(
         await conn.execute(queries.DELETE_ALLOCATION, {"id": allocation_id})
         log.info("placement race lost", node_id=chosen.node_id, attempt=attempt + 1,
                  booked=booked, wanted=len(chosen.atom_ids))
-        excluded.add(chosen.node_id)
+        lost_on(lost, excluded, chosen.node_id)
         if index is not None:  # what the index missed about that node, read under the lock
             await index.refresh(conn, {chosen.node_id: ask.pool_id})
         planned = await plan(conn, ask, settings, exclude=frozenset(excluded), index=index)
     return None
+
+
+def lost_on(lost: set[str], excluded: set[str], node_id: str) -> None:
+    """A race lost on `node_id`: the next plan may use it again, since it plans on what was just
+    read of it under the pool lock (the index had missed a booking or a health change there: in a
+    pool of one fitting node, excluding it would leave the request pending with room for it). A
+    second loss on the same node excludes it."""
+    if node_id in lost:
+        excluded.add(node_id)
+    lost.add(node_id)
 
 
 async def book_host(conn: AsyncConnection, ask: Ask, allocation_id: str, node_id: str) -> bool:
