@@ -68,6 +68,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
             )
         if draft.lease and decision.allowed:
             outcome = await _admit_queued(rt, draft.row, decision, draft.charges)
+        elif decision.allowed:
+            outcome = await _place_inline(rt, caller, draft, decision)
         else:
             outcome = await db.run_in_transaction(
                 rt.pool, lambda c: _transaction_2(c, rt, caller, draft.row, decision, draft.now_ms,
@@ -341,19 +343,53 @@ async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.De
     return Outcome(queued=True)
 
 
+async def _place_inline(rt: Runtime, caller: Caller, draft: Draft, decision: iam.Decision) -> Outcome:
+    """Transaction 2 of an allowed inline create. Planned first, in autocommit; the common case
+    (one node, devices alone) is then one statement, place_inline, that holds the pool lock only
+    for its own work and commit (placing.place_at_once). The others take _transaction_2 with
+    that plan; a lost race takes it planning again."""
+    row, charges = draft.row, draft.charges
+    assert charges is not None
+    amounts = _charged(row, charges)
+    admitted = {**quota.charge_params(row["tenant_id"], row["id"], amounts, charges.unnamed_models),
+                "decision": decision.outcome, "undecided": UNDECIDED, "lock_key": pool_lock_key(row["pool_id"])}
+
+    async def at_once(conn: AsyncConnection) -> tuple[placing.Prepared, dict[str, Any] | None]:
+        prepared = await placing.prepare(conn, rt, row, draft.now_ms, lock=False)
+        if not placing.at_once(row, prepared):
+            return prepared, None
+        try:
+            return prepared, await placing.place_at_once(conn, rt, row, prepared, draft.now_ms, admitted)
+        except psycopg.Error as exc:
+            raise quota.refusal(exc, amounts) from None
+
+    prepared, found = await db.run_autocommit(rt.pool, at_once)
+    if found is None:  # not the common case (planned: reuse it), or the race lost (plan again)
+        again = placing.at_once(row, prepared)
+        return await db.run_in_transaction(rt.pool, lambda c: _transaction_2(
+            c, rt, caller, row, decision, draft.now_ms, charges=charges, prepared=None if again else prepared))
+    outcome = found.pop("outcome")
+    if outcome == "missing":  # an expired draft, deleted by the sweeper while IAM decided
+        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=row["id"]))
+    if outcome == "decided":  # by a concurrent twin: answer with the stored row
+        return Outcome()
+    return Outcome(view=found)
+
+
 async def _transaction_2(
     conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision,
-    now_ms: int, *, charges: devices.Charges | None = None,
+    now_ms: int, *, charges: devices.Charges | None = None, prepared: placing.Prepared | None = None,
 ) -> Outcome:
     """Plans from the row and the clock transaction 1 read (its request never changes; the
     version is checked under the lock), so the row is read once here, locked. (An allowed create of a lease-policy
-    pool takes _admit_queued instead.)"""
+    pool takes _admit_queued instead; an allowed inline one comes here from _place_inline, with
+    its plan unless its race was lost.)"""
     rid, version = draft_row["id"], draft_row["version"]
-    prepared = None
     undecided = UNDECIDED
     if decision.allowed:
         assert charges is not None
-        prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
+        if prepared is None:
+            prepared = await placing.prepare(conn, rt, draft_row, now_ms, lock=False)  # plans before any lock
         # The pool lock, the row, and if still undecided the decision recorded and the quota
         # charged (host resources above the share beside the devices): one round trip.
         amounts = _charged(draft_row, charges)

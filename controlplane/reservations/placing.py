@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import psycopg
+import structlog
 from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.common.locks import pool_lock
+from controlplane.ids import new_id
 from controlplane.nodes.inventory import CAP_PREFIX, SYSTEM
 from controlplane.metal import is_node_lease
 from controlplane.metal import placement as whole_machines
@@ -22,6 +26,8 @@ from controlplane.placement import gang, placer
 from controlplane.reservations import kubernetes, preemption, queries, schedule, states
 from controlplane.reservations.transitions import condition, move, move_wake_emit, set_conditions
 from controlplane.runtime import Runtime
+
+log = structlog.get_logger(__name__)
 
 LIMITS_LABEL = CAP_PREFIX + "devices.limits"
 
@@ -146,6 +152,52 @@ def limits_label(request: dict[str, Any]) -> dict[str, dict[str, str]]:
     if not any((request.get("resources") or {}).values()):
         return {}
     return {LIMITS_LABEL: {"value": "true", "source": SYSTEM}}
+
+
+RACE_LOST = "BCP01"  # place_inline (migration 0032): a booking it planned was taken meanwhile
+
+
+def at_once(row: dict[str, Any], prepared: Prepared) -> bool:
+    """Whether `place_at_once` can place it: a plan on one node for devices alone (a gang, a
+    whole-machine lease, host resources to book, or nothing planned take the general path)."""
+    return (isinstance(prepared.planned, placer.Planned) and prepared.planned.plan is not None
+            and not is_node_lease(row["request"]) and gang.Gang.of(row["request"]) is None
+            and not prepared.ask.host_amounts())
+
+
+async def place_at_once(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], prepared: Prepared, now_ms: int, admitted: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The whole locked part of an inline create in one statement, in autocommit (place_inline:
+    the pool lock, the row, `admitted`'s decision and charge, the allocation and its bookings, the
+    move to placed with its wake-ups and event): nothing goes back and forth while the pool lock
+    is held. Its row: `outcome` ('placed': the rest is the reservation as moved with its
+    allocations; 'decided', 'missing'). None when the race was lost (nothing of it committed:
+    the caller takes the general path, which plans again). A quota refusal raises as charge_all
+    raised it."""
+    assert isinstance(prepared.planned, placer.Planned) and prepared.planned.plan is not None
+    ask, planned, chosen = prepared.ask, prepared.planned, prepared.planned.plan
+    lease = row["request"].get("leaseSeconds")
+    lease_deadline = now_ms + lease * 1000 if lease else None
+    try:
+        found = await (await conn.execute(queries.PLACE_INLINE, ask.params(
+            **admitted, id=row["id"], version=row["version"],
+            allocation_id=new_id("alloc"), node_id=chosen.node_id, atom_ids=list(chosen.atom_ids),
+            device_ids=[planned.uuids[a] for a in chosen.atom_ids], lease_deadline=lease_deadline,
+            moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
+            from_states=states.sources_of(states.PLACED),
+            data=Jsonb({"state": states.PLACED, "poolId": row["pool_id"], "nodeIds": [chosen.node_id],
+                        "start": ask.start_ms, "end": ask.end_ms}),
+        ))).fetchone()
+    except psycopg.Error as exc:
+        if exc.sqlstate != RACE_LOST:
+            raise
+        log.info("placement race lost", node_id=chosen.node_id, attempt=1, detail=exc.diag.message_detail)
+        return None
+    assert found is not None
+    if found["outcome"] == "placed":
+        rt.metrics.placement(planned.started, True)
+    return found
 
 
 async def place_locked(

@@ -151,6 +151,24 @@ SELECT moved.*, {ALLOCATIONS_JSON.format(ref="moved.id").strip()} AS allocations
 FROM moved
 """
 
+# The inline placer's common case in one statement (migration 0032): the pool lock, the row, the
+# decision and the charge, the allocation and its bookings, the move with its wake-ups and event.
+# `outcome` is 'placed' (the rest is the reservation as moved with its allocations, as VIEW_BY_ID
+# reads them), 'decided' or 'missing' (the rest NULL); a lost race raises BCP01.
+PLACE_INLINE = f"""
+SELECT p.outcome, {COLUMNS}, p.allocations
+FROM place_inline(
+    p_id => %(id)s, p_version => %(version)s, p_decision => %(decision)s, p_undecided => %(undecided)s,
+    p_lock_key => %(lock_key)s, p_resources => %(resources)s::text[], p_amounts => %(amounts)s::bigint[],
+    p_pers => %(pers)s::bigint[], p_lenient => %(lenient)s::boolean[], p_unnamed_models => %(unnamed)s::text[],
+    p_allocation_id => %(allocation_id)s, p_node_id => %(node_id)s, p_pool_id => %(pool_id)s,
+    p_device_ids => %(device_ids)s::text[], p_atom_ids => %(atom_ids)s::text[], p_selector => %(selector)s,
+    p_start => %(start)s, p_end => %(end)s, p_lease_deadline => %(lease_deadline)s::bigint,
+    p_moments => %(moments)s::bigint[], p_from_states => %(from_states)s, p_event_data => %(data)s
+) p
+LEFT JOIN LATERAL (SELECT (p.reservation).*) r ON true
+"""
+
 ALLOCATIONS = """
 SELECT id, node_id, device_ids, state, binding, limits
 FROM allocations WHERE reservation_id = %(id)s ORDER BY created_at, id
