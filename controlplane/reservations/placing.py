@@ -172,9 +172,9 @@ async def place_at_once(
     the pool lock, the row, `admitted`'s decision and charge, the allocation and its bookings, the
     move to placed with its wake-ups and event): nothing goes back and forth while the pool lock
     is held. Its row: `outcome` ('placed': the rest is the reservation as moved with its
-    allocations; 'decided', 'missing'). None when the race was lost (nothing of it committed:
-    the caller takes the general path, which plans again). A quota refusal raises as charge_all
-    raised it."""
+    allocations; 'decided', 'missing'). None when the race was lost (nothing of it committed; the
+    index has read that node again: the caller takes the general path, which plans again). A
+    quota refusal raises as charge_all raised it."""
     assert isinstance(prepared.planned, placer.Planned) and prepared.planned.plan is not None
     ask, planned, chosen = prepared.ask, prepared.planned, prepared.planned.plan
     lease = row["request"].get("leaseSeconds")
@@ -193,6 +193,8 @@ async def place_at_once(
         if exc.sqlstate != RACE_LOST:
             raise
         log.info("placement race lost", node_id=chosen.node_id, attempt=1, detail=exc.diag.message_detail)
+        if rt.capacity is not None:  # what the index missed about that node (committed: the insert waited)
+            await rt.capacity.refresh(conn, {chosen.node_id: ask.pool_id})
         return None
     assert found is not None
     if found["outcome"] == "placed":
