@@ -712,13 +712,13 @@ class RecordRelay:
         pending = b""
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
-                if from_gateway:
+                if from_gateway:  # recorded before it is passed on: the client never sees more than `records`
                     pending += data
                     while len(pending) >= 5 and len(pending) >= 5 + int.from_bytes(pending[3:5], "big"):
                         length = int.from_bytes(pending[3:5], "big")
                         self.records.append((pending[0], length))
                         pending = pending[5 + length:]
+                sink.sendall(data)
         except OSError:
             pass
         finally:
