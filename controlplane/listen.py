@@ -11,6 +11,8 @@ RECONNECTED comes right after every (re)connect, the first one included, once th
 place; a notification sent while no connection listened is lost, so a consumer answers the marker
 by reading everything it would otherwise have been told about. TICK comes when `timeout` seconds
 (settable between items; None: never) pass without a notification: the consumer's safety-net poll.
+WOKEN comes when the consumer's own code calls `interrupt()` (from another task): it ends the
+current wait for notifications at once (or the next one, if none is in progress).
 
 A lost connection is reconnected with back-off (BACKOFF_SECONDS, doubling; a connection that stayed
 up longer than the cap starts again from the first step), logged once when lost and once when
@@ -53,6 +55,7 @@ class _Marker:
 
 RECONNECTED: Final = _Marker("RECONNECTED")  # (re)connected and listening: re-read everything
 TICK: Final = _Marker("TICK")  # `timeout` seconds without a notification
+WOKEN: Final = _Marker("WOKEN")  # interrupt() was called
 
 Item = Notify | _Marker
 
@@ -61,8 +64,12 @@ class _Stopped(Exception):
     pass
 
 
+class _Interrupted(Exception):
+    pass
+
+
 class Listener:
-    """An async iterator of Notify, RECONNECTED and TICK; made by `listen()`."""
+    """An async iterator of Notify, RECONNECTED, TICK and WOKEN; made by `listen()`."""
 
     def __init__(self, conninfo: str, channels: Iterable[str], stopping: asyncio.Event, *, name: str,
                  timeout: float | None) -> None:
@@ -77,6 +84,7 @@ class Listener:
         self._conninfo = conninfo
         self._stopping = stopping
         self._received: deque[Notify] = deque()
+        self._interrupted = asyncio.Event()
         self._connected_at = 0.0
         self._delay = 0.0  # before the next connection attempt
         self._outage_since: float | None = None
@@ -95,6 +103,11 @@ class Listener:
         that handles a burst in one go."""
         notes, self._received = list(self._received), deque()
         return notes
+
+    def interrupt(self) -> None:
+        """End the current wait for notifications now (or the next one): the next item is WOKEN,
+        after the notifications already received (or RECONNECTED, if the connection is down)."""
+        self._interrupted.set()
 
     async def reset(self) -> None:
         """Drop the connection: the next item is RECONNECTED (after the back-off)."""
@@ -115,8 +128,13 @@ class Listener:
             if self.connection is None or self.connection.closed:
                 await self._connect()
                 return RECONNECTED
+            if self._interrupted.is_set():
+                self._interrupted.clear()
+                return WOKEN
             try:
-                heard = await self._until_stopped(self._receive(self.connection, self.timeout))
+                heard = await self._until_stopped(self._receive(self.connection, self.timeout), self._interrupted)
+            except _Interrupted:
+                continue  # WOKEN, after whatever came in meanwhile
             except psycopg.Error as exc:
                 await self._lost(exc)
                 continue
@@ -173,23 +191,29 @@ class Listener:
             log.warning("listen connection lost; reconnecting", listener=self.name, channels=self.channels,
                         error=str(why))
 
-    async def _until_stopped(self, work: Awaitable[T]) -> T:
-        """`work`'s result, or _Stopped (with `work` cancelled and awaited) once `stopping` is set."""
+    async def _until_stopped(self, work: Awaitable[T], interrupted: asyncio.Event | None = None) -> T:
+        """`work`'s result, or _Stopped (with `work` cancelled and awaited) once `stopping` is set;
+        _Interrupted (`work` cancelled likewise) if `interrupted` is set first."""
         task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self._stopping.wait())
+        waiters = {task, stop}
+        if interrupted is not None:
+            waiters.add(asyncio.ensure_future(interrupted.wait()))
         try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for waiter in (stop, task):
+            for waiter in waiters:
                 if not waiter.done():
                     waiter.cancel()
-            await asyncio.gather(stop, task, return_exceptions=True)
+            await asyncio.gather(*waiters, return_exceptions=True)
         if self._stopping.is_set():
             if task.done() and not task.cancelled() and task.exception() is None:
                 result = task.result()
                 if isinstance(result, psycopg.AsyncConnection):
                     await result.close()  # opened just as we stopped
             raise _Stopped
+        if task.cancelled():
+            raise _Interrupted  # what `work` had received is kept (see _receive)
         return task.result()
 
 

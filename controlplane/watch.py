@@ -24,6 +24,16 @@ each wake-up records the candidate (M, W) and the frontier moves to M as soon as
 shows W all gone; a candidate with an empty W is safe at once. The cost: the stream trails an
 event writer still open when a later event committed, by that writer's remaining length;
 other transactions, however long, do not hold it back.
+
+Snapshots are taken only while this process has watchers: every create writes events, so a hub
+that nobody uses would otherwise pay one query per round of notifications. With no subscription
+the hub notes that its frontier is out of date (`stale`) and takes no snapshot; the first
+watcher to subscribe interrupts the hub's wait, and the hub's next round takes the snapshot,
+wakes every watcher once it resolves, and restarts the safety net from there (as after a
+reconnect). Skipping snapshots is safe: a candidate is any (M, W) read in one statement, and it
+resolves on any later read that shows W gone, however long after. A watcher reads nothing
+before the hub's frontier is fresh again (`ready()`), so it pays one snapshot, not a stale read
+and a wake-up.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import structlog
 from controlplane import authorize, db, errors, tokens
 from controlplane.auth import Caller
 from controlplane.common.names import TENANT_ID, match
-from controlplane.listen import RECONNECTED, Item, Listener, listen
+from controlplane.listen import RECONNECTED, WOKEN, Item, Listener, listen
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -176,18 +186,31 @@ class EventHub:
         self._conninfo = conninfo
         self.slots = slots
         self.safe_id = 0
-        self._ready = asyncio.Event()
+        # Set while the frontier is up to date: cleared when a round goes unread for lack of
+        # subscribers (and before the first snapshot), set again by the next snapshot.
+        self._fresh = asyncio.Event()
+        self._listener: Listener | None = None
         self._candidates: list[_Candidate] = []
         self._subs: dict[str, set[_Subscription]] = {}
         self._by_token: dict[str, set[_Subscription]] = {}
         self._checked_to = 0  # the safety net has looked at every event id up to here
         self.safety_net_runs = 0
+        self.snapshots = 0  # frontier snapshots taken (each one query on the listening connection)
+        self.notifications = 0  # bc_events notifications heard, read or not
+
+    @property
+    def stale(self) -> bool:
+        """No snapshot yet, or rounds (notifications, a reconnect) went unread while no one subscribed."""
+        return not self._fresh.is_set()
 
     def subscribe(self, tenant_id: str, token_id: str = "") -> _Subscription:
+        """Register a watcher; on a stale hub, its wait ends now so that it takes a snapshot."""
         sub = _Subscription(tenant_id, token_id)
         self._subs.setdefault(tenant_id, set()).add(sub)
         if token_id:
             self._by_token.setdefault(token_id, set()).add(sub)
+        if self.stale and self._listener is not None:
+            self._listener.interrupt()
         return sub
 
     def unsubscribe(self, sub: _Subscription) -> None:
@@ -201,37 +224,42 @@ class EventHub:
     def subscriptions(self, tenant_id: str) -> list[_Subscription]:
         return list(self._subs.get(tenant_id, ()))
 
+    @property
+    def watching(self) -> int:
+        """Subscriptions open in this process, every tenant's."""
+        return sum(len(subs) for subs in self._subs.values())
+
     async def ready(self) -> int:
-        """The safe frontier, once the hub has computed one."""
-        await self._ready.wait()
+        """The safe frontier, once it is up to date: for a subscriber, at most one snapshot away."""
+        await self._fresh.wait()
         return self.safe_id
 
     async def run(self, stop: asyncio.Event) -> None:
         async with listen(self._conninfo, [CHANNEL, tokens.REVOKED_CHANNEL], stop, name="event-hub") as listener:
+            self._listener = listener
             recheck = RECHECK_SECONDS[0]
-            async for item in listener:
-                try:
-                    tenants = await self._handle(listener, item)
-                except Exception:
-                    log.exception("event hub failed; reconnecting")
-                    await listener.reset()  # and re-read everything once reconnected
-                    continue
-                busy = tenants or item is RECONNECTED
-                recheck = RECHECK_SECONDS[0] if busy else min(recheck * 2, RECHECK_SECONDS[1])
-                # While a candidate waits on writers still open, re-check soon; else the safety net.
-                listener.timeout = recheck if self._candidates else POLL_SECONDS
+            try:
+                async for item in listener:
+                    try:
+                        tenants = await self._handle(listener, item)
+                    except Exception:
+                        log.exception("event hub failed; reconnecting")
+                        await listener.reset()  # and re-read everything once reconnected
+                        continue
+                    busy = tenants or item is RECONNECTED
+                    recheck = RECHECK_SECONDS[0] if busy else min(recheck * 2, RECHECK_SECONDS[1])
+                    # While a candidate waits on writers still open, re-check soon; else the safety
+                    # net; with no one subscribed, neither (a subscriber interrupts the wait).
+                    listener.timeout = (None if not self._subs else
+                                        recheck if self._candidates else POLL_SECONDS)
+            finally:
+                self._listener = None
 
     async def _handle(self, listener: Listener, item: Item) -> set[str]:
         """One round: the tenants it woke or will wake. Queries run on the listening connection
         (free between items; notifications that arrive meanwhile are kept for the next round)."""
         conn = listener.connection
         assert conn is not None
-        if item is RECONNECTED:
-            # Anything may have committed, or been revoked, while no one listened.
-            await self._recheck_tokens(conn)
-            await self._tick(conn, {_ALL})
-            self._checked_to = self.safe_id  # everyone was woken: the net starts from here
-            return set()
         tenants: set[str] = set()
         if isinstance(item, psycopg.Notify):
             for note in [item, *listener.received()]:
@@ -239,7 +267,22 @@ class EventHub:
                     self._revoke(note.payload.split(","))
                 else:
                     tenants.add(note.payload)
-        elif not self._candidates:
+                    self.notifications += 1
+        if not self._subs:
+            # Nobody to wake: note that the frontier is out of date (this round may have brought
+            # events, lost ones, or left a candidate unchecked) and take no snapshot.
+            self._fresh.clear()
+            return set()
+        if item is RECONNECTED:
+            await self._recheck_tokens(conn)  # revoked while no one listened
+        if item is RECONNECTED or self.stale:
+            # Anything may have committed while no one listened, or no one subscribed.
+            await self._tick(conn, {_ALL})
+            self._checked_to = self.safe_id  # everyone will be woken: the net starts from here
+            return {_ALL}
+        if item is WOKEN:
+            return set()  # a subscriber asked for a frontier that is already fresh
+        if not isinstance(item, psycopg.Notify) and not self._candidates:
             # The safety net, in case a NOTIFY was lost: only tenants with unseen events.
             frontier = self.safe_id
             rows = await (await conn.execute(_TENANTS_SINCE, (self._checked_to,))).fetchall()
@@ -257,6 +300,7 @@ class EventHub:
         """
         row = await (await conn.execute(_SNAPSHOT)).fetchone()
         assert row is not None
+        self.snapshots += 1
         hi, writers = int(row[0]), frozenset(row[1])
         last = self._candidates[-1] if self._candidates else None
         if last is not None and last.hi >= hi:
@@ -276,7 +320,7 @@ class EventHub:
             done = [c for c in self._candidates if c.hi <= self.safe_id]
             self._candidates = [c for c in self._candidates if c.hi > self.safe_id]
             self._wake(set().union(*(c.tenants for c in done)))
-        self._ready.set()
+        self._fresh.set()
 
     async def _recheck_tokens(self, conn: psycopg.AsyncConnection) -> None:
         if self._by_token:
@@ -333,11 +377,12 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
     try:
         await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ,
                                {"types": req.types, "subject": req.subject})
-        after = req.after_id
+        last = 0
         if req.from_now:  # skip what committed before the call, even past the hub's frontier
             async with db.read_only(rt.pool) as conn:
                 last = (await (await conn.execute(_LAST_VISIBLE, {"tenant_id": req.tenant_id})).fetchone())["id"]
-            after = max(await hub.ready(), last)
+        frontier = await hub.ready()  # after an idle stretch: once the snapshot this watcher asked for is in
+        after = max(frontier, last) if req.from_now else req.after_id
         while True:
             sub.woken.clear()  # before reading: a wake-up during the read is kept
             upto = hub.safe_id

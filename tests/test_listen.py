@@ -1,6 +1,7 @@
 """The one LISTEN helper (controlplane.listen) on a real PostgreSQL: notifications in order, the
 RECONNECTED marker first and after every lost connection, a notification sent while no one
-listened lost but announced by the marker, one log line per outage, a prompt and clean stop; and
+listened lost but announced by the marker, one log line per outage, a wait its consumer interrupts,
+a prompt and clean stop; and
 each of its consumers (the work queue, the Watch hub, webhook delivery, the pending worker, the
 gateway) still reacting after the server killed its listening connection."""
 
@@ -21,7 +22,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import db, watch
 from controlplane import listen as listen_module
 from controlplane.config import Settings
-from controlplane.listen import RECONNECTED, TICK, Listener, listen
+from controlplane.listen import RECONNECTED, TICK, WOKEN, Listener, listen
 from controlplane.runtime import Runtime
 from controlplane.webhooks import delivery
 from controlplane.workers import queue
@@ -160,6 +161,34 @@ def test_a_tick_comes_when_nothing_was_heard_for_the_timeout(database: str) -> N
             listener.timeout = None
             await asyncio.to_thread(notify, database, ("bc_t_a", "heard"))
             assert (await take(listener)).payload == "heard"
+
+    asyncio.run(scenario())
+
+
+def test_interrupt_ends_a_wait_with_no_timeout_and_the_connection_goes_on_listening(database: str) -> None:
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        async with listen(database, ["bc_t_a"], stopping, name="t-woken") as listener:
+            assert await take(listener) is RECONNECTED
+            waiting = asyncio.ensure_future(take(listener))  # no timeout: only a notification ends it
+            while not listener.connection or not listener.connection.lock.locked():
+                await asyncio.sleep(0.01)  # a positive signal: it is waiting for notifications
+            listener.interrupt()
+            assert await waiting is WOKEN
+            # Interrupted before the wait: at once, after what was already received.
+            await asyncio.to_thread(notify, database, ("bc_t_a", "1"))
+            assert (await take(listener)).payload == "1"
+            async with await psycopg.AsyncConnection.connect(database, autocommit=True) as conn:
+                async with conn.transaction():  # one commit: they arrive together
+                    for payload in ("2", "3"):
+                        await conn.execute("SELECT pg_notify('bc_t_a', %s)", (payload,))
+            assert (await take(listener)).payload == "2"
+            listener.interrupt()
+            assert (await take(listener)).payload == "3"
+            assert await take(listener) is WOKEN
+            await asyncio.to_thread(notify, database, ("bc_t_a", "4"))
+            assert (await take(listener)).payload == "4"
+            assert listener.connects == 1
 
     asyncio.run(scenario())
 

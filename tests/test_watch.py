@@ -1,6 +1,7 @@
 """Events.Watch: stored then live events, filters, resumption without gaps or repeats, an id
 committed late, tenancy and IAM, the stream caps, the end of a stream whose token is revoked or
-expires, and a safety net that wakes no idle watcher. Events come from real reservation calls."""
+expires, a safety net that wakes no idle watcher, and a hub that takes no snapshot while no one
+watches yet loses nothing for the watcher that comes next. Events come from real reservation calls."""
 
 from __future__ import annotations
 
@@ -352,6 +353,78 @@ def test_the_safety_net_wakes_only_tenants_with_unseen_events(world: World, stac
         _until(lambda: hub.safety_net_runs >= runs + 5)
         assert idle_sub.wakes == wakes
         idle.quiet(0.1)
+
+
+# A hub that nobody watches ------------------------------------------------------------------
+
+BURST = 12
+
+
+def idle_hub(world: World, stack: Any) -> watch.EventHub:
+    """The module server's hub, once no stream of an earlier test is subscribed any more."""
+    server, _ = stack
+    hub = server.app.hub
+    _until(lambda: hub.watching == 0)
+    return hub
+
+
+def heard(hub: watch.EventHub, since: int, count: int) -> None:
+    """Until the hub has heard `count` more bc_events notifications (read or not)."""
+    _until(lambda: hub.notifications >= since + count)
+
+
+def test_an_idle_hub_takes_no_snapshot_and_a_watch_opened_later_gets_the_burst_then_new_events(
+        world: World, stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = idle_hub(world, stack)
+    monkeypatch.setattr(watch, "POLL_SECONDS", 3600.0)  # neither the net nor a tick can stand in
+    snapshots, notifications = hub.snapshots, hub.notifications
+    burst = [reserve(world) for _ in range(BURST)]
+    heard(hub, notifications, BURST)  # each create committed and notified on its own
+    assert hub.snapshots == snapshots and hub.stale
+    # No notification comes after this: the subscriber itself gets the frontier computed.
+    with Stream(world.user, tenant_id=world.tenant) as stream:
+        got = stream.take(BURST)
+        assert kinds(got) == [("reservation.placed", f"reservation/{r.id}") for r in burst]
+        assert [e.id for e in got] == sorted({e.id for e in got})
+        assert hub.snapshots > snapshots and not hub.stale
+        r = reserve(world)
+        assert kinds(stream.take(1)) == [("reservation.placed", f"reservation/{r.id}")]
+
+
+def test_from_now_on_an_idle_hub_skips_what_committed_before_the_call(world: World, stack: Any) -> None:
+    hub = idle_hub(world, stack)
+    notifications = hub.notifications
+    for _ in range(3):
+        reserve(world)
+    heard(hub, notifications, 3)
+    assert hub.stale
+    with Stream(world.user, tenant_id=world.tenant, from_now=True) as stream:
+        _until(lambda: not hub.stale)
+        r = reserve(world)
+        assert kinds(stream.take(1)) == [("reservation.placed", f"reservation/{r.id}")]
+
+
+def test_a_watch_opened_on_an_idle_hub_while_an_earlier_id_is_uncommitted_streams_it_first(
+        world: World, stack: Any) -> None:
+    hub = idle_hub(world, stack)
+    notifications = hub.notifications
+    slow = _begin_event(world, "test/slow")  # holds a smaller id, open across the Watch's start
+    try:
+        r = reserve(world)  # a larger id, committed first
+        heard(hub, notifications, 1)
+        assert hub.stale
+        [(placed_id,)] = world.sql("SELECT id FROM events WHERE subject = %s", (f"reservation/{r.id}",))
+        snapshots = hub.snapshots
+        stream = Stream(world.user, tenant_id=world.tenant)
+        _until(lambda: hub.snapshots > snapshots)
+        assert hub.safe_id < placed_id  # the open writer holds the frontier back
+    finally:
+        slow.commit()
+        slow.close()
+    with stream:
+        assert kinds(stream.take(2)) == [("test.late", "test/slow"), ("reservation.placed", f"reservation/{r.id}")]
+        r2 = reserve(world)
+        assert kinds(stream.take(1)) == [("reservation.placed", f"reservation/{r2.id}")]
 
 
 def _until(check: Any, seconds: float = 10) -> None:
