@@ -1,8 +1,9 @@
 """Async-with-wait: re-read in read-only transactions, backing off from 50 ms to 1 s, until the
 operation stops running or the timeout passes. The timeout is capped by the server
 (Settings.create_wait_cap_seconds, 30 s by default). A timeout is not an error: the answer is the
-last read. A client that goes away cancels the task, which ends the wait. Each wait logs one line
-with its reads and the pauses between them."""
+last read, or the view the lease holder's batch handed the wait (in the holder's process). A
+client that goes away cancels the task, which ends the wait. Each wait logs one line with its
+reads, the pauses between them, and whether it was handed its answer."""
 
 from __future__ import annotations
 
