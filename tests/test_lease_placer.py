@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import psycopg
@@ -369,20 +370,58 @@ def test_the_holders_batch_hands_its_waiters_what_a_read_gives(stack: tuple[Serv
     assert {m.state for m in members} == {"queued"}
     ids = [m.id for m in members]
 
-    async def drain_then_read() -> tuple[int, list[dict | None], list[dict]]:
+    async def read_when_handed(waiter: Any, rid: str) -> tuple[dict | None, dict]:
+        await waiter.event.wait()
+        return waiter.view, await fetch_view(runtime, rid)  # at once: a hand-off before the commit differs
+
+    async def drain_and_read() -> tuple[int, list[tuple[dict | None, dict]]]:
         with contextlib.ExitStack() as watching:
             waiters = [watching.enter_context(runtime.leases.waiters.watching(rid)) for rid in ids]
+            reads = [asyncio.create_task(read_when_handed(w, rid)) for w, rid in zip(waiters, ids)]
             taken = await queued.drain(runtime, world.pool_id, "tester", 3)
-            handed = [waiter.view for waiter in waiters]
-            assert all(waiter.event.is_set() for waiter in waiters)
-        return taken, handed, [await fetch_view(runtime, rid) for rid in ids]
+            return taken, await asyncio.gather(*reads)
 
-    taken, handed, read = server.call(drain_then_read())
+    taken, pairs = server.call(drain_and_read())
+    handed, read = [h for h, _ in pairs], [r for _, r in pairs]
     assert taken == 3
     assert [(v["state"], v["operation_state"], len(v["allocations"])) for v in handed] == [
         ("placed", "succeeded", 1), ("pending", "succeeded", 0), ("placed", "succeeded", 1)]
     assert [c["reason"] for c in handed[1]["conditions"]] == ["NoFit"]
     assert handed == read
+
+
+def test_a_batch_whose_commit_fails_hands_nothing(stack: tuple[ServerThread, Client], world: World) -> None:
+    """The hand-off comes after the commit, never before: a batch whose every statement ran but
+    whose commit failed (a deferred check of this test's own refuses it) hands its waiter nothing
+    and wakes it to read, and the reservation is still queued."""
+    from controlplane.reservations import queued
+
+    server, _ = stack
+    runtime = server.app.runtime
+    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+              "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
+              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
+              (world.pool_id,))
+    r = world.create(count=1, start=world.later(2))
+    assert r.state == "queued"
+    world.sql("CREATE FUNCTION test_refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS "
+              "$$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$")
+    world.sql("CREATE CONSTRAINT TRIGGER test_refuse_at_commit AFTER UPDATE ON reservations "
+              f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.id = '{r.id}') "
+              "EXECUTE FUNCTION test_refuse_at_commit()")
+
+    async def drain_watched() -> tuple[bool, dict | None]:
+        with runtime.leases.waiters.watching(r.id) as waiter:
+            with pytest.raises(psycopg.errors.RaiseException, match="refused at commit"):
+                await queued.drain(runtime, world.pool_id, "tester", 3)
+            return waiter.event.is_set(), waiter.view
+
+    try:
+        assert server.call(drain_watched()) == (True, None), "woken to read, handed nothing"
+    finally:
+        world.sql("DROP TRIGGER test_refuse_at_commit ON reservations")
+        world.sql("DROP FUNCTION test_refuse_at_commit()")
+    assert get(world, r.id).state == "queued"
 
 
 def test_a_claimed_reservation_is_woken_by_its_hand_off_or_else_at_the_end() -> None:
