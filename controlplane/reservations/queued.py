@@ -73,7 +73,8 @@ async def drain(rt: Runtime, pool_id: str, holder: str, epoch: int) -> int:
             except Exception:
                 await _forget(rt, raw, batch)
                 raise
-        hand_off.hand()  # committed: this process's waiters answer with these, without a read
+            else:
+                hand_off.hand()  # committed: this process's waiters answer with these, without a read
     if taken:
         statements = conn.statements + 2  # BEGIN and COMMIT
         rt.metrics.placer_batch(statements, placed, taken - placed)
