@@ -7,8 +7,10 @@ that planned on it a re-plan. Real control plane, real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import psycopg
@@ -87,7 +89,9 @@ def test_wait_on_a_queued_create_returns_it_placed(world: World) -> None:
     assert (r.state, r.operation.state) == ("placed", "succeeded")
     assert events_of(world, r.id) == ["reservation.queued", "reservation.placed"]
     [line] = [e for e in logs if e["event"] == "operation wait" and e["reservation_id"] == r.id]
-    assert line["reads"] == len(line["pauses_ms"]), "no read before the first pause: it was just queued"
+    assert line["handed"], "this process's batch handed the wait its reservation"
+    # No read before the first pause (it was just queued), none after the hand-off that ended the last.
+    assert line["reads"] == len(line["pauses_ms"]) - 1
 
 
 def test_wait_returns_it_placed_once_a_holder_takes_the_lapsed_lease(world: World) -> None:
@@ -102,7 +106,8 @@ def test_wait_returns_it_placed_once_a_holder_takes_the_lapsed_lease(world: Worl
         r = future.result()
     assert (r.id, r.state, r.operation.state) == (rid, "placed", "succeeded")
     [line] = [e for e in logs if e["event"] == "operation wait" and e["reservation_id"] == rid]
-    assert line["woken"] == 1, "the batch's notification ended the pause, not the back-off"
+    assert line["woken"] == 1, "the batch ended the pause, not the back-off"
+    assert line["handed"], "the new holder's batch, in this process, handed the wait its reservation"
     holder, epoch = lease_row(world)
     assert holder != "elsewhere" and epoch == old_epoch + 1, "a takeover moves the fencing epoch"
 
@@ -292,11 +297,15 @@ def test_a_batch_whose_lease_was_taken_over_meanwhile_commits_nothing(stack: tup
             SELECT (SELECT min(id) FROM atoms WHERE node_id = %(node)s), id,
                    tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(start)s + 60000), '[)') FROM al""",
                         {"rid": r.id, "node": w.nodes[0].id, "start": start})
-        future = asyncio.run_coroutine_threadsafe(queued.drain(runtime, w.pool_id, "tester", 3), server.loop)
+        async def drain_watched() -> tuple[int, dict | None]:
+            with runtime.leases.waiters.watching(r.id) as waiter:
+                return await queued.drain(runtime, w.pool_id, "tester", 3), waiter.view
+
+        future = asyncio.run_coroutine_threadsafe(drain_watched(), server.loop)
         until(lambda: w.sql("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")[0][0] > 0)
         w.sql("UPDATE pool_leases SET holder = 'elsewhere', epoch = 4 WHERE pool_id = %s", (w.pool_id,))
         blocker.rollback()
-        assert future.result(30) == 0, "the fenced batch counts nothing"
+        assert future.result(30) == (0, None), "the fenced batch counts nothing and hands nothing"
     finally:
         blocker.close()
     node = runtime.capacity.pool(w.pool_id).nodes[w.nodes[0].id]
@@ -339,3 +348,107 @@ def test_the_batch_counters_are_exported(stack: tuple[ServerThread, Client], wor
     until(lambda: registry.get_sample_value("bc_placer_batch_reservations_total", {"outcome": "placed"})
           >= placed_before + 1)
     assert registry.get_sample_value("bc_placer_batch_statements_total") >= before + 5
+
+
+def test_the_holders_batch_hands_its_waiters_what_a_read_gives(stack: tuple[ServerThread, Client],
+                                                               world: World) -> None:
+    """After its commit, a batch hands each waiting create of its process the reservation as it
+    moved it (placed with its allocation, or pending with its reason): the very view a read of it
+    gives then."""
+    from controlplane.reservations import queued
+    from controlplane.reservations.reads import fetch_view
+
+    server, _ = stack
+    runtime = server.app.runtime
+    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+              "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
+              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
+              (world.pool_id,))
+    start = world.later(2)
+    members = [world.create(count=c, start=start, duration="2h", topology=t)
+               for c, t in [(2, "nvlink-all"), (16, ""), (1, "")]]  # no node has 16 GPUs
+    assert {m.state for m in members} == {"queued"}
+    ids = [m.id for m in members]
+
+    async def read_when_handed(waiter: Any, rid: str) -> tuple[dict | None, dict]:
+        await waiter.event.wait()
+        return waiter.view, await fetch_view(runtime, rid)  # at once: a hand-off before the commit differs
+
+    async def drain_and_read() -> tuple[int, list[tuple[dict | None, dict]]]:
+        with contextlib.ExitStack() as watching:
+            waiters = [watching.enter_context(runtime.leases.waiters.watching(rid)) for rid in ids]
+            reads = [asyncio.create_task(read_when_handed(w, rid)) for w, rid in zip(waiters, ids)]
+            taken = await queued.drain(runtime, world.pool_id, "tester", 3)
+            return taken, await asyncio.gather(*reads)
+
+    taken, pairs = server.call(drain_and_read())
+    handed, read = [h for h, _ in pairs], [r for _, r in pairs]
+    assert taken == 3
+    assert [(v["state"], v["operation_state"], len(v["allocations"])) for v in handed] == [
+        ("placed", "succeeded", 1), ("pending", "succeeded", 0), ("placed", "succeeded", 1)]
+    assert [c["reason"] for c in handed[1]["conditions"]] == ["NoFit"]
+    assert handed == read
+
+
+def test_a_batch_whose_commit_fails_hands_nothing(stack: tuple[ServerThread, Client], world: World) -> None:
+    """The hand-off comes after the commit, never before: a batch whose every statement ran but
+    whose commit failed (a deferred check of this test's own refuses it) hands its waiter nothing
+    and wakes it to read, and the reservation is still queued."""
+    from controlplane.reservations import queued
+
+    server, _ = stack
+    runtime = server.app.runtime
+    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+              "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
+              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
+              (world.pool_id,))
+    r = world.create(count=1, start=world.later(2))
+    assert r.state == "queued"
+    world.sql("CREATE FUNCTION test_refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS "
+              "$$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$")
+    world.sql("CREATE CONSTRAINT TRIGGER test_refuse_at_commit AFTER UPDATE ON reservations "
+              f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.id = '{r.id}') "
+              "EXECUTE FUNCTION test_refuse_at_commit()")
+
+    async def drain_watched() -> tuple[bool, dict | None]:
+        with runtime.leases.waiters.watching(r.id) as waiter:
+            with pytest.raises(psycopg.errors.RaiseException, match="refused at commit"):
+                await queued.drain(runtime, world.pool_id, "tester", 3)
+            return waiter.event.is_set(), waiter.view
+
+    try:
+        assert server.call(drain_watched()) == (True, None), "woken to read, handed nothing"
+    finally:
+        world.sql("DROP TRIGGER test_refuse_at_commit ON reservations")
+        world.sql("DROP FUNCTION test_refuse_at_commit()")
+    assert get(world, r.id).state == "queued"
+
+
+def test_a_claimed_reservation_is_woken_by_its_hand_off_or_else_at_the_end() -> None:
+    """A batch's own notification does not wake the waiters it is about to hand their views to;
+    a batch that claimed and could not hand (its commit failed) wakes them, and they read."""
+    from controlplane.placement.lease import Waiters
+
+    async def scenario() -> None:
+        waiters = Waiters()
+        with waiters.watching("r1") as first, waiters.watching("r2") as second:
+            with waiters.handing() as hand_off:
+                hand_off.claim({"r1": {"id": "r1", "state": "placed"}})
+                waiters.wake(["r1", "r2"])  # the batch's bc_placed, heard before the hand-off
+                assert not first.event.is_set() and second.event.is_set()
+                hand_off.hand()
+            assert first.event.is_set() and first.view == {"id": "r1", "state": "placed"}
+            assert second.view is None
+
+            first.event.clear()
+            second.event.clear()
+            with pytest.raises(psycopg.OperationalError), waiters.handing() as hand_off:
+                hand_off.claim({"r2": {"id": "r2"}})
+                raise psycopg.OperationalError("the connection broke at the commit")
+            assert second.event.is_set() and second.view is None, "woken to read"
+            assert not first.event.is_set()
+            second.event.clear()
+            waiters.wake(["r2"])
+            assert second.event.is_set(), "no longer claimed"
+
+    asyncio.run(scenario())

@@ -12,7 +12,9 @@ Drainers are woken by `bc_queued` (a create queued a reservation in that pool), 
 taken, after a reconnect, and at every tick (the safety net for a lost notification).
 
 The worker also wakes the creates waiting for their operation (`wait`) in this process when a
-batch decided their reservations (`bc_placed`, the ids), so a wait answers without polling.
+batch decided their reservations (`bc_placed`, the ids), so a wait answers without polling. A
+batch of this process hands its waiters their reservations as it moved them, after its commit
+(`Waiters.handing`): those answer without reading at all.
 
 The lease statements run on the listener's own connection: a busy connection pool never delays a
 renewal.
@@ -26,7 +28,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
 
 import psycopg
 import structlog
@@ -59,29 +62,85 @@ async def announce(conn: psycopg.AsyncConnection, pool_id: str, policy: dict) ->
         await conn.execute(q.ANNOUNCE, {"pool_id": pool_id})
 
 
-class Waiters:
-    """Creates of this process waiting for their reservation's operation, by reservation id."""
+class Waiter:
+    """One create waiting for its reservation: `event` ends its pause; `view` is the reservation as
+    this process's batch committed it, when the batch handed it one (the waiter answers with it
+    instead of reading)."""
 
     def __init__(self) -> None:
-        self._events: dict[str, set[asyncio.Event]] = {}
+        self.event = asyncio.Event()
+        self.view: dict[str, Any] | None = None
+
+
+class Waiters:
+    """Creates of this process waiting for their reservation's operation, by reservation id.
+
+    A batch of this process claims the ids it moved before its commit and hands each waiter its
+    view after (`handing`); the batch's own `bc_placed` does not wake a claimed id, so a waiter
+    woken by the notification before the hand-off does not read what it is about to be given."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, set[Waiter]] = {}
+        self._claimed: set[str] = set()
 
     @contextlib.contextmanager
-    def watching(self, rid: str) -> Iterator[asyncio.Event]:
-        event = asyncio.Event()
-        self._events.setdefault(rid, set()).add(event)
+    def watching(self, rid: str) -> Iterator[Waiter]:
+        waiter = Waiter()
+        self._waiting.setdefault(rid, set()).add(waiter)
         try:
-            yield event
+            yield waiter
         finally:
-            events = self._events.get(rid)
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._events[rid]
+            waiters = self._waiting.get(rid)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiting[rid]
 
-    def wake(self, ids: list[str]) -> None:
+    def wake(self, ids: Iterable[str]) -> None:
         for rid in ids:
-            for event in self._events.get(rid, ()):
-                event.set()
+            if rid not in self._claimed:
+                for waiter in self._waiting.get(rid, ()):
+                    waiter.event.set()
+
+    @contextlib.contextmanager
+    def handing(self) -> Iterator[HandOff]:
+        """A batch's hand-off; whatever it claimed and did not hand is woken at the end (the
+        waiters read: a failed commit may or may not have moved them)."""
+        hand_off = HandOff(self)
+        try:
+            yield hand_off
+        finally:
+            self._claimed.difference_update(hand_off.views)
+            self.wake(hand_off.views)
+
+    def _claim(self, ids: Iterable[str]) -> None:
+        self._claimed.update(ids)
+
+    def _hand(self, rid: str, view: dict[str, Any]) -> None:
+        self._claimed.discard(rid)
+        for waiter in self._waiting.get(rid, ()):
+            waiter.view = dict(view)
+            waiter.event.set()
+
+
+class HandOff:
+    """The views one batch moved, claimed before its commit and handed to their waiters after."""
+
+    def __init__(self, waiters: Waiters) -> None:
+        self._waiters = waiters
+        self.views: dict[str, dict[str, Any]] = {}
+
+    def claim(self, views: dict[str, dict[str, Any]]) -> None:
+        """Inside the batch's transaction, before its commit (which sends `bc_placed`)."""
+        self.views.update(views)
+        self._waiters._claim(views)
+
+    def hand(self) -> None:
+        """After the commit: each view to its reservation's waiters, if any (one without a waiter
+        is dropped: a create that begins waiting later reads)."""
+        views, self.views = self.views, {}
+        for rid, view in views.items():
+            self._waiters._hand(rid, view)
 
 
 class LeaseWorker:

@@ -488,7 +488,11 @@ FOR UPDATE OF r SKIP LOCKED
 # event each in the batch's order, watchers woken, and the waiting creates told (bc_placed, ids
 # in chunks well under the 8000-byte payload limit). The fencing check again, at the end: a holder
 # whose lease was taken over meanwhile moves nothing, and the caller rolls the batch back.
-MOVE_BATCH = """
+# One row per member moved: the reservation as moved, with its allocations (the batch's own
+# inserts included), as VIEW_BY_ID reads it, and the statement's counts (MOVE_BATCH_COUNTS, the
+# same on every row; they also make the wake-ups and notifications run).
+MOVE_BATCH_COUNTS = ("batch_woken", "batch_notified", "batch_told")
+MOVE_BATCH = f"""
 WITH input AS (
     SELECT * FROM unnest(%(ids)s::text[], %(states)s::text[], %(conditions)s::jsonb[], %(starts)s::bigint[],
                          %(ends)s::bigint[], %(leases)s::bigint[], %(types)s::text[], %(data)s::jsonb[])
@@ -507,7 +511,7 @@ moved AS (
         updated_at = clock_timestamp()
     FROM input i
     WHERE r.id = i.id AND r.state = 'queued' AND lease_current(%(pool_id)s, %(holder)s, %(epoch)s)
-    RETURNING r.id, r.tenant_id
+    RETURNING {COLUMNS}
 ),
 woken AS (
     SELECT schedule_work('reservation', due.id, due.at)
@@ -527,10 +531,12 @@ told AS (
     FROM (SELECT id, (row_number() OVER ()) / 100 AS chunk FROM moved) c
     GROUP BY c.chunk
 )
-SELECT (SELECT count(*) FROM moved) AS moved,
-       (SELECT count(*) FROM woken) AS woken,
-       (SELECT count(pg_notify('bc_events', t.tenant_id)) FROM (SELECT DISTINCT tenant_id FROM emitted) t) AS notified,
-       (SELECT count(*) FROM told) AS told
+SELECT m.*, {ALLOCATIONS_JSON.format(ref="m.id").strip()} AS allocations,
+       (SELECT count(*) FROM woken) AS batch_woken,
+       (SELECT count(pg_notify('bc_events', t.tenant_id)) FROM (SELECT DISTINCT tenant_id FROM emitted) t)
+           AS batch_notified,
+       (SELECT count(*) FROM told) AS batch_told
+FROM moved m
 """
 
 # gangs -----------------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ batch of at most BC_PLACER_BATCH reservations, in arrival order:
    (controlplane.placement.batch; a lost race costs that member a re-plan);
 3. for the members nothing fits: the SQL shortlist and the reason (placer.explain);
 4. every member moved to placed or pending, with wake-ups, events and notifications: one
-   statement, fenced again.
+   statement, fenced again, which answers each member's view as `fetch_view` reads it.
+
+After the commit, the creates of this process waiting for those members are handed their views
+(`Waiters.handing`) and answer without a read; waiters elsewhere are woken by `bc_placed` and read.
 
 Gangs and repairs never come here: they place inline (BookingRepair, the binding failure path).
 """
@@ -29,6 +32,7 @@ from psycopg.types.json import Jsonb
 from controlplane.common.locks import pool_lock_key
 from controlplane.placement import batch as batches
 from controlplane.placement import placer
+from controlplane.placement.lease import Waiters
 from controlplane.reservations import placing, preemption, queries, schedule, states
 from controlplane.reservations.transitions import condition
 from controlplane.runtime import Runtime
@@ -54,18 +58,23 @@ async def drain(rt: Runtime, pool_id: str, holder: str, epoch: int) -> int:
     lease is no longer this holder's)."""
     started = time.perf_counter()
     batch = batches.Batch(pool_id, [])
-    async with rt.pool.connection() as raw:
-        conn = batches.Counted(raw)
-        try:
-            async with raw.transaction():
-                taken, placed = await _batch(conn, rt, batch, holder, epoch)
-        except Fenced as exc:
-            log.warning("placer batch fenced off; rolled back", pool_id=pool_id, epoch=epoch, error=str(exc))
-            await _forget(rt, raw, batch)
-            return 0
-        except Exception:
-            await _forget(rt, raw, batch)
-            raise
+    waiters = rt.leases.waiters if rt.leases is not None else Waiters()
+    with waiters.handing() as hand_off:
+        async with rt.pool.connection() as raw:
+            conn = batches.Counted(raw)
+            try:
+                async with raw.transaction():
+                    taken, placed, views = await _batch(conn, rt, batch, holder, epoch)
+                    hand_off.claim(views)  # before the commit, which tells every process (bc_placed)
+            except Fenced as exc:
+                log.warning("placer batch fenced off; rolled back", pool_id=pool_id, epoch=epoch, error=str(exc))
+                await _forget(rt, raw, batch)
+                return 0
+            except Exception:
+                await _forget(rt, raw, batch)
+                raise
+            else:
+                hand_off.hand()  # committed: this process's waiters answer with these, without a read
     if taken:
         statements = conn.statements + 2  # BEGIN and COMMIT
         rt.metrics.placer_batch(statements, placed, taken - placed)
@@ -87,14 +96,16 @@ async def _forget(rt: Runtime, conn: AsyncConnection, batch: batches.Batch) -> N
         log.warning("capacity index not refreshed after a failed batch", pool_id=batch.pool_id)
 
 
-async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str, epoch: int) -> tuple[int, int]:
+async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
+                 epoch: int) -> tuple[int, int, dict[str, dict[str, Any]]]:
+    """How many it took, how many it placed, and every member's view as moved (by id)."""
     pool_id = batch.pool_id
     fence = {"pool_id": pool_id, "holder": holder, "epoch": epoch}
     rows = await (await conn.execute(queries.QUEUED_BATCH, {
         **fence, "lock_key": pool_lock_key(pool_id), "limit": rt.settings.placer_batch,
     })).fetchall()
     if not rows:
-        return 0, 0
+        return 0, 0, {}
     now_ms = rows[0]["now_ms"]
     batch.members = [batches.Member(r["id"], placing.ask_for(r, now_ms)) for r in rows]
     await batches.place(conn, batch, rt.settings, rt.capacity)
@@ -123,12 +134,19 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str, epoc
             _append(moves, states.PENDING, [condition("Unschedulable", "NoFit", reason, now_ms)],
                     None, None, None, "reservation.pending", data)
     await preemption.fall_back_inline(conn, pool_id, pending)
-    result = await (await conn.execute(queries.MOVE_BATCH, {
+    moved = await (await conn.execute(queries.MOVE_BATCH, {
         **fence, **{k: v for k, v in moves.items()},
-    })).fetchone()
-    if result["moved"] != len(rows):
+    })).fetchall()
+    if len(moved) != len(rows):
         raise Fenced(f"the lease of pool {pool_id} at epoch {epoch} is no longer {holder}'s")
-    return len(rows), placed
+    return len(rows), placed, {view["id"]: _view(view) for view in moved}
+
+
+def _view(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of MOVE_BATCH without the statement's counts: what fetch_view reads."""
+    for count in queries.MOVE_BATCH_COUNTS:
+        del row[count]
+    return row
 
 
 def _append(moves: dict[str, list[Any]], state: str, conditions: list[dict[str, Any]], start: int | None,

@@ -1,8 +1,9 @@
 """Async-with-wait: re-read in read-only transactions, backing off from 50 ms to 1 s, until the
 operation stops running or the timeout passes. The timeout is capped by the server
 (Settings.create_wait_cap_seconds, 30 s by default). A timeout is not an error: the answer is the
-last read. A client that goes away cancels the task, which ends the wait. Each wait logs one line
-with its reads and the pauses between them."""
+last read, or the view the lease holder's batch handed the wait (in the holder's process). A
+client that goes away cancels the task, which ends the wait. Each wait logs one line with its
+reads, the pauses between them, and whether it was handed its answer."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ async def wait_for_operation(
 ) -> dict[str, Any]:
     """A pause ends early when the lease placer decides the reservation (its batch notifies the
     ids it moved; every process's lease worker wakes its own waiters), so a queued create answers
-    as soon as it is placed; the back-off stays as the safety net. `just_queued`: the caller has
+    as soon as it is placed; the back-off stays as the safety net. When the batch ran in this
+    process it hands the waiter the reservation as it committed it, and the wait answers with
+    that instead of reading. `just_queued`: the caller has
     just queued it, so the wait starts with the first pause rather than a read that would find it
     queued."""
     started = time.monotonic()
@@ -41,27 +44,31 @@ async def wait_for_operation(
     woken_early = 0  # pauses a batch's wake-up ended
     watching = rt.leases.waiters.watching(rid) if rt.leases is not None else contextlib.nullcontext(None)
     try:
-        with watching as woken:
+        with watching as waiter:
             reads = 0
             while True:
-                if woken is not None:
-                    woken.clear()  # before the read: a wake-up after it ends the next pause
+                if waiter is not None:
+                    waiter.event.clear()  # before the read: a wake-up after it ends the next pause
                 remaining = deadline - time.monotonic()
                 if pauses_ms or not just_queued or remaining <= 0:
-                    view = await fetch_view(rt, rid)
-                    reads += 1
+                    handed = waiter is not None and waiter.view is not None
+                    if handed:
+                        view = waiter.view  # as this process's batch committed it: no read
+                    else:
+                        view = await fetch_view(rt, rid)
+                        reads += 1
                     remaining = deadline - time.monotonic()
                     if view["operation_state"] != "running" or remaining <= 0:
                         log.info("operation wait", reservation_id=rid, reads=reads, pauses_ms=pauses_ms,
-                                 woken=woken_early, operation=view["operation_state"])
+                                 woken=woken_early, handed=handed, operation=view["operation_state"])
                         return view
                 pause = min(delay, remaining)
                 pauses_ms.append(round(pause * 1000))
-                if woken is None:
+                if waiter is None:
                     await asyncio.sleep(pause)
                 else:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(woken.wait(), pause)
+                        await asyncio.wait_for(waiter.event.wait(), pause)
                         woken_early += 1
                 delay = min(delay * 2, MAX_DELAY_S)
     except asyncio.CancelledError:
