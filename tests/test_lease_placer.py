@@ -42,6 +42,15 @@ def held_by_other(world: World) -> None:
               "deadline = EXCLUDED.deadline", (world.pool_id,))
 
 
+def held_by_tester(world: World) -> None:
+    """The test itself holds the pool's lease, at epoch 3, for an hour: it drains the pool by hand
+    (queued.drain with holder 'tester') and the server's lease worker never does."""
+    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+              "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
+              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
+              (world.pool_id,))
+
+
 def lapse(world: World) -> None:
     """The absent holder's lease lapses: the server's lease worker takes it at its next tick."""
     world.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (world.pool_id,))
@@ -274,10 +283,7 @@ def test_a_batch_whose_lease_was_taken_over_meanwhile_commits_nothing(stack: tup
 
     server, root = stack
     w = make_world(server.endpoint, root, server.conninfo, nodes=1)
-    w.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
-          "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
-          "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
-          (w.pool_id,))
+    held_by_tester(w)
     start = w.later(2)
     r = w.create(count=8, start=start, duration="1h")
     assert r.state == "queued"
@@ -360,10 +366,7 @@ def test_the_holders_batch_hands_its_waiters_what_a_read_gives(stack: tuple[Serv
 
     server, _ = stack
     runtime = server.app.runtime
-    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
-              "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
-              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
-              (world.pool_id,))
+    held_by_tester(world)
     start = world.later(2)
     members = [world.create(count=c, start=start, duration="2h", topology=t)
                for c, t in [(2, "nvlink-all"), (16, ""), (1, "")]]  # no node has 16 GPUs
@@ -398,10 +401,7 @@ def test_a_batch_whose_commit_fails_hands_nothing(stack: tuple[ServerThread, Cli
 
     server, _ = stack
     runtime = server.app.runtime
-    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
-              "VALUES (%s, 'tester', 3, clock_timestamp() + interval '1 hour') "
-              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'tester', epoch = 3, deadline = EXCLUDED.deadline",
-              (world.pool_id,))
+    held_by_tester(world)
     r = world.create(count=1, start=world.later(2))
     assert r.state == "queued"
     world.sql("CREATE FUNCTION test_refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS "
