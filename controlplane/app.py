@@ -75,6 +75,8 @@ SERVICES = (
     usage_pb2.DESCRIPTOR.services_by_name["Usage"].full_name,
 )
 
+LEASE_TASK = "placer-lease"
+
 # The work queue's handlers, by kind (a kind without one is refused at insert).
 WORK_HANDLERS = {"reservation": reconciler.reconcile, "metal": deploy.handle,
                  grant_lifecycle.KIND: grant_lifecycle.reconcile}
@@ -96,6 +98,12 @@ class App:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.server.stop(grace)
+        # The lease worker drops this process's pool leases once it sees `stopping`, so another
+        # replica takes them now rather than at their lapse: it gets the grace to do so before
+        # anything is cancelled (a stop with no RPC in flight is otherwise over at once).
+        leases = [t for t in self.tasks if t.get_name() == LEASE_TASK]
+        if leases:
+            await asyncio.wait(leases, timeout=grace)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -149,7 +157,7 @@ async def start_app(
     if capacity is not None:  # every role places (creates, repairs)
         app.tasks.append(asyncio.create_task(capacity.run(conninfo, app.stopping), name="capacity-index"))
     # Every role holds pool leases (the lease placer) and wakes its waiting creates.
-    app.tasks.append(asyncio.create_task(leases.run(conninfo, app.stopping), name="placer-lease"))
+    app.tasks.append(asyncio.create_task(leases.run(conninfo, app.stopping), name=LEASE_TASK))
     if workers:
         app.tasks.append(asyncio.create_task(pending.run(rt, conninfo, app.stopping), name="pending"))
         app.tasks.append(asyncio.create_task(queue.run(

@@ -243,6 +243,41 @@ def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
             server.stop()
 
 
+def test_a_stop_waits_for_its_leases_to_be_dropped(pg_uri: str) -> None:
+    """The holder's stop gives its lease worker the grace to drop the leases, even when it has no
+    RPC in flight: the test holds the lease row so the drop waits, and releases it while the stop
+    is under way; the other replica takes the lease, one epoch later."""
+    import concurrent.futures
+
+    conninfo = clone_database(pg_uri)
+    settings = Settings(database_url=conninfo, default_placer="lease", placer_lease_seconds=600)
+    servers = [ServerThread(conninfo, settings) for _ in range(2)]
+    try:
+        root = Client(servers[0].endpoint, bootstrap.ensure_root(conninfo))
+        w = make_world(servers[0].endpoint, root, conninfo)
+        assert w.create(count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000)).state == "placed"
+        holder, epoch = lease_row(w)
+        first = next(s for s in servers if s.app.runtime.leases.holder == holder)
+        other = next(s for s in servers if s is not first)
+        waiting = ("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                   "AND query LIKE '%%UPDATE pool_leases SET deadline%%'")
+        with psycopg.connect(conninfo) as blocker, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            blocker.execute("SELECT 1 FROM pool_leases WHERE pool_id = %s FOR UPDATE", (w.pool_id,))
+            stopping = pool.submit(first.call, first.app.stop(10))
+            until(lambda: bool(w.sql(waiting)))  # the drop waits for the row...
+            blocker.rollback()  # ...and goes on
+            stopping.result(30)
+        servers.remove(first)
+        first.loop.call_soon_threadsafe(first.loop.stop)
+        first.thread.join(10)
+        until(lambda: lease_row(w)[0] == other.app.runtime.leases.holder)
+        assert lease_row(w)[1] == epoch + 1
+        root.close()
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def test_a_batch_books_host_resources_through_the_guarded_statement(world: World) -> None:
     """A lease pool's batch books each member's host resources like an inline commit: what a node
     cannot give is not booked there (the guard of migration 0018 decides), and the member goes to a
