@@ -312,6 +312,11 @@ class Outcome:
 UNDECIDED = [states.DRAFT, states.AWAITING_CONFIRMATION]
 
 
+def _expired(rid: str) -> Outcome:
+    """The draft is gone: the sweeper deleted it, expired, while IAM decided."""
+    return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
+
+
 def _charged(row: dict[str, Any], charges: devices.Charges) -> dict[str, Any]:
     """What the reservation charges: its devices, and the host resources above its share (summed
     over a gang)."""
@@ -337,7 +342,7 @@ async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.De
         raise quota.refusal(exc, amounts) from None
     assert found is not None
     if found["outcome"] == "missing":  # an expired draft, deleted by the sweeper while IAM decided
-        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
+        return _expired(rid)
     if found["outcome"] == "decided":  # by a concurrent twin: answer with the stored row
         return Outcome()
     return Outcome(queued=True)
@@ -370,7 +375,7 @@ async def _place_inline(rt: Runtime, caller: Caller, draft: Draft, decision: iam
             c, rt, caller, row, decision, draft.now_ms, charges=charges, prepared=None if again else prepared))
     outcome = found.pop("outcome")
     if outcome == "missing":  # an expired draft, deleted by the sweeper while IAM decided
-        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=row["id"]))
+        return _expired(row["id"])
     if outcome == "decided":  # by a concurrent twin: answer with the stored row
         return Outcome()
     return Outcome(view=found)
@@ -404,7 +409,7 @@ async def _transaction_2(
     else:
         row = await _fetch(conn, rid, for_update=True)
     if row is None:  # an expired draft, deleted by the sweeper while IAM decided
-        return Outcome(errors.Conflict("this request expired while it was decided; retry it", reservationId=rid))
+        return _expired(rid)
     if row["state"] not in undecided or row["version"] != version:
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
     if not decision.allowed:

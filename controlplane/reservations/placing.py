@@ -154,6 +154,17 @@ def limits_label(request: dict[str, Any]) -> dict[str, dict[str, str]]:
     return {LIMITS_LABEL: {"value": "true", "source": SYSTEM}}
 
 
+def lease_deadline_of(row: dict[str, Any], now_ms: int) -> int | None:
+    """The lease deadline a placement at `now_ms` sets: `leaseSeconds` from then (None: no lease)."""
+    lease = row["request"].get("leaseSeconds")
+    return now_ms + lease * 1000 if lease else None
+
+
+def placed_data(pool_id: str, node_ids: list[str], ask: placer.Ask) -> dict[str, Any]:
+    """The data of a `reservation.placed` event."""
+    return {"state": states.PLACED, "poolId": pool_id, "nodeIds": node_ids, "start": ask.start_ms, "end": ask.end_ms}
+
+
 RACE_LOST = "BCP01"  # place_inline (migration 0032): a booking it planned was taken meanwhile
 
 
@@ -177,8 +188,7 @@ async def place_at_once(
     quota refusal raises as charge_all raised it."""
     assert isinstance(prepared.planned, placer.Planned) and prepared.planned.plan is not None
     ask, planned, chosen = prepared.ask, prepared.planned, prepared.planned.plan
-    lease = row["request"].get("leaseSeconds")
-    lease_deadline = now_ms + lease * 1000 if lease else None
+    lease_deadline = lease_deadline_of(row, now_ms)
     try:
         found = await (await conn.execute(queries.PLACE_INLINE, ask.params(
             **admitted, id=row["id"], version=row["version"],
@@ -186,8 +196,7 @@ async def place_at_once(
             device_ids=[planned.uuids[a] for a in chosen.atom_ids], lease_deadline=lease_deadline,
             moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
             from_states=states.sources_of(states.PLACED),
-            data=Jsonb({"state": states.PLACED, "poolId": row["pool_id"], "nodeIds": [chosen.node_id],
-                        "start": ask.start_ms, "end": ask.end_ms}),
+            data=Jsonb(placed_data(row["pool_id"], [chosen.node_id], ask)),
         ))).fetchone()
     except psycopg.Error as exc:
         if exc.sqlstate != RACE_LOST:
@@ -244,8 +253,7 @@ async def place_locked(
                    conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)
         await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
         return None
-    lease = row["request"].get("leaseSeconds")
-    lease_deadline = now_ms + lease * 1000 if lease else None
+    lease_deadline = lease_deadline_of(row, now_ms)
     return await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
         window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,

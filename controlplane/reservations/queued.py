@@ -119,10 +119,8 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
         moves["ids"].append(row["id"])
         if placement is not None:
             placed += 1
-            lease = row["request"].get("leaseSeconds")
-            lease_deadline = now_ms + lease * 1000 if lease else None
-            data = {"state": states.PLACED, "poolId": pool_id, "nodeIds": [placement.node_id],
-                    "start": ask.start_ms, "end": ask.end_ms}
+            lease_deadline = placing.lease_deadline_of(row, now_ms)
+            data = placing.placed_data(pool_id, [placement.node_id], ask)
             _append(moves, states.PLACED, [], ask.start_ms, ask.end_ms, lease_deadline, "reservation.placed", data)
             for moment in schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline):
                 moves["wake_ids"].append(row["id"])
