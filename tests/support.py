@@ -43,6 +43,8 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        if not self.thread.is_alive():  # stopped already
+            return
         try:
             self.call(self.app.stop(0.2))
         finally:

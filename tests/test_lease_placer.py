@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -215,10 +216,19 @@ def test_a_booking_the_index_never_heard_of_costs_only_its_member_a_replan(world
                      "WHERE at.node_id = %s", (a.id,))[0][0] == 8
 
 
-def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
-    """Two control planes on one database with 10-minute leases: the holder's lease could only
-    move by its own hand. Stopping it (as SIGTERM does) lapses its lease and tells the other,
-    which takes it, one epoch later, and places the next create."""
+@dataclass
+class Replicas:
+    """Two control planes on one database with 10-minute leases (a lease could only move by its
+    holder's hand), after a first create placed: `first` holds the pool's lease at `epoch`."""
+
+    world: World
+    first: ServerThread
+    other: ServerThread
+    epoch: int
+
+
+@contextlib.contextmanager
+def two_replicas(pg_uri: str) -> Iterator[Replicas]:
     conninfo = clone_database(pg_uri)
     settings = Settings(database_url=conninfo, default_placer="lease", placer_lease_seconds=600)
     servers = [ServerThread(conninfo, settings) for _ in range(2)]
@@ -228,19 +238,25 @@ def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
         assert w.create(count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000)).state == "placed"
         holder, epoch = lease_row(w)
         first = next(s for s in servers if s.app.runtime.leases.holder == holder)
-        other = next(s for s in servers if s is not first)
-        first.stop()
-        servers.remove(first)
-        until(lambda: lease_row(w)[0] == other.app.runtime.leases.holder)
-        assert lease_row(w)[1] == epoch + 1
-        user = Client(other.endpoint, w.user.metadata[0][1].split(" ", 1)[1])
-        r = w.create(user, count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000))
-        assert r.state == "placed"
-        user.close()
+        yield Replicas(w, first, next(s for s in servers if s is not first), epoch)
         root.close()
     finally:
         for server in servers:
-            server.stop()
+            server.stop()  # a second stop of a stopped one does nothing
+
+
+def test_a_stopped_holder_hands_its_lease_over_at_once(pg_uri: str) -> None:
+    """Stopping the holder (as SIGTERM does) lapses its lease and tells the other, which takes
+    it, one epoch later, and places the next create."""
+    with two_replicas(pg_uri) as r:
+        w, other = r.world, r.other
+        r.first.stop()
+        until(lambda: lease_row(w)[0] == other.app.runtime.leases.holder)
+        assert lease_row(w)[1] == r.epoch + 1
+        user = Client(other.endpoint, w.user.metadata[0][1].split(" ", 1)[1])
+        placed = w.create(user, count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000))
+        assert placed.state == "placed"
+        user.close()
 
 
 def test_a_stop_waits_for_its_leases_to_be_dropped(pg_uri: str) -> None:
@@ -249,33 +265,18 @@ def test_a_stop_waits_for_its_leases_to_be_dropped(pg_uri: str) -> None:
     is under way; the other replica takes the lease, one epoch later."""
     import concurrent.futures
 
-    conninfo = clone_database(pg_uri)
-    settings = Settings(database_url=conninfo, default_placer="lease", placer_lease_seconds=600)
-    servers = [ServerThread(conninfo, settings) for _ in range(2)]
-    try:
-        root = Client(servers[0].endpoint, bootstrap.ensure_root(conninfo))
-        w = make_world(servers[0].endpoint, root, conninfo)
-        assert w.create(count=1, start=w.later(2), wait=pb.Wait(timeout_ms=20_000)).state == "placed"
-        holder, epoch = lease_row(w)
-        first = next(s for s in servers if s.app.runtime.leases.holder == holder)
-        other = next(s for s in servers if s is not first)
+    with two_replicas(pg_uri) as r:
+        w, first = r.world, r.first
         waiting = ("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                    "AND query LIKE '%%UPDATE pool_leases SET deadline%%'")
-        with psycopg.connect(conninfo) as blocker, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with psycopg.connect(first.conninfo) as blocker, concurrent.futures.ThreadPoolExecutor(1) as pool:
             blocker.execute("SELECT 1 FROM pool_leases WHERE pool_id = %s FOR UPDATE", (w.pool_id,))
             stopping = pool.submit(first.call, first.app.stop(10))
             until(lambda: bool(w.sql(waiting)))  # the drop waits for the row...
             blocker.rollback()  # ...and goes on
             stopping.result(30)
-        servers.remove(first)
-        first.loop.call_soon_threadsafe(first.loop.stop)
-        first.thread.join(10)
-        until(lambda: lease_row(w)[0] == other.app.runtime.leases.holder)
-        assert lease_row(w)[1] == epoch + 1
-        root.close()
-    finally:
-        for server in servers:
-            server.stop()
+        until(lambda: lease_row(w)[0] == r.other.app.runtime.leases.holder)
+        assert lease_row(w)[1] == r.epoch + 1
 
 
 def test_a_batch_books_host_resources_through_the_guarded_statement(world: World) -> None:
