@@ -72,7 +72,7 @@ class Listener:
     """An async iterator of Notify, RECONNECTED, TICK and WOKEN; made by `listen()`."""
 
     def __init__(self, conninfo: str, channels: Iterable[str], stopping: asyncio.Event, *, name: str,
-                 timeout: float | None) -> None:
+                 timeout: float | None, interruptible: bool = False) -> None:
         self.channels = list(channels)
         if not self.channels:
             raise ValueError("listen to at least one channel")
@@ -84,7 +84,9 @@ class Listener:
         self._conninfo = conninfo
         self._stopping = stopping
         self._received: deque[Notify] = deque()
-        self._interrupted = asyncio.Event()
+        # Only a listener made interruptible watches for interrupt() while it waits: the watch is
+        # one more task per wait, and every other listener's waits are the hot path of its loop.
+        self._interrupted: asyncio.Event | None = asyncio.Event() if interruptible else None
         self._connected_at = 0.0
         self._delay = 0.0  # before the next connection attempt
         self._outage_since: float | None = None
@@ -106,7 +108,10 @@ class Listener:
 
     def interrupt(self) -> None:
         """End the current wait for notifications now (or the next one): the next item is WOKEN,
-        after the notifications already received (or RECONNECTED, if the connection is down)."""
+        after the notifications already received (or RECONNECTED, if the connection is down).
+        Only for a listener made with `interruptible`."""
+        if self._interrupted is None:
+            raise RuntimeError(f"listener {self.name} was not made interruptible")
         self._interrupted.set()
 
     async def reset(self) -> None:
@@ -128,7 +133,7 @@ class Listener:
             if self.connection is None or self.connection.closed:
                 await self._connect()
                 return RECONNECTED
-            if self._interrupted.is_set():
+            if self._interrupted is not None and self._interrupted.is_set():
                 self._interrupted.clear()
                 return WOKEN
             try:
@@ -219,9 +224,10 @@ class Listener:
 
 @asynccontextmanager
 async def listen(conninfo: str, channels: Iterable[str], stopping: asyncio.Event, *, name: str,
-                 timeout: float | None = None) -> AsyncIterator[Listener]:
-    """A Listener on `channels` until `stopping` is set; its connection is closed on leaving."""
-    listener = Listener(conninfo, channels, stopping, name=name, timeout=timeout)
+                 timeout: float | None = None, interruptible: bool = False) -> AsyncIterator[Listener]:
+    """A Listener on `channels` until `stopping` is set; its connection is closed on leaving.
+    `interruptible`: its consumer may end a wait with `interrupt()`."""
+    listener = Listener(conninfo, channels, stopping, name=name, timeout=timeout, interruptible=interruptible)
     try:
         yield listener
     finally:

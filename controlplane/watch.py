@@ -235,7 +235,8 @@ class EventHub:
         return self.safe_id
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with listen(self._conninfo, [CHANNEL, tokens.REVOKED_CHANNEL], stop, name="event-hub") as listener:
+        async with listen(self._conninfo, [CHANNEL, tokens.REVOKED_CHANNEL], stop, name="event-hub",
+                          interruptible=True) as listener:
             self._listener = listener
             recheck = RECHECK_SECONDS[0]
             try:

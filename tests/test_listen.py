@@ -168,7 +168,7 @@ def test_a_tick_comes_when_nothing_was_heard_for_the_timeout(database: str) -> N
 def test_interrupt_ends_a_wait_with_no_timeout_and_the_connection_goes_on_listening(database: str) -> None:
     async def scenario() -> None:
         stopping = asyncio.Event()
-        async with listen(database, ["bc_t_a"], stopping, name="t-woken") as listener:
+        async with listen(database, ["bc_t_a"], stopping, name="t-woken", interruptible=True) as listener:
             assert await take(listener) is RECONNECTED
             waiting = asyncio.ensure_future(take(listener))  # no timeout: only a notification ends it
             while not listener.connection or not listener.connection.lock.locked():
@@ -189,6 +189,16 @@ def test_interrupt_ends_a_wait_with_no_timeout_and_the_connection_goes_on_listen
             await asyncio.to_thread(notify, database, ("bc_t_a", "4"))
             assert (await take(listener)).payload == "4"
             assert listener.connects == 1
+
+    asyncio.run(scenario())
+
+
+def test_only_a_listener_made_interruptible_takes_an_interrupt(database: str) -> None:
+    """The others never watch for one while they wait (one task fewer per wait)."""
+    async def scenario() -> None:
+        async with listen(database, ["bc_t_a"], asyncio.Event(), name="t-plain") as listener:
+            with pytest.raises(RuntimeError, match="not made interruptible"):
+                listener.interrupt()
 
     asyncio.run(scenario())
 
