@@ -379,3 +379,35 @@ def test_a_delegated_agent_acts_only_where_its_person_is_a_member(pair: Pair) ->
     assert failure(b.create, agent, count=1)[1] == "ACCESS_DENIED"
     # In the person's tenant, the agent works.
     assert call(agent, "Reservations", "List", pb.ListReservationsRequest(tenant_id=a.tenant)) is not None
+
+
+def test_a_spot_victim_is_never_told_which_reservation_of_another_tenant_preempted_it(
+        stack: tuple[ServerThread, Client]) -> None:
+    """B owns a pool offered to A; A's spot work there is preempted by B's regular reservation. A sees
+    its notice, its condition and its events, but never B's reservation id."""
+    server, root = stack
+    b = make_world(server.endpoint, root, server.conninfo, nodes=1)
+    a = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    try:
+        b.sql("UPDATE pools SET policy = policy || '{\"spot\": {\"noticeSeconds\": 600}}'::jsonb WHERE id = %s",
+              (b.pool_id,))
+        root.admin("OfferPool", apb.OfferPoolRequest(pool_id=b.pool_id, tenant_id=a.tenant))
+        spot = a.create(count=8, pool_id=b.pool_id, spot=True, duration="8h")
+        assert spot.state == "placed", spot
+        server.call(server.app.runtime.capacity.barrier())
+        with Stream(a.user, tenant_id=a.tenant, subject=f"reservation/{spot.id}",
+                    types=["reservation.preempting"]) as stream:
+            theirs = b.create(count=8)
+            assert theirs.state == "placed", theirs
+            notice = stream.take(1)[0]
+        seen = call(a.user, "Reservations", "Get", pb.GetReservationRequest(tenant_id=a.tenant,
+                                                                             reservation_id=spot.id))
+        preempting = [c for c in seen.conditions if c.type == "Preempting"]
+        assert preempting, seen.conditions
+        assert theirs.id not in str(seen)
+        assert theirs.id not in str(notice) and notice.data["noticeUntil"] > 0
+        stored = a.sql("SELECT data FROM events WHERE subject = %s", (f"reservation/{spot.id}",))
+        assert all(theirs.id not in str(d) for (d,) in stored)
+    finally:
+        a.close()
+        b.close()
