@@ -411,3 +411,26 @@ def test_a_spot_victim_is_never_told_which_reservation_of_another_tenant_preempt
     finally:
         a.close()
         b.close()
+
+
+def test_a_delegated_agent_is_never_allowed_what_its_person_is_refused(world: World) -> None:
+    """IAM refuses the person a create: its agent, acting for it, is refused too (ACCESS_DENIED,
+    no confirmation the person could only approve into a refusal), and nothing is placed."""
+    world.policy('permit(principal, action, resource);\n'
+                 f'forbid(principal == Identity::"{world.user_id}", action == Action::"compute:reservations:create",'
+                 ' resource);')
+    assert failure(world.create, world.user, count=1)[1] == "ACCESS_DENIED"
+    _, agent = world.identity(kind="agent", person_identity_id=world.user_id)
+    assert failure(world.create, agent, count=1)[1] == "ACCESS_DENIED"
+    _, held = world.identity(kind="agent", person_identity_id=world.user_id,
+                             confirm_actions=["compute:reservations:create"])
+    world.policy('permit(principal, action, resource) unless { context.delegated };\n'
+                 f'forbid(principal == Identity::"{world.user_id}", action == Action::"compute:reservations:create",'
+                 ' resource);')
+    assert failure(world.create, held, count=1)[1] == "ACCESS_DENIED"
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s AND state NOT IN ('draft', 'denied')",
+                     (world.tenant,))[0][0] == 0
+    assert world.sql("SELECT count(*) FROM confirmations WHERE tenant_id = %s", (world.tenant,))[0][0] == 0
+    # What the person may do, its agent may do.
+    world.policy("permit(principal, action, resource);")
+    assert world.create(agent, count=1).state in ("placed", "binding")
