@@ -28,6 +28,7 @@ from controlplane import bootstrap
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 from tests.test_watch import Stream
+from tests.vps_support import SimThread, Stubs, make_vps, sim  # noqa: F401 (fixture)
 from tests.test_webhooks import SECRET, Receiver
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
@@ -434,3 +435,42 @@ def test_a_delegated_agent_is_never_allowed_what_its_person_is_refused(world: Wo
     # What the person may do, its agent may do.
     world.policy("permit(principal, action, resource);")
     assert world.create(agent, count=1).state in ("placed", "binding")
+
+
+def test_b_grants_instances_and_usage_are_not_found_or_absent_for_a(pair: Pair, sim: SimThread) -> None:
+    a, b = pair.a, pair.b
+    vps = make_vps(b, sim, total=4)
+    grant = vps.grant(slots=1)
+    inst = vps.instance()
+    theirs = Stubs(a.user)
+    cases = [
+        ("grants", "Get", lambda g: gpb.GetReservationGrantRequest(tenant_id=a.tenant, grant_id=g), grant.id,
+         "rgrant_" + "0" * 26),
+        *[("instances", m, lambda i: ipb.InstanceRequest(tenant_id=a.tenant, instance_id=i), inst.id,
+           "inst_" + "0" * 26) for m in ("Get", "Stop", "Start", "Delete")],
+    ]
+    for service, method, build, their_id, absent in cases:
+        got = failure(theirs, service, method, build(their_id))
+        none = failure(theirs, service, method, build(absent))
+        assert got[:2] == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND"), (service, method, got)
+        assert got[3].replace(their_id, "ID") == none[3].replace(absent, "ID")
+        assert {k: v.replace(their_id, "ID") for k, v in got[2].items()} == \
+               {k: v.replace(absent, "ID") for k, v in none[2].items()}
+    assert grant.id not in str(theirs("grants", "List", gpb.ListReservationGrantsRequest(tenant_id=a.tenant)))
+    assert inst.id not in str(theirs("instances", "List", ipb.ListInstancesRequest(tenant_id=a.tenant)))
+    assert not theirs("usage", "Query", upb.QueryUsageRequest(tenant_id=a.tenant, meter="vm.", pool_id=b.pool_id)).items
+    # A's own instance on B's pool, not offered to A: NOT_FOUND, as an absent pool.
+    assert failure(vps.instance, theirs, tenant=a.tenant)[1] == "NOT_FOUND"
+    assert vps.instance_call("Get", inst.id).state == inst.state  # B's instance untouched
+
+
+def test_an_agent_acting_for_an_offboarded_person_is_unauthenticated(world: World) -> None:
+    """Offboarding disables the person's agents; an agent registered for the person afterwards must
+    not act for the person who is gone either."""
+    person, _ = world.identity()
+    world.root.admin("OffboardIdentity", apb.OffboardIdentityRequest(identity_id=person,
+                                                                     successor_identity_id=world.user_id))
+    _, agent = world.identity(kind="agent", person_identity_id=person)
+    code, reason, _, _ = failure(call, agent, "Reservations", "List", pb.ListReservationsRequest(
+        tenant_id=world.tenant))
+    assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
