@@ -474,3 +474,12 @@ def test_an_agent_acting_for_an_offboarded_person_is_unauthenticated(world: Worl
     code, reason, _, _ = failure(call, agent, "Reservations", "List", pb.ListReservationsRequest(
         tenant_id=world.tenant))
     assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+
+
+def test_an_agent_cannot_be_registered_to_act_for_another_agent(world: World) -> None:
+    """An agent acts for a person: one registered for an agent would be decided as that agent's
+    person (and have its confirmations approved by the agent), beyond the real person's say."""
+    agent_id, _ = world.identity(kind="agent", person_identity_id=world.user_id)
+    code, reason, details, _ = failure(world.identity, kind="agent", person_identity_id=agent_id)
+    assert (code, reason, details.get("field")) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "delegation.personIdentityId")
