@@ -51,6 +51,10 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     tenant_ids = [match("tenantIds", t, TENANT_ID) for t in raw.get("tenant_ids", [])]
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        if person is not None:  # an agent acts for a person: never for another agent
+            named = await (await conn.execute(q.IDENTITY, {"id": person})).fetchone()
+            if named is not None and named["kind"] == "agent":
+                raise errors.InvalidInput("delegation.personIdentityId", "names an agent: an agent acts for a person")
         await conn.execute(q.INSERT_IDENTITY, {
             "id": identity_id, "kind": kind, "name": raw.get("name") or identity_id, "delegator_id": person,
             "confirm_actions": list(delegation.get("confirm_actions") or [])})

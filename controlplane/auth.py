@@ -1,5 +1,9 @@
 """Who is calling: bearer tokens (stored as SHA-256, with an expiry) resolved to an identity and its
-tenants. A revoked or expired token, or one of an offboarded identity, is UNAUTHENTICATED."""
+tenants. A revoked or expired token, or one of an offboarded identity, is UNAUTHENTICATED.
+
+A delegated agent acts for its person, never beyond: not at all once its person is offboarded, and
+only in the tenants both it and its person are members of (an agent row naming a tenant its
+person is not in gives it nothing there)."""
 
 from __future__ import annotations
 
@@ -43,7 +47,10 @@ SELECT i.id, i.kind, i.delegator_id, i.confirm_actions, t.id AS token_id,
 FROM api_tokens t
 JOIN identities i ON i.id = t.identity_id
 LEFT JOIN memberships m ON m.identity_id = i.id
+    AND (i.delegator_id IS NULL OR EXISTS (
+        SELECT 1 FROM memberships pm WHERE pm.identity_id = i.delegator_id AND pm.tenant_id = m.tenant_id))
 WHERE t.token_hash = %(hash)s AND t.revoked_at IS NULL AND i.offboarded_at IS NULL
+  AND NOT EXISTS (SELECT 1 FROM identities p WHERE p.id = i.delegator_id AND p.offboarded_at IS NOT NULL)
 GROUP BY i.id, t.token_hash
 """
 

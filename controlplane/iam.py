@@ -98,17 +98,49 @@ def decide(
 ) -> Decision:
     """Decide `action` by `caller` on a resource with `attributes` under the tenant's policy.
 
-    No policy means deny (Cedar's default). A delegated agent refused an action its person holds
-    for confirmation gets CONFIRM; once the person approved this exact request, the decision is
-    made on the person's authority instead of the agent's.
+    No policy means deny (Cedar's default). A delegated agent is refused whatever its person is
+    refused. A delegated agent refused an action its person holds for confirmation gets CONFIRM;
+    once the person approved this exact request, the decision is made on the person's authority
+    instead of the agent's.
     """
     if policy is None:
         return _refusal(caller, action, ("the tenant has no policy",))
+    try:
+        policies: cedarpy.PolicySet | str = POLICIES.get(tenant_id, policy)
+    except ValueError:  # stored before validation existed: Cedar refuses it with its diagnostics
+        policies = policy
+    if caller.delegated and not approved:
+        # An agent acts for its person and never beyond: the person must be allowed the same call
+        # on its own authority, or the agent is refused outright (no confirmation: the person could
+        # only approve it into its own refusal).
+        person = _authorize(policies, caller.delegator_id or "", "user", action, resource_type, resource_id,
+                            attributes, {"tenantId": tenant_id, "delegated": False, "confirmed": False, "agentId": ""})
+        if person.decision != cedarpy.Decision.Allow:
+            return Decision(DENY, ("the person the agent acts for is refused this call",))
     principal_id = caller.delegator_id if (approved and caller.delegator_id) else caller.identity_id
+    context = {
+        "tenantId": tenant_id,
+        "delegated": caller.delegated and not approved,
+        "confirmed": approved,
+        "agentId": caller.identity_id if caller.delegated else "",
+    }
+    kind = "user" if principal_id != caller.identity_id else caller.kind
+    result = _authorize(policies, principal_id, kind, action, resource_type, resource_id, attributes, context)
+    if result.decision == cedarpy.Decision.Allow:
+        return Decision(ALLOW, tuple(result.diagnostics.reasons))
+    detail = tuple(result.diagnostics.errors) or tuple(result.diagnostics.reasons)
+    if approved:  # decided on the person's authority: nobody is left to confirm it
+        return Decision(DENY, detail)
+    return _refusal(caller, action, detail)
+
+
+def _authorize(policies: cedarpy.PolicySet | str, principal_id: str, kind: str, action: str, resource_type: str,
+               resource_id: str, attributes: dict[str, Any], context: dict[str, Any]) -> Any:
+    """Cedar's answer for one principal."""
     entities = [
         {
             "uid": {"__entity": {"type": "Identity", "id": principal_id}},
-            "attrs": {"kind": "user" if principal_id != caller.identity_id else caller.kind},
+            "attrs": {"kind": kind},
             "parents": [],
         },
         {
@@ -121,24 +153,9 @@ def decide(
         "principal": f'Identity::"{principal_id}"',
         "action": f'Action::"{action}"',
         "resource": f'{resource_type}::"{resource_id}"',
-        "context": _cedar_value(
-            {
-                "tenantId": tenant_id,
-                "delegated": caller.delegated and not approved,
-                "confirmed": approved,
-                "agentId": caller.identity_id if caller.delegated else "",
-            }
-        ),
+        "context": _cedar_value(context),
     }
-    try:
-        policies: cedarpy.PolicySet | str = POLICIES.get(tenant_id, policy)
-    except ValueError:  # stored before validation existed: Cedar refuses it with its diagnostics
-        policies = policy
-    result = cedarpy.is_authorized(request, policies, entities)
-    if result.decision == cedarpy.Decision.Allow:
-        return Decision(ALLOW, tuple(result.diagnostics.reasons))
-    detail = tuple(result.diagnostics.errors) or tuple(result.diagnostics.reasons)
-    return _refusal(caller, action, detail)
+    return cedarpy.is_authorized(request, policies, entities)
 
 
 def _refusal(caller: Caller, action: str, reasons: tuple[str, ...]) -> Decision:

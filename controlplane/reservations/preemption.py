@@ -75,14 +75,16 @@ async def place(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: pl
     if not node_ids:
         return None
     for victim in victims:
-        await notify(conn, victim, row["id"], choice.cut_ms, now_ms)
+        by = row["id"] if victim["tenant_id"] == row["tenant_id"] else ""
+        await notify(conn, victim, by, choice.cut_ms, now_ms)
     return Preempted(choice.ask, node_ids, [v["id"] for v in victims])
 
 
 async def notify(conn: AsyncConnection, victim: dict[str, Any], by: str, cut_ms: int, now_ms: int) -> None:
-    """The victim's notice: condition, window, the node's hold until, event, wake-up at the end."""
-    held = condition(PREEMPTING, "Preempted", f"preempted by {by}: its devices are taken back at the notice's end",
-                     now_ms)
+    """The victim's notice: condition, window, the node's hold until, event, wake-up at the end.
+    `by`: the preemptor, or "" when it is another tenant's (whose id the victim must not learn)."""
+    held = condition(PREEMPTING, "Preempted", f"preempted by {by or 'another tenant'}: its devices are taken back"
+                     " at the notice's end", now_ms)
     held.update(by=by, noticeUntil=cut_ms)
     conditions = [c for c in victim["conditions"] if c.get("type") != PREEMPTING] + [held]
     await conn.execute(NOTICE, {"id": victim["id"], "cut": cut_ms, "conditions": Jsonb(conditions)})
