@@ -4,8 +4,13 @@ fix (DESIGN.md sections 6, 7a, 8 and 10; spec "Reservations")."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
 
 import grpc
 import pytest
@@ -13,6 +18,7 @@ import pytest
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
+from controlplane.common.locks import pool_lock_key
 from controlplane.config import Settings
 from tests.conftest import clone_database
 from tests.invariants import check_invariants
@@ -95,4 +101,58 @@ def test_a_lapsed_lease_cannot_be_renewed_back_to_life(unhandled: World) -> None
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE"), details
     assert details["reason"] == "lease-lapsed" and details["reservationId"] == r.id, details
     assert get(w, r.id).lease_deadline == deadline
+    check_invariants(w.conninfo, w.tenant)
+
+
+@pytest.mark.parametrize("passed", ["window-ended", "lease-lapsed"])
+def test_a_reservation_past_its_end_or_lapsed_lease_cannot_be_extended_back_to_life(unhandled: World,
+                                                                                    passed: str) -> None:
+    w = unhandled
+    lease = {"lease_seconds": 60} if passed == "lease-lapsed" else {}
+    r = w.create(count=2, duration="1h", **lease)
+    advance(w, 61_000 if lease else 3_600_000 + 1_000)  # passed; the reconciler has not released it yet
+    for change in ({"by": "1h"}, {"until": r.during.end + 3_600_000}):
+        code, reason, details = refused(extend, w, r.id, **change)
+        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE"), details
+        assert details["reason"] == passed and details["reservationId"] == r.id, details
+    assert get(w, r.id).during == r.during
+    booked = w.sql("SELECT max(epoch_ms(upper(b.during))) FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
+                   " WHERE a.reservation_id = %s", (r.id,))[0][0]
+    assert booked == r.during.end
+    assert w.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0] == 0
+    check_invariants(w.conninfo, w.tenant)
+
+
+@contextlib.contextmanager
+def pool_locked(world: World) -> Iterator[None]:
+    """The test holds the pool's advisory lock: a transaction 2 that takes it first waits."""
+    with psycopg.connect(world.conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
+        try:
+            yield
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
+
+
+def until_waiting_for_the_pool_lock(world: World) -> None:
+    """Until a session waits for an advisory lock (the positive signal that a transaction 2 is
+    blocked behind the test's pool lock)."""
+    deadline = time.monotonic() + 15
+    while not world.sql("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")[0][0]:
+        assert time.monotonic() < deadline, "nothing waits for the pool lock"
+        time.sleep(0.02)
+
+
+def test_an_end_that_passes_while_the_extension_is_decided_is_not_extended_past(unhandled: World) -> None:
+    w = unhandled
+    r = w.create(count=2, duration="1h")
+    with ThreadPoolExecutor(1) as pool, pool_locked(w):
+        pending = pool.submit(refused, extend, w, r.id, by="1h")
+        until_waiting_for_the_pool_lock(w)  # transaction 1 staged it; transaction 2 waits
+        advance(w, 3_600_000 + 1_000)
+    code, reason, details = pending.result(timeout=30)
+    assert (code, reason, details["reason"]) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE",
+                                                 "window-ended"), details
+    assert get(w, r.id).during == r.during
+    assert w.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0] == 0
     check_invariants(w.conninfo, w.tenant)
