@@ -156,3 +156,22 @@ def test_an_end_that_passes_while_the_extension_is_decided_is_not_extended_past(
     assert get(w, r.id).during == r.during
     assert w.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0] == 0
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_an_extend_whose_client_went_away_does_not_keep_the_slot(world: World) -> None:
+    r = world.create(count=2, start=world.later(2))
+    with pool_locked(world):
+        with ThreadPoolExecutor(1) as pool:
+            gone = pool.submit(world.user.res, "Extend", pb.ExtendReservationRequest(
+                tenant_id=world.tenant, reservation_id=r.id, idempotency_key="gone", by="1h"), timeout=1.5)
+            until_waiting_for_the_pool_lock(world)
+            with pytest.raises(grpc.RpcError) as exc:
+                gone.result(timeout=30)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 15
+    while world.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0]:
+        assert time.monotonic() < deadline, "the slot stayed held after the client went away"
+        time.sleep(0.05)
+    assert world.sql("SELECT pending FROM authz_projection WHERE reservation_id = %s", (r.id,))[0][0] is None
+    assert extend(world, r.id, by="1h").extended  # not CONFLICT extend-in-flight for a minute
+    check_invariants(world.conninfo, world.tenant)

@@ -11,6 +11,7 @@ refusal or an abandoned extend clears the pending change, but only when the hold
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,11 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
     except (errors.DomainError, psycopg.Error):
         # The abandoned hook: a transaction of its own clears our pending change, and only ours.
         await db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold))
+        raise
+    except asyncio.CancelledError:
+        # The client went away (its deadline, a disconnect): the hook still runs, shielded from the
+        # cancellation, or the slot would refuse every extend of the reservation until taken over.
+        await asyncio.shield(db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold)))
         raise
     if "error" in result:
         raise result["error"]  # the refusal committed (pending change cleared) before it is raised
