@@ -175,3 +175,51 @@ def test_an_extend_whose_client_went_away_does_not_keep_the_slot(world: World) -
     assert world.sql("SELECT pending FROM authz_projection WHERE reservation_id = %s", (r.id,))[0][0] is None
     assert extend(world, r.id, by="1h").extended  # not CONFLICT extend-in-flight for a minute
     check_invariants(world.conninfo, world.tenant)
+
+
+# Idempotency: concurrent twins of one key -------------------------------------------------------
+
+
+def waiting_for_locks(world: World, n: int) -> None:
+    """Until `n` sessions of the world's database wait for a row lock (the positive signal that
+    the twins are queued behind the test's lock)."""
+    deadline = time.monotonic() + 15
+    while world.sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()")[0][0] < n:
+        assert time.monotonic() < deadline, "the twins never queued behind the lock"
+        time.sleep(0.02)
+
+
+def twins(world: World, client: Client, req: pb.CreateReservationRequest, policy: str, n: int = 4) -> set[tuple]:
+    """`n` creates of one key decided at once under `policy`: the draft is left by a refused quota
+    charge, the test holds its row while the twins take their decisions, then lets them race for it."""
+    world.quota(0)
+    assert refused(client.res, "Create", req)[1] == "QUOTA_EXCEEDED"  # the draft stays a draft
+    world.quota(64)
+    world.policy(policy)
+    rid = world.sql("SELECT id FROM reservations WHERE tenant_id = %s AND idempotency_key = %s",
+                    (world.tenant, req.idempotency_key))[0][0]
+    with psycopg.connect(world.conninfo) as conn, ThreadPoolExecutor(n) as pool:
+        conn.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (rid,))
+        answers = [pool.submit(answer, client.res, "Create", req) for _ in range(n)]
+        waiting_for_locks(world, n)
+        conn.rollback()
+        return {a.result(timeout=30) for a in answers}
+
+
+def answer(call, *args, **kw) -> tuple:
+    """(OK, state) or (gRPC code, spec code, details) of a call."""
+    try:
+        return grpc.StatusCode.OK, call(*args, **kw).state
+    except grpc.RpcError as exc:
+        code, reason, details = rpc_error(type("Raised", (), {"value": exc}))
+        return code, reason, tuple(sorted(details.items()))
+
+
+def test_twins_of_a_refused_create_are_all_access_denied(world: World) -> None:
+    req = world.create_request(key="deny-twins", count=2)
+    answers = twins(world, world.user, req, "permit(principal, action, resource) unless { resource.gpuCount > 1 };")
+    assert len(answers) == 1, answers  # not a 200 OK with state denied for the twins
+    (code, reason, details), = answers
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED") and dict(details)["reservationId"]
+    check_invariants(world.conninfo, world.tenant)
