@@ -63,6 +63,18 @@ def test_a_duration_in_digits_or_spaces_of_another_script_is_invalid_input(world
     assert world.create(duration=" 8h ", start=world.later(2)).request.duration == "28800000ms"
 
 
+# Strings ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_id", ["not-a-pool", "pool_\u0430" * 2, "POOL_" + "0" * 26, "pool_" + "0" * 26 + "\n"],
+                         ids=ascii)
+def test_a_list_filtered_by_a_pool_id_that_is_no_pool_id_is_invalid_input(world: World, pool_id: str) -> None:
+    world.create(start=world.later(2))
+    invalid("poolId", world.user.res, "List", pb.ListReservationsRequest(tenant_id=world.tenant, pool_id=pool_id))
+    listed = world.user.res("List", pb.ListReservationsRequest(tenant_id=world.tenant, pool_id=world.pool_id))
+    assert len(listed.items) == 1
+
+
 # Moments that passed before the reconciler handled them ---------------------------------------
 
 
