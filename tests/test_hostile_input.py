@@ -17,6 +17,7 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import reservations_pb2_grpc
 from controlplane import bootstrap
 from controlplane.common.locks import pool_lock_key
 from controlplane.config import Settings
@@ -131,7 +132,7 @@ def test_a_reservation_past_its_end_or_lapsed_lease_cannot_be_extended_back_to_l
     booked = w.sql("SELECT max(epoch_ms(upper(b.during))) FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
                    " WHERE a.reservation_id = %s", (r.id,))[0][0]
     assert booked == r.during.end
-    assert w.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0] == 0
+    assert holds(w, r.id) == 0
     check_invariants(w.conninfo, w.tenant)
 
 
@@ -146,12 +147,15 @@ def pool_locked(world: World) -> Iterator[None]:
             conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
 
 
-def until_waiting_for_the_pool_lock(world: World) -> None:
-    """Until a session waits for an advisory lock (the positive signal that a transaction 2 is
-    blocked behind the test's pool lock)."""
+def holds(world: World, rid: str) -> int:
+    return world.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (rid,))[0][0]
+
+
+def until_staged(world: World, rid: str) -> None:
+    """Until the extend's transaction 1 committed its hold (its transaction 2 comes next)."""
     deadline = time.monotonic() + 15
-    while not world.sql("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")[0][0]:
-        assert time.monotonic() < deadline, "nothing waits for the pool lock"
+    while not holds(world, rid):
+        assert time.monotonic() < deadline, "the extend never staged its change"
         time.sleep(0.02)
 
 
@@ -160,28 +164,28 @@ def test_an_end_that_passes_while_the_extension_is_decided_is_not_extended_past(
     r = w.create(count=2, duration="1h")
     with ThreadPoolExecutor(1) as pool, pool_locked(w):
         pending = pool.submit(refused, extend, w, r.id, by="1h")
-        until_waiting_for_the_pool_lock(w)  # transaction 1 staged it; transaction 2 waits
+        until_staged(w, r.id)  # transaction 2 waits for the test's pool lock
         advance(w, 3_600_000 + 1_000)
     code, reason, details = pending.result(timeout=30)
     assert (code, reason, details["reason"]) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE",
                                                  "window-ended"), details
     assert get(w, r.id).during == r.during
-    assert w.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0] == 0
+    assert holds(w, r.id) == 0
     check_invariants(w.conninfo, w.tenant)
 
 
 def test_an_extend_whose_client_went_away_does_not_keep_the_slot(world: World) -> None:
     r = world.create(count=2, start=world.later(2))
+    stub = reservations_pb2_grpc.ReservationsStub(world.user.channel)
     with pool_locked(world):
-        with ThreadPoolExecutor(1) as pool:
-            gone = pool.submit(world.user.res, "Extend", pb.ExtendReservationRequest(
-                tenant_id=world.tenant, reservation_id=r.id, idempotency_key="gone", by="1h"), timeout=1.5)
-            until_waiting_for_the_pool_lock(world)
-            with pytest.raises(grpc.RpcError) as exc:
-                gone.result(timeout=30)
-            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gone = stub.Extend.future(pb.ExtendReservationRequest(
+            tenant_id=world.tenant, reservation_id=r.id, idempotency_key="gone", by="1h"),
+            metadata=world.user.metadata, timeout=60)
+        until_staged(world, r.id)  # transaction 2 waits for the test's pool lock
+        gone.cancel()  # the client goes away
+        assert gone.cancelled()
     deadline = time.monotonic() + 15
-    while world.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (r.id,))[0][0]:
+    while holds(world, r.id):
         assert time.monotonic() < deadline, "the slot stayed held after the client went away"
         time.sleep(0.05)
     assert world.sql("SELECT pending FROM authz_projection WHERE reservation_id = %s", (r.id,))[0][0] is None
