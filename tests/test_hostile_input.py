@@ -10,9 +10,8 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
-
 import grpc
+import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
@@ -104,6 +103,29 @@ def renew(world: World, rid: str) -> pb.Reservation:
     return world.user.res("Renew", pb.RenewReservationRequest(tenant_id=world.tenant, reservation_id=rid))
 
 
+@contextlib.contextmanager
+def pool_locked(world: World) -> Iterator[None]:
+    """The test holds the pool's advisory lock: a transaction 2 that takes it first waits."""
+    with psycopg.connect(world.conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
+        try:
+            yield
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
+
+
+def holds(world: World, rid: str) -> int:
+    return world.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (rid,))[0][0]
+
+
+def until_staged(world: World, rid: str) -> None:
+    """Until the extend's transaction 1 committed its hold (its transaction 2 comes next)."""
+    deadline = time.monotonic() + 15
+    while not holds(world, rid):
+        assert time.monotonic() < deadline, "the extend never staged its change"
+        time.sleep(0.02)
+
+
 def test_a_lapsed_lease_cannot_be_renewed_back_to_life(unhandled: World) -> None:
     w = unhandled
     r = w.create(count=2, lease_seconds=60, start=w.later(1))
@@ -134,29 +156,6 @@ def test_a_reservation_past_its_end_or_lapsed_lease_cannot_be_extended_back_to_l
     assert booked == r.during.end
     assert holds(w, r.id) == 0
     check_invariants(w.conninfo, w.tenant)
-
-
-@contextlib.contextmanager
-def pool_locked(world: World) -> Iterator[None]:
-    """The test holds the pool's advisory lock: a transaction 2 that takes it first waits."""
-    with psycopg.connect(world.conninfo, autocommit=True) as conn:
-        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
-        try:
-            yield
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
-
-
-def holds(world: World, rid: str) -> int:
-    return world.sql("SELECT count(*) FROM extend_holds WHERE reservation_id = %s", (rid,))[0][0]
-
-
-def until_staged(world: World, rid: str) -> None:
-    """Until the extend's transaction 1 committed its hold (its transaction 2 comes next)."""
-    deadline = time.monotonic() + 15
-    while not holds(world, rid):
-        assert time.monotonic() < deadline, "the extend never staged its change"
-        time.sleep(0.02)
 
 
 def test_an_end_that_passes_while_the_extension_is_decided_is_not_extended_past(unhandled: World) -> None:
