@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
-_PATTERN = re.compile(r"\s*(\d{1,12})\s*(ms|s|m|h|d|w)?\s*")
+# ASCII: \d and \s would also match digits and spaces of other scripts ("٨h"), which int() reads.
+_PATTERN = re.compile(r"\s*(\d{1,12})\s*(ms|s|m|h|d|w)?\s*", re.ASCII)
 
 
 def parse_duration_ms(text: str) -> int:

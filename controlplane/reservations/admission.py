@@ -411,6 +411,8 @@ async def _transaction_2(
     if row is None:  # an expired draft, deleted by the sweeper while IAM decided
         return _expired(rid)
     if row["state"] not in undecided or row["version"] != version:
+        if row["state"] == states.DENIED:  # a twin recorded the refusal first: the key stays refused
+            return Outcome(errors.AccessDenied("this request was refused", reservationId=rid))
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
     if not decision.allowed:
         await conn.execute(queries.RECORD_DECISION, {"id": rid, "decision": decision.outcome})

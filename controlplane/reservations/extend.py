@@ -11,6 +11,7 @@ refusal or an abandoned extend clears the pending change, but only when the hold
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from controlplane.common.names import IDEMPOTENCY_KEY, match
 from controlplane.ids import new_id
 from controlplane.nodes import desired
 from controlplane.reservations import queries, schedule, states
+from controlplane.reservations.lifecycle import ended_reason
 from controlplane.reservations.reads import find_visible, with_allocations
 from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
 from controlplane.runtime import Runtime
@@ -78,6 +80,11 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
         # The abandoned hook: a transaction of its own clears our pending change, and only ours.
         await db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold))
         raise
+    except asyncio.CancelledError:
+        # The client went away (its deadline, a disconnect): the hook still runs, shielded from the
+        # cancellation, or the slot would refuse every extend of the reservation until taken over.
+        await asyncio.shield(db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold)))
+        raise
     if "error" in result:
         raise result["error"]  # the refusal committed (pending change cleared) before it is raised
     return result
@@ -90,6 +97,7 @@ async def _stage(
     if row["state"] not in EXTENDABLE:
         raise errors.InvalidState(f"a {row['state']} reservation cannot be extended", state=row["state"],
                                   reservationId=rid)
+    await _require_alive(conn, row)
     new_end = change.until if change.until is not None else row["during_end"] + (change.by_ms or 0)
     latest = row["during_start"] + limits.max_length_ms
     if new_end > latest:
@@ -124,6 +132,7 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
     if row["state"] not in EXTENDABLE or row["during_end"] != staged.row["during_end"]:
         raise errors.Conflict("the reservation changed while the extension was decided",
                               reason="reservation-changed", reservationId=rid)
+    await _require_alive(conn, row)  # its end may have passed while IAM decided
     params = {"id": rid, "from": row["during_end"], "to": staged.new_end}
     try:
         async with conn.transaction():  # savepoint: all allocations move, or none
@@ -142,6 +151,15 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
     fresh = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     await events.emit_reservation(conn, fresh, "reservation.extended", **{"from": row["during_end"], "to": staged.new_end})
     return {"reservation": await with_allocations(conn, fresh), "extended": True}
+
+
+async def _require_alive(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """INVALID_STATE once its window ended or its lease lapsed, though the reconciler has not
+    released it yet: an extend does not bring it back."""
+    reason = await ended_reason(conn, row)
+    if reason is not None:
+        raise errors.InvalidState("this reservation has ended" if reason == "window-ended" else "its lease lapsed",
+                                  state=row["state"], reservationId=row["id"], reason=reason)
 
 
 async def _release_slot(conn: AsyncConnection, rid: str, hold: str) -> None:

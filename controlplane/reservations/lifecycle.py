@@ -41,6 +41,17 @@ async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str
     await conn.execute(queries.END_ALLOCATIONS, {**params, "state": allocation_state})
 
 
+async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None:
+    """Why a booked reservation is over by compute_now() though the reconciler has not released
+    it yet (its lease lapsed, or its window ended), or None while it lives. Nothing brings it back."""
+    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    if row["lease_deadline_ms"] is not None and now_ms >= row["lease_deadline_ms"]:
+        return "lease-lapsed"
+    if row["during_end"] is not None and now_ms >= row["during_end"]:
+        return "window-ended"
+    return None
+
+
 async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
     """End the bookings and the window now, refund the quota, and wake the pool's pending
     reservations."""
@@ -105,6 +116,10 @@ async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[s
         if row["state"] not in states.BOOKED:
             raise errors.InvalidState(f"a {row['state']} reservation cannot be renewed",
                                       reservationId=rid, state=row["state"])
+        if await ended_reason(conn, row) == "lease-lapsed":  # a late renew does not revive it
+            raise errors.InvalidState("the lease lapsed; the reservation is being released",
+                                      reservationId=rid, state=row["state"], reason="lease-lapsed",
+                                      leaseDeadline=row["lease_deadline_ms"])
         await conn.execute(queries.RENEW, {"id": rid})
         renewed = await _locked(conn, rid)
         await schedule.at(conn, rid, renewed["lease_deadline_ms"])  # the reconciler checks the new deadline

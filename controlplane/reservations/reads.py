@@ -9,7 +9,7 @@ from psycopg import AsyncConnection
 from controlplane import authorize, db, errors, iam
 from controlplane.auth import Caller
 from controlplane.reservations import queries, states
-from controlplane.common.names import RESERVATION_ID, TENANT_ID, match
+from controlplane.common.names import POOL_ID, RESERVATION_ID, TENANT_ID, match
 from controlplane.runtime import Runtime
 
 
@@ -78,6 +78,9 @@ async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[
     cursor = raw.get("cursor") or None
     if cursor is not None:
         match("cursor", cursor, RESERVATION_ID)
+    pool_id = raw.get("pool_id") or ""
+    if pool_id:
+        match("poolId", pool_id, POOL_ID)
     await authorize.require(rt.pool, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
                             message="IAM refused this listing", tenantId=tenant_id)
     async with db.read_only(rt.pool) as conn:
@@ -85,7 +88,7 @@ async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[
             await conn.execute(
                 queries.LIST,
                 {"tenant_id": tenant_id, "owner": caller.identity_id if scope == "mine" else None,
-                 "states": wanted, "pool_id": raw.get("pool_id") or "", "cursor": cursor,
+                 "states": wanted, "pool_id": pool_id, "cursor": cursor,
                  "limit": limit},
             )
         ).fetchall()
