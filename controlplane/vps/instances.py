@@ -79,6 +79,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                            flavor=spec["flavor"])
 
     async def decide(conn: AsyncConnection) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+        # The tenant's creates one at a time: its key and its instance count are read under this.
+        await conn.execute(q.TENANT_INSTANCES_LOCK, spec)
         found = await (await conn.execute(q.INSTANCE_BY_KEY, {"tenant_id": spec["tenant_id"], "key": key})).fetchone()
         if found is not None:
             if found["request_hash"] != digest:

@@ -171,6 +171,9 @@ _INSTANCE_COLUMNS = """id, tenant_id, project_id, pool_id, account_id, reservati
 INSTANCE = f"SELECT {_INSTANCE_COLUMNS} FROM instances WHERE id = %(id)s"
 INSTANCE_IN_TENANT = f"SELECT {_INSTANCE_COLUMNS} FROM instances WHERE id = %(id)s AND tenant_id = %(tenant_id)s"
 INSTANCE_FOR_UPDATE = INSTANCE + " FOR UPDATE"
+# Held by an instance create for its transaction: the tenant's creates are decided one at a time,
+# so neither two creates under one key nor the instances-per-tenant count race (taken first).
+TENANT_INSTANCES_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('instances:' || %(tenant_id)s, 0))"
 INSTANCE_BY_KEY = f"""
 SELECT {_INSTANCE_COLUMNS} FROM instances WHERE tenant_id = %(tenant_id)s AND idempotency_key = %(key)s
 """

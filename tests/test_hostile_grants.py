@@ -1,0 +1,237 @@
+"""A hostile tenant against grants, instances, metering and spot (spec 001; spot and preemption):
+other tenants' ids, draws beyond a grant or a reservation 20 at a time, bad amounts and terms,
+retries under one key at once, a provider that refuses, and the ledger afterwards. Every refusal
+must carry the spec's code and details, and nothing may be left half-written."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+
+from bettercompute.provider.v1 import provider_pb2 as ppb
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import grants_pb2 as gpb
+from bettercompute.v1 import instances_pb2 as ipb
+from bettercompute.v1 import providers_pb2 as vpb
+from tests.support import Client, ServerThread, World, make_world, rpc_error
+from tests.vps_support import HOUR, SimThread, Stubs, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+
+LIMIT = 6  # instances per tenant in this module
+TASKS = 20
+
+
+@pytest.fixture
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from own_stack(pg_uri, instances_per_tenant=LIMIT)
+
+
+@pytest.fixture
+def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    yield from world_of(stack)
+
+
+@pytest.fixture
+def other(v: Vps) -> Iterator[tuple[World, Stubs]]:
+    """A hostile tenant the pool is offered too."""
+    w = make_world(v.world.endpoint, v.world.root, v.world.conninfo, nodes=0)
+    v.world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=v.world.pool_id, tenant_id=w.tenant))
+    yield w, Stubs(w.user)
+    w.close()
+
+
+def outcome(call: Callable[[], Any]) -> Any:
+    """The answer, or (code, reason, details) of the refusal."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        class Info:
+            value = exc
+        return rpc_error(Info)
+
+
+def at_once(call: Callable[[int], Any], n: int = TASKS) -> list[Any]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: outcome(lambda: call(i)), range(n)))
+
+
+def until(check: Callable[[], bool], seconds: float = 15) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def active_grant(v: Vps, **kw: Any) -> gpb.ReservationGrant:
+    g = v.grant(starts_at=v.now(), **kw)
+    until(lambda: v.get_grant(g.id).state == "active")
+    return g
+
+
+def provider_in_use(v: Vps) -> int:
+    found = v.sim.provider.ListReservations(ppb.ListReservationsRequest(account=v.external)).items
+    return next(r.in_use for r in found if r.name == v.reservation)
+
+
+def running_rows(v: Vps) -> int:
+    return v.world.sql("SELECT count(*) FROM instances WHERE account_id = %s AND state = 'running'",
+                       (v.account_id,))[0][0]
+
+
+# --- draws beyond a grant or a reservation, 20 at a time -------------------------------------------
+
+def test_twenty_creates_at_once_never_exceed_the_grant_or_the_reservation(v: Vps, other) -> None:
+    w, theirs = other
+    g = active_grant(v, slots=2)
+    answers = at_once(lambda i: v.instance() if i % 2 else v.instance(theirs, tenant=w.tenant))
+    made = [a for a in answers if isinstance(a, ipb.Instance)]
+    refused = [a for a in answers if not isinstance(a, ipb.Instance)]
+    assert len(made) == 4 and sum(1 for a in made if a.grant_id == g.id) == 2
+    assert not any(a.grant_id for a in made if a.tenant_id == w.tenant)  # nobody else takes a granted slot
+    for code, reason, details in refused:
+        assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_UNAVAILABLE"), reason
+        assert details["total"] == "4"
+    assert running_rows(v) == provider_in_use(v) == 4
+
+
+def test_twenty_creates_under_one_key_make_one_instance(v: Vps) -> None:
+    answers = at_once(lambda i: v.instance(name="same", key="one-key"))
+    assert all(isinstance(a, ipb.Instance) for a in answers), [a for a in answers if not isinstance(a, ipb.Instance)]
+    assert len({a.id for a in answers}) == 1
+    assert running_rows(v) == provider_in_use(v) == 1
+
+
+def test_twenty_creates_at_once_respect_the_instances_per_tenant_limit(v: Vps) -> None:
+    v.put(40)
+    v.scan()
+    answers = at_once(lambda i: v.instance())
+    made = [a for a in answers if isinstance(a, ipb.Instance)]
+    assert len(made) == LIMIT
+    for code, reason, details in (a for a in answers if not isinstance(a, ipb.Instance)):
+        assert (code, reason, details["limit"]) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE", str(LIMIT))
+
+
+def test_twenty_grants_at_once_never_overcommit_the_reservation(v: Vps) -> None:
+    start = v.now() + HOUR
+    answers = at_once(lambda i: v.grant(slots=1, starts_at=start))
+    made = [a for a in answers if isinstance(a, gpb.ReservationGrant)]
+    assert len(made) == 4
+    for code, reason, details in (a for a in answers if not isinstance(a, gpb.ReservationGrant)):
+        assert (code, reason, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_UNAVAILABLE",
+                                           {"total": "4", "granted": "4"})
+
+
+def test_twenty_grants_under_one_key_make_one_grant(v: Vps) -> None:
+    start = v.now() + HOUR
+    answers = at_once(lambda i: v.grant(slots=1, starts_at=start, key="one-grant"))
+    assert all(isinstance(a, gpb.ReservationGrant) for a in answers), answers
+    assert len({a.id for a in answers}) == 1
+
+
+# --- another tenant's ids -----------------------------------------------------------------------
+
+def test_another_tenants_grant_and_instance_are_not_found_and_its_usage_is_denied(v: Vps, other) -> None:
+    w, theirs = other
+    g = active_grant(v, slots=1)
+    mine = v.instance()
+    assert outcome(lambda: v.get_grant(g.id, tenant=w.tenant, stubs=theirs))[1:] == ("NOT_FOUND", {"grantId": g.id})
+    assert outcome(lambda: v.get_grant(g.id, stubs=theirs))[1] == "ACCESS_DENIED"
+    assert [x.id for x in theirs("grants", "List", gpb.ListReservationGrantsRequest(tenant_id=w.tenant)).items] == []
+    assert outcome(lambda: theirs("grants", "List", gpb.ListReservationGrantsRequest(
+        tenant_id=w.tenant, all=True)))[1] == "ACCESS_DENIED"
+    for method in ("Get", "Stop", "Start", "Delete"):
+        assert outcome(lambda: v.instance_call(method, mine.id, theirs, tenant=w.tenant))[1:] == (
+            "NOT_FOUND", {"instanceId": mine.id}), method
+        assert outcome(lambda: v.instance_call(method, mine.id, theirs))[1] == "ACCESS_DENIED", method
+    assert v.instance_call("Get", mine.id).state == "running"
+    assert outcome(lambda: v.usage(stubs=theirs))[1] == "ACCESS_DENIED"
+    # Their instance in my grant's project is refused: the project is not theirs.
+    project = v.user("projects", "Create", vpb.CreateProjectRequest(tenant_id=v.world.tenant, name="p"))
+    assert outcome(lambda: v.instance(theirs, tenant=w.tenant, project_id=project.id))[1:] == (
+        "NOT_FOUND", {"projectId": project.id})
+
+
+# --- bad amounts and terms -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"slots": 0}, "slots"), ({"slots": -1}, "slots"), ({"slots": 100_001}, "slots"), ({"slots": 2**31 - 1}, "slots"),
+    ({"starts_at": -1}, "startsAt"), ({"ends_at": -5}, "endsAt"),
+    ({"starts_at": 2**62, "ends_at": 2**62 + 1}, "startsAt"), ({"starts_at": 2**63 - 2, "ends_at": 2**63 - 1}, "startsAt"),
+    ({"ends_at": 2**63 - 1}, "endsAt"), ({"starts_at": 0, "ends_at": 1}, "startsAt"),
+])
+def test_absurd_grant_amounts_and_terms_are_invalid_input(v: Vps, kw: dict, field: str) -> None:
+    if "starts_at" not in kw:
+        kw["starts_at"] = v.now()
+    code, reason, details = outcome(lambda: v.grant(**kw))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", field)
+    assert v.world.sql("SELECT count(*) FROM reservation_grants") == [(0,)]
+
+
+def test_ends_before_starts_is_invalid_input(v: Vps) -> None:
+    now = v.now()
+    for ends in (now, now - 1):
+        code, reason, details = outcome(lambda: v.grant(starts_at=now, ends_at=ends))
+        assert (reason, details["field"]) == ("INVALID_INPUT", "endsAt")
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"from": -1}, "from"), ({"from": 2**63 - 1}, "from"), ({"to": 0}, "to"), ({"to": -5}, "to"),
+    ({"to": 2**63 - 1}, "to"), ({"meter": "A" * 10}, "meter"), ({"pool_id": "x"}, "poolId"),
+])
+def test_absurd_usage_queries_are_invalid_input(v: Vps, kw: dict, field: str) -> None:
+    code, reason, details = outcome(lambda: v.usage(**kw))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", field)
+
+
+def test_bad_instance_billing_is_invalid_input(v: Vps) -> None:
+    for billing in ("free", "NONE", " none"):
+        code, reason, details = outcome(lambda: v.instance(billing=billing))
+        assert (reason, details["field"]) == ("INVALID_INPUT", "billing")
+    assert running_rows(v) == 0
+
+
+# --- a grant after it ended, and a provider that refuses ------------------------------------------
+
+def test_an_ended_grants_stopped_instance_restarts_outside_it(v: Vps, other) -> None:
+    w, theirs = other
+    v.put(2)
+    v.scan()
+    g = active_grant(v, slots=1)
+    mine = v.instance()
+    v.instance_call("Stop", mine.id)
+    v.end(g.id)
+    assert v.instance_call("Get", mine.id).grant_id == ""
+    theirs_two = [v.instance(theirs, tenant=w.tenant) for _ in range(2)]
+    assert [i.placement for i in theirs_two] == ["reserved", "reserved"]
+    code, reason, _ = outcome(lambda: v.instance_call("Start", mine.id))
+    assert reason == "CAPACITY_UNAVAILABLE"
+    assert v.instance_call("Get", mine.id).state == "stopped"
+
+
+def test_a_create_the_provider_refuses_leaves_nothing(v: Vps) -> None:
+    v.put(0)
+    code, reason, details = outcome(lambda: v.instance(key="refused"))
+    assert (reason, details["reason"]) == ("CAPACITY_UNAVAILABLE", "provider-exhausted")
+    assert v.world.sql("SELECT count(*) FROM instances") == [(0,)]
+    assert v.world.sql("SELECT count(*) FROM instance_segments") == [(0,)]
+    v.put(4)
+    assert v.instance(key="refused").state == "running"
+
+
+def test_one_key_for_two_flavors_at_once_is_one_instance_and_conflicts(v: Vps) -> None:
+    v.sim.put("res-2", 4, account=v.external, flavor="n2-standard-4")
+    v.scan()
+    v.root("accounts", "BindReservation", vpb.BindReservationRequest(
+        tenant_id="root", account_id=v.account_id, reservation_id="res-2", pool_id=v.world.pool_id))
+    answers = at_once(lambda i: v.instance(name="same", key="two-flavors",
+                                           flavor="n2-standard-4" if i % 2 else "n2-standard-8"))
+    made = {a.id for a in answers if isinstance(a, ipb.Instance)}
+    assert len(made) == 1
+    for code, reason, details in (a for a in answers if not isinstance(a, ipb.Instance)):
+        assert (code, reason) == (grpc.StatusCode.ABORTED, "CONFLICT"), reason
+        assert details in ({"instanceId": next(iter(made))}, {"idempotencyKey": "two-flavors"})
