@@ -213,6 +213,17 @@ def test_an_ended_grants_stopped_instance_restarts_outside_it(v: Vps, other) -> 
     assert v.instance_call("Get", mine.id).state == "stopped"
 
 
+def test_a_start_the_provider_refuses_leaves_the_instance_stopped_and_unbilled(v: Vps) -> None:
+    mine = v.instance()
+    v.instance_call("Stop", mine.id)
+    v.put(0)  # the provider shrank the reservation; the control plane has not scanned yet
+    code, reason, details = outcome(lambda: v.instance_call("Start", mine.id))
+    assert reason == "CAPACITY_UNAVAILABLE" and details["reason"] == "provider-exhausted"
+    assert v.instance_call("Get", mine.id).state == "stopped"
+    assert v.world.sql("SELECT count(*) FROM instance_segments WHERE instance_id = %s AND ended_at IS NULL",
+                       (mine.id,)) == [(0,)]
+
+
 def test_a_create_the_provider_refuses_leaves_nothing(v: Vps) -> None:
     v.put(0)
     code, reason, details = outcome(lambda: v.instance(key="refused"))

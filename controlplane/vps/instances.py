@@ -30,6 +30,8 @@ from controlplane.vps.provider import ProviderFailure
 log = structlog.get_logger(__name__)
 
 BILLING = ("standard", "none")
+# Provider answers that say an instance was not started (not a failure to answer).
+REFUSED = ("exhausted", "invalid")
 
 
 async def slot_for(conn: AsyncConnection, reservation: dict[str, Any], tenant_id: str, project_id: str | None,
@@ -189,7 +191,7 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
             return row, False
         return await _restart(conn, row), True
 
-    row, _ = await db.run_in_transaction(rt.pool, work)
+    row, changed = await db.run_in_transaction(rt.pool, work)
     # The provider is asked even when the row was already so: its calls are idempotent, and a
     # retry after a failed or lost answer brings the provider in line with the row.
     account = await _account_of(rt, row)
@@ -197,12 +199,25 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
     try:
         await getattr(scan.provider_of(rt, account), call)(account["external_account"], row["id"])
     except ProviderFailure as exc:
+        if action == "start" and exc.kind in REFUSED:
+            # The provider refused to run it: it stays stopped, and a start just recorded bills nothing.
+            row = await db.run_in_transaction(rt.pool, lambda conn: _refused_start(conn, row, changed))
         if exc.kind != "not-found" or action != "delete":
             # The slot decision stands (it is ours); the provider's side is retried by the caller.
             log.warning("provider call failed", instance_id=row["id"], call=call, kind=exc.kind)
             raise errors.CapacityUnavailable("the provider did not answer; retry", reason=f"provider-{exc.kind}",
                                              instanceId=row["id"], retryAfterSeconds=5) from exc
     return row
+
+
+async def _refused_start(conn: AsyncConnection, started: dict[str, Any], changed: bool) -> dict[str, Any]:
+    """Stop again an instance whose start the provider refused, keeping the slot as a stop does;
+    its billing segment ends where it began when this start opened it."""
+    row = await _visible(conn, started["tenant_id"], started["id"], lock=True)
+    if row["state"] != "running":
+        return row
+    await conn.execute(q.CLOSE_SEGMENT, {"instance_id": row["id"], "at_ms": 0 if changed else None})
+    return await _set(conn, row, "stopped", row["grant_id"], row["placement"])
 
 
 async def _set(conn: AsyncConnection, row: dict[str, Any], state: str, grant_id: str | None,
