@@ -19,7 +19,9 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import grants_pb2 as gpb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
-from tests.support import Client, ServerThread, World, make_world, rpc_error
+from bettercompute.v1 import reservations_pb2 as rpb
+from tests.invariants import check_invariants
+from tests.support import Client, ServerThread, World, gpus, make_world, rpc_error
 from tests.vps_support import HOUR, SimThread, Stubs, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 LIMIT = 6  # instances per tenant in this module
@@ -246,3 +248,85 @@ def test_one_key_for_two_flavors_at_once_is_one_instance_and_conflicts(v: Vps) -
     for code, reason, details in (a for a in answers if not isinstance(a, ipb.Instance)):
         assert (code, reason) == (grpc.StatusCode.ABORTED, "CONFLICT"), reason
         assert details in ({"instanceId": next(iter(made))}, {"idempotencyKey": "two-flavors"})
+
+
+# --- spot: a victim that tries to keep its devices, and regular creates at once -------------------
+
+@pytest.fixture
+def spot_world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    server, root = stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=0, quota=256)
+    w.sql("UPDATE pools SET policy = policy || '{\"spot\": {\"noticeSeconds\": 2}}'::jsonb WHERE id = %s",
+          (w.pool_id,))
+    w.add_node(gpus(f"spot-{w.tenant}", 8))
+    w.server = server
+    yield w
+    w.close()
+
+
+def settled(w: World, **kw: Any) -> Any:
+    r = w.create(**kw)
+    w.server.call(w.server.app.runtime.capacity.barrier())
+    return r
+
+
+def test_a_spot_victim_cannot_extend_its_way_past_the_notice(spot_world: World) -> None:
+    w = spot_world
+    victim = settled(w, count=8, spot=True, duration="8h")
+    regular = settled(w, count=8, duration="1h")
+    assert regular.state == "placed"
+    cut = regular.during.start
+    for kw in ({"by": "4h"}, {"until": cut + 3_600_000}):
+        answer = w.user.res("Extend", rpb.ExtendReservationRequest(
+            tenant_id=w.tenant, reservation_id=victim.id, idempotency_key=f"x-{uuid.uuid4().hex[:8]}", **kw))
+        assert not answer.extended and answer.reservation.during.end == cut
+    check_invariants(w.conninfo, w.tenant)
+
+
+def test_twenty_regular_creates_at_once_on_spot_work_book_no_atom_twice(spot_world: World) -> None:
+    w = spot_world
+    for _ in range(4):
+        settled(w, count=2, spot=True, duration="8h")
+    answers = at_once(lambda i: w.create(count=2, duration="1h"))
+    placed = [a for a in answers if isinstance(a, rpb.Reservation) and a.state == "placed"]
+    assert 1 <= len(placed) <= 4
+    for a in answers:
+        assert isinstance(a, rpb.Reservation), a
+    check_invariants(w.conninfo, w.tenant)
+
+
+# --- the meter after an outage of the grant worker --------------------------------------------------
+
+def metered(v: Vps, meter: str, subject: str) -> float:
+    return v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE tenant_id = %s"
+                       " AND meter = %s AND subject = %s", (v.world.tenant, meter, subject))[0][0]
+
+
+def progress(v: Vps, source: str) -> int:
+    found = v.world.sql("SELECT epoch_ms(metered_until) FROM metering_progress WHERE source = %s", (source,))
+    return found[0][0] if found else 0
+
+
+def test_an_instance_is_not_billed_twice_when_the_grant_worker_is_late(v: Vps) -> None:
+    """The grant's start is applied late (the worker was down): the hours the grant covers must not
+    have been metered at the reservation rate before it took the instance in."""
+    start = v.now()
+    inst = v.instance()
+    created = v.world.sql("SELECT epoch_ms(created_at) FROM instances WHERE id = %s", (inst.id,))[0][0]
+    g = v.grant(slots=1, starts_at=start + HOUR, ends_at=start + 5 * HOUR)
+    v.world.sql("UPDATE work_items SET run_at = compute_now() + interval '30 days'"
+                " WHERE kind = 'grant' AND subject = %s", (g.id,))
+    now = v.advance(3 * HOUR)
+    last_hour = now - now % HOUR - HOUR
+    # The gpu meter runs after the instance meter in each pass: once it reached the last hour, the
+    # instance meter has had its pass over these hours.
+    until(lambda: progress(v, "gpu") > last_hour)
+    reserved = metered(v, "vm.reserved.instance.hours", f"instance/{inst.id}")
+    assert reserved <= (start + HOUR - created) / HOUR + 1e-6, "billed at the reservation rate inside the grant"
+    v.world.sql("SELECT schedule_work('grant', %s, compute_now())", (g.id,))  # the worker is back
+    until(lambda: v.get_grant(g.id).state == "active")
+    until(lambda: progress(v, "vps.instances") > last_hour)
+    assert metered(v, "vm.reserved.instance.hours", f"instance/{inst.id}") == pytest.approx(
+        (start + HOUR - created) / HOUR)
+    assert metered(v, "vm.grant.usage.hours", f"instance/{inst.id}") == pytest.approx(
+        (last_hour + HOUR - start - HOUR) / HOUR)

@@ -284,6 +284,16 @@ FIRST_SEGMENT_HOUR = "SELECT date_trunc('hour', min(started_at)) AS hour FROM in
 LAST_METERABLE_HOUR = """
 SELECT date_trunc('hour', compute_now() - make_interval(secs => %(settle)s)) - interval '1 hour' AS hour
 """
+# The last hour the instance meter may write: also before the hour of any grant start or end that
+# is due but not applied yet (a late worker dates it back, moving instances' segments from then).
+INSTANCES_METERABLE_HOUR = """
+SELECT least(date_trunc('hour', compute_now() - make_interval(secs => %(settle)s)) - interval '1 hour',
+             (SELECT date_trunc('hour', min(CASE state WHEN 'scheduled' THEN starts_at ELSE ends_at END))
+                     - interval '1 hour'
+              FROM reservation_grants
+              WHERE (state = 'scheduled' AND starts_at <= compute_now())
+                 OR (state = 'active' AND ends_at <= compute_now()))) AS hour
+"""
 # vm.grant.usage.hours (informational), vm.reserved.instance.hours, vm.ondemand.instance.hours:
 # what each instance ran as during the hour.
 METER_INSTANCES_HOUR = """
