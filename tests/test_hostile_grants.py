@@ -330,3 +330,16 @@ def test_an_instance_is_not_billed_twice_when_the_grant_worker_is_late(v: Vps) -
         (start + HOUR - created) / HOUR)
     assert metered(v, "vm.grant.usage.hours", f"instance/{inst.id}") == pytest.approx(
         (last_hour + HOUR - start - HOUR) / HOUR)
+
+
+# --- billing 'none' -------------------------------------------------------------------------------
+
+def test_a_policy_can_keep_a_tenant_from_running_instances_unbilled(v: Vps) -> None:
+    """billing 'none' is never metered: the tenant's policy sees it and can forbid it."""
+    v.world.policy('permit(principal, action, resource);\n'
+                   'forbid(principal, action == Action::"compute:instances:manage", resource)'
+                   ' when { resource has billing && resource.billing == "none" };')
+    code, reason, _ = outcome(lambda: v.instance(billing="none"))
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+    assert running_rows(v) == provider_in_use(v) == 0
+    assert v.instance().billing == "standard"

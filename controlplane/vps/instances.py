@@ -78,7 +78,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     key = raw["idempotency_key"]
     digest = request_hash(spec)
     await access.on_tenant(rt, caller, spec["tenant_id"], access.INSTANCES_MANAGE, poolId=spec["pool_id"],
-                           flavor=spec["flavor"])
+                           flavor=spec["flavor"], billing=spec["billing"])
 
     async def decide(conn: AsyncConnection) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
         # The tenant's creates one at a time: its key and its instance count are read under this.
