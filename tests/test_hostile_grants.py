@@ -343,3 +343,21 @@ def test_a_policy_can_keep_a_tenant_from_running_instances_unbilled(v: Vps) -> N
     assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
     assert running_rows(v) == provider_in_use(v) == 0
     assert v.instance().billing == "standard"
+
+
+
+
+def test_an_instance_of_a_deleted_account_is_refused_unchanged_and_deleted_cleanly(v: Vps) -> None:
+    mine = v.instance()
+    v.instance_call("Stop", (stopped := v.instance()).id)
+    v.root("accounts", "Delete", vpb.GetProviderAccountRequest(tenant_id="root", account_id=v.account_id))
+    for method, target, state in (("Stop", mine, "running"), ("Start", stopped, "stopped")):
+        code, reason, details = outcome(lambda: v.instance_call(method, target.id))
+        assert (code, reason, details) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE", {
+            "accountId": v.account_id, "instanceId": target.id}), method
+        got = v.instance_call("Get", target.id)
+        assert (got.state, got.placement) == (state, target.placement), method  # nothing half-written
+    assert v.world.sql("SELECT count(*) FROM instance_segments WHERE instance_id = %s", (stopped.id,)) == [(1,)]
+    for target in (mine, stopped):
+        assert v.instance_call("Delete", target.id).state == "deleted"
+    assert v.world.sql("SELECT count(*) FROM instance_segments WHERE ended_at IS NULL") == [(0,)]

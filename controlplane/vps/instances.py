@@ -178,6 +178,9 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
             if action == "delete":
                 return row, False
             raise errors.InvalidState("the instance is deleted", instanceId=instance_id)
+        if action != "delete" and await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone() is None:
+            raise errors.InvalidState("the instance's provider account is gone", accountId=row["account_id"],
+                                      instanceId=instance_id)
         if action == "stop":
             if row["state"] == "stopped":
                 return row, False
@@ -194,6 +197,10 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
     row, changed = await db.run_in_transaction(rt.pool, work)
     # The provider is asked even when the row was already so: its calls are idempotent, and a
     # retry after a failed or lost answer brings the provider in line with the row.
+    if action == "delete":
+        async with db.read_only(rt.pool) as conn:
+            if await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone() is None:
+                return row  # its account is gone: there is no provider to ask, the row is deleted
     account = await _account_of(rt, row)
     call = {"stop": "stop_instance", "start": "start_instance", "delete": "delete_instance"}[action]
     try:
