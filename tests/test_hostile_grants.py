@@ -24,13 +24,13 @@ from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, gpus, make_world, rpc_error
 from tests.vps_support import HOUR, SimThread, Stubs, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
-LIMIT = 6  # instances per tenant in this module
+LIMIT = 6  # instances, and projects, per tenant in this module
 TASKS = 20
 
 
 @pytest.fixture
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from own_stack(pg_uri, instances_per_tenant=LIMIT)
+    yield from own_stack(pg_uri, instances_per_tenant=LIMIT, projects_per_tenant=LIMIT)
 
 
 @pytest.fixture
@@ -361,3 +361,37 @@ def test_an_instance_of_a_deleted_account_is_refused_unchanged_and_deleted_clean
     for target in (mine, stopped):
         assert v.instance_call("Delete", target.id).state == "deleted"
     assert v.world.sql("SELECT count(*) FROM instance_segments WHERE ended_at IS NULL") == [(0,)]
+
+
+def test_twenty_starts_at_once_take_only_the_free_slot(v: Vps, other) -> None:
+    w, theirs = other
+    mine = [v.instance() for _ in range(4)]
+    for i in mine:
+        v.instance_call("Stop", i.id)
+    for _ in range(3):
+        v.instance(theirs, tenant=w.tenant)
+    answers = at_once(lambda n: v.instance_call("Start", mine[n % 4].id))
+    started = {a.id for a in answers if isinstance(a, ipb.Instance)}
+    assert len(started) == 1
+    for code, reason, details in (a for a in answers if not isinstance(a, ipb.Instance)):
+        assert (code, reason, details["total"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_UNAVAILABLE", "4")
+    assert running_rows(v) == provider_in_use(v) == 4
+    overlapping = v.world.sql(
+        "SELECT count(*) FROM instance_segments a JOIN instance_segments b ON a.instance_id = b.instance_id"
+        " AND a.id < b.id AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)")
+    assert overlapping == [(0,)]
+
+
+def test_twenty_projects_at_once_stop_at_the_limit(v: Vps) -> None:
+    def create(name: str) -> vpb.Project:
+        return v.user("projects", "Create", vpb.CreateProjectRequest(tenant_id=v.world.tenant, name=name))
+
+    answers = at_once(lambda i: create(f"p{i}"))
+    made = [a for a in answers if isinstance(a, vpb.Project)]
+    assert len(made) == LIMIT
+    for code, reason, details in (a for a in answers if not isinstance(a, vpb.Project)):
+        assert (code, reason, details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED", {
+            "reason": "project-limit", "limit": str(LIMIT)})
+    assert create(made[0].name) == made[0]  # a retry of one it has is still served
+    listed = v.user("projects", "List", vpb.ListProjectsRequest(tenant_id=v.world.tenant)).items
+    assert sorted(p.id for p in listed) == sorted(p.id for p in made)

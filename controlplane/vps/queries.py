@@ -10,8 +10,11 @@ ON CONFLICT (tenant_id, name) DO NOTHING
 """
 _PROJECT_COLUMNS = "id, tenant_id, name, epoch_ms(created_at) AS created_ms"
 PROJECT_BY_NAME = f"SELECT {_PROJECT_COLUMNS} FROM projects WHERE tenant_id = %(tenant_id)s AND name = %(name)s"
-PROJECTS = f"SELECT {_PROJECT_COLUMNS} FROM projects WHERE tenant_id = %(tenant_id)s ORDER BY name"
+PROJECTS = f"SELECT {_PROJECT_COLUMNS} FROM projects WHERE tenant_id = %(tenant_id)s ORDER BY name LIMIT %(limit)s"
 PROJECT_TENANT = "SELECT tenant_id FROM projects WHERE id = %(id)s"
+# Held by a project create for its transaction: the tenant's projects are counted one create at a time.
+TENANT_PROJECTS_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('projects:' || %(tenant_id)s, 0))"
+PROJECT_COUNT = "SELECT count(*)::int AS n FROM projects WHERE tenant_id = %(tenant_id)s"
 
 # --- accounts -----------------------------------------------------------------------------------
 
