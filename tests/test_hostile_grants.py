@@ -106,6 +106,7 @@ def test_twenty_creates_under_one_key_make_one_instance(v: Vps) -> None:
     assert all(isinstance(a, ipb.Instance) for a in answers), [a for a in answers if not isinstance(a, ipb.Instance)]
     assert len({a.id for a in answers}) == 1
     assert running_rows(v) == provider_in_use(v) == 1
+    assert v.world.sql("SELECT count(*) FROM instance_segments") == [(1,)]  # billed once
 
 
 def test_twenty_creates_at_once_respect_the_instances_per_tenant_limit(v: Vps) -> None:
@@ -395,3 +396,26 @@ def test_twenty_projects_at_once_stop_at_the_limit(v: Vps) -> None:
     assert create(made[0].name) == made[0]  # a retry of one it has is still served
     listed = v.user("projects", "List", vpb.ListProjectsRequest(tenant_id=v.world.tenant)).items
     assert sorted(p.id for p in listed) == sorted(p.id for p in made)
+
+
+def test_releases_and_cancels_at_once_during_a_notice_leave_the_quota_exact(spot_world: World) -> None:
+    w = spot_world
+    victims = [settled(w, count=4, spot=True, duration="8h") for _ in range(2)]
+    preemptor = settled(w, count=8, duration="1h")
+    assert preemptor.state == "placed"
+    ids = [r.id for r in (*victims, preemptor)]
+
+    def end(i: int) -> Any:
+        rid = ids[i % 3]
+        call = "Release" if i % 2 else "Cancel"
+        request = (rpb.ReleaseReservationRequest if call == "Release" else rpb.CancelReservationRequest)(
+            tenant_id=w.tenant, reservation_id=rid)
+        return w.user.res(call, request)
+
+    for answer in at_once(end):
+        if not isinstance(answer, rpb.Reservation):
+            assert answer[1] == "INVALID_STATE", answer
+    until(lambda: all(w.user.res("Get", rpb.GetReservationRequest(tenant_id=w.tenant, reservation_id=rid)).state
+                      in ("released", "cancelled") for rid in ids))
+    check_invariants(w.conninfo, w.tenant)
+    assert w.sql("SELECT count(*) FROM quota_charges WHERE tenant_id = %s AND refunded_at IS NULL", (w.tenant,)) == [(0,)]
