@@ -419,3 +419,19 @@ def test_releases_and_cancels_at_once_during_a_notice_leave_the_quota_exact(spot
                       in ("released", "cancelled") for rid in ids))
     check_invariants(w.conninfo, w.tenant)
     assert w.sql("SELECT count(*) FROM quota_charges WHERE tenant_id = %s AND refunded_at IS NULL", (w.tenant,)) == [(0,)]
+
+
+
+def test_the_grantees_instance_goes_into_its_grant_on_another_reservation_of_the_flavor(v: Vps) -> None:
+    """Two reservations of the flavor on the pool: the grant is on the second; its grantee's
+    instance must go into the grant, not be billed at the reservation rate beside it."""
+    v.put(2, "res-0")
+    v.scan()
+    v.root("accounts", "BindReservation", vpb.BindReservationRequest(
+        tenant_id="root", account_id=v.account_id, reservation_id="res-0", pool_id=v.world.pool_id))
+    g = active_grant(v, slots=1)  # on res-1
+    inside = v.instance()
+    assert (inside.reservation_id, inside.placement, inside.grant_id) == ("res-1", "grant", g.id)
+    beyond = v.instance()  # the grant is full: an ordinary slot
+    assert (beyond.placement, beyond.grant_id) == ("reserved", "")
+    assert v.instance(billing="none").placement == "reserved"  # never into a grant

@@ -192,11 +192,21 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
 RETURNING {_INSTANCE_COLUMNS}
 """
 DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
-# A pool's reservation of a flavor that instances may use: bound to the pool, ready first.
+# A pool's reservation of a flavor that instances may use: bound to the pool, ready first, then one
+# where the tenant has a grant in its term with a slot its instances do not hold (serving the
+# instance's project, for a billed instance), so its instance goes into its grant.
 POOL_RESERVATION_FOR_UPDATE = f"""
-SELECT {_RESERVATION_COLUMNS} FROM provider_reservations
+SELECT {_RESERVATION_COLUMNS} FROM provider_reservations r
 WHERE pool_id = %(pool_id)s AND flavor = %(flavor)s
-ORDER BY state = 'ready' DESC, reservation_id LIMIT 1 FOR UPDATE
+ORDER BY state = 'ready' DESC,
+    EXISTS (SELECT 1 FROM reservation_grants g
+            WHERE g.account_id = r.account_id AND g.reservation_id = r.reservation_id
+              AND g.tenant_id = %(tenant_id)s AND %(billing)s = 'standard'
+              AND (g.project_id IS NULL OR g.project_id = %(project_id)s)
+              AND g.state IN ('scheduled', 'active') AND g.starts_at <= compute_now() AND g.ends_at > compute_now()
+              AND g.slots > (SELECT count(*) FROM instances i WHERE i.grant_id = g.id AND i.state <> 'deleted')) DESC,
+    reservation_id
+LIMIT 1 FOR UPDATE
 """
 ACCOUNT_OF_RESERVATION = "SELECT provider, endpoint, external_account FROM provider_accounts WHERE id = %(id)s"
 # Slots held on the reservation: running instances, and stopped ones a grant keeps the slot for.
