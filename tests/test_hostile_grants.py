@@ -435,3 +435,15 @@ def test_the_grantees_instance_goes_into_its_grant_on_another_reservation_of_the
     beyond = v.instance()  # the grant is full: an ordinary slot
     assert (beyond.placement, beyond.grant_id) == ("reserved", "")
     assert v.instance(billing="none").placement == "reserved"  # never into a grant
+
+
+def test_a_grant_on_a_physically_full_reservation_leaves_the_grantee_the_other_one(v: Vps) -> None:
+    v.put(2, "res-0")
+    v.scan()
+    v.root("accounts", "BindReservation", vpb.BindReservationRequest(
+        tenant_id="root", account_id=v.account_id, reservation_id="res-0", pool_id=v.world.pool_id))
+    active_grant(v, slots=1)  # on res-1
+    v.put(0)  # res-1 shrank to nothing at the provider
+    v.scan()
+    got = v.instance()
+    assert (got.reservation_id, got.placement) == ("res-0", "reserved")

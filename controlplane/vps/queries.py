@@ -194,7 +194,8 @@ RETURNING {_INSTANCE_COLUMNS}
 DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
 # A pool's reservation of a flavor that instances may use: bound to the pool, ready first, then one
 # where the tenant has a grant in its term with a slot its instances do not hold (serving the
-# instance's project, for a billed instance), so its instance goes into its grant.
+# instance's project, for a billed instance) and that is not physically full, so its instance goes
+# into its grant.
 POOL_RESERVATION_FOR_UPDATE = f"""
 SELECT {_RESERVATION_COLUMNS} FROM provider_reservations r
 WHERE pool_id = %(pool_id)s AND flavor = %(flavor)s
@@ -204,7 +205,11 @@ ORDER BY state = 'ready' DESC,
               AND g.tenant_id = %(tenant_id)s AND %(billing)s = 'standard'
               AND (g.project_id IS NULL OR g.project_id = %(project_id)s)
               AND g.state IN ('scheduled', 'active') AND g.starts_at <= compute_now() AND g.ends_at > compute_now()
-              AND g.slots > (SELECT count(*) FROM instances i WHERE i.grant_id = g.id AND i.state <> 'deleted')) DESC,
+              AND g.slots > (SELECT count(*) FROM instances i WHERE i.grant_id = g.id AND i.state <> 'deleted')
+              AND r.total > (SELECT count(*) FROM instances i
+                             WHERE i.account_id = r.account_id AND i.reservation_id = r.reservation_id
+                               AND i.placement <> 'on-demand'
+                               AND (i.state = 'running' OR (i.state = 'stopped' AND i.grant_id IS NOT NULL)))) DESC,
     reservation_id
 LIMIT 1 FOR UPDATE
 """
