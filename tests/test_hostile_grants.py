@@ -447,3 +447,19 @@ def test_a_grant_on_a_physically_full_reservation_leaves_the_grantee_the_other_o
     v.scan()
     got = v.instance()
     assert (got.reservation_id, got.placement) == ("res-0", "reserved")
+
+
+def test_a_create_whose_answer_is_lost_leaves_no_instance_running_unseen(v: Vps) -> None:
+    """The provider makes the instance and its answer is lost: the control plane must not forget
+    it (a VM running at the provider, on a slot, that no row bills), and a retry completes it."""
+    v.sim.sim.SetFaults(ppb.Faults(lost_answer_rate=1.0))
+    try:
+        code, reason, details = outcome(lambda: v.instance(name="lost", key="lost"))
+    finally:
+        v.sim.faults()
+    assert (code, reason, details["reason"]) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_UNAVAILABLE", "provider-unavailable")
+    assert provider_in_use(v) <= running_rows(v)  # nothing runs that no row knows of
+    again = v.instance(name="lost", key="lost")
+    assert again.state == "running"
+    assert running_rows(v) == provider_in_use(v) == 1

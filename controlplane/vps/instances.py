@@ -25,7 +25,7 @@ from controlplane.ids import new_id, request_hash
 from controlplane.runtime import Runtime
 from controlplane.vps import access, lifecycle, names, scan
 from controlplane.vps import queries as q
-from controlplane.vps.provider import ProviderFailure
+from controlplane.vps.provider import Provider, ProviderFailure
 
 log = structlog.get_logger(__name__)
 
@@ -124,17 +124,29 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         async with db.read_only(rt.pool) as conn:
             reservation = await (await conn.execute(q.RESERVATION, {
                 "account_id": row["account_id"], "reservation_id": row["reservation_id"]})).fetchone()
+    provider = scan.provider_of(rt, account)
     try:
-        await scan.provider_of(rt, account).create_instance(account["external_account"], row["id"], row["flavor"],
-                                                            reservation["region"] if reservation else "",
-                                                            row["reservation_id"])
+        await provider.create_instance(account["external_account"], row["id"], row["flavor"],
+                                       reservation["region"] if reservation else "", row["reservation_id"])
     except ProviderFailure as exc:
-        if new:  # its slot is freed again; a retry under the key decides anew
-            await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
         log.warning("provider refused an instance", instance_id=row["id"], kind=exc.kind, error=str(exc))
+        if new:  # its slot is freed again; a retry under the key decides anew
+            if exc.kind == "unavailable":  # unanswered: the provider may have made it all the same
+                await _undo_at_provider(provider, account, row["id"])
+            await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
         raise errors.CapacityUnavailable("the provider did not create the instance", reason=f"provider-{exc.kind}",
                                          reservationId=row["reservation_id"]) from exc
     return row
+
+
+async def _undo_at_provider(provider: Provider, account: dict[str, Any], name: str) -> None:
+    """Delete what an unanswered create may have made, so no instance runs that no row knows of."""
+    try:
+        await provider.delete_instance(account["external_account"], name)
+    except ProviderFailure as exc:
+        if exc.kind != "not-found":
+            log.error("an unanswered instance create could not be undone: it may run at the provider",
+                      instance_id=name, kind=exc.kind)
 
 
 async def _account_of(rt: Runtime, row: dict[str, Any]) -> dict[str, Any]:
