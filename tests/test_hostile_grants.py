@@ -463,3 +463,19 @@ def test_a_create_whose_answer_is_lost_leaves_no_instance_running_unseen(v: Vps)
     again = v.instance(name="lost", key="lost")
     assert again.state == "running"
     assert running_rows(v) == provider_in_use(v) == 1
+
+
+def test_twenty_stops_and_starts_at_once_never_bill_one_instance_twice(v: Vps) -> None:
+    g = active_grant(v, slots=1)
+    mine = v.instance()
+    for _ in range(4):  # each round races; any round may overlap two segments
+        answers = at_once(lambda i: v.instance_call("Stop" if i % 2 else "Start", mine.id))
+        assert all(isinstance(a, ipb.Instance) for a in answers), answers
+    overlapping = v.world.sql(
+        "SELECT count(*) FROM instance_segments a JOIN instance_segments b ON a.instance_id = b.instance_id"
+        " AND a.id < b.id AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)")
+    assert overlapping == [(0,)]
+    now = v.instance_call("Get", mine.id)
+    assert (now.grant_id, now.placement) == (g.id, "grant")  # its grant's slot, stopped or running
+    open_segments = v.world.sql("SELECT count(*) FROM instance_segments WHERE ended_at IS NULL")[0][0]
+    assert open_segments == (1 if now.state == "running" else 0)

@@ -246,7 +246,10 @@ WHERE account_id = %(account_id)s AND reservation_id = %(reservation_id)s AND st
 ORDER BY created_at, id FOR UPDATE
 """
 
-# Billing segments: close the open one at `at` (never before it started), open one from there.
+# Billing segments: close the open one at `at` (never before it started), open one from there,
+# never before the instance's last segment ended: compute_now() is its transaction's start, and a
+# call that waited for the reservation's lock started before the one that went first, so its
+# time alone could overlap the segment that call closed (and bill the overlap twice).
 CLOSE_SEGMENT = """
 UPDATE instance_segments SET ended_at = greatest(started_at, coalesce(from_epoch_ms(%(at_ms)s), compute_now()))
 WHERE instance_id = %(instance_id)s AND ended_at IS NULL
@@ -255,7 +258,8 @@ RETURNING epoch_ms(ended_at) AS ended_ms
 OPEN_SEGMENT = """
 INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at)
 VALUES (%(instance_id)s, %(tenant_id)s, %(class)s, %(grant_id)s, %(pool_id)s, %(region)s, %(provider)s,
-        coalesce(from_epoch_ms(%(at_ms)s), compute_now()))
+        greatest(coalesce(from_epoch_ms(%(at_ms)s), compute_now()),
+                 (SELECT max(ended_at) FROM instance_segments WHERE instance_id = %(instance_id)s)))
 """
 
 # --- metering -----------------------------------------------------------------------------------
