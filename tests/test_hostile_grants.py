@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -40,7 +41,7 @@ def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
 
 @pytest.fixture
 def other(v: Vps) -> Iterator[tuple[World, Stubs]]:
-    """A hostile tenant the pool is offered too."""
+    """A hostile tenant the pool is offered to as well."""
     w = make_world(v.world.endpoint, v.world.root, v.world.conninfo, nodes=0)
     v.world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=v.world.pool_id, tenant_id=w.tenant))
     yield w, Stubs(w.user)
@@ -52,9 +53,7 @@ def outcome(call: Callable[[], Any]) -> Any:
     try:
         return call()
     except grpc.RpcError as exc:
-        class Info:
-            value = exc
-        return rpc_error(Info)
+        return rpc_error(SimpleNamespace(value=exc))
 
 
 def at_once(call: Callable[[int], Any], n: int = TASKS) -> list[Any]:
@@ -153,7 +152,7 @@ def test_another_tenants_grant_and_instance_are_not_found_and_its_usage_is_denie
         assert outcome(lambda: v.instance_call(method, mine.id, theirs))[1] == "ACCESS_DENIED", method
     assert v.instance_call("Get", mine.id).state == "running"
     assert outcome(lambda: v.usage(stubs=theirs))[1] == "ACCESS_DENIED"
-    # Their instance in my grant's project is refused: the project is not theirs.
+    # Their instance in my project is refused: the project is not theirs.
     project = v.user("projects", "Create", vpb.CreateProjectRequest(tenant_id=v.world.tenant, name="p"))
     assert outcome(lambda: v.instance(theirs, tenant=w.tenant, project_id=project.id))[1:] == (
         "NOT_FOUND", {"projectId": project.id})
