@@ -182,6 +182,8 @@ class Settings:
     grants_list_max: int = field(default_factory=lambda: _int("BC_GRANTS_LIST_MAX", 1000))
     # Live (not deleted) instances per tenant; usage rows per query.
     instances_per_tenant: int = field(default_factory=lambda: _int("BC_INSTANCES_PER_TENANT", 1000))
+    # Projects per tenant (there is no project delete): one more is QUOTA_EXCEEDED.
+    projects_per_tenant: int = field(default_factory=lambda: _int("BC_PROJECTS_PER_TENANT", 1000))
     usage_query_max_rows: int = field(default_factory=lambda: _int("BC_USAGE_QUERY_MAX_ROWS", 10000))
     # The metering reconcilers run this often; an hour is metered once it ended this long ago
     # (so a state change handled late by the work queue is in before its hour is written).

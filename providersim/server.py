@@ -25,6 +25,7 @@ class Faults:
     def __init__(self, seed: int | None = None) -> None:
         self.failure_rate = 0.0
         self.stall_ms = 0
+        self.lost_answer_rate = 0.0
         self._random = random.Random(seed)
 
     async def apply(self, context: grpc.aio.ServicerContext) -> None:
@@ -32,6 +33,11 @@ class Faults:
             await asyncio.sleep(self.stall_ms / 1000)
         if self.failure_rate > 0 and self._random.random() < self.failure_rate:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated provider failure")
+
+    async def answered(self, context: grpc.aio.ServicerContext) -> None:
+        """After a call was carried out: its answer is lost at lost_answer_rate."""
+        if self.lost_answer_rate > 0 and self._random.random() < self.lost_answer_rate:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated lost answer")
 
 def reservation_pb(r: Reservation, in_use: int) -> pb.Reservation:
     return pb.Reservation(account=r.account, name=r.name, flavor=r.flavor, region=r.region, total=r.total,
@@ -54,7 +60,9 @@ class ProviderServicer(rpc.ProviderServicer):
 
     async def _call(self, context: grpc.aio.ServicerContext, call: Callable[[], Any]) -> Any:
         await self.faults.apply(context)
-        return await _answer(context, call)
+        answer = await _answer(context, call)
+        await self.faults.answered(context)
+        return answer
 
     async def ListReservations(self, request: pb.ListReservationsRequest, context: Any) -> pb.ListReservationsResponse:
         found = await self._call(context, lambda: self.state.list_reservations(request.account))
@@ -94,12 +102,16 @@ class SimulatorServicer(rpc.SimulatorServicer):
         return reservation_pb(found, 0)
 
     async def SetFaults(self, request: pb.Faults, context: Any) -> pb.Faults:
-        if not 0 <= request.failure_rate <= 1 or request.stall_ms < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "failure_rate is 0..1, stall_ms at least 0")
+        if not 0 <= request.failure_rate <= 1 or request.stall_ms < 0 or not 0 <= request.lost_answer_rate <= 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "failure_rate and lost_answer_rate are 0..1, stall_ms at least 0")
         self.faults.failure_rate = request.failure_rate
         self.faults.stall_ms = request.stall_ms
-        log.info("faults set", failure_rate=request.failure_rate, stall_ms=request.stall_ms)
-        return pb.Faults(failure_rate=self.faults.failure_rate, stall_ms=self.faults.stall_ms)
+        self.faults.lost_answer_rate = request.lost_answer_rate
+        log.info("faults set", failure_rate=request.failure_rate, stall_ms=request.stall_ms,
+                 lost_answer_rate=request.lost_answer_rate)
+        return pb.Faults(failure_rate=self.faults.failure_rate, stall_ms=self.faults.stall_ms,
+                         lost_answer_rate=self.faults.lost_answer_rate)
 
 async def serve(listen: str = "127.0.0.1:0", *, seed: int | None = None) -> tuple[grpc.aio.Server, int, Provider]:
     """Start the simulated provider on `listen`; returns the server, its port and its state."""

@@ -145,8 +145,16 @@ async def create_project(rt: Runtime, caller: Caller, tenant_id: str, name: str)
     await access.on_tenant(rt, caller, tenant_id, access.PROJECTS_MANAGE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.INSERT_PROJECT, {"id": new_id("prj"), "tenant_id": tenant_id, "name": name})
-        return await (await conn.execute(q.PROJECT_BY_NAME, {"tenant_id": tenant_id, "name": name})).fetchone()
+        keys = {"tenant_id": tenant_id, "name": name}
+        await conn.execute(q.TENANT_PROJECTS_LOCK, keys)
+        found = await (await conn.execute(q.PROJECT_BY_NAME, keys)).fetchone()
+        if found is not None:
+            return found
+        cap = rt.settings.projects_per_tenant
+        if (await (await conn.execute(q.PROJECT_COUNT, keys)).fetchone())["n"] >= cap:
+            raise errors.QuotaExceeded(f"at most {cap} projects per tenant", reason="project-limit", limit=cap)
+        await conn.execute(q.INSERT_PROJECT, {"id": new_id("prj"), **keys})
+        return await (await conn.execute(q.PROJECT_BY_NAME, keys)).fetchone()
 
     return await db.run_in_transaction(rt.pool, work)
 
@@ -154,6 +162,7 @@ async def create_project(rt: Runtime, caller: Caller, tenant_id: str, name: str)
 async def list_projects(rt: Runtime, caller: Caller, tenant_id: str) -> list[dict[str, Any]]:
     await access.on_tenant(rt, caller, tenant_id, access.PROJECTS_MANAGE)
     async with db.read_only(rt.pool) as conn:
-        return await (await conn.execute(q.PROJECTS, {"tenant_id": tenant_id})).fetchall()
+        return await (await conn.execute(q.PROJECTS, {"tenant_id": tenant_id,
+                                                      "limit": rt.settings.projects_per_tenant})).fetchall()
 
 

@@ -25,11 +25,13 @@ from controlplane.ids import new_id, request_hash
 from controlplane.runtime import Runtime
 from controlplane.vps import access, lifecycle, names, scan
 from controlplane.vps import queries as q
-from controlplane.vps.provider import ProviderFailure
+from controlplane.vps.provider import Provider, ProviderFailure
 
 log = structlog.get_logger(__name__)
 
 BILLING = ("standard", "none")
+# Provider answers that say an instance was not started (not a failure to answer).
+REFUSED = ("exhausted", "invalid")
 
 
 async def slot_for(conn: AsyncConnection, reservation: dict[str, Any], tenant_id: str, project_id: str | None,
@@ -76,9 +78,11 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     key = raw["idempotency_key"]
     digest = request_hash(spec)
     await access.on_tenant(rt, caller, spec["tenant_id"], access.INSTANCES_MANAGE, poolId=spec["pool_id"],
-                           flavor=spec["flavor"])
+                           flavor=spec["flavor"], billing=spec["billing"])
 
     async def decide(conn: AsyncConnection) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+        # The tenant's creates one at a time: its key and its instance count are read under this.
+        await conn.execute(q.TENANT_INSTANCES_LOCK, spec)
         found = await (await conn.execute(q.INSTANCE_BY_KEY, {"tenant_id": spec["tenant_id"], "key": key})).fetchone()
         if found is not None:
             if found["request_hash"] != digest:
@@ -120,17 +124,29 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         async with db.read_only(rt.pool) as conn:
             reservation = await (await conn.execute(q.RESERVATION, {
                 "account_id": row["account_id"], "reservation_id": row["reservation_id"]})).fetchone()
+    provider = scan.provider_of(rt, account)
     try:
-        await scan.provider_of(rt, account).create_instance(account["external_account"], row["id"], row["flavor"],
-                                                            reservation["region"] if reservation else "",
-                                                            row["reservation_id"])
+        await provider.create_instance(account["external_account"], row["id"], row["flavor"],
+                                       reservation["region"] if reservation else "", row["reservation_id"])
     except ProviderFailure as exc:
-        if new:  # its slot is freed again; a retry under the key decides anew
-            await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
         log.warning("provider refused an instance", instance_id=row["id"], kind=exc.kind, error=str(exc))
+        if new:  # its slot is freed again; a retry under the key decides anew
+            if exc.kind == "unavailable":  # unanswered: the provider may have made it all the same
+                await _undo_at_provider(provider, account, row["id"])
+            await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
         raise errors.CapacityUnavailable("the provider did not create the instance", reason=f"provider-{exc.kind}",
                                          reservationId=row["reservation_id"]) from exc
     return row
+
+
+async def _undo_at_provider(provider: Provider, account: dict[str, Any], name: str) -> None:
+    """Delete what an unanswered create may have made, so no instance runs that no row knows of."""
+    try:
+        await provider.delete_instance(account["external_account"], name)
+    except ProviderFailure as exc:
+        if exc.kind != "not-found":
+            log.error("an unanswered instance create could not be undone: it may run at the provider",
+                      instance_id=name, kind=exc.kind)
 
 
 async def _account_of(rt: Runtime, row: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +190,9 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
             if action == "delete":
                 return row, False
             raise errors.InvalidState("the instance is deleted", instanceId=instance_id)
+        if action != "delete" and await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone() is None:
+            raise errors.InvalidState("the instance's provider account is gone", accountId=row["account_id"],
+                                      instanceId=instance_id)
         if action == "stop":
             if row["state"] == "stopped":
                 return row, False
@@ -187,20 +206,37 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
             return row, False
         return await _restart(conn, row), True
 
-    row, _ = await db.run_in_transaction(rt.pool, work)
+    row, changed = await db.run_in_transaction(rt.pool, work)
     # The provider is asked even when the row was already so: its calls are idempotent, and a
     # retry after a failed or lost answer brings the provider in line with the row.
+    if action == "delete":
+        async with db.read_only(rt.pool) as conn:
+            if await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone() is None:
+                return row  # its account is gone: there is no provider to ask, the row is deleted
     account = await _account_of(rt, row)
     call = {"stop": "stop_instance", "start": "start_instance", "delete": "delete_instance"}[action]
     try:
         await getattr(scan.provider_of(rt, account), call)(account["external_account"], row["id"])
     except ProviderFailure as exc:
+        if action == "start" and exc.kind in REFUSED:
+            # The provider refused to run it: it stays stopped, and a start just recorded bills nothing.
+            row = await db.run_in_transaction(rt.pool, lambda conn: _refused_start(conn, row, changed))
         if exc.kind != "not-found" or action != "delete":
             # The slot decision stands (it is ours); the provider's side is retried by the caller.
             log.warning("provider call failed", instance_id=row["id"], call=call, kind=exc.kind)
             raise errors.CapacityUnavailable("the provider did not answer; retry", reason=f"provider-{exc.kind}",
                                              instanceId=row["id"], retryAfterSeconds=5) from exc
     return row
+
+
+async def _refused_start(conn: AsyncConnection, started: dict[str, Any], changed: bool) -> dict[str, Any]:
+    """Stop again an instance whose start the provider refused, keeping the slot as a stop does;
+    its billing segment ends where it began when this start opened it."""
+    row = await _visible(conn, started["tenant_id"], started["id"], lock=True)
+    if row["state"] != "running":
+        return row
+    await conn.execute(q.CLOSE_SEGMENT, {"instance_id": row["id"], "at_ms": 0 if changed else None})
+    return await _set(conn, row, "stopped", row["grant_id"], row["placement"])
 
 
 async def _set(conn: AsyncConnection, row: dict[str, Any], state: str, grant_id: str | None,

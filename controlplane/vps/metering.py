@@ -8,7 +8,8 @@ twice. Two reconcilers:
 - vps.instances: what each instance ran as, from its billing segments: vm.grant.usage.hours
   (informational, inside a grant), vm.reserved.instance.hours (an ordinary slot, or beyond or after
   its grant), vm.ondemand.instance.hours (the reservation gone). Its progress is a row of
-  metering_progress, locked while an hour is written;
+  metering_progress, locked while an hour is written. It stops before the hour of a grant start or
+  end that is due but not applied yet: applied late, it moves segments back to that moment;
 - gpu: gpu.hours for GPU reservations, from active until release, expiry or preemption (nothing
   before a calendar reservation's start, nothing while binding), read through
   controlplane.reservations.usage.
@@ -50,13 +51,14 @@ async def meter_grants(rt: Runtime) -> int:
 
 
 async def _hourly(rt: Runtime, source: str, first_sql: str,
-                  meter_hour: Callable[[AsyncConnection, datetime], Awaitable[None]]) -> int:
+                  meter_hour: Callable[[AsyncConnection, datetime], Awaitable[None]],
+                  last_sql: str = q.LAST_METERABLE_HOUR) -> int:
     """Every hour of `source` not yet metered that may be, oldest first, under its progress row's
-    lock; returns how many hours it wrote. The first hour is `first_sql`'s."""
+    lock; returns how many hours it wrote. The first hour is `first_sql`'s, the last `last_sql`'s."""
     settle = {"settle": rt.settings.metering_settle_seconds}
 
     async def work(conn: AsyncConnection) -> int:
-        last = (await (await conn.execute(q.LAST_METERABLE_HOUR, settle)).fetchone())["hour"]
+        last = (await (await conn.execute(last_sql, settle)).fetchone())["hour"]
         first = (await (await conn.execute(first_sql, settle)).fetchone())["hour"]
         if first is None:
             return 0
@@ -79,7 +81,7 @@ async def meter_instances(rt: Runtime) -> int:
     async def hour(conn: AsyncConnection, at: datetime) -> None:
         await conn.execute(q.METER_INSTANCES_HOUR, {"hour": at})
 
-    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour)
+    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour, q.INSTANCES_METERABLE_HOUR)
 
 
 async def meter_gpus(rt: Runtime) -> int:

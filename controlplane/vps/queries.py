@@ -10,8 +10,11 @@ ON CONFLICT (tenant_id, name) DO NOTHING
 """
 _PROJECT_COLUMNS = "id, tenant_id, name, epoch_ms(created_at) AS created_ms"
 PROJECT_BY_NAME = f"SELECT {_PROJECT_COLUMNS} FROM projects WHERE tenant_id = %(tenant_id)s AND name = %(name)s"
-PROJECTS = f"SELECT {_PROJECT_COLUMNS} FROM projects WHERE tenant_id = %(tenant_id)s ORDER BY name"
+PROJECTS = f"SELECT {_PROJECT_COLUMNS} FROM projects WHERE tenant_id = %(tenant_id)s ORDER BY name LIMIT %(limit)s"
 PROJECT_TENANT = "SELECT tenant_id FROM projects WHERE id = %(id)s"
+# Held by a project create for its transaction: the tenant's projects are counted one create at a time.
+TENANT_PROJECTS_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('projects:' || %(tenant_id)s, 0))"
+PROJECT_COUNT = "SELECT count(*)::int AS n FROM projects WHERE tenant_id = %(tenant_id)s"
 
 # --- accounts -----------------------------------------------------------------------------------
 
@@ -171,6 +174,9 @@ _INSTANCE_COLUMNS = """id, tenant_id, project_id, pool_id, account_id, reservati
 INSTANCE = f"SELECT {_INSTANCE_COLUMNS} FROM instances WHERE id = %(id)s"
 INSTANCE_IN_TENANT = f"SELECT {_INSTANCE_COLUMNS} FROM instances WHERE id = %(id)s AND tenant_id = %(tenant_id)s"
 INSTANCE_FOR_UPDATE = INSTANCE + " FOR UPDATE"
+# Held by an instance create for its transaction: the tenant's creates are decided one at a time,
+# so neither two creates under one key nor the instances-per-tenant count race (taken first).
+TENANT_INSTANCES_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('instances:' || %(tenant_id)s, 0))"
 INSTANCE_BY_KEY = f"""
 SELECT {_INSTANCE_COLUMNS} FROM instances WHERE tenant_id = %(tenant_id)s AND idempotency_key = %(key)s
 """
@@ -186,11 +192,26 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
 RETURNING {_INSTANCE_COLUMNS}
 """
 DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
-# A pool's reservation of a flavor that instances may use: bound to the pool, ready first.
+# A pool's reservation of a flavor that instances may use: bound to the pool, ready first, then one
+# where the tenant has a grant in its term with a slot its instances do not hold (serving the
+# instance's project, for a billed instance) and that is not physically full, so its instance goes
+# into its grant.
 POOL_RESERVATION_FOR_UPDATE = f"""
-SELECT {_RESERVATION_COLUMNS} FROM provider_reservations
+SELECT {_RESERVATION_COLUMNS} FROM provider_reservations r
 WHERE pool_id = %(pool_id)s AND flavor = %(flavor)s
-ORDER BY state = 'ready' DESC, reservation_id LIMIT 1 FOR UPDATE
+ORDER BY state = 'ready' DESC,
+    EXISTS (SELECT 1 FROM reservation_grants g
+            WHERE g.account_id = r.account_id AND g.reservation_id = r.reservation_id
+              AND g.tenant_id = %(tenant_id)s AND %(billing)s = 'standard'
+              AND (g.project_id IS NULL OR g.project_id = %(project_id)s)
+              AND g.state IN ('scheduled', 'active') AND g.starts_at <= compute_now() AND g.ends_at > compute_now()
+              AND g.slots > (SELECT count(*) FROM instances i WHERE i.grant_id = g.id AND i.state <> 'deleted')
+              AND r.total > (SELECT count(*) FROM instances i
+                             WHERE i.account_id = r.account_id AND i.reservation_id = r.reservation_id
+                               AND i.placement <> 'on-demand'
+                               AND (i.state = 'running' OR (i.state = 'stopped' AND i.grant_id IS NOT NULL)))) DESC,
+    reservation_id
+LIMIT 1 FOR UPDATE
 """
 ACCOUNT_OF_RESERVATION = "SELECT provider, endpoint, external_account FROM provider_accounts WHERE id = %(id)s"
 # Slots held on the reservation: running instances, and stopped ones a grant keeps the slot for.
@@ -225,7 +246,10 @@ WHERE account_id = %(account_id)s AND reservation_id = %(reservation_id)s AND st
 ORDER BY created_at, id FOR UPDATE
 """
 
-# Billing segments: close the open one at `at` (never before it started), open one from there.
+# Billing segments: close the open one at `at` (never before it started), open one from there,
+# never before the instance's last segment ended: compute_now() is its transaction's start, and a
+# call that waited for the reservation's lock started before the one that went first, so its
+# time alone could overlap the segment that call closed (and bill the overlap twice).
 CLOSE_SEGMENT = """
 UPDATE instance_segments SET ended_at = greatest(started_at, coalesce(from_epoch_ms(%(at_ms)s), compute_now()))
 WHERE instance_id = %(instance_id)s AND ended_at IS NULL
@@ -234,7 +258,8 @@ RETURNING epoch_ms(ended_at) AS ended_ms
 OPEN_SEGMENT = """
 INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at)
 VALUES (%(instance_id)s, %(tenant_id)s, %(class)s, %(grant_id)s, %(pool_id)s, %(region)s, %(provider)s,
-        coalesce(from_epoch_ms(%(at_ms)s), compute_now()))
+        greatest(coalesce(from_epoch_ms(%(at_ms)s), compute_now()),
+                 (SELECT max(ended_at) FROM instance_segments WHERE instance_id = %(instance_id)s)))
 """
 
 # --- metering -----------------------------------------------------------------------------------
@@ -280,6 +305,16 @@ FIRST_SEGMENT_HOUR = "SELECT date_trunc('hour', min(started_at)) AS hour FROM in
 # The last hour start that may be metered now (its hour ended `settle` seconds ago or more).
 LAST_METERABLE_HOUR = """
 SELECT date_trunc('hour', compute_now() - make_interval(secs => %(settle)s)) - interval '1 hour' AS hour
+"""
+# The last hour the instance meter may write: also before the hour of any grant start or end that
+# is due but not applied yet (a late worker dates it back, moving instances' segments from then).
+INSTANCES_METERABLE_HOUR = """
+SELECT least(date_trunc('hour', compute_now() - make_interval(secs => %(settle)s)) - interval '1 hour',
+             (SELECT date_trunc('hour', min(CASE state WHEN 'scheduled' THEN starts_at ELSE ends_at END))
+                     - interval '1 hour'
+              FROM reservation_grants
+              WHERE (state = 'scheduled' AND starts_at <= compute_now())
+                 OR (state = 'active' AND ends_at <= compute_now()))) AS hour
 """
 # vm.grant.usage.hours (informational), vm.reserved.instance.hours, vm.ondemand.instance.hours:
 # what each instance ran as during the hour.

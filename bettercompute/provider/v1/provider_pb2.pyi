@@ -256,17 +256,20 @@ class Faults(_message.Message):
 
     FAILURE_RATE_FIELD_NUMBER: _builtins.int
     STALL_MS_FIELD_NUMBER: _builtins.int
+    LOST_ANSWER_RATE_FIELD_NUMBER: _builtins.int
     failure_rate: _builtins.float
     stall_ms: _builtins.int
+    lost_answer_rate: _builtins.float
     def __init__(
         self,
         *,
         failure_rate: _builtins.float = ...,
         stall_ms: _builtins.int = ...,
+        lost_answer_rate: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure_rate", b"failure_rate", "stall_ms", b"stall_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure_rate", b"failure_rate", "lost_answer_rate", b"lost_answer_rate", "stall_ms", b"stall_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -361,7 +361,8 @@ class SimulatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetFaults(self, request, context):
-        """Every Provider call fails with UNAVAILABLE at failure_rate (0..1) and answers after stall_ms.
+        """Every Provider call fails with UNAVAILABLE at failure_rate (0..1) and answers after stall_ms;
+        at lost_answer_rate (0..1) it is carried out and then answers UNAVAILABLE (its answer lost).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
