@@ -1,0 +1,61 @@
+"""A hostile node against the real gateway (mutual TLS, real certificates, real signatures) and
+the control plane behind it: what it sends is refused with a clear error, never an INTERNAL, and
+never moves anything that is not its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from bettercompute.node.v1 import node_pb2 as pb
+from tests.support import rpc_error
+from tests.test_gateway import (GatewayThread, Node, connected, cp, enrolled, eventually, gateway,  # noqa: F401
+                                hello, join_token, node_row, pool_id)
+
+
+def _raw_session(node: Node, messages: list[bytes]) -> grpc.RpcError:
+    """A session that sends these bytes as its messages; the error it ended with."""
+    with node.channel() as channel:
+        call = channel.stream_stream("/bettercompute.node.v1.NodeGateway/Session", request_serializer=lambda b: b,
+                                     response_deserializer=pb.GatewayMessage.FromString)(iter(messages), timeout=30)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in call:
+                pass
+    return ended
+
+
+def _invalid_utf8(message: Any, marker: str = "\u2603") -> bytes:
+    """The message's bytes with the UTF-8 of `marker` (in one of its strings) made invalid."""
+    raw = message.SerializeToString()
+    assert marker.encode() in raw
+    return raw.replace(marker.encode(), b"\xff\xfe\xfd")
+
+
+# Undecodable bytes ---------------------------------------------------------------------------
+
+def test_a_session_message_that_is_not_valid_protobuf_or_utf8_is_invalid_input(
+        gateway: GatewayThread, pool_id: str) -> None:
+    node = enrolled(gateway, pool_id, "n1")
+    for raw in (_invalid_utf8(pb.NodeMessage(hello=pb.Hello(daemon_version="\u2603"))), b"\x0a\xff\xff\xff"):
+        ended = _raw_session(node, [raw])
+        assert rpc_error(ended) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "message"})
+    # and the gateway still serves the node
+    again = node.session()
+    again.send(hello(version="bcd-ok"))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd-ok", what="hello")
+    again.close()
+
+
+def test_an_enrolment_that_is_not_valid_utf8_is_invalid_input_and_spends_no_token(
+        gateway: GatewayThread, pool_id: str) -> None:
+    token = join_token(gateway.conninfo, pool_id, "n1")
+    raw = _invalid_utf8(pb.EnrolRequest(join_token=token + "\u2603", csr_pem=b"x"))
+    with grpc.secure_channel(gateway.enrol_endpoint, grpc.ssl_channel_credentials(gateway.ca_pem)) as ch:
+        enrol = ch.unary_unary("/bettercompute.node.v1.NodeGateway/Enrol", request_serializer=lambda b: b,
+                               response_deserializer=pb.EnrolResponse.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            enrol(raw, timeout=10)
+    assert rpc_error(refused) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "message"})
+    assert Node(gateway).enrol(token).node_id  # the token was not spent
