@@ -10,9 +10,17 @@ import grpc
 import pytest
 
 from bettercompute.node.v1 import node_pb2 as pb
-from tests.support import rpc_error
+from controlplane.common.status import error_info
 from tests.test_gateway import (GatewayThread, Node, connected, cp, enrolled, eventually, gateway,  # noqa: F401
                                 hello, join_token, node_row, pool_id)
+
+
+def status(exc: grpc.RpcError | None) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """(gRPC code, spec code, ErrorInfo details) of a failed call or ended session."""
+    assert exc is not None, "the call did not fail"
+    info = error_info(exc)
+    assert info is not None, f"no ErrorInfo on {exc}"
+    return exc.code(), info.reason, dict(info.metadata)
 
 
 def _raw_session(node: Node, messages: list[bytes]) -> grpc.RpcError:
@@ -23,7 +31,7 @@ def _raw_session(node: Node, messages: list[bytes]) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as ended:
             for _ in call:
                 pass
-    return ended
+    return ended.value
 
 
 def _invalid_utf8(message: Any, marker: str = "\u2603") -> bytes:
@@ -40,7 +48,7 @@ def test_a_session_message_that_is_not_valid_protobuf_or_utf8_is_invalid_input(
     node = enrolled(gateway, pool_id, "n1")
     for raw in (_invalid_utf8(pb.NodeMessage(hello=pb.Hello(daemon_version="\u2603"))), b"\x0a\xff\xff\xff"):
         ended = _raw_session(node, [raw])
-        assert rpc_error(ended) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "message"})
+        assert status(ended) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "message"})
     # and the gateway still serves the node
     again = node.session()
     again.send(hello(version="bcd-ok"))
@@ -57,5 +65,27 @@ def test_an_enrolment_that_is_not_valid_utf8_is_invalid_input_and_spends_no_toke
                                response_deserializer=pb.EnrolResponse.FromString)
         with pytest.raises(grpc.RpcError) as refused:
             enrol(raw, timeout=10)
-    assert rpc_error(refused) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "message"})
+    assert status(refused.value) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "message"})
     assert Node(gateway).enrol(token).node_id  # the token was not spent
+
+
+# Strings a database cannot store -------------------------------------------------------------
+
+@pytest.mark.parametrize("message, field", [
+    (hello(version="bcd\x000.5"), "hello.daemonVersion"),
+    (hello(clique="7\x00"), "hello.inventory.gpus[0].nvlinkClique"),
+    (pb.NodeMessage(inventory=pb.Inventory(generation=2, gpus=[pb.Gpu(
+        uuid="GPU-0", model="H100", mig_mode=True, mig_instances=[pb.MigInstance(index=0, profile="1g\x00")])])),
+     "inventory.gpus[0].migInstances[0].profile"),
+    (hello(version="v" * (64 * 1024 + 1)), "hello.daemonVersion"),
+])
+def test_a_nul_or_oversized_string_ends_the_session_with_invalid_input_naming_it(
+        gateway: GatewayThread, pool_id: str, message: pb.NodeMessage, field: str) -> None:
+    node, session = connected(gateway, pool_id, "n1", version="bcd-before")
+    session.send(message)
+    assert status(session.ended()) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": field})
+    assert node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd-before"  # nothing of it applied
+    again = node.session()  # and the node may come back with a good one
+    again.send(hello(version="bcd-after"))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd-after", what="hello")
+    again.close()
