@@ -160,6 +160,8 @@ class Settings:
     # characters; a NUL in any of them is refused too. Above the cpulist bound, so a longer cpulist
     # still reads as empty rather than being refused.
     node_max_string_chars: int = field(default_factory=lambda: _int("BC_NODE_MAX_STRING_CHARS", 64 * 1024))
+    # Every repeated field of what a node sends (GPUs, NUMA nodes, MIG instances, capabilities, ...).
+    node_max_entries: int = field(default_factory=lambda: _int("BC_NODE_MAX_ENTRIES", 256))
     # Whole-machine leases (binding "node"): how long metal has, from the lease's start, to see the
     # profile deployed and verified on the machine before the reservation fails (no second placement).
     metal_deploy_timeout_seconds: float = field(

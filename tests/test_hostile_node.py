@@ -89,3 +89,31 @@ def test_a_nul_or_oversized_string_ends_the_session_with_invalid_input_naming_it
     again.send(hello(version="bcd-after"))
     eventually(lambda: node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd-after", what="hello")
     again.close()
+
+
+# Many repeated entries -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("message, field", [
+    # each cpulist is parsed on the gateway's loop: 100,000 of them stalled every session for minutes
+    (pb.NodeMessage(inventory=pb.Inventory(generation=2, vcpus=8, numa_nodes=[
+        pb.NumaNode(id=i, cpulist="0-8191") for i in range(257)])), "inventory.numaNodes"),
+    (pb.NodeMessage(hello=pb.Hello(daemon_version="bcd", capabilities=[f"c{i}" for i in range(257)])),
+     "hello.capabilities"),
+    (pb.NodeMessage(inventory=pb.Inventory(generation=2, gpus=[pb.Gpu(uuid="GPU-0", model="H100", mig_mode=True,
+                                                                       mig_instances=[pb.MigInstance()] * 257)])),
+     "inventory.gpus[0].migInstances"),
+])
+def test_a_message_with_too_many_entries_ends_the_session_with_invalid_input_naming_the_field(
+        gateway: GatewayThread, pool_id: str, message: pb.NodeMessage, field: str) -> None:
+    node, session = connected(gateway, pool_id, "n1")
+    before = node_row(gateway.conninfo, node.node_id)
+    session.send(message)
+    assert status(session.ended()) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": field})
+    after = node_row(gateway.conninfo, node.node_id)
+    assert (after["inventory"], after["capabilities"]) == (before["inventory"], before["capabilities"])
+    # at the bound, it goes in
+    again = node.session()
+    again.send(pb.NodeMessage(inventory=pb.Inventory(generation=3, vcpus=8, numa_nodes=[
+        pb.NumaNode(id=i, cpulist=f"{i}") for i in range(256)])))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 3, what="inventory")
+    again.close()
