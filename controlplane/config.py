@@ -156,7 +156,7 @@ class Settings:
     cpulist_max_cpu: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CPU", 8191))
     cpulist_max_chars: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CHARS", 32 * 1024))
     cpulist_max_parts: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_PARTS", 4096))
-    # Every string field of what a node sends (session messages, enrolment), in
+    # Every string field of what a node sends (session messages, enrolment, a report body), in
     # characters; a NUL in any of them is refused too. Above the cpulist bound, so a longer cpulist
     # still reads as empty rather than being refused.
     node_max_string_chars: int = field(default_factory=lambda: _int("BC_NODE_MAX_STRING_CHARS", 64 * 1024))

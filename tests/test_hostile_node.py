@@ -4,6 +4,7 @@ never moves anything that is not its own."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -11,8 +12,10 @@ import pytest
 
 from bettercompute.node.v1 import node_pb2 as pb
 from controlplane.common.status import error_info
-from tests.test_gateway import (GatewayThread, Node, connected, cp, enrolled, eventually, gateway,  # noqa: F401
-                                hello, join_token, node_row, pool_id)
+from tests.nodes_support import ControlPlane
+from tests.test_gateway import (GatewayThread, Node, binding, connected, cp, enrolled, eventually,  # noqa: F401
+                                gateway, hello, join_token, node_row, pool_id)
+from tests.test_pki import sql
 
 
 def status(exc: grpc.RpcError | None) -> tuple[grpc.StatusCode, str, dict[str, str]]:
@@ -117,3 +120,30 @@ def test_a_message_with_too_many_entries_ends_the_session_with_invalid_input_nam
         pb.NumaNode(id=i, cpulist=f"{i}") for i in range(256)])))
     eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 3, what="inventory")
     again.close()
+
+
+# Signed reports the reservation worker could not take --------------------------------------
+
+def _bound(node: Node, aid: str, sequence: int, **bound: Any) -> pb.NodeMessage:
+    return node.report(pb.Report(node_id=node.node_id, sequence=sequence, time=int(time.time() * 1000),
+                                 bound=pb.AllocationBound(allocation_id=aid, **bound)).SerializeToString())
+
+
+@pytest.mark.parametrize("bad", [
+    {"env_file": "/run/bcd/\x00.env"},  # the binding (jsonb) takes no NUL: the worker's pass failed
+    {"cdi_devices": ["bcd.dev/gpu=GPU-0"] * 3000},  # all of them became the tenant's binding
+])
+def test_a_signed_report_beyond_the_bounds_is_ignored_and_never_wedges_the_reservation(
+        gateway: GatewayThread, cp: ControlPlane, bad: dict[str, Any]) -> None:
+    node, session = connected(gateway, cp.pool_id, "n1")
+    rid, aid = binding(cp)
+    session.send(_bound(node, aid, 1, **bad))
+    session.send(_bound(node, aid, 2, cdi_devices=["bcd.dev/gpu=GPU-0", "bcd.dev/gpu=GPU-1"]))
+    acks = [session.recv("report_ack").outcome for _ in range(2)]
+    cp.drain()
+    assert sql(gateway.conninfo, "SELECT last_error FROM work_items WHERE last_error IS NOT NULL") == []
+    r = cp.get(rid)
+    assert r.state == "active" and list(r.binding.cdi_devices) == ["bcd.dev/gpu=GPU-0", "bcd.dev/gpu=GPU-1"]
+    assert acks == [pb.REPORT_IGNORED, pb.REPORT_STORED]
+    cp.check_invariants()
+    session.close()
