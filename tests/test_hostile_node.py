@@ -4,18 +4,22 @@ never moves anything that is not its own."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
 
 from bettercompute.node.v1 import node_pb2 as pb
+from bettercompute.node.v1 import node_pb2_grpc
 from controlplane.common.status import error_info
+from controlplane.pki import admin
 from tests.nodes_support import ControlPlane
 from tests.test_gateway import (GatewayThread, Node, binding, connected, cp, enrolled, eventually,  # noqa: F401
                                 gateway, hello, join_token, node_row, pool_id)
-from tests.test_pki import sql
+from tests.test_pki import arun, sql
 
 
 def status(exc: grpc.RpcError | None) -> tuple[grpc.StatusCode, str, dict[str, str]]:
@@ -147,3 +151,47 @@ def test_a_signed_report_beyond_the_bounds_is_ignored_and_never_wedges_the_reser
     assert acks == [pb.REPORT_IGNORED, pb.REPORT_STORED]
     cp.check_invariants()
     session.close()
+
+
+# Renewal racing a revocation -----------------------------------------------------------------
+
+def test_a_renewal_racing_the_nodes_revocation_never_leaves_it_a_good_certificate(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """A node that renews in a loop, so one renewal is in flight when an operator revokes it: the
+    certificates that renewal issues must be revoked too (or the renewal refused)."""
+    node = enrolled(gateway, pool_id, "n1")
+    renewed: list[Any] = []
+
+    def renew() -> None:
+        try:
+            with node.channel() as ch:
+                renewed.append(node_pb2_grpc.NodeGatewayStub(ch).Renew(
+                    pb.RenewRequest(csr_pem=node.keys.csr()), timeout=30))
+        except grpc.RpcError as exc:
+            renewed.append(exc)
+
+    def revoke() -> None:
+        arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, node.node_id, "", "stolen"))
+
+    waiting = ("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s")
+    with psycopg.connect(gateway.conninfo) as holder:
+        # the renewal gets past its checks, then waits to write its certificates
+        holder.execute("LOCK TABLE node_certs IN SHARE ROW EXCLUSIVE MODE")
+        renewing = threading.Thread(target=renew)
+        renewing.start()
+        eventually(lambda: sql(gateway.conninfo, waiting, ("%INSERT INTO node_certs%",)), what="the renewal waiting")
+        revoking = threading.Thread(target=revoke)  # meanwhile the operator revokes the node
+        revoking.start()
+        eventually(lambda: not revoking.is_alive() or sql(gateway.conninfo, waiting, ("%UPDATE nodes SET revoked_at%",)),
+                   what="the revocation done or waiting for the renewal")
+        holder.rollback()
+    renewing.join(30)
+    revoking.join(30)
+    assert len(renewed) == 1
+    if isinstance(renewed[0], pb.RenewResponse):
+        node.certified(renewed[0].certificate_pem)
+    session = node.session()  # with whatever it holds now
+    assert session.recv() is None, "the node holds a good certificate after its revocation"
+    assert status(session.error)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert sql(gateway.conninfo, "SELECT c.serial FROM node_certs c LEFT JOIN revocations r USING (serial)"
+                                 " WHERE c.node_id = %s AND r.serial IS NULL", (node.node_id,)) == []
