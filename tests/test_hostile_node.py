@@ -195,3 +195,36 @@ def test_a_renewal_racing_the_nodes_revocation_never_leaves_it_a_good_certificat
     assert status(session.error)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
     assert sql(gateway.conninfo, "SELECT c.serial FROM node_certs c LEFT JOIN revocations r USING (serial)"
                                  " WHERE c.node_id = %s AND r.serial IS NULL", (node.node_id,)) == []
+
+
+# Sizes no host has ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes, read", [
+    # 8 EiB: a per-GPU share of billions of GiB
+    ({"memory_bytes": 2**63 - 1, "vcpus": 64}, {"memory_bytes": 0, "vcpus": 64}),
+    # negatives, subtracted from each other: the same
+    ({"memory_bytes": -2**63, "hugepages_1gi": -2**63, "vcpus": -1},
+     {"memory_bytes": 0, "hugepages_1gi": 0, "vcpus": 0}),
+    # more vCPUs than CPU ids a cpulist may name
+    ({"memory_bytes": 512 * 2**30, "vcpus": 2**31 - 1}, {"memory_bytes": 512 * 2**30, "vcpus": 0}),
+])
+def test_sizes_beyond_any_host_read_as_zero_and_never_break_the_pools_creates(
+        gateway: GatewayThread, cp: ControlPlane, sizes: dict[str, int], read: dict[str, int]) -> None:
+    """The pool's per-GPU host share comes from its hosts' sizes; from absurd ones it overflowed
+    the API's int32 fields and every create in the pool was INTERNAL."""
+    node, session = connected(gateway, cp.pool_id, "n1")
+    inventory = hello(gpus=1).hello.inventory  # one GPU: its share is the whole host
+    inventory.generation = 2
+    for name, value in sizes.items():
+        setattr(inventory, name, value)
+    inventory.numa_nodes[0].memory_bytes = sizes["memory_bytes"]
+    session.send(pb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    r = cp.create(count=1)
+    cp.drain()
+    assert cp.get(r.id).state == "binding"
+    stored = node_row(gateway.conninfo, node.node_id)["inventory"]
+    assert {name: stored[name] for name in read} == read
+    assert stored["numa_nodes"][0]["memory_bytes"] == read["memory_bytes"]
+    cp.check_invariants()
+    session.close()

@@ -1,6 +1,7 @@
 """What a node says about itself (Hello, Inventory) becomes its row, system labels, GPU atoms and
 host resources. The node is not trusted for more than its own facts: malformed entries are
-dropped, and only system labels inventory owns are written (`bc.dev/cap.*`, `fabric.domain`).
+dropped, sizes no host has read as 0, and only system labels inventory owns are written
+(`bc.dev/cap.*`, `fabric.domain`).
 
 The node's pool lock first, then its row (controlplane.common.locks), so a placement that
 re-reads labels and atoms under the pool lock never sees them change before it commits.
@@ -19,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 from bettercompute.node.v1 import node_pb2
 from controlplane import db
 from controlplane.common.names import LABEL, MODEL
+from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.nodes import cpulist, hosts, queries, shared_atoms
 from controlplane.nodes.locking import lock_for_placement_change
@@ -71,6 +73,18 @@ def fabric_label(labels: dict[str, Any], gpu_list: list[node_pb2.Gpu]) -> dict[s
     return kept
 
 
+_BOUNDS = Settings()  # read once, from the environment (README "Limits")
+MAX_MEMORY = _BOUNDS.node_max_memory_bytes
+MAX_VCPUS = cpulist.MAX_CPU + 1
+MIB = 1 << 20
+
+
+def bounded(value: int, most: int) -> int:
+    """A size the node reports, read as 0 when negative or beyond `most`: the pool's per-GPU host
+    share is made from them, and absurd ones overflowed it (every create in the pool INTERNAL)."""
+    return value if 0 <= value <= most else 0
+
+
 def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) -> dict[str, Any]:
     return {
         "generation": inventory.generation,
@@ -79,13 +93,13 @@ def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) 
                   "nvlink_domain": nvlink_domain(g), "mig_mode": g.mig_mode,
                   "mig_instances": [{"index": m.index, "profile": m.profile} for m in g.mig_instances]}
                  for g in gpu_list],
-        "numa_nodes": [{"id": n.id, "cpulist": cpulist.normalise(n.cpulist), "memory_bytes": n.memory_bytes}
-                       for n in inventory.numa_nodes],
+        "numa_nodes": [{"id": n.id, "cpulist": cpulist.normalise(n.cpulist),
+                        "memory_bytes": bounded(n.memory_bytes, MAX_MEMORY)} for n in inventory.numa_nodes],
         "isolated_cpus": cpulist.normalise(inventory.isolated_cpus),
-        "memory_bytes": inventory.memory_bytes,
-        "hugepages_2mi": inventory.hugepages_2mi,
-        "hugepages_1gi": inventory.hugepages_1gi,
-        "vcpus": inventory.vcpus,
+        "memory_bytes": bounded(inventory.memory_bytes, MAX_MEMORY),
+        "hugepages_2mi": bounded(inventory.hugepages_2mi, MAX_MEMORY // (2 * MIB)),
+        "hugepages_1gi": bounded(inventory.hugepages_1gi, MAX_MEMORY // (1024 * MIB)),
+        "vcpus": bounded(inventory.vcpus, MAX_VCPUS),
         **({"deployed": deployed_json(inventory.deployed)} if inventory.HasField("deployed") else {}),
     }
 
