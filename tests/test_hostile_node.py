@@ -228,3 +228,42 @@ def test_sizes_beyond_any_host_read_as_zero_and_never_break_the_pools_creates(
     assert stored["numa_nodes"][0]["memory_bytes"] == read["memory_bytes"]
     cp.check_invariants()
     session.close()
+
+
+# The same inventory, again and again ---------------------------------------------------------
+
+def test_an_inventory_that_changes_nothing_wakes_no_placer(gateway: GatewayThread, pool_id: str) -> None:
+    """Every placer of the pool re-plans its pending reservations on bc_pool_freed: a node that
+    sent the same inventory in a loop had them all re-plan once per message. Only new capacity
+    (new or returning GPUs, more host resources, new labels) wakes them."""
+    node, session = connected(gateway, pool_id, "n1")
+    with psycopg.connect(gateway.conninfo, autocommit=True) as listener:
+        listener.execute("LISTEN bc_pool_freed")
+
+        def woken_by(message: pb.NodeMessage, generation: int) -> int:
+            """The pool's wake-ups the message caused (up to a marker sent once it was applied)."""
+            session.send(message)
+            eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == generation,
+                       what="the inventory applied")
+            listener.execute("SELECT pg_notify('bc_pool_freed', 'marker')")
+            payloads = []
+            for notify in listener.notifies(timeout=30):
+                if notify.payload == "marker":
+                    break
+                payloads.append(notify.payload)
+            return payloads.count(pool_id)
+
+        same = hello()
+        same.hello.inventory.generation = 2
+        woken_by(same, 2)  # after the first hello's, whatever it did
+        for generation in (3, 4):
+            same.hello.inventory.generation = generation
+            assert woken_by(same, generation) == 0
+            assert woken_by(pb.NodeMessage(inventory=same.hello.inventory), generation) == 0
+        more = hello(gpus=5)  # a new GPU
+        more.hello.inventory.generation = 5
+        assert woken_by(more, 5) == 1
+        caps = hello(gpus=5, caps=("devices.limits", "binding.kubernetes"))  # a new capability label
+        caps.hello.inventory.generation = 6
+        assert woken_by(caps, 6) == 1
+    session.close()

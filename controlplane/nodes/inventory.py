@@ -139,9 +139,19 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
     await hosts.sync_node(conn, node["id"])  # bookable at once, not at the reconciler's next pass
     if gone:  # reservations booked on a vanished GPU hear of it
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
-    if gpu_list:  # new or returning GPUs: the pool's pending reservations retry now
-        await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
     return fabric_label(node["labels"], gpu_list)
+
+
+async def _placement_facts(conn: AsyncConnection, node_id: str) -> str:
+    return (await (await conn.execute(queries.PLACEMENT_FACTS, {"node_id": node_id})).fetchone())["facts"]
+
+
+async def _wake_pool_if_changed(conn: AsyncConnection, node: dict[str, Any], before: str) -> None:
+    """New or returning GPUs, more host resources, new labels: the pool's pending reservations
+    retry now. Nothing changed: no placer wakes (a node repeating its inventory in a loop made
+    every placer of the pool re-plan once per message)."""
+    if await _placement_facts(conn, node["id"]) != before:
+        await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
 
 
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
@@ -150,12 +160,14 @@ async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.H
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        before = await _placement_facts(conn, node_id)
         caps = capabilities(hello)
         if hello.HasField("inventory"):
             node["labels"] = await _apply_inventory(conn, node, hello.inventory)
         await conn.execute(queries.SET_HELLO, {
             "daemon_version": hello.daemon_version[:128], "capabilities": caps,
             "labels": Jsonb(cap_labels(node["labels"], caps)), "node_id": node_id})
+        await _wake_pool_if_changed(conn, node, before)
 
     await db.run_in_transaction(pool, work)
 
@@ -165,7 +177,9 @@ async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: no
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        before = await _placement_facts(conn, node_id)
         labels = await _apply_inventory(conn, node, inventory)
         await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
+        await _wake_pool_if_changed(conn, node, before)
 
     await db.run_in_transaction(pool, work)
