@@ -1,9 +1,9 @@
 """What a node sends, decoded and checked before the gateway acts on it (DESIGN.md section 7a):
 bytes that are not the message (truncated, invalid UTF-8) are INVALID_INPUT with ErrorInfo, not a
 bare UNKNOWN or INTERNAL; so is a string with a NUL (PostgreSQL stores none) or beyond
-BC_NODE_MAX_STRING_CHARS, and a repeated field beyond BC_NODE_MAX_ENTRIES (a hello of 100,000 NUMA
-nodes, each cpulist parsed, stalled the gateway's loop for minutes), naming the field. Unknown fields stay allowed: a newer daemon may send
-them (N-2 skew)."""
+BC_NODE_MAX_STRING_CHARS, and a repeated field beyond BC_NODE_MAX_ENTRIES (a hello of 100,000
+NUMA nodes, each cpulist parsed, stalled the gateway's loop for minutes), naming the field.
+Unknown fields stay allowed: a newer daemon may send them (N-2 skew)."""
 
 from __future__ import annotations
 
