@@ -182,7 +182,8 @@ def test_a_renewal_racing_the_nodes_revocation_never_leaves_it_a_good_certificat
         eventually(lambda: sql(gateway.conninfo, waiting, ("%INSERT INTO node_certs%",)), what="the renewal waiting")
         revoking = threading.Thread(target=revoke)  # meanwhile the operator revokes the node
         revoking.start()
-        eventually(lambda: not revoking.is_alive() or sql(gateway.conninfo, waiting, ("%UPDATE nodes SET revoked_at%",)),
+        revocation_waits = ("%UPDATE nodes SET revoked_at%",)
+        eventually(lambda: not revoking.is_alive() or sql(gateway.conninfo, waiting, revocation_waits),
                    what="the revocation done or waiting for the renewal")
         holder.rollback()
     renewing.join(30)
