@@ -156,6 +156,15 @@ class Settings:
     cpulist_max_cpu: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CPU", 8191))
     cpulist_max_chars: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_CHARS", 32 * 1024))
     cpulist_max_parts: int = field(default_factory=lambda: _int("BC_CPULIST_MAX_PARTS", 4096))
+    # Every string field of what a node sends (session messages, enrolment, a report body), in
+    # characters; a NUL in any of them is refused too. Above the cpulist bound, so a longer cpulist
+    # still reads as empty rather than being refused.
+    node_max_string_chars: int = field(default_factory=lambda: _int("BC_NODE_MAX_STRING_CHARS", 64 * 1024))
+    # Every repeated field of what a node sends (GPUs, NUMA nodes, MIG instances, capabilities, ...).
+    node_max_entries: int = field(default_factory=lambda: _int("BC_NODE_MAX_ENTRIES", 256))
+    # The most memory a node may report (host, each NUMA node, huge pages); beyond it, or negative,
+    # it reads as 0 (as vCPUs beyond the cpulist's CPU ids do), so no host share overflows.
+    node_max_memory_bytes: int = field(default_factory=lambda: _int("BC_NODE_MAX_MEMORY_BYTES", 2**50))
     # Whole-machine leases (binding "node"): how long metal has, from the lease's start, to see the
     # profile deployed and verified on the machine before the reservation fails (no second placement).
     metal_deploy_timeout_seconds: float = field(

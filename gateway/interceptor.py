@@ -1,11 +1,12 @@
 """One canonical log line per unary RPC of the node gateway, a request id, and domain errors
-mapped to gRPC status in one place (controlplane.common.status). Sessions log their own start and end."""
+mapped to gRPC status in one place (controlplane.common.status). Sessions log their own start and end.
+Requests and a session's messages are decoded here, not by grpc (controlplane.nodes.wire)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ import structlog
 from controlplane import errors
 from controlplane.common.status import to_status
 from controlplane.metrics import RpcMetrics
+from controlplane.nodes import wire
 
 log = structlog.get_logger("gateway.rpc")
 
@@ -28,22 +30,40 @@ class GatewayInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
+        if handler is not None and handler.stream_stream:  # the session: each message decoded here
+            return grpc.stream_stream_rpc_method_handler(
+                _decoding(handler.stream_stream, handler.request_deserializer),
+                request_deserializer=None, response_serializer=handler.response_serializer)
         if handler is None or not handler.unary_unary:
             return handler
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
         return grpc.unary_unary_rpc_method_handler(
             _wrap(details.method, metadata.get("x-request-id") or uuid.uuid4().hex, handler.unary_unary,
-                  self._metrics),
-            request_deserializer=handler.request_deserializer,
+                  handler.request_deserializer, self._metrics),
+            request_deserializer=None,  # decoded in the wrapper: bad bytes are INVALID_INPUT
             response_serializer=handler.response_serializer,
         )
 
 
-def _wrap(method: str, request_id: str, behavior: Any, metrics: RpcMetrics) -> Any:
-    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _decoding(behavior: Any, deserializer: Any) -> Any:
+    """The stream handler, given the messages decoded: one that cannot be raises INVALID_INPUT
+    where the session reads it (gateway.session ends the session with that status)."""
+    async def messages(raw: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for item in raw:
+            yield wire.decode(deserializer, item)
+
+    async def handle(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(messages(request_iterator), context)
+
+    return handle
+
+
+def _wrap(method: str, request_id: str, behavior: Any, deserializer: Any, metrics: RpcMetrics) -> Any:
+    async def handle(raw: Any, context: grpc.aio.ServicerContext) -> Any:
         structlog.contextvars.bind_contextvars(request_id=request_id, method=method)
         started = time.perf_counter()
         try:
+            request = wire.decode(deserializer, raw)
             response = await behavior(request, context)
         except errors.DomainError as exc:
             _log(exc.code, started, metrics)

@@ -16,7 +16,8 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
-from controlplane import db
+from controlplane import db, errors
+from controlplane.common.status import to_status
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity, desired, inventory, reports, sessions
 from controlplane.pki import store
@@ -29,9 +30,9 @@ log = structlog.get_logger("gateway.session")
 
 
 class SessionEnded(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, status: grpc.Status | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.status = code, message, status
 
 
 class SessionRunner:
@@ -59,7 +60,10 @@ class SessionRunner:
             await self._serve(session, reader, context)
         except SessionEnded as ended:
             outcome = ended.message
-            await context.abort(ended.code, ended.message)
+            if ended.status is not None:
+                await context.abort_with_status(ended.status)
+            else:
+                await context.abort(ended.code, ended.message)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -93,8 +97,13 @@ class SessionRunner:
             kinds = await session.next_signals()
             if CLOSED in kinds:  # the node closed its side (or reading failed): the session ends
                 await asyncio.wait([reader])
-                if not reader.cancelled() and reader.exception() is not None:
-                    log.error("session reader failed", exc_info=reader.exception())
+                failed = None if reader.cancelled() else reader.exception()
+                if isinstance(failed, errors.DomainError):  # the node sent what it may not: say what
+                    log.info("session refused a message", code=failed.code, reason=failed.message)
+                    status = to_status(failed.code, failed.message, failed.details)
+                    raise SessionEnded(status.code, failed.message, status)
+                if failed is not None:
+                    log.error("session reader failed", exc_info=failed)
                     raise SessionEnded(grpc.StatusCode.INTERNAL, "internal error")
                 return
             if CHECK in kinds:

@@ -1,6 +1,7 @@
 """What a node says about itself (Hello, Inventory) becomes its row, system labels, GPU atoms and
 host resources. The node is not trusted for more than its own facts: malformed entries are
-dropped, and only system labels inventory owns are written (`bc.dev/cap.*`, `fabric.domain`).
+dropped, sizes no host has read as 0, and only system labels inventory owns are written
+(`bc.dev/cap.*`, `fabric.domain`).
 
 The node's pool lock first, then its row (controlplane.common.locks), so a placement that
 re-reads labels and atoms under the pool lock never sees them change before it commits.
@@ -19,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 from bettercompute.node.v1 import node_pb2
 from controlplane import db
 from controlplane.common.names import LABEL, MODEL
+from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.nodes import cpulist, hosts, queries, shared_atoms
 from controlplane.nodes.locking import lock_for_placement_change
@@ -71,6 +73,18 @@ def fabric_label(labels: dict[str, Any], gpu_list: list[node_pb2.Gpu]) -> dict[s
     return kept
 
 
+_BOUNDS = Settings()  # read once, from the environment (README "Limits")
+MAX_MEMORY = _BOUNDS.node_max_memory_bytes
+MAX_VCPUS = cpulist.MAX_CPU + 1
+MIB = 1 << 20
+
+
+def bounded(value: int, most: int) -> int:
+    """A size the node reports, read as 0 when negative or beyond `most`: the pool's per-GPU host
+    share is made from them, and absurd ones overflowed it (every create in the pool INTERNAL)."""
+    return value if 0 <= value <= most else 0
+
+
 def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) -> dict[str, Any]:
     return {
         "generation": inventory.generation,
@@ -79,13 +93,13 @@ def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) 
                   "nvlink_domain": nvlink_domain(g), "mig_mode": g.mig_mode,
                   "mig_instances": [{"index": m.index, "profile": m.profile} for m in g.mig_instances]}
                  for g in gpu_list],
-        "numa_nodes": [{"id": n.id, "cpulist": cpulist.normalise(n.cpulist), "memory_bytes": n.memory_bytes}
-                       for n in inventory.numa_nodes],
+        "numa_nodes": [{"id": n.id, "cpulist": cpulist.normalise(n.cpulist),
+                        "memory_bytes": bounded(n.memory_bytes, MAX_MEMORY)} for n in inventory.numa_nodes],
         "isolated_cpus": cpulist.normalise(inventory.isolated_cpus),
-        "memory_bytes": inventory.memory_bytes,
-        "hugepages_2mi": inventory.hugepages_2mi,
-        "hugepages_1gi": inventory.hugepages_1gi,
-        "vcpus": inventory.vcpus,
+        "memory_bytes": bounded(inventory.memory_bytes, MAX_MEMORY),
+        "hugepages_2mi": bounded(inventory.hugepages_2mi, MAX_MEMORY // (2 * MIB)),
+        "hugepages_1gi": bounded(inventory.hugepages_1gi, MAX_MEMORY // (1024 * MIB)),
+        "vcpus": bounded(inventory.vcpus, MAX_VCPUS),
         **({"deployed": deployed_json(inventory.deployed)} if inventory.HasField("deployed") else {}),
     }
 
@@ -125,9 +139,19 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
     await hosts.sync_node(conn, node["id"])  # bookable at once, not at the reconciler's next pass
     if gone:  # reservations booked on a vanished GPU hear of it
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
-    if gpu_list:  # new or returning GPUs: the pool's pending reservations retry now
-        await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
     return fabric_label(node["labels"], gpu_list)
+
+
+async def _placement_facts(conn: AsyncConnection, node_id: str) -> str:
+    return (await (await conn.execute(queries.PLACEMENT_FACTS, {"node_id": node_id})).fetchone())["facts"]
+
+
+async def _wake_pool_if_changed(conn: AsyncConnection, node: dict[str, Any], before: str) -> None:
+    """New or returning GPUs, more host resources, new labels: the pool's pending reservations
+    retry now. Nothing changed: no placer wakes (a node repeating its inventory in a loop made
+    every placer of the pool re-plan once per message)."""
+    if await _placement_facts(conn, node["id"]) != before:
+        await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
 
 
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
@@ -136,12 +160,14 @@ async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.H
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        before = await _placement_facts(conn, node_id)
         caps = capabilities(hello)
         if hello.HasField("inventory"):
             node["labels"] = await _apply_inventory(conn, node, hello.inventory)
         await conn.execute(queries.SET_HELLO, {
             "daemon_version": hello.daemon_version[:128], "capabilities": caps,
             "labels": Jsonb(cap_labels(node["labels"], caps)), "node_id": node_id})
+        await _wake_pool_if_changed(conn, node, before)
 
     await db.run_in_transaction(pool, work)
 
@@ -151,7 +177,9 @@ async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: no
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        before = await _placement_facts(conn, node_id)
         labels = await _apply_inventory(conn, node, inventory)
         await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
+        await _wake_pool_if_changed(conn, node, before)
 
     await db.run_in_transaction(pool, work)

@@ -42,6 +42,14 @@ RETURNING id
 
 WAKE_RESERVATIONS = "SELECT wake_node_reservations(%(node_id)s)"
 NOTIFY_POOL_FREED = "SELECT pg_notify('bc_pool_freed', %(pool_id)s)"
+# What placement reads of one node that a node's own word changes (its atoms, host resources and
+# labels), as one digest: an inventory or hello that leaves it as it was wakes no placer.
+PLACEMENT_FACTS = """
+SELECT md5(concat((SELECT string_agg(a::text, ',' ORDER BY a.id) FROM atoms a WHERE a.node_id = %(node_id)s),
+                  (SELECT string_agg(h::text, ',' ORDER BY h.resource) FROM host_resources h
+                   WHERE h.node_id = %(node_id)s),
+                  (SELECT labels::text FROM nodes WHERE id = %(node_id)s))) AS facts
+"""
 
 # Atoms and host resources ----------------------------------------------------------------------
 

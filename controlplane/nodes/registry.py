@@ -60,6 +60,12 @@ async def for_enrolment(conn: AsyncConnection, pool_id: str, name: str) -> dict[
     return await (await conn.execute(queries.LOCK, {"node_id": found["id"]})).fetchone()
 
 
+async def lock(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
+    """The node's row, locked (with its revoked mark): a renewal and a revocation of one node run
+    one after the other."""
+    return await (await conn.execute(queries.LOCK, {"node_id": node_id})).fetchone()
+
+
 async def mark_revoked(conn: AsyncConnection, node_id: str, reason: str) -> None:
     """The node may not enrol again until it is readmitted (the first revocation's time and reason stay)."""
     await conn.execute(queries.MARK_REVOKED, {"node_id": node_id, "reason": reason})

@@ -17,8 +17,8 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
-from controlplane import db
-from controlplane.nodes import queries
+from controlplane import db, errors
+from controlplane.nodes import queries, wire
 from controlplane.pki import attest
 
 STORED = node_pb2.REPORT_STORED
@@ -30,13 +30,18 @@ MAX_SIGNATURE = 1024
 
 
 def parse(attested: node_pb2.AttestedReport) -> node_pb2.Report | None:
-    """The report's body when it is readable and names an allocation; else None."""
+    """The report's body when it is readable (within the bounds of controlplane.nodes.wire) and
+    names an allocation; else None."""
     if len(attested.body) > MAX_BODY or len(attested.key_id) > MAX_KEY_ID or len(attested.signature) > MAX_SIGNATURE:
         return None
     report = node_pb2.Report()
     try:
         report.ParseFromString(attested.body)
     except Exception:  # DecodeError, or a message nested too deep: unreadable either way
+        return None
+    try:  # a NUL the worker cannot store in the binding, thousands of CDI devices: as unreadable
+        wire.check(report)
+    except errors.InvalidInput:
         return None
     kind = report.WhichOneof("event")
     if kind is None or not getattr(report, kind).allocation_id:

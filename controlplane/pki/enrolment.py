@@ -107,6 +107,12 @@ async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, 
     csr = certs.parse_csr_bundle(csr_pem)
 
     async def work(conn: AsyncConnection) -> Issued:
+        # The node's row first: a revocation of the node (which marks the row) that began before
+        # waits here, so the check below sees it; one that begins after waits for this renewal
+        # and then revokes what it issued too.
+        node = await registry.lock(conn, peer.node_id)
+        if node is None or node["revoked_at"] is not None:
+            raise errors.Unauthenticated("node revoked", nodeId=peer.node_id)
         _check(await store.certificate_by_key_id(conn, peer.key_id))  # revoked since the call began?
         role = await store.node_role(conn, peer.node_id) or peer.role
         if role != peer.role:
