@@ -90,6 +90,8 @@ def test_cpulists_are_read_within_bounds() -> None:
     assert cpulist.parse(",".join(str(i) for i in range(4097))) == frozenset()  # more than 4096 parts
     assert cpulist.parse("0," * 20000 + "0") == frozenset()  # more than 32 KiB
     assert cpulist.parse("3-1") == cpulist.parse("x") == frozenset()
+    # Digits and spaces of other scripts are no cpulist, though Python's int() reads them.
+    assert cpulist.parse("\u0660-\u0663") == cpulist.parse("\uff18") == cpulist.parse("0-3\u3000") == frozenset()
     # The widest list within the bounds: 4096 full ranges, each expanded over the same ids.
     assert cpulist.parse(",".join(["0-8191"] * 4096)) == frozenset(range(8192))
     assert cpulist.format_list({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"

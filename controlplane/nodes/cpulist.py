@@ -14,17 +14,17 @@ MAX_CPU = _BOUNDS.cpulist_max_cpu
 MAX_CHARS = _BOUNDS.cpulist_max_chars
 MAX_PARTS = _BOUNDS.cpulist_max_parts
 
-_PART = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
+_PART = re.compile(r"^([0-9]{1,5})(?:-([0-9]{1,5}))?$")  # ASCII digits: the kernel writes no others
 
 
 def parse(text: str) -> frozenset[int]:
     """The CPU ids of a cpulist; empty when it breaks a bound or does not parse."""
-    text = text.strip()
+    text = text.strip(" \t\n")
     if not text or len(text) > MAX_CHARS or text.count(",") >= MAX_PARTS:
         return frozenset()
     bits = bytearray(MAX_CPU + 1)  # slices, not Python loops: overlapping ranges cost C time only
     for part in text.split(","):
-        m = _PART.fullmatch(part.strip())
+        m = _PART.fullmatch(part.strip(" \t\n"))
         if m is None:
             return frozenset()
         lo = int(m.group(1))
