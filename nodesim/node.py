@@ -35,6 +35,9 @@ from nodesim.reports import Reporter, now_ms
 
 CAPABILITIES = ("devices.limits", "binding.kubernetes", "binding.node")
 RPC_TIMEOUT = 30.0
+# A join token the operator re-provisioned to the machine (after a whole-machine lease's wipe every
+# certificate of the node is revoked: the tenant had root on it). Read from the node's root.
+REPROVISIONED_TOKEN = "join-token"
 # Renewal happens between 50% and 60% of a certificate's life, spread over the fleet.
 RENEW_JITTER = 0.1
 RENEW_RETRY = 30.0
@@ -116,6 +119,7 @@ class SimNode:
         self._channel_key_id = ""
         self._failures_logged = False
         self._connecting: asyncio.Task[None] | None = None
+        self._revoked = False  # the gateway said the certificate was revoked
 
     @property
     def node_id(self) -> str:
@@ -172,6 +176,8 @@ class SimNode:
                     continue  # renewed: reconnect at once with the new certificate
                 self._log_failure("session ended by the gateway")
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in (exc.details() or ""):
+                    self._revoked = True  # enrol again, with a token re-provisioned to the machine
                 self._log_failure("gateway call failed", code=exc.code().name, details=exc.details())
             except (IdentityError, NodeError) as exc:
                 self._log_failure("no usable identity", error=str(exc))
@@ -193,9 +199,13 @@ class SimNode:
     # -- identity ----------------------------------------------------------------------------
 
     async def _ensure_identity(self) -> Identity:
-        if self.identity is not None and self.identity.not_after > time.time():
+        if self.identity is not None and self.identity.not_after > time.time() and not self._revoked:
             return self.identity
-        token = self.config.join_token(self.name)
+        reprovisioned = self.root / REPROVISIONED_TOKEN
+        token = reprovisioned.read_text().strip() if reprovisioned.exists() else None
+        if token is None and self._revoked:
+            raise NodeError("certificate revoked and no join token re-provisioned to the machine")
+        token = token or self.config.join_token(self.name)
         if token is None:
             raise NodeError("not enrolled (or certificate expired) and no join token")
         self.state = "enrolling"
@@ -206,6 +216,8 @@ class SimNode:
         identity = keys.certify(response.node_id, response.certificate_pem, response.ca_certificate_pem)
         self.store.save(identity)
         self.identity = identity
+        self._revoked = False
+        reprovisioned.unlink(missing_ok=True)  # one-time: spent
         self.log.debug("enrolled", node_id=identity.node_id)
         return identity
 

@@ -24,13 +24,15 @@ from cryptography.x509.oid import NameOID
 from bettercompute.node.v1 import node_pb2, node_pb2_grpc
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import capacity_pb2 as cpb
-from bettercompute.v1 import capacity_pb2_grpc
+from bettercompute.v1 import capacity_pb2_grpc, nodes_pb2_grpc
+from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.devtools import devstack
 from controlplane.reservations import reports
-from nodesim.identity import IdentityStore
+from nodesim.identity import Identity, IdentityStore
 from nodesim.metal import IMAGE_FILE, STATE_FILE
+from nodesim.node import REPROVISIONED_TOKEN
 from tests.conftest import clone_database
 from tests.support import Client, World, clock_now, make_world
 from tests.test_e2e import Fleet, Stack, eventually, stack  # noqa: F401 (fixtures)
@@ -109,10 +111,12 @@ def events_of(world: World, rid: str, type_: str) -> list[dict]:
                                     (f"reservation/{rid}", type_))]
 
 
-def renew_claiming_the_node_role(stack: Stack, fleet: Fleet, node_id: str) -> str:  # noqa: F811
-    """Renew over mutual TLS with the node's own identity, with CSRs whose subject claims the
-    platform role (OU=node): the role of the certificate the gateway answers with."""
-    identity = IdentityStore(fleet.node_dir(node_id)).load()
+def renew_claiming_the_node_role(stack: Stack, fleet: Fleet, node_id: str,  # noqa: F811
+                                 identity: Identity | None = None) -> str:
+    """Renew over mutual TLS with the node's own identity (or `identity`, keys copied from it),
+    with CSRs whose subject claims the platform role (OU=node): the role of the certificate the
+    gateway answers with."""
+    identity = identity or IdentityStore(fleet.node_dir(node_id)).load()
     assert identity is not None
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
                          x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
@@ -169,17 +173,31 @@ def test_a_node_lease_deploys_its_profile_then_the_wiped_node_returns_to_the_pla
     # platform certificates were revoked); a renewal claiming the platform role still gets node-tenant.
     until(lambda: live_tls_roles(world, node_id) == {"node-tenant"})
     assert renew_claiming_the_node_role(stack, fleet, node_id) == "node-tenant"
+    copied = IdentityStore(fleet.node_dir(node_id)).load()  # what a tenant with root can take along
+    assert copied is not None and copied.node_id == node_id
     with pytest.raises(grpc.RpcError) as cordon:
         world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=node_id, state="cordoned"))
     assert cordon.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-    # The lease ends: the assignment leaves, the node wipes, metal returns it to the platform and
-    # its certificates to the role node.
+    # The lease ends: the assignment leaves, the node wipes, metal returns it to the platform with
+    # every certificate revoked (all of them were on the machine while the tenant had root).
     world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
     until(lambda: (disk(fleet, node_id) or {}).get("state") == "wiped")
     assert not (fleet.node_dir(node_id) / IMAGE_FILE).exists()
     until(lambda: node_state(world, node_id) == "ready")
+    assert live_tls_roles(world, node_id) == set()
+    # The keys the tenant copied renew into nothing, platform role or any other.
+    with pytest.raises(grpc.RpcError) as stolen:
+        renew_claiming_the_node_role(stack, fleet, node_id, copied)
+    assert stolen.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # The operator re-provisions a join token to the re-imaged machine; the node enrols again, in
+    # the platform role.
+    name = fleet.node_dir(node_id).name
+    token = nodes_pb2_grpc.NodeAdminStub(world.root.channel).CreateJoinToken(
+        npb.CreateJoinTokenRequest(pool_id=world.pool_id, node_name=name), metadata=world.root.metadata, timeout=30)
+    (fleet.node_dir(node_id) / REPROVISIONED_TOKEN).write_text(token.secret)
     until(lambda: live_tls_roles(world, node_id) == {"node"})
+    assert not (fleet.node_dir(node_id) / REPROVISIONED_TOKEN).exists()  # spent
     wiped = world.sql("SELECT state, wiped_at IS NOT NULL FROM metal_deploys WHERE allocation_id = %s", (alloc.id,))
     assert wiped == [("ended", True)]
     assert quota_used(world) == 1  # the hold's; the lease's 8 were refunded

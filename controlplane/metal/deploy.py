@@ -169,8 +169,10 @@ async def _finish(conn: AsyncConnection, deploy: dict[str, Any], state: str, rea
 
 async def _back_to_platform(conn: AsyncConnection, node_id: str) -> None:
     """A leased node whose leases are over returns to the platform once it reports the last
-    lease's machine wiped, or at once when it never reported that lease's deploy (its
-    certificates go back to role node at its next renewal, hinted)."""
+    lease's machine wiped, or at once when it never reported that lease's deploy. A wiped one has
+    every certificate revoked (the platform ones it had before the lease and the node-tenant ones
+    of the lease were all on a machine a tenant had root on): it serves again once it enrolled
+    again, with a join token that reached the re-imaged machine by a path the tenant never had."""
     after = await (await conn.execute(queries.AFTER_LEASE, {"node_id": node_id})).fetchone()
     if after is None:
         return
@@ -184,7 +186,7 @@ async def _back_to_platform(conn: AsyncConnection, node_id: str) -> None:
     if await tenancy.unlease(conn, node_id, after["node_state_before"]):
         await conn.execute(queries.MARK_WIPED, {"id": after["allocation_id"]})
         revoked: list[str] = []
-        if wiped:  # the tenant had the machine: keys it held from before the lease never serve again
-            revoked = await pki_store.revoke_issued_before(conn, node_id, after["leased_at"], EXPOSED)
+        if wiped:  # the tenant had root on the machine: every key the node held may be the tenant's
+            revoked = await pki_store.revoke(conn, node_id=node_id, reason=EXPOSED)
         log.info("node wiped and back to the platform", node_id=node_id, allocation_id=after["allocation_id"],
                  revoked=revoked)

@@ -160,7 +160,7 @@ FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')
 # The node's newest deploy, when the node is leased and holds no live node lease any more: its
 # wipe is what returns the node to the platform.
 AFTER_LEASE = """
-SELECT d.allocation_id, d.node_state_before, d.reported_at IS NOT NULL AS reported, d.leased_at,
+SELECT d.allocation_id, d.node_state_before, d.reported_at IS NOT NULL AS reported,
        n.inventory->'deployed' AS deployed
 FROM nodes n
 JOIN LATERAL (SELECT * FROM metal_deploys m WHERE m.node_id = n.id ORDER BY m.started_at DESC LIMIT 1) d ON true

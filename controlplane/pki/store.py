@@ -144,17 +144,6 @@ async def revoke_other_roles(conn: AsyncConnection, node_id: str, key_id: str, r
     return sorted(r["serial"] for r in rows)
 
 
-async def revoke_issued_before(conn: AsyncConnection, node_id: str, before: dt.datetime, reason: str) -> list[str]:
-    """Revoke the node's certificates issued before `before` (wall clock); wakes its sessions."""
-    rows = await (await conn.execute(
-        "INSERT INTO revocations (serial, reason)"
-        " SELECT serial, %s FROM node_certs WHERE node_id = %s AND created_at < %s"
-        " ON CONFLICT (serial) DO NOTHING RETURNING serial", (reason, node_id, before))).fetchall()
-    if rows:
-        await sessions.recheck(conn, node_id)
-    return sorted(r["serial"] for r in rows)
-
-
 async def revoke(conn: AsyncConnection, *, node_id: str = "", serial: str = "", reason: str = "") -> list[str]:
     """Revoke one certificate, or every certificate of a node (expired ones too: within the
     offline grace they still sign reports). Wakes the node's sessions to re-check theirs."""
