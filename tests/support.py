@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import psycopg
+import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import admin_pb2_grpc
@@ -120,6 +121,21 @@ def rpc_error(excinfo: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     info = error_info(exc)
     assert info is not None, f"no ErrorInfo on {exc}"
     return exc.code(), info.reason, dict(info.metadata)
+
+
+def refused(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """(gRPC code, spec code, details) of a call that must fail."""
+    with pytest.raises(grpc.RpcError) as exc:
+        call(*args, **kw)
+    return rpc_error(exc)
+
+
+def invalid(field: str, call, *args, **kw) -> dict[str, str]:
+    """The details of a call that must be INVALID_INPUT naming `field`."""
+    code, reason, details = refused(call, *args, **kw)
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT"), details
+    assert details["field"] == field, details
+    return details
 
 
 _counter = itertools.count()

@@ -21,23 +21,10 @@ from bettercompute.v1 import events_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.common.status import error_info
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, make_world, rpc_error
+from tests.support import Client, ServerThread, World, invalid, make_world, refused
 
 INT64_MAX = 2**63 - 1
 DAY_MS = 86_400_000
-
-
-def refused(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as exc:
-        call(*args, **kw)
-    return rpc_error(exc)
-
-
-def invalid(field: str, call, *args, **kw) -> dict[str, str]:
-    code, reason, details = refused(call, *args, **kw)
-    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT"), details
-    assert details["field"] == field, details
-    return details
 
 
 def lists_work(world: World) -> None:

@@ -22,20 +22,7 @@ from controlplane.common.locks import pool_lock_key
 from controlplane.config import Settings
 from tests.conftest import clone_database
 from tests.invariants import check_invariants
-from tests.support import Client, ServerThread, World, get, make_world, rpc_error
-
-
-def refused(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as exc:
-        call(*args, **kw)
-    return rpc_error(exc)
-
-
-def invalid(field: str, call, *args, **kw) -> dict[str, str]:
-    code, reason, details = refused(call, *args, **kw)
-    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT"), details
-    assert details["field"] == field, details
-    return details
+from tests.support import Client, ServerThread, World, get, invalid, make_world, refused, rpc_error
 
 
 def stored(world: World) -> int:

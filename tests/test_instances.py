@@ -12,11 +12,10 @@ import grpc
 import pytest
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
-from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
-from tests.support import Client, ServerThread, World, make_world, rpc_error
-from tests.vps_support import HOUR, SimThread, Stubs, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+from tests.support import Client, ServerThread, World, rpc_error
+from tests.vps_support import HOUR, SimThread, Vps, other, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
@@ -27,15 +26,6 @@ def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 @pytest.fixture
 def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
     yield from world_of(stack)
-
-
-@pytest.fixture
-def other(v: Vps) -> Iterator[tuple[World, Stubs]]:
-    """Another tenant the pool is offered to."""
-    w = make_world(v.world.endpoint, v.world.root, v.world.conninfo, nodes=0)
-    v.world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=v.world.pool_id, tenant_id=w.tenant))
-    yield w, Stubs(w.user)
-    w.close()
 
 
 def refused(call) -> dict[str, str]:

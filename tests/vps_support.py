@@ -193,3 +193,12 @@ def v(world: World, sim: SimThread, stack: tuple[ServerThread, Client]) -> Vps:
     made = make_vps(world, sim, total=4)
     made.server = stack[0]
     return made
+
+
+@pytest.fixture
+def other(v: Vps) -> Iterator[tuple[World, Stubs]]:
+    """Another tenant the pool is offered to."""
+    w = make_world(v.world.endpoint, v.world.root, v.world.conninfo, nodes=0)
+    v.world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=v.world.pool_id, tenant_id=w.tenant))
+    yield w, Stubs(w.user)
+    w.close()
