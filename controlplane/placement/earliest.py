@@ -83,8 +83,25 @@ def _lower_bound(node: Node, window: Window, after: int) -> int:
     return free[window.count - 1] if len(free) >= window.count else 1 << 62
 
 
-def fits_on(pool: PoolIndex, node: Node, window: Window) -> bool:
+class BudgetSpent(Exception):
+    """The search made as many node checks as it may (Settings.earliest_max_checks)."""
+
+
+class _Budget:
+    def __init__(self, checks: int | None) -> None:
+        self.left = checks
+
+    def spend(self) -> None:
+        if self.left is not None:
+            if self.left <= 0:
+                raise BudgetSpent
+            self.left -= 1
+
+
+def fits_on(pool: PoolIndex, node: Node, window: Window, budget: _Budget | None = None) -> bool:
     """The request fits on the node for exactly this window."""
+    if budget is not None:
+        budget.spend()
     return node.host_fits(window) and planner.plan_node(
         pool.candidate(node, window), window.count, window.topology) is not None
 
@@ -110,13 +127,14 @@ def _ends(node: Node, window: Window, after: int, until: int) -> Iterator[int]:
 
 def search(
     pool: PoolIndex, window: Window, *, now: int, until: int, gang: Gang | None = None,
-    exclude: frozenset[str] = frozenset(),
+    exclude: frozenset[str] = frozenset(), max_checks: int | None = None,
 ) -> int | None:
     """The earliest start in [now, until] at which the request fits for the window's length, or
-    None when none does."""
+    None when none does. Past `max_checks` node checks (None: no cap) it gives up: BudgetSpent."""
+    budget = _Budget(max_checks)
     eligible = [n for n in pool.nodes.values() if n.id not in exclude and could_fit(n, window)]
     if gang is not None:
-        return _search_gang(pool, window, eligible, now, until, gang)
+        return _search_gang(pool, window, eligible, now, until, gang, budget)
     if not eligible:
         return None
     first = _at(window, now)
@@ -130,7 +148,7 @@ def search(
     for node in eligible:
         bound = _lower_bound(node, window, now)
         if bound <= now:  # enough atoms free now: planned exactly
-            if fits_on(pool, node, first):
+            if fits_on(pool, node, first, budget):
                 return now
             bound = next(_ends(node, window, now, until), 1 << 62)
         if bound <= until:
@@ -139,7 +157,7 @@ def search(
     while heap:
         start, node_id = heap[0]
         node = pool.nodes[node_id]
-        if fits_on(pool, node, _at(window, start)):
+        if fits_on(pool, node, _at(window, start), budget):
             return start
         nxt = _next_start(node, window, start, until)
         if nxt is None:
@@ -158,7 +176,7 @@ def _next_start(node: Node, window: Window, failed: int, until: int) -> int | No
 
 
 def _search_gang(
-    pool: PoolIndex, window: Window, eligible: list[Node], now: int, until: int, gang: Gang
+    pool: PoolIndex, window: Window, eligible: list[Node], now: int, until: int, gang: Gang, budget: _Budget
 ) -> int | None:
     """The earliest start at which `size` nodes of one group fit together. The gang's earliest start
     is a start at which one member begins to fit, so each node walks its own starts worth trying
@@ -183,14 +201,14 @@ def _search_gang(
     def together(group: str, start: int) -> bool:
         w = _at(window, start)
         for member in list(ready[group]):
-            if not fits_on(pool, pool.nodes[member], w):
+            if not fits_on(pool, pool.nodes[member], w, budget):
                 ready[group].discard(member)  # its heap entry stays: a later start may fit again
         return len(ready[group]) >= gang.size
 
     first = _at(window, now)
     for node_id, group in group_of.items():
         node = pool.nodes[node_id]
-        fitted = fits_on(pool, node, first)
+        fitted = fits_on(pool, node, first, budget)
         if fitted:
             ready[group].add(node_id)
         advance(node, now, fitted)
@@ -199,7 +217,7 @@ def _search_gang(
     while heap:
         start, node_id = heapq.heappop(heap)
         node, group = pool.nodes[node_id], group_of[node_id]
-        if fits_on(pool, node, _at(window, start)):
+        if fits_on(pool, node, _at(window, start), budget):
             ready[group].add(node_id)
             advance(node, start, True)
             if len(ready[group]) >= gang.size and together(group, start):

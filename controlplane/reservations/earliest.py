@@ -33,16 +33,23 @@ async def caught_up(rt: Runtime) -> None:
 
 
 async def find(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[str, Any], now_ms: int) -> int | None:
-    """The earliest start of the request (its `horizonMs` from now), or None when none fits."""
+    """The earliest start of the request (its `horizonMs` from now), or None when none fits, or
+    when the search spent its budget of node checks (Settings.earliest_max_checks)."""
     window = placing.ask_for({"pool_id": pool_id, "request": {**request, "start": None}}, now_ms).window()
     members = gang.Gang.of(request)
     until = now_ms + request["horizonMs"]
-    pool = rt.capacity.pool(pool_id) if rt.capacity is not None else None
-    if pool is not None:
-        found = search_on.search(pool, window, now=now_ms, until=until, gang=members)
-        if found is not None:
-            return found
-    return search_on.search(await read_pool(conn, pool_id), window, now=now_ms, until=until, gang=members)
+    cap = rt.settings.earliest_max_checks
+    try:
+        pool = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+        if pool is not None:
+            found = search_on.search(pool, window, now=now_ms, until=until, gang=members, max_checks=cap)
+            if found is not None:
+                return found
+        return search_on.search(await read_pool(conn, pool_id), window, now=now_ms, until=until, gang=members,
+                                max_checks=cap)
+    except search_on.BudgetSpent:
+        log.warning("earliest-fit search stopped at its budget of node checks", pool_id=pool_id, checks=cap)
+        return None
 
 
 async def choose_start(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], now_ms: int) -> dict[str, Any]:
