@@ -313,3 +313,62 @@ def test_an_earliest_gang_search_stops_at_its_budget_of_checks(budgeted: World) 
     r = w.create(count=8, gang=pb.Gang(size=4), start_earliest=True, horizon_ms=2 * DAY)
     assert r.state == "pending"  # no start chosen: pending like any request nothing fits
     check_invariants(w.conninfo, w.tenant)
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_pending_gang_cancelled_while_a_release_wakes_it_is_placed_or_cancelled_whole(
+    bare: World, round_: int
+) -> None:
+    fleet(bare, 2)
+    holder = gang_create(bare, 2)
+    waiting = gang_create(bare, 2)
+    assert (holder.state, waiting.state) == ("placed", "pending")
+    res = bare.user.res
+    with ThreadPoolExecutor(2) as ex:
+        calls = [lambda: res("Release", pb.ReleaseReservationRequest(tenant_id=bare.tenant, reservation_id=holder.id)),
+                 lambda: res("Cancel", pb.CancelReservationRequest(tenant_id=bare.tenant, reservation_id=waiting.id))]
+        random.shuffle(calls)
+        for f in [ex.submit(c) for c in calls]:
+            try:
+                f.result()
+            except grpc.RpcError as exc:
+                assert exc.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), exc
+    final = get(bare, waiting.id)
+    left = live_allocs(bare, waiting.id)
+    assert (final.state, len(left)) in (("cancelled", 0), ("placed", 2), ("binding", 2), ("active", 2)), final
+    check_invariants(bare.conninfo, bare.tenant)
+
+
+def test_preview_of_a_gang_on_an_impossible_model_or_key_answers_why_and_books_nothing(bare: World) -> None:
+    fleet(bare, 3)
+    for kw in [{"model": "NOPE"}, {"gang": pb.Gang(size=64, topology_key=FABRIC)}]:
+        kw.setdefault("gang", pb.Gang(size=2))
+        out = preview(bare, count=8, start_earliest=True, horizon_ms=60 * DAY, **kw)
+        assert not out.fits and out.reason and not out.members
+    assert bare.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (bare.tenant,))[0][0] == 0
+
+
+def test_gangs_and_single_creates_stormed_on_a_lease_pool_keep_the_invariants(bare: World) -> None:
+    bare.pool_id = bare.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=bare.tenant, name="lease", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+    fleet(bare, 4)
+    bare.quota(48)
+    start = bare.later(2)
+
+    def one(i: int):
+        try:
+            if i % 3 == 0:
+                r = gang_create(bare, 2, start=start)
+            else:
+                r = bare.create(count=4, start=start, wait=pb.Wait(timeout_ms=10_000))
+            if i % 4 == 0:
+                bare.user.res("Cancel", pb.CancelReservationRequest(tenant_id=bare.tenant, reservation_id=r.id))
+            return r.state
+        except grpc.RpcError as exc:
+            assert exc.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), exc
+            return exc.code().name
+
+    with ThreadPoolExecutor(8) as ex:
+        outcomes = list(ex.map(one, range(16)))
+    assert "placed" in outcomes, outcomes
+    check_invariants(bare.conninfo, bare.tenant)
