@@ -40,6 +40,8 @@ def normalise(raw: dict[str, Any], request: dict[str, Any]) -> None:
         raise errors.InvalidInput("node.profileVersion", f"must be 1 to {MAX_VERSION}")
     if raw.get("spot"):
         raise errors.InvalidInput("spot", "a node lease cannot be spot")
+    if raw.get("gang") is not None:  # whole-machine placement books one machine: never a gang's part of it
+        raise errors.InvalidInput("gang", "a node lease of several machines is not served yet: one machine per lease")
     if raw.get("resources"):
         raise errors.InvalidInput("resources", "a node lease takes whole machines: it books no host-resource limits")
     if request["devices"][0]["topology"] != ANY:
