@@ -391,3 +391,24 @@ def test_a_node_lease_asking_for_a_gang_is_refused_not_booked_as_one_machine(bar
     invalid("gang", preview, bare, count=8, **kw)
     assert bare.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (bare.tenant,))[0][0] == 0
     check_invariants(bare.conninfo, bare.tenant)
+
+
+def test_a_pending_calendar_gang_placed_after_its_start_books_the_full_duration_from_then(
+    clock_world: World,
+) -> None:
+    w = clock_world
+    w.sql("UPDATE nodes SET state = 'cordoned' WHERE pool_id = %s", (w.pool_id,))
+    fleet(w, 2)
+    blocker = gang_create(w, 2, duration="4h")
+    start = w.later(1)
+    r = gang_create(w, 2, start=start, duration="1h")
+    assert (blocker.state, r.state) == ("placed", "pending")
+    w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=2 * HOUR))
+    w.user.res("Release", pb.ReleaseReservationRequest(tenant_id=w.tenant, reservation_id=blocker.id))
+    deadline = time.monotonic() + 15
+    while (got := get(w, r.id)).state == "pending":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert got.during.start >= start + HOUR and got.during.end - got.during.start == HOUR, got.during
+    assert len(live_allocs(w, r.id)) == 2
+    check_invariants(w.conninfo, w.tenant)
