@@ -22,15 +22,24 @@ SELECT count(*) AS n FROM atoms a JOIN nodes n ON n.id = a.node_id
 WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
   AND n.state IN ('ready', 'leased') AND n.connectivity <> 'unreachable'
 """
-# Distinct gpu atoms of the pool with any booking overlapping each bucket.
+# Per bucket index k (bucket k is [from + k*step, from + (k+1)*step), the last cut at `to`): the
+# distinct gpu atoms of the pool with a booking overlapping it. The bookings overlapping [from, to)
+# are read once (one probe per atom), each spread over the buckets it touches: its bounds in whole
+# ms, rounded outwards so a booking overlapping a bucket by less than a millisecond still counts.
 _BUCKETS = """
-SELECT s AS start, s + %(step)s AS "end",
-       (SELECT count(DISTINCT b.atom_id) FROM bookings b
-        JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id
-        WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
-          AND b.during && tstzrange(from_epoch_ms(s), from_epoch_ms(s + %(step)s), '[)')) AS booked
-FROM generate_series(%(from)s::bigint, %(to)s::bigint - 1, %(step)s::bigint) AS s
-ORDER BY s
+WITH hit AS (
+    SELECT b.atom_id,
+           greatest(floor(extract(epoch FROM lower(b.during)) * 1000)::bigint, %(from)s::bigint) AS lo,
+           least(ceil(extract(epoch FROM upper(b.during)) * 1000)::bigint, %(to)s::bigint) AS hi
+    FROM bookings b
+    JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id
+    WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
+      AND b.during && tstzrange(from_epoch_ms(%(from)s), from_epoch_ms(%(to)s), '[)')
+)
+SELECT k, count(DISTINCT atom_id) AS booked
+FROM hit, generate_series((lo - %(from)s::bigint) / %(step)s::bigint,
+                          (coalesce(hi, %(to)s::bigint) - 1 - %(from)s::bigint) / %(step)s::bigint) AS k
+GROUP BY k
 """
 
 
@@ -63,10 +72,11 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
     await _require_read(rt, caller, tenant_id, pool)
     async with db.read_only(rt.pool) as conn:
         allocatable = (await (await conn.execute(_ALLOCATABLE, {"pool_id": pool_id})).fetchone())["n"]
-        rows = await (await conn.execute(
-            _BUCKETS, {"pool_id": pool_id, "from": start, "to": end, "step": step})).fetchall()
-    buckets = [{"start": r["start"], "end": min(r["end"], end), "booked": r["booked"],
-                "free": max(0, allocatable - r["booked"])} for r in rows]
+        booked = {r["k"]: r["booked"] for r in await (await conn.execute(
+            _BUCKETS, {"pool_id": pool_id, "from": start, "to": end, "step": step})).fetchall()}
+    buckets = [{"start": s, "end": min(s + step, end), "booked": booked.get(k, 0),
+                "free": max(0, allocatable - booked.get(k, 0))}
+               for k, s in enumerate(range(start, end, step))]
     return {"pool_id": pool_id, "allocatable": allocatable, "buckets": buckets}
 
 

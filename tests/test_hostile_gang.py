@@ -412,3 +412,42 @@ def test_a_pending_calendar_gang_placed_after_its_start_books_the_full_duration_
     assert got.during.start >= start + HOUR and got.during.end - got.during.start == HOUR, got.during
     assert len(live_allocs(w, r.id)) == 2
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_gangs_racing_for_the_same_nodes_place_whole_or_not_at_all(bare: World) -> None:
+    fleet(bare, 5)
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda _: gang_create(bare, 2, start=bare.later(1)), range(8)))
+    states = sorted(r.state for r in got)
+    assert states.count("placed") == 2 and states.count("pending") == 6, states
+    for r in got:
+        assert len(live_allocs(bare, r.id)) == (2 if r.state == "placed" else 0), r.id
+    check_invariants(bare.conninfo, bare.tenant)
+
+
+def _booking_index_loops(plan: dict) -> int:
+    """The loops of every scan of the bookings table in an EXPLAIN (ANALYZE, FORMAT JSON) plan."""
+    own = plan.get("Actual Loops", 0) if plan.get("Relation Name") == "bookings" else 0
+    return own + sum(_booking_index_loops(p) for p in plan.get("Plans", []))
+
+
+def test_the_timeline_reads_each_gpus_bookings_once_not_once_per_bucket(bare: World) -> None:
+    """capacity.timeline probed the bookings of every GPU of the pool once per bucket: at the
+    documented bound of 336 buckets, 300 idle 8-GPU nodes took 0.7 s of PostgreSQL per call (about
+    2.3 s at 1,000 nodes), with nothing booked. The bookings overlapping the span are now read
+    once and spread over the buckets they touch; the answer is unchanged."""
+    from controlplane import capacity as cap
+
+    fleet(bare, 2)
+    now = bare.later(0)
+    base = now - now % HOUR + HOUR
+    bare.create(count=3, start=base + 10 * 60_000, duration="50m")  # inside one hourly bucket
+    bare.create(count=2, start=base + 90 * 60_000, duration="2h")  # from mid-bucket across two more
+    out = timeline(bare, **{"from": base, "to": base + 5 * HOUR + 30 * 60_000, "step_minutes": 60})
+    assert [(b.start - base, b.end - base, b.booked) for b in out.buckets] == [
+        (0, HOUR, 3), (HOUR, 2 * HOUR, 2), (2 * HOUR, 3 * HOUR, 2), (3 * HOUR, 4 * HOUR, 2),
+        (4 * HOUR, 5 * HOUR, 0), (5 * HOUR, 5 * HOUR + 30 * 60_000, 0)]
+    assert all(b.free == out.allocatable - b.booked for b in out.buckets) and out.allocatable == 16
+    params = {"pool_id": bare.pool_id, "from": base, "to": base + 28 * HOUR, "step": 5 * 60_000}
+    ((plan,),) = bare.sql("EXPLAIN (ANALYZE, FORMAT JSON) " + cap._BUCKETS, params)
+    assert _booking_index_loops(plan[0]["Plan"]) <= 16  # once per GPU at most, not 336 times
