@@ -207,9 +207,10 @@ def test_calendar_starts_in_the_past_now_and_beyond_the_horizon(bare: World) -> 
 # BookingRepair raced ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("round_", range(2))
 @pytest.mark.parametrize("race", ["release", "extend", "cancel"])
 def test_booking_repair_racing_a_release_extend_or_cancel_never_double_books_or_loses_a_refund(
-    clock_world: World, race: str
+    clock_world: World, race: str, round_: int
 ) -> None:
     w = clock_world
     w.sql("UPDATE nodes SET state = 'cordoned' WHERE pool_id = %s", (w.pool_id,))
@@ -451,3 +452,15 @@ def test_the_timeline_reads_each_gpus_bookings_once_not_once_per_bucket(bare: Wo
     params = {"pool_id": bare.pool_id, "from": base, "to": base + 28 * HOUR, "step": 5 * 60_000}
     ((plan,),) = bare.sql("EXPLAIN (ANALYZE, FORMAT JSON) " + cap._BUCKETS, params)
     assert _booking_index_loops(plan[0]["Plan"]) <= 16  # once per GPU at most, not 336 times
+
+
+def test_an_earliest_gang_in_a_lease_pool_places_inline_at_the_first_free_start(bare: World) -> None:
+    bare.pool_id = bare.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=bare.tenant, name="lease", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+    fleet(bare, 2)
+    blocker = gang_create(bare, 2, duration="2h")
+    assert blocker.state == "placed"
+    r = bare.create(count=8, gang=pb.Gang(size=2), start_earliest=True, horizon_ms=DAY)
+    assert r.state == "placed" and r.during.start == blocker.during.end, (r.state, r.during, blocker.during)
+    assert len(live_allocs(bare, r.id)) == 2
+    check_invariants(bare.conninfo, bare.tenant)
