@@ -17,7 +17,7 @@ from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
-from tests.support import World, get, gpus, invalid, make_world, refused
+from tests.support import World, get, gpus, invalid, make_world, refused, rpc_error
 
 FABRIC = "fabric.domain"
 HOUR = 3_600_000
@@ -463,4 +463,35 @@ def test_an_earliest_gang_in_a_lease_pool_places_inline_at_the_first_free_start(
     r = bare.create(count=8, gang=pb.Gang(size=2), start_earliest=True, horizon_ms=DAY)
     assert r.state == "placed" and r.during.start == blocker.during.end, (r.state, r.during, blocker.during)
     assert len(live_allocs(bare, r.id)) == 2
+    check_invariants(bare.conninfo, bare.tenant)
+
+
+def test_an_invisible_pool_and_a_pool_that_does_not_exist_are_the_same_not_found(bare: World, stack) -> None:
+    server, root = stack
+    other = make_world(server.endpoint, root, server.conninfo, nodes=1)
+    try:
+        ghost = "pool_" + "0" * 26
+        for call, kw in [(preview, {"count": 1}), (preview, {"count": 8, "gang": pb.Gang(size=2)}),
+                         (preview, {"count": 1, "start_earliest": True}), (timeline, {})]:
+            seen = []
+            for pool_id in (other.pool_id, ghost):
+                with pytest.raises(grpc.RpcError) as exc:
+                    call(bare, pool_id=pool_id, **kw)
+                code, reason, details = rpc_error(exc)
+                details.pop("poolId", None)
+                seen.append((code, reason, details, exc.value.details().replace(pool_id, "<pool>")))
+            assert seen[0] == seen[1], seen
+    finally:
+        other.close()
+
+
+def test_a_regular_create_that_preempts_one_member_of_a_spot_gang_cuts_every_member(bare: World) -> None:
+    fleet(bare, 2)
+    spot = gang_create(bare, 2, spot=True, duration="8h")
+    assert spot.state == "placed"
+    regular = bare.create(count=8, duration="1h")
+    assert regular.state == "placed", regular
+    ends = {end for _, end in live_allocs(bare, spot.id)}
+    assert len(live_allocs(bare, spot.id)) == 2 and len(ends) == 1, live_allocs(bare, spot.id)
+    assert ends == {regular.during.start}, (ends, regular.during)
     check_invariants(bare.conninfo, bare.tenant)
