@@ -495,3 +495,37 @@ def test_a_regular_create_that_preempts_one_member_of_a_spot_gang_cuts_every_mem
     assert len(live_allocs(bare, spot.id)) == 2 and len(ends) == 1, live_allocs(bare, spot.id)
     assert ends == {regular.during.start}, (ends, regular.during)
     check_invariants(bare.conninfo, bare.tenant)
+
+
+# A gang's remembered plans --------------------------------------------------------------------
+
+
+def test_a_mig_gang_books_instances_of_its_own_profile_after_a_gang_of_another(bare: World) -> None:
+    """Gang planning remembers the plan of an idle node per node and shape, but the shape left out
+    the device class and MIG profile: after a gang of one 3g.40gb instance per node, a gang of one
+    7g.80gb instance per node was handed the remembered 3g.40gb instances of the same idle nodes."""
+    from controlplane.nodes import inventory
+    from tests.test_pki import arun
+    from tests.test_shared_gpus import _mig_inventory, shared_pool
+
+    shared_pool(bare, "mig", nodes=0)
+    for _ in range(2):
+        name = f"m{random.randrange(10**9)}"
+        node = bare.add_node(gpus(name, count=2))
+        first, second = (g.uuid for g in gpus(name, count=2))
+        inv = _mig_inventory(2, {first: [(1, "3g.40gb"), (2, "3g.40gb")], second: [(0, "7g.80gb")]})
+        arun(bare.conninfo, lambda pool, node_id=node.id, inv=inv: inventory.apply_inventory(pool, node_id, inv))
+    small = bare.create(device_class="gpu.mig", count=1, profile="3g.40gb", gang=pb.Gang(size=2),
+                        start=bare.later(1))
+    big = bare.create(device_class="gpu.mig", count=1, profile="7g.80gb", gang=pb.Gang(size=2),
+                      start=bare.later(3))
+    assert (small.state, big.state) == ("placed", "placed")
+
+    def profiles(rid: str) -> list[str]:
+        return sorted(p for (p,) in bare.sql(
+            "SELECT t.profile FROM bookings b JOIN atoms t ON t.id = b.atom_id JOIN allocations a"
+            " ON a.id = b.allocation_id WHERE a.reservation_id = %s", (rid,)))
+
+    assert profiles(small.id) == ["3g.40gb", "3g.40gb"]
+    assert profiles(big.id) == ["7g.80gb", "7g.80gb"]
+    check_invariants(bare.conninfo, bare.tenant)

@@ -49,7 +49,7 @@ _rng = random.SystemRandom()
 # NUMA/NVLink layout) and the request's shape, so it is kept per node object and shape: the index
 # replaces a node's object whenever it re-reads the node, which retires the entry. A gang plans every
 # node of the pool, and in a large pool most nodes are idle for any one window.
-_IDLE_PLANS: dict[tuple[str, int, str, str], tuple[Node, planner.Plan | None]] = {}
+_IDLE_PLANS: dict[tuple[str, int, str, str, str, str], tuple[Node, planner.Plan | None]] = {}
 _IDLE_PLANS_MAX = 500_000
 
 
@@ -142,7 +142,7 @@ def plan_in(
 
 def _idle_plan(pool: PoolIndex, node: Node, window: Window) -> planner.Plan | None:
     """plan_node for a node with no booking in the window, remembered per node object and shape."""
-    key = (node.id, window.count, window.topology, window.model)
+    key = (node.id, window.count, window.topology, window.model, window.device_class, window.profile)
     cached = _IDLE_PLANS.get(key)
     if cached is not None and cached[0] is node:
         return cached[1]
