@@ -186,6 +186,9 @@ def test_the_timeline_at_and_past_its_bounds(bare: World) -> None:
     invalid("to", timeline, bare, **{"from": start, "to": -(2**63)})
     invalid("to", timeline, bare, **{"to": 0})
     assert len(timeline(bare, **{"from": 0, "to": HOUR}).buckets) == 1  # 1970: nothing booked, no crash
+    far = bare.later(0) + (365 + 366) * DAY  # as far as the last booking can end (defaults)
+    assert len(timeline(bare, **{"from": far, "to": far + 7 * DAY, "step_minutes": 30}).buckets) == 336
+    invalid("from", timeline, bare, **{"from": far + HOUR, "to": far + 2 * HOUR})
 
 
 # Calendar starts --------------------------------------------------------------------------------
