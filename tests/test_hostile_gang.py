@@ -532,3 +532,27 @@ def test_a_mig_gang_books_instances_of_its_own_profile_after_a_gang_of_another(b
     assert profiles(small.id) == ["3g.40gb", "3g.40gb"]
     assert profiles(big.id) == ["7g.80gb", "7g.80gb"]
     check_invariants(bare.conninfo, bare.tenant)
+
+
+def test_mig_requests_of_each_profile_find_the_one_node_that_has_it(bare: World) -> None:
+    from controlplane.nodes import inventory
+    from tests.test_pki import arun
+    from tests.test_shared_gpus import _mig_inventory, shared_pool
+
+    shared_pool(bare, "mig", nodes=0)
+    layouts = [[(1, "3g.40gb"), (2, "3g.40gb")], [(0, "7g.80gb")], [(k, "1g.10gb") for k in range(7, 14)]]
+    for layout in layouts:
+        name = f"m{random.randrange(10**9)}"
+        node = bare.add_node(gpus(name, count=1))
+        inv = _mig_inventory(2, {gpus(name, count=1)[0].uuid: layout})
+        arun(bare.conninfo, lambda pool, node_id=node.id, inv=inv: inventory.apply_inventory(pool, node_id, inv))
+    for profile, count in (("7g.80gb", 1), ("1g.10gb", 7), ("3g.40gb", 2)):
+        r = bare.create(device_class="gpu.mig", count=count, profile=profile, start=bare.later(1))
+        assert r.state == "placed", (profile, r)
+        got = {p for (p,) in bare.sql("SELECT t.profile FROM bookings b JOIN atoms t ON t.id = b.atom_id"
+                                      " JOIN allocations a ON a.id = b.allocation_id WHERE a.reservation_id = %s",
+                                      (r.id,))}
+        assert got == {profile}
+    # (check_invariants counts charges in whole GPUs: a MIG pool charges GPU equivalents.)
+    assert bare.sql("SELECT count(*) FROM bookings b1 JOIN bookings b2 ON b2.atom_id = b1.atom_id"
+                    " AND b2.ctid <> b1.ctid AND b2.during && b1.during") == [(0,)]
