@@ -1,0 +1,141 @@
+"""A hostile tenant against shared GPUs, host resources and the kubernetes and node bindings,
+through the real API (real servers on loopback, real TLS; a real gateway session where a node must
+say something): one physical GPU is never sold twice, no node's host resources are overbooked at
+any instant, and bad input is INVALID_INPUT naming its field."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from bettercompute.node.v1 import node_pb2 as npb
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from tests.invariants import snapshot
+from tests.nodes_support import ControlPlane
+from tests.support import World, invalid, make_world, rpc_error
+from tests.test_gateway import connected, cp, eventually, gateway, hello, node_row  # noqa: F401 (fixtures)
+from tests.test_host_resources import host_world, peak_over_capacity, resources
+from tests.test_host_resources import server  # noqa: F401 (fixture)
+from tests.test_node_profiles import register
+from tests.test_shared_gpus import shared_pool
+
+HOUR = 3_600_000
+
+
+def storm(world: World, requests: list[pb.CreateReservationRequest]) -> list[pb.Reservation | grpc.RpcError]:
+    """The requests sent at once, each its own call."""
+    def one(req: pb.CreateReservationRequest) -> pb.Reservation | grpc.RpcError:
+        try:
+            return world.user.res("Create", req)
+        except grpc.RpcError as exc:
+            return exc
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def parts_beside_whole(world: World) -> list[tuple]:
+    """A GPU booked whole while one of its parts (MIG instance, slot) is booked for an overlapping
+    window, or parts of one GPU booked by two tenants in a pool in exclusive mode: never."""
+    return world.sql(
+        "SELECT g.device_uuid, b1.allocation_id, b2.allocation_id FROM atoms g"
+        " JOIN bookings b1 ON b1.atom_id = g.id"
+        " JOIN atoms c ON c.node_id = g.node_id AND c.kind <> 'gpu' AND split_part(c.device_uuid, ':', 1) = g.device_uuid"
+        " JOIN bookings b2 ON b2.atom_id = c.id AND b2.during && b1.during"
+        " JOIN nodes n ON n.id = g.node_id WHERE g.kind = 'gpu' AND n.pool_id = %s", (world.pool_id,))
+
+
+# -- MIG profiles and slot counts ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["1G.5GB", " 1g.5gb", "1g.5gb ", "1g.5gb\n", "1g.5gb\x00", "1g 5gb",
+                                     "１g.5gb", "1g.5gb" * 10])
+def test_a_mig_profile_in_another_case_or_with_spaces_is_invalid_input(world: World, profile: str) -> None:
+    shared_pool(world, "mig")
+    invalid("devices[0].profile", world.create, device_class="gpu.mig", profile=profile)
+
+
+def test_a_profile_on_a_slot_or_whole_gpu_request_is_invalid_input(world: World) -> None:
+    shared_pool(world, "time-slice")
+    invalid("devices[0].profile", world.create, device_class="gpu.slot", profile="1g.5gb")
+
+
+def test_more_slots_than_the_pool_has_wait_pending_and_twenty_at_once_never_share_a_slot(world: World) -> None:
+    shared_pool(world, "time-slice")  # one node: 8 GPUs of 4 slots
+    world.quota(64)
+    assert world.create(device_class="gpu.slot", count=33).state == "pending"
+    got = storm(world, [world.create_request(device_class="gpu.slot", count=3) for _ in range(20)])
+    placed = [r for r in got if isinstance(r, pb.Reservation) and r.state == "placed"]
+    assert not [r for r in got if isinstance(r, grpc.RpcError)]
+    assert len(placed) == 10  # 30 of the 32 slots; 2 left for nobody asking 3
+    devices = [d for r in placed for d in r.allocations[0].device_ids]
+    assert len(devices) == len(set(devices)) == 30
+    assert snapshot(world.conninfo, world.tenant)["double_booked"] == []
+    assert parts_beside_whole(world) == []
+
+
+# -- host resources ------------------------------------------------------------------------------
+
+
+def test_twenty_creates_at_once_never_overbook_a_nodes_cpus_or_memory(world: World, server) -> None:  # noqa: F811
+    host_world(world, server, nodes=2, vcpu=66, memory=512)  # 64 bookable vCPUs per node
+    world.quota(10_000, "vcpu")
+    world.quota(10_000, "memoryGiB")
+    start = world.later(2)
+    got = storm(world, [world.create_request(count=1, start=start, duration="2h",
+                                             resources=resources(vcpu=20, memory_gib=100)) for _ in range(20)])
+    assert not [r for r in got if isinstance(r, grpc.RpcError)]
+    placed = [r for r in got if r.state == "placed"]
+    assert len(placed) == 6  # three per node fit beside each other (60 of 64 vCPUs)
+    assert peak_over_capacity(world) == []
+    assert snapshot(world.conninfo, world.tenant)["double_booked"] == []
+
+
+@pytest.mark.parametrize("kw,field", [({"vcpu": 2**31 - 1}, "resources.vcpu"),
+                                      ({"memory_gib": -2**31}, "resources.memoryGiB"),
+                                      ({"hugepages_1gi": 2**31 - 1}, "resources.hugepages1Gi")])
+def test_host_resources_beyond_any_node_are_invalid_input(world: World, kw: dict, field: str) -> None:
+    invalid(field, world.create, resources=resources(**kw))
+
+
+# -- the node binding: a whole machine is never leased beside another booking -------------------
+
+
+def test_a_machine_is_never_leased_while_a_gpu_it_no_longer_offers_is_still_booked(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """A GPU booked by tenant B goes out of the bookable set (the node reports it in MIG mode, or
+    not at all), its booking stays; tenant A then asked for the machine with the GPUs it still
+    offers: the lease saw only the bookable GPUs free and leased the machine (root, reimaged)
+    over B's booking."""
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
+    owner.quota(64, "vcpu")
+    owner.quota(1024, "memoryGiB")
+    node, session = connected(gateway, owner.pool_id, "m1", gpus=4, caps=("devices.limits", "binding.node"))
+    held = owner.create(count=1, start=owner.later(1), duration="4h")
+    assert held.state == "placed" and held.allocations[0].node_id == node.node_id
+    booked_gpu = held.allocations[0].device_ids[0]
+    inventory = hello(gpus=4).hello.inventory
+    inventory.generation = 2
+    for gpu in inventory.gpus:
+        if gpu.uuid == booked_gpu:
+            gpu.mig_mode = True
+            gpu.mig_instances.append(npb.MigInstance(index=0, profile="7g.80gb"))
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    assert owner.sql("SELECT bookable FROM atoms WHERE node_id = %s AND device_uuid = %s AND kind = 'gpu'",
+                     (node.node_id, booked_gpu)) == [(False,)]
+    _, other = owner.identity()
+    profile = register(owner.root, 1)
+    lease = owner.create(other, count=3, binding="node", node=pb.NodeLease(profile_id=profile),
+                         start=held.during.start, duration="1h")
+    assert lease.state == "pending", "leased beside a booking of a GPU of the machine"
+    assert owner.sql("SELECT state FROM nodes WHERE id = %s", (node.node_id,)) == [("ready",)]
+    owner.user.res("Release", pb.ReleaseReservationRequest(tenant_id=owner.tenant, reservation_id=held.id))
+    again = owner.create(other, count=3, binding="node", node=pb.NodeLease(profile_id=profile),
+                         start=held.during.start, duration="1h")
+    assert again.state == "placed" and again.allocations[0].node_id == node.node_id  # once B's booking is gone
+    session.close()
