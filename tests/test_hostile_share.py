@@ -139,3 +139,30 @@ def test_a_machine_is_never_leased_while_a_gpu_it_no_longer_offers_is_still_book
                          start=held.during.start, duration="1h")
     assert again.state == "placed" and again.allocations[0].node_id == node.node_id  # once B's booking is gone
     session.close()
+
+
+def test_a_gpu_that_becomes_bookable_under_a_future_lease_is_not_sold_to_anyone_else(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """A lease books every bookable atom of the machine for its window; a GPU that becomes
+    bookable after that (back from MIG mode, or new in the inventory) must not be booked by anyone
+    for a window that overlaps the lease: the lessee will have root on the machine."""
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
+    owner.quota(64, "vcpu")
+    owner.quota(1024, "memoryGiB")
+    node, session = connected(gateway, owner.pool_id, "m1", gpus=3, caps=("devices.limits", "binding.node"))
+    profile = register(owner.root, 1)
+    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile),
+                         start=owner.later(1), duration="4h")
+    assert lease.state == "placed" and lease.allocations[0].node_id == node.node_id
+    inventory = hello(gpus=4).hello.inventory  # a fourth GPU appears
+    inventory.generation = 2
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    _, other = owner.identity()
+    hold = owner.create(other, count=1, start=lease.during.start + HOUR, duration="1h")
+    assert hold.state == "pending", "a GPU of a leased machine was sold for the lease's window"
+    later = owner.create(other, count=1, start=lease.during.end, duration="1h")
+    assert later.state == "placed" and later.allocations[0].node_id == node.node_id  # after the lease: fine
+    session.close()
