@@ -166,3 +166,32 @@ def test_a_gpu_that_becomes_bookable_under_a_future_lease_is_not_sold_to_anyone_
     later = owner.create(other, count=1, start=lease.during.end, duration="1h")
     assert later.state == "placed" and later.allocations[0].node_id == node.node_id  # after the lease: fine
     session.close()
+
+
+def test_a_hold_on_a_gpu_new_beside_a_future_lease_cannot_be_extended_into_it(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(
+        tenant_root=True, per_gpu=apb.PerGpuShare(vcpu=1, memory_gib=1)))).id  # the GPUs, not the host, are short
+    owner.quota(64, "vcpu")
+    owner.quota(1024, "memoryGiB")
+    node, session = connected(gateway, owner.pool_id, "m1", gpus=3, caps=("devices.limits", "binding.node"))
+    profile = register(owner.root, 1)
+    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile),
+                         start=owner.later(4), duration="4h")
+    assert lease.state == "placed"
+    before = owner.create(count=3, start=lease.during.start - 2 * HOUR, duration="1h")  # the three old GPUs
+    assert before.state == "placed"
+    inventory = hello(gpus=4).hello.inventory
+    inventory.generation = 2
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    _, other = owner.identity()
+    hold = owner.create(other, count=1, start=lease.during.start - 2 * HOUR, duration="1h")
+    assert hold.state == "placed" and hold.allocations[0].node_id == node.node_id
+    moved = other.res("Extend", pb.ExtendReservationRequest(
+        tenant_id=owner.tenant, reservation_id=hold.id, by="2h", idempotency_key="into-the-lease"))
+    assert not moved.extended, "extended into a lease of the whole machine"
+    assert moved.available_until == lease.during.start
+    session.close()

@@ -3,7 +3,8 @@
 -- the lease's window, and another reservation could book it on a machine the lessee has root on.
 -- A booking on a node with a node lease overlapping its window is skipped, as ON CONFLICT DO NOTHING
 -- skips one the EXCLUDE constraint refuses: every placement path counts the bookings it inserted
--- and treats a shortfall as a lost race.
+-- and treats a shortfall as a lost race. A booking that grows into such a window (extend) is
+-- refused as the EXCLUDE constraint refuses it, which extend answers with extended: false.
 CREATE FUNCTION bookings_outside_node_leases() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -16,10 +17,17 @@ BEGIN
         JOIN reservations r ON r.id = al.reservation_id
         WHERE a.id = NEW.atom_id AND r.request ->> 'binding' = 'node'
     ) THEN
-        RETURN NULL;
+        IF TG_OP = 'INSERT' THEN
+            RETURN NULL;
+        END IF;
+        RAISE EXCEPTION 'node of atom % is leased whole for an overlapping window', NEW.atom_id
+            USING ERRCODE = 'exclusion_violation', CONSTRAINT = 'bookings_no_overlap', TABLE = 'bookings';
     END IF;
     RETURN NEW;
 END $$;
 
 CREATE TRIGGER bookings_outside_node_leases BEFORE INSERT ON bookings
 FOR EACH ROW EXECUTE FUNCTION bookings_outside_node_leases();
+
+CREATE TRIGGER bookings_grow_outside_node_leases BEFORE UPDATE OF during ON bookings
+FOR EACH ROW WHEN (NOT NEW.during <@ OLD.during) EXECUTE FUNCTION bookings_outside_node_leases();
