@@ -195,3 +195,81 @@ def test_a_hold_on_a_gpu_new_beside_a_future_lease_cannot_be_extended_into_it(
     assert not moved.extended, "extended into a lease of the whole machine"
     assert moved.available_until == lease.during.start
     session.close()
+
+
+def test_twenty_gangs_at_once_never_overbook_a_nodes_cpus(world: World, server) -> None:  # noqa: F811
+    host_world(world, server, nodes=4, vcpu=66, memory=512)  # 64 bookable vCPUs per node
+    world.quota(10_000, "vcpu")
+    world.quota(10_000, "memoryGiB")
+    start = world.later(2)
+    got = storm(world, [world.create_request(count=1, start=start, duration="2h", gang=pb.Gang(size=2),
+                                             resources=resources(vcpu=30)) for _ in range(20)])
+    assert not [r for r in got if isinstance(r, grpc.RpcError)]
+    assert len([r for r in got if r.state == "placed"]) == 4  # two members per node, four nodes
+    assert peak_over_capacity(world) == []
+    assert snapshot(world.conninfo, world.tenant)["double_booked"] == []
+
+
+def test_slots_carry_their_share_and_twenty_at_once_never_overbook_the_host(world: World, server) -> None:  # noqa: F811
+    from tests.test_host_resources import host_node
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="ts", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice")))).id
+    host_node(world, server, vcpu=66, memory=512)  # 64 vCPUs, 32 slots: a slot's share is 2 vCPUs
+    world.quota(10_000, "vcpu")
+    world.quota(10_000, "memoryGiB")
+    share = world.create(device_class="gpu.slot", count=1, start=world.later(30))
+    assert (share.host_share.vcpu, share.host_share.memory_gib) == (2, 16)
+    start = world.later(2)
+    got = storm(world, [world.create_request(device_class="gpu.slot", count=1, start=start, duration="2h",
+                                             resources=resources(vcpu=5)) for _ in range(20)])
+    assert not [r for r in got if isinstance(r, grpc.RpcError)]
+    assert len([r for r in got if r.state == "placed"]) == 12  # 60 of the 64 vCPUs, 12 of 32 slots
+    assert peak_over_capacity(world) == []
+    assert parts_beside_whole(world) == []
+
+
+def test_a_tenant_the_pool_is_offered_to_cannot_book_or_preview_a_kubernetes_binding(world: World) -> None:
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="k8s", region="eu-1", policy=apb.PoolPolicy(kubernetes=True))).id
+    world.add_node()
+    guest = make_world(world.endpoint, world.root, world.conninfo, nodes=0)
+    try:
+        world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
+        req = guest.create_request(count=1, binding="kubernetes", pool_id=world.pool_id)
+        with pytest.raises(grpc.RpcError) as exc:
+            guest.user.res("Create", req)
+        code, reason, details = rpc_error(exc)
+        assert (reason, details["field"]) == ("INVALID_INPUT", "binding")
+        assert guest.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (guest.tenant,)) == [(0,)]
+    finally:
+        guest.close()
+
+
+def test_a_lease_cannot_be_extended_over_a_hold_on_a_gpu_new_on_its_machine(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(
+            tenant_root=True, per_gpu=apb.PerGpuShare(vcpu=1, memory_gib=1)))).id
+    owner.quota(64, "vcpu")
+    owner.quota(1024, "memoryGiB")
+    node, session = connected(gateway, owner.pool_id, "m1", gpus=3, caps=("devices.limits", "binding.node"))
+    profile = register(owner.root, 1)
+    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile),
+                         start=owner.later(1), duration="4h")
+    assert lease.state == "placed"
+    inventory = hello(gpus=4).hello.inventory
+    inventory.generation = 2
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    _, other = owner.identity()
+    fillers = owner.create(other, count=3, start=lease.during.end + HOUR, duration="1h")  # the old three
+    after = owner.create(other, count=1, start=lease.during.end + HOUR, duration="1h")
+    assert after.state == "placed" and after.allocations[0].device_ids[0] == "GPU-3"
+    other.res("Release", pb.ReleaseReservationRequest(tenant_id=owner.tenant, reservation_id=fillers.id))
+    moved = owner.user.res("Extend", pb.ExtendReservationRequest(
+        tenant_id=owner.tenant, reservation_id=lease.id, by="4h", idempotency_key="over-the-hold"))
+    assert not moved.extended, "a lease of the whole machine was extended over another booking on it"
+    assert moved.available_until == after.during.start
+    session.close()

@@ -4,10 +4,15 @@
 -- A booking on a node with a node lease overlapping its window is skipped, as ON CONFLICT DO NOTHING
 -- skips one the EXCLUDE constraint refuses: every placement path counts the bookings it inserted
 -- and treats a shortfall as a lost race. A booking that grows into such a window (extend) is
--- refused as the EXCLUDE constraint refuses it, which extend answers with extended: false.
+-- refused as the EXCLUDE constraint refuses it, which extend answers with extended: false; so is a
+-- lease's own booking that grows over another booking of its node.
 CREATE FUNCTION bookings_outside_node_leases() RETURNS trigger
 LANGUAGE plpgsql AS $$
+DECLARE
+    leasing boolean;  -- whether the row is a node lease's own: then no other booking may be on the node
 BEGIN
+    SELECT r.request ->> 'binding' = 'node' INTO leasing
+    FROM allocations al JOIN reservations r ON r.id = al.reservation_id WHERE al.id = NEW.allocation_id;
     IF EXISTS (
         SELECT 1
         FROM atoms a
@@ -15,7 +20,7 @@ BEGIN
         JOIN bookings b ON b.atom_id = o.id AND b.during && NEW.during AND b.allocation_id <> NEW.allocation_id
         JOIN allocations al ON al.id = b.allocation_id
         JOIN reservations r ON r.id = al.reservation_id
-        WHERE a.id = NEW.atom_id AND r.request ->> 'binding' = 'node'
+        WHERE a.id = NEW.atom_id AND (coalesce(leasing, false) OR r.request ->> 'binding' = 'node')
     ) THEN
         IF TG_OP = 'INSERT' THEN
             RETURN NULL;
