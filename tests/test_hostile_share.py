@@ -273,3 +273,21 @@ def test_a_lease_cannot_be_extended_over_a_hold_on_a_gpu_new_on_its_machine(
     assert not moved.extended, "a lease of the whole machine was extended over another booking on it"
     assert moved.available_until == after.during.start
     session.close()
+
+
+def test_extends_at_once_never_overbook_a_nodes_cpus_later(world: World, server) -> None:  # noqa: F811
+    host_world(world, server, nodes=1, vcpu=66, memory=512)  # 64 bookable vCPUs, 8 GPUs
+    world.quota(10_000, "vcpu")
+    world.quota(10_000, "memoryGiB")
+    start = world.later(2)
+    first = [world.create(count=1, start=start, duration="1h", resources=resources(vcpu=10)) for _ in range(6)]
+    later = [world.create(count=1, start=start + HOUR, duration="1h", resources=resources(vcpu=10)) for _ in range(2)]
+    assert all(r.state == "placed" for r in first + later)
+
+    def extend(r: pb.Reservation) -> bool:
+        return world.user.res("Extend", pb.ExtendReservationRequest(
+            tenant_id=world.tenant, reservation_id=r.id, by="1h", idempotency_key=f"x-{r.id[-8:]}")).extended
+    with ThreadPoolExecutor(len(first)) as pool:
+        extended = list(pool.map(extend, first))
+    assert extended.count(True) == 4  # 20 vCPUs booked later: four of the six fit beside them (60 of 64)
+    assert peak_over_capacity(world) == []
