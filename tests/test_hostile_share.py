@@ -312,3 +312,24 @@ def test_the_pools_owner_never_reads_a_guests_booking_on_it(world: World) -> Non
         assert theirs.id not in [r.id for r in listed.items]
     finally:
         guest.close()
+
+
+def test_a_lease_and_holds_at_once_never_share_the_machine(gateway, cp: ControlPlane) -> None:  # noqa: F811
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(
+            tenant_root=True, per_gpu=apb.PerGpuShare(vcpu=1, memory_gib=1)))).id
+    owner.quota(64, "vcpu")
+    owner.quota(1024, "memoryGiB")
+    node, session = connected(gateway, owner.pool_id, "m1", gpus=4, caps=("devices.limits", "binding.node"))
+    profile = register(owner.root, 1)
+    start = owner.later(1)
+    requests = [owner.create_request(count=4, binding="node", node=pb.NodeLease(profile_id=profile), start=start,
+                                     duration="2h")]
+    requests += [owner.create_request(count=1, start=start + HOUR, duration="2h") for _ in range(10)]
+    got = storm(owner, requests)
+    assert not [r for r in got if isinstance(r, grpc.RpcError)]
+    placed = [r for r in got if r.state == "placed"]
+    assert placed and (placed == [got[0]] or got[0] not in placed), [r.state for r in got]
+    assert snapshot(owner.conninfo, owner.tenant)["double_booked"] == []
+    session.close()
