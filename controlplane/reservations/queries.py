@@ -287,7 +287,8 @@ SELECT epoch_ms(least(
      JOIN bookings o ON o.atom_id = y.id AND o.allocation_id <> b.allocation_id
      JOIN allocations la ON la.id = o.allocation_id
      JOIN reservations lr ON lr.id = la.reservation_id
-     WHERE a.reservation_id = %(id)s AND 'node' IN (me.request ->> 'binding', lr.request ->> 'binding') AND a.state IN ('placed', 'binding', 'bound')
+     WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
+       AND 'node' IN (me.request ->> 'binding', lr.request ->> 'binding')
        AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)))) AS until
 """
 
