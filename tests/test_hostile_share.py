@@ -333,3 +333,19 @@ def test_a_lease_and_holds_at_once_never_share_the_machine(gateway, cp: ControlP
     assert placed and (placed == [got[0]] or got[0] not in placed), [r.state for r in got]
     assert snapshot(owner.conninfo, owner.tenant)["double_booked"] == []
     session.close()
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"resources": resources(vcpu=1)}, "resources"),
+    ({"spot": True}, "spot"),
+    ({"topology": "numa"}, "devices[0].topology"),
+    ({"device_class": "gpu.slot"}, "devices[0].class"),
+    ({"device_class": "gpu.mig", "profile": "1g.10gb"}, "devices[0].class"),
+])
+def test_a_node_lease_with_what_it_cannot_book_is_invalid_input_naming_it(world: World, kw: dict, field: str) -> None:
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
+    profile = register(world.root, 1)
+    details = invalid(field, world.create, count=8, binding="node", node=pb.NodeLease(profile_id=profile), **kw)
+    assert details["field"] == field
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (world.tenant,)) == [(0,)]
