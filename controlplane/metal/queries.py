@@ -44,8 +44,10 @@ _TRUSTED = """
 
 # A whole machine for the window: a ready, connected, platform-trusted node of the pool whose
 # daemon advertises binding.node (in the selector, matched with its source) with exactly %(count)s
-# bookable GPUs (of the model, when one is asked), every bookable atom healthy and free for the
-# window. Its bookable atoms (all kinds) and its GPUs' uuids; one node at random among those.
+# bookable GPUs (of the model, when one is asked), every bookable atom healthy, and no atom of it
+# booked for the window: not even one no longer bookable (a GPU gone from the inventory or put in
+# MIG mode keeps its bookings, and the machine is the lessee's whole). Its bookable atoms (all kinds)
+# and its GPUs' uuids; one node at random among those.
 LEASABLE_NODE = f"""
 SELECT n.id AS node_id,
        array_agg(a.id ORDER BY a.id) AS atom_ids,
@@ -62,9 +64,9 @@ GROUP BY n.id
 HAVING count(*) FILTER (WHERE a.kind = 'gpu') = %(count)s
    AND bool_and(a.health = 'healthy')
    AND bool_and(%(model)s = '' OR a.kind <> 'gpu' OR a.model = %(model)s)
-   AND NOT bool_or(EXISTS (
-       SELECT 1 FROM bookings b
-       WHERE b.atom_id = a.id AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')))
+   AND NOT EXISTS (
+       SELECT 1 FROM atoms x JOIN bookings b ON b.atom_id = x.id
+       WHERE x.node_id = n.id AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'))
 ORDER BY random()
 LIMIT 1
 """
