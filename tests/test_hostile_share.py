@@ -142,62 +142,6 @@ def test_a_machine_is_never_leased_while_a_gpu_it_no_longer_offers_is_still_book
     session.close()
 
 
-def test_a_gpu_that_becomes_bookable_under_a_future_lease_is_not_sold_to_anyone_else(
-        gateway, cp: ControlPlane) -> None:  # noqa: F811
-    """A lease books every bookable atom of the machine for its window; a GPU that becomes
-    bookable after that (back from MIG mode, or new in the inventory) must not be booked by anyone
-    for a window that overlaps the lease: the lessee will have root on the machine."""
-    owner = cp.world
-    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
-        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
-    owner.quota(64, "vcpu")
-    owner.quota(1024, "memoryGiB")
-    node, session = connected(gateway, owner.pool_id, "m1", gpus=3, caps=("devices.limits", "binding.node"))
-    profile = register(owner.root, 1)
-    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile),
-                         start=owner.later(1), duration="4h")
-    assert lease.state == "placed" and lease.allocations[0].node_id == node.node_id
-    inventory = hello(gpus=4).hello.inventory  # a fourth GPU appears
-    inventory.generation = 2
-    session.send(npb.NodeMessage(inventory=inventory))
-    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
-    _, other = owner.identity()
-    hold = owner.create(other, count=1, start=lease.during.start + HOUR, duration="1h")
-    assert hold.state == "pending", "a GPU of a leased machine was sold for the lease's window"
-    later = owner.create(other, count=1, start=lease.during.end, duration="1h")
-    assert later.state == "placed" and later.allocations[0].node_id == node.node_id  # after the lease: fine
-    session.close()
-
-
-def test_a_hold_on_a_gpu_new_beside_a_future_lease_cannot_be_extended_into_it(
-        gateway, cp: ControlPlane) -> None:  # noqa: F811
-    owner = cp.world
-    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
-        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(
-        tenant_root=True, per_gpu=apb.PerGpuShare(vcpu=1, memory_gib=1)))).id  # the GPUs, not the host, are short
-    owner.quota(64, "vcpu")
-    owner.quota(1024, "memoryGiB")
-    node, session = connected(gateway, owner.pool_id, "m1", gpus=3, caps=("devices.limits", "binding.node"))
-    profile = register(owner.root, 1)
-    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile),
-                         start=owner.later(4), duration="4h")
-    assert lease.state == "placed"
-    before = owner.create(count=3, start=lease.during.start - 2 * HOUR, duration="1h")  # the three old GPUs
-    assert before.state == "placed"
-    inventory = hello(gpus=4).hello.inventory
-    inventory.generation = 2
-    session.send(npb.NodeMessage(inventory=inventory))
-    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
-    _, other = owner.identity()
-    hold = owner.create(other, count=1, start=lease.during.start - 2 * HOUR, duration="1h")
-    assert hold.state == "placed" and hold.allocations[0].node_id == node.node_id
-    moved = other.res("Extend", pb.ExtendReservationRequest(
-        tenant_id=owner.tenant, reservation_id=hold.id, by="2h", idempotency_key="into-the-lease"))
-    assert not moved.extended, "extended into a lease of the whole machine"
-    assert moved.available_until == lease.during.start
-    session.close()
-
-
 def test_twenty_gangs_at_once_never_overbook_a_nodes_cpus(world: World, server) -> None:  # noqa: F811
     host_world(world, server, nodes=4, vcpu=66, memory=512)  # 64 bookable vCPUs per node
     world.quota(10_000, "vcpu")
@@ -246,35 +190,6 @@ def test_a_tenant_the_pool_is_offered_to_cannot_book_or_preview_a_kubernetes_bin
         assert guest.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (guest.tenant,)) == [(0,)]
     finally:
         guest.close()
-
-
-def test_a_lease_cannot_be_extended_over_a_hold_on_a_gpu_new_on_its_machine(
-        gateway, cp: ControlPlane) -> None:  # noqa: F811
-    owner = cp.world
-    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
-        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(
-            tenant_root=True, per_gpu=apb.PerGpuShare(vcpu=1, memory_gib=1)))).id
-    owner.quota(64, "vcpu")
-    owner.quota(1024, "memoryGiB")
-    node, session = connected(gateway, owner.pool_id, "m1", gpus=3, caps=("devices.limits", "binding.node"))
-    profile = register(owner.root, 1)
-    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile),
-                         start=owner.later(1), duration="4h")
-    assert lease.state == "placed"
-    inventory = hello(gpus=4).hello.inventory
-    inventory.generation = 2
-    session.send(npb.NodeMessage(inventory=inventory))
-    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
-    _, other = owner.identity()
-    fillers = owner.create(other, count=3, start=lease.during.end + HOUR, duration="1h")  # the old three
-    after = owner.create(other, count=1, start=lease.during.end + HOUR, duration="1h")
-    assert after.state == "placed" and after.allocations[0].device_ids[0] == "GPU-3"
-    other.res("Release", pb.ReleaseReservationRequest(tenant_id=owner.tenant, reservation_id=fillers.id))
-    moved = owner.user.res("Extend", pb.ExtendReservationRequest(
-        tenant_id=owner.tenant, reservation_id=lease.id, by="4h", idempotency_key="over-the-hold"))
-    assert not moved.extended, "a lease of the whole machine was extended over another booking on it"
-    assert moved.available_until == after.during.start
-    session.close()
 
 
 def test_extends_at_once_never_overbook_a_nodes_cpus_later(world: World, server) -> None:  # noqa: F811

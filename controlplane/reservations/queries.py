@@ -277,19 +277,7 @@ SELECT epoch_ms(least(
      JOIN allocations a ON a.id = h.allocation_id
      JOIN host_bookings o ON o.node_id = h.node_id AND o.resource = h.resource AND o.allocation_id <> h.allocation_id
      WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-       AND upper(h.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)),
-    (SELECT min(lower(o.during))  -- a lease of the whole machine, this one or another (migration 0039)
-     FROM bookings b
-     JOIN allocations a ON a.id = b.allocation_id
-     JOIN reservations me ON me.id = a.reservation_id
-     JOIN atoms x ON x.id = b.atom_id
-     JOIN atoms y ON y.node_id = x.node_id
-     JOIN bookings o ON o.atom_id = y.id AND o.allocation_id <> b.allocation_id
-     JOIN allocations la ON la.id = o.allocation_id
-     JOIN reservations lr ON lr.id = la.reservation_id
-     WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-       AND 'node' IN (me.request ->> 'binding', lr.request ->> 'binding')
-       AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)))) AS until
+       AND upper(h.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)))) AS until
 """
 
 SET_WINDOW_END = """
