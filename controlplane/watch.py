@@ -419,7 +419,9 @@ def _end_if_stalled(sub: _Subscription, caller: Caller, send_seconds: float) -> 
     """While the stream is suspended in a send (a consumer that does not read): its RPC ends when
     the send takes longer than `send_seconds`, or the token expires or is revoked meanwhile. The
     wait that checks the token is never reached while the send is stuck, and the slot would be
-    held for as long as the connection lives."""
+    held for as long as the connection lives, and a revoked token that reads slowly would keep
+    getting events. Only the handler ends: grpc has no server-side cancel, so the call itself
+    (one unsent message) lingers until the client reads, cancels, disconnects or its deadline."""
     task = asyncio.current_task()
     assert task is not None
     left_s = send_seconds

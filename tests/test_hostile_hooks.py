@@ -21,10 +21,10 @@ FROM generate_series(1, %s)
 """
 
 
-def stalled(client: Client, world: World) -> Any:
+def stalled(client: Client, world: World, timeout: float = 300) -> Any:
     """A Watch call whose client reads one event and then never reads again."""
     call = events_pb2_grpc.EventsStub(client.channel).Watch(
-        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=300)
+        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=timeout)
     next(call)
     return call
 
@@ -84,3 +84,4 @@ def test_a_consumer_that_never_reads_is_dropped_and_its_slot_freed(stall_capped:
         for call in calls:
             call.cancel()
         client.close()
+
