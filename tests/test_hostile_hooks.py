@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
@@ -21,10 +20,10 @@ FROM generate_series(1, %s)
 """
 
 
-def stalled(client: Client, world: World, timeout: float = 300) -> Any:
+def stalled(client: Client, world: World) -> Any:
     """A Watch call whose client reads one event and then never reads again."""
     call = events_pb2_grpc.EventsStub(client.channel).Watch(
-        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=timeout)
+        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=300)
     next(call)
     return call
 
@@ -76,7 +75,7 @@ def test_a_consumer_that_never_reads_is_dropped_and_its_slot_freed(stall_capped:
     world = make_world(server.endpoint, root, server.conninfo)
     reserve(world)
     world.sql(FLOOD, (world.tenant, 4000))
-    ident, client = world.identity()
+    _, client = world.identity()
     calls = [stalled(client, world) for _ in range(PER_IDENTITY)]
     try:
         reopens(client, world, seconds=30).call.cancel()
