@@ -131,6 +131,10 @@ class Settings:
     watch_streams_per_tenant: int = field(
         default_factory=lambda: int(os.environ.get("BC_WATCH_STREAMS_PER_TENANT", "128"))
     )
+    # How long one Watch message may wait for a consumer that does not read before the stream ends.
+    watch_send_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_WATCH_SEND_SECONDS", "60"))
+    )
     # TLS for the API listener: PEM certificate chain and key files; both empty means plaintext.
     tls_cert: str = field(default_factory=lambda: os.environ.get("BC_TLS_CERT", ""))
     tls_key: str = field(default_factory=lambda: os.environ.get("BC_TLS_KEY", ""))

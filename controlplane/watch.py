@@ -7,7 +7,9 @@ only their watchers are woken, so an idle watcher costs nothing until its tenant
 
 Open streams are capped per identity and per tenant (`StreamSlots`, in each process): the
 stream beyond either cap is QUOTA_EXCEEDED, and a stream gives its slot back however it ends. A
-stream also ends, UNAUTHENTICATED, when the token it was opened with expires or is revoked.
+stream also ends, UNAUTHENTICATED, when the token it was opened with expires or is revoked; and
+it ends (cancelled) when one message waits longer than Settings.watch_send_seconds on a consumer
+that does not read, or the token ends while it waits.
 
 Event ids come from a sequence, so a transaction that commits later can hold a smaller id than
 one already visible: streaming every visible id would skip it for good, and a resumed stream
@@ -138,6 +140,7 @@ class _Subscription:
     token_id: str = ""
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     revoked: bool = False
+    end: Callable[[], Any] | None = None  # while suspended in a send: ends the stream's RPC
     wakes: int = 0  # how often the hub woke it (each wake-up costs the watcher one query)
 
 
@@ -332,6 +335,8 @@ class EventHub:
         for token_id in token_ids:
             for sub in self._by_token.get(token_id, ()):
                 sub.revoked = True
+                if sub.end is not None:
+                    sub.end()
                 sub.wakes += 1
                 sub.woken.set()
 
@@ -393,7 +398,12 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                     "types": req.types, "limit": BATCH,
                 })).fetchall()
             for row in rows:
-                yield row
+                timer = _end_if_stalled(sub, caller, rt.settings.watch_send_seconds)
+                try:
+                    yield row
+                finally:
+                    timer.cancel()
+                    sub.end = None
             if len(rows) == BATCH:
                 after = rows[-1]["id"]
                 continue
@@ -403,6 +413,22 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
     finally:
         hub.unsubscribe(sub)
         release()
+
+
+def _end_if_stalled(sub: _Subscription, caller: Caller, send_seconds: float) -> asyncio.TimerHandle:
+    """While the stream is suspended in a send (a consumer that does not read): its RPC ends when
+    the send takes longer than `send_seconds`, or the token expires or is revoked meanwhile. The
+    wait that checks the token is never reached while the send is stuck, and the slot would be
+    held for as long as the connection lives, and a revoked token that reads slowly would keep
+    getting events. Only the handler ends: grpc has no server-side cancel, so the call itself
+    (one unsent message) lingers until the client reads, cancels, disconnects or its deadline."""
+    task = asyncio.current_task()
+    assert task is not None
+    left_s = send_seconds
+    if caller.token_expires_ms:
+        left_s = min(left_s, max(caller.token_expires_ms / 1000 - time.time(), 0))
+    sub.end = task.cancel
+    return asyncio.get_running_loop().call_later(left_s, task.cancel)
 
 
 async def _wait(sub: _Subscription, caller: Caller) -> None:
