@@ -18,20 +18,13 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.support import World, get, gpus, invalid, make_world, refused, rpc_error
+from tests.test_gang import bare  # noqa: F401 (fixture)
 
 FABRIC = "fabric.domain"
 HOUR = 3_600_000
 DAY = 24 * HOUR
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
-
-
-@pytest.fixture
-def bare(stack) -> World:
-    server, root = stack
-    w = make_world(server.endpoint, root, server.conninfo, nodes=0, quota=256)
-    yield w
-    w.close()
 
 
 def fleet(world: World, n: int, value: str = "fab-a", count: int = 8) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,38 +29,36 @@ def stalled(client: Client, world: World) -> Any:
     return call
 
 
+def slots_come_back(world: World, ident: str, client: Client, then: Callable[[], object]) -> None:
+    """`client` fills the identity's Watch slots with streams it never reads (a backlog of ~32 MB,
+    more than every window and socket buffer), `then` runs, and a fresh token of the identity must
+    open a stream again within 30 s."""
+    world.sql(FLOOD, (world.tenant, 4000))
+    calls = [stalled(client, world) for _ in range(PER_IDENTITY)]
+    then()
+    fresh = Client(world.endpoint, world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret)
+    try:
+        reopens(fresh, world, seconds=30).call.cancel()
+    finally:
+        for call in calls:
+            call.cancel()
+        fresh.close()
+        client.close()
+
+
 def test_a_consumer_that_never_reads_still_loses_its_stream_when_its_token_expires(small: World) -> None:
     """Attack: hold the identity's Watch slots past the token's life by never reading, so the
     server stays suspended in a send (not in the wait that checks the token)."""
     ident, _ = small.identity()
     token = small.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="4s"))
-    client = Client(small.endpoint, token.secret)
-    small.sql(FLOOD, (small.tenant, 4000))  # ~32 MB: more than every window and socket buffer
-    calls = [stalled(client, small) for _ in range(PER_IDENTITY)]
-    fresh = Client(small.endpoint, small.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret)
-    try:
-        reopens(fresh, small, seconds=30).call.cancel()
-    finally:
-        for call in calls:
-            call.cancel()
-        fresh.close()
-        client.close()
+    slots_come_back(small, ident, Client(small.endpoint, token.secret), then=lambda: None)
 
 
 def test_a_consumer_that_never_reads_loses_its_stream_when_its_token_is_revoked(small: World) -> None:
     """Attack: keep streaming to a token that was revoked, by never reading."""
     ident, client = small.identity()
-    small.sql(FLOOD, (small.tenant, 4000))
-    calls = [stalled(client, small) for _ in range(PER_IDENTITY)]
-    small.root.admin("RevokeTokens", apb.RevokeTokensRequest(identity_id=ident))
-    fresh = Client(small.endpoint, small.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret)
-    try:
-        reopens(fresh, small, seconds=30).call.cancel()
-    finally:
-        for call in calls:
-            call.cancel()
-        fresh.close()
-        client.close()
+    slots_come_back(small, ident, client,
+                    then=lambda: small.root.admin("RevokeTokens", apb.RevokeTokensRequest(identity_id=ident)))
 
 
 @pytest.fixture(scope="module")
