@@ -18,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane import auth, errors
-from controlplane.api import inputs
+from controlplane.common import inputs
 from controlplane.common.names import TENANT_ID
 from controlplane.common.status import to_status
 from controlplane.config import Settings

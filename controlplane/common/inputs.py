@@ -1,4 +1,5 @@
-"""Generic checks of every request, before any servicer sees it (DESIGN.md section 7a).
+"""Generic checks of every request, before any servicer sees it (DESIGN.md section 7a), and of
+every message a node sends (controlplane.nodes.wire, with its own limits).
 
 A request is decoded here, not by grpc, so bytes that are not the message (truncated, invalid
 UTF-8) are INVALID_INPUT with ErrorInfo rather than a bare UNKNOWN. Then every string of the
@@ -28,20 +29,21 @@ class InputLimits:
     max_string_chars: int = 4096
     max_policy_chars: int = 65536
     max_entries: int = 64
+    bytes_capped: bool = True  # bytes fields at most max_string_chars too (a node's have bounds of their own)
 
     @classmethod
     def of(cls, settings: Settings) -> InputLimits:
         return cls(settings.max_string_chars, settings.max_policy_chars, settings.max_list_entries)
 
 
-def decode(deserializer: Callable[[bytes], Any] | None, raw: Any) -> Any:
-    """The request message from its bytes; INVALID_INPUT when they are not one."""
+def decode(deserializer: Callable[[bytes], Any] | None, raw: Any, field: str = "request") -> Any:
+    """The message from its bytes; INVALID_INPUT naming `field` when they are not one."""
     if deserializer is None or not isinstance(raw, bytes | bytearray | memoryview):
         return raw
     try:
         return deserializer(bytes(raw))
     except Exception:
-        raise errors.InvalidInput("request", "cannot be decoded (malformed protobuf or invalid UTF-8)") from None
+        raise errors.InvalidInput(field, "cannot be decoded (malformed protobuf or invalid UTF-8)") from None
 
 
 def check(message: Message, limits: InputLimits, prefix: str = "") -> None:
@@ -83,5 +85,5 @@ def _scalar(path: str, fd: FieldDescriptor, value: Any, limits: InputLimits) -> 
         cap = limits.max_policy_chars if fd.full_name in _POLICY_TEXT else limits.max_string_chars
         if len(value) > cap:
             raise errors.InvalidInput(path, f"is at most {cap} characters")
-    elif fd.type == FieldDescriptor.TYPE_BYTES and len(value) > limits.max_string_chars:
+    elif fd.type == FieldDescriptor.TYPE_BYTES and limits.bytes_capped and len(value) > limits.max_string_chars:
         raise errors.InvalidInput(path, f"is at most {limits.max_string_chars} bytes")
