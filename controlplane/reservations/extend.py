@@ -76,13 +76,10 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
                           tenant_id=tenant_id)
     try:
         result = await db.run_in_transaction(rt.pool, lambda c: _apply(c, rid, staged, decision))
-    except (errors.DomainError, psycopg.Error):
+    except (errors.DomainError, psycopg.Error, asyncio.CancelledError):
         # The abandoned hook: a transaction of its own clears our pending change, and only ours.
-        await db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold))
-        raise
-    except asyncio.CancelledError:
-        # The client went away (its deadline, a disconnect): the hook still runs, shielded from the
-        # cancellation, or the slot would refuse every extend of the reservation until taken over.
+        # Shielded: when the client went away (its deadline, a disconnect) it still runs, or the
+        # slot would refuse every extend of the reservation until taken over.
         await asyncio.shield(db.run_in_transaction(rt.pool, lambda c: _abandon(c, rid, staged.hold)))
         raise
     if "error" in result:
