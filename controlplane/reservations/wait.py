@@ -53,7 +53,7 @@ async def wait_for_operation(
                 if pauses_ms or not just_queued or remaining <= 0:
                     handed = waiter is not None and waiter.view is not None
                     if handed:
-                        view = waiter.view  # as this process's batch committed it: no read
+                        view, waiter.view = waiter.view, None  # as this process's batch committed it: no read
                     else:
                         view = await fetch_view(rt, rid)
                         reads += 1
