@@ -184,36 +184,34 @@ async def _change(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str,
     match("instanceId", instance_id, names.INSTANCE_ID)
     await access.on_tenant(rt, caller, tenant_id, access.INSTANCES_MANAGE, instanceId=instance_id)
 
-    async def work(conn: AsyncConnection) -> tuple[dict[str, Any], bool]:
+    async def work(conn: AsyncConnection) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
         row = await _visible(conn, tenant_id, instance_id, lock=True)
+        account = await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone()
         if row["state"] == "deleted":
             if action == "delete":
-                return row, False
+                return row, False, account
             raise errors.InvalidState("the instance is deleted", instanceId=instance_id)
-        if action != "delete" and await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone() is None:
+        if action != "delete" and account is None:
             raise errors.InvalidState("the instance's provider account is gone", accountId=row["account_id"],
                                       instanceId=instance_id)
         if action == "stop":
             if row["state"] == "stopped":
-                return row, False
+                return row, False, account
             await conn.execute(q.CLOSE_SEGMENT, {"instance_id": instance_id, "at_ms": None})
-            return await _set(conn, row, "stopped", row["grant_id"], row["placement"]), True
+            return await _set(conn, row, "stopped", row["grant_id"], row["placement"]), True, account
         if action == "delete":
             await conn.execute(q.CLOSE_SEGMENT, {"instance_id": instance_id, "at_ms": None})
             return await _set(conn, row, "deleted", None, row["placement"] if row["placement"] != "grant"
-                              else "reserved"), True
+                              else "reserved"), True, account
         if row["state"] == "running":
-            return row, False
-        return await _restart(conn, row), True
+            return row, False, account
+        return await _restart(conn, row), True, account
 
-    row, changed = await db.run_in_transaction(rt.pool, work)
+    row, changed, account = await db.run_in_transaction(rt.pool, work)
+    if account is None:  # a delete whose account is gone: there is no provider to ask, the row is deleted
+        return row
     # The provider is asked even when the row was already so: its calls are idempotent, and a
     # retry after a failed or lost answer brings the provider in line with the row.
-    if action == "delete":
-        async with db.read_only(rt.pool) as conn:
-            if await (await conn.execute(q.ACCOUNT, {"id": row["account_id"]})).fetchone() is None:
-                return row  # its account is gone: there is no provider to ask, the row is deleted
-    account = await _account_of(rt, row)
     call = {"stop": "stop_instance", "start": "start_instance", "delete": "delete_instance"}[action]
     try:
         await getattr(scan.provider_of(rt, account), call)(account["external_account"], row["id"])
