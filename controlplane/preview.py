@@ -59,11 +59,11 @@ async def _plan(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[
     out.update(start=ask.start_ms, end=ask.end_ms)
     members: list[dict[str, Any]] = []
     reason = ""
-    if is_node_lease(request):
-        found = await whole_machines.leasable(conn, ask)
-        if found is not None:
-            members = [{"node_id": found["node_id"], "atom_ids": list(found["atom_ids"]),
-                        "device_ids": list(found["device_ids"] or [])}]
+    if is_node_lease(request):  # one machine, or a gang of them
+        machines = await whole_machines.plan(conn, ask, gang.Gang.of(request), rt.settings)
+        out["group"], reason = machines.group, machines.reason
+        members = [{"node_id": m["node_id"], "atom_ids": list(m["atom_ids"]), "device_ids": list(m["device_ids"] or [])}
+                   for m in machines.nodes]
     else:
         planned = await placing.plan_for(conn, rt, row, ask)
         if isinstance(planned, gang.GangPlanned):

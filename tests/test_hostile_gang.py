@@ -374,19 +374,24 @@ def test_gangs_and_single_creates_stormed_on_a_lease_pool_keep_the_invariants(ba
 # A node lease as a gang --------------------------------------------------------------------------
 
 
-def test_a_node_lease_asking_for_a_gang_is_refused_not_booked_as_one_machine(bare: World) -> None:
-    """A `binding: node` create with a gang of 4 was accepted, charged 4 machines' GPUs and placed
-    (or previewed) on ONE machine: whole-machine placement ignored the gang. Until node-lease gangs
-    are built, such a request is INVALID_INPUT `gang`."""
+def test_a_node_lease_gang_is_charged_as_the_gang_and_never_booked_as_one_machine(bare: World) -> None:
+    """A `binding: node` create with a gang of 4 was once accepted, charged 4 machines' GPUs and
+    placed (or previewed) on ONE machine: whole-machine placement ignored the gang. Node-lease gangs
+    are served now (tests/test_node_lease_gang.py); in a pool without 4 leasable machines the gang
+    is pending, charged as the whole gang, with no allocation, and the preview does not fit."""
     from tests.test_node_profiles import register
 
     bare.pool_id = bare.root.admin("CreatePool", apb.CreatePoolRequest(
         owner_tenant_id=bare.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
     profile = register(bare.root, 1)
     kw = {"binding": "node", "node": pb.NodeLease(profile_id=profile), "gang": pb.Gang(size=4), "duration": "8h"}
-    invalid("gang", bare.create, count=8, **kw)
-    invalid("gang", preview, bare, count=8, **kw)
-    assert bare.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (bare.tenant,))[0][0] == 0
+    r = bare.create(count=8, **kw)
+    assert r.state == "pending" and not r.allocations
+    assert r.conditions[0].message.startswith("no gang of 4 nodes fits in the pool")
+    charged = bare.sql("SELECT sum(amount) FROM quota_charges WHERE reservation_id = %s AND resource = 'gpu'", (r.id,))
+    assert charged == [(32,)]
+    seen = preview(bare, count=8, **kw)
+    assert not seen.fits and not seen.members
     check_invariants(bare.conninfo, bare.tenant)
 
 

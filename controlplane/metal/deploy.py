@@ -49,8 +49,9 @@ EXPOSED = "on the machine while a tenant leased it"
 
 
 async def begin(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> None:
-    """At the start (the pool lock and the row lock held): every allocation (one machine today,
-    several for a node-lease gang) gets its deploy; the reservation moves to binding."""
+    """At the start (the pool lock and the row lock held): every allocation (one machine, or each
+    machine of a gang) gets its deploy; the reservation moves to binding, and is active once every
+    machine is deployed (`_bound`)."""
     timeout_ms = int(rt.settings.metal_deploy_timeout_seconds * 1000)
     deadline = row["during_start"] + timeout_ms
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full time
@@ -152,8 +153,10 @@ async def _bound(conn: AsyncConnection, row: dict[str, Any], deploy: dict[str, A
 
 async def fail(conn: AsyncConnection, row: dict[str, Any], deploy: dict[str, Any], reason: str) -> None:
     """No second placement: the reservation fails, its bookings end, its quota is refunded, and
-    the node's desired state drops the assignment (the node then wipes the machine)."""
+    the node's desired state drops the assignment (the node then wipes the machine). The other
+    machines of a gang are looked at now: their deploys end and they wipe too."""
     await _finish(conn, deploy, "failed", reason)
+    await conn.execute(queries.WAKE_LIVE_OF, {"id": row["id"]})
     await end_bookings(conn, row["id"], allocation_state="failed")
     await conn.execute(rq.TRUNCATE_WINDOW, {"id": row["id"]})
     await quota.refund(conn, row["id"])

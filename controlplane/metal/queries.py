@@ -42,14 +42,15 @@ _TRUSTED = """
                   AND now() < c.not_after)
 """
 
-# A whole machine for the window: a ready, connected, platform-trusted node of the pool whose
-# daemon advertises binding.node (in the selector, matched with its source) with exactly %(count)s
-# bookable GPUs (of the model, when one is asked), every bookable atom healthy, and no atom of it
-# booked for the window: not even one no longer bookable (a GPU gone from the inventory or put in
-# MIG mode keeps its bookings, and the machine is the lessee's whole). Its bookable atoms (all kinds)
-# and its GPUs' uuids; one node at random among those.
-LEASABLE_NODE = f"""
-SELECT n.id AS node_id,
+# Whole machines for the window: ready, connected, platform-trusted nodes of the pool whose daemon
+# advertises binding.node (in the selector, matched with its source) with exactly %(count)s bookable
+# GPUs (of the model, when one is asked), every bookable atom healthy, and no atom of them booked for
+# the window: not even one no longer bookable (a GPU gone from the inventory or put in MIG mode keeps
+# its bookings, and the machine is the lessee's whole). Each with its bookable atoms (all kinds), its
+# GPUs' uuids and its label %(key)s (a gang's topologyKey); in random order, %(limit)s of them
+# (NULL: all, for a gang).
+LEASABLE_NODES = f"""
+SELECT n.id AS node_id, n.labels -> %(key)s AS gang_label,
        array_agg(a.id ORDER BY a.id) AS atom_ids,
        array_agg(a.device_uuid ORDER BY a.device_uuid) FILTER (WHERE a.kind = 'gpu') AS device_ids
 FROM nodes n
@@ -68,27 +69,27 @@ HAVING count(*) FILTER (WHERE a.kind = 'gpu') = %(count)s
        SELECT 1 FROM atoms x JOIN bookings b ON b.atom_id = x.id
        WHERE x.node_id = n.id AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'))
 ORDER BY random()
-LIMIT 1
+LIMIT %(limit)s
 """
 
-# The allocation and a booking of every planned atom, re-reading the node and atoms (the pool lock
-# is held); a booking the EXCLUDE constraint refuses is skipped, and the caller compares the count.
+# The allocation and a booking of every planned atom, re-reading the node (its state and labels: the
+# selector, with a gang's label value) and atoms (the pool lock is held); a booking the EXCLUDE
+# constraint refuses is skipped, and the caller compares the count.
 INSERT_LEASE = """
 WITH allocation AS (
-    INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
-    VALUES (%(allocation_id)s, %(reservation_id)s, %(node_id)s, %(device_ids)s, 'placed')
+    INSERT INTO allocations (id, reservation_id, node_id, device_ids, state, gang_group)
+    VALUES (%(allocation_id)s, %(reservation_id)s, %(node_id)s, %(device_ids)s, 'placed', %(group)s)
     RETURNING id
 )
 INSERT INTO bookings (atom_id, allocation_id, during)
 SELECT a.id, allocation.id, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
 FROM allocation, atoms a
 JOIN nodes n ON n.id = a.node_id
-WHERE a.id = ANY(%(atom_ids)s) AND n.id = %(node_id)s AND n.state = 'ready'
+WHERE a.id = ANY(%(atom_ids)s) AND n.id = %(node_id)s AND n.state = 'ready' AND n.labels @> %(selector)s
   AND a.health = 'healthy' AND a.bookable
 ON CONFLICT DO NOTHING
 RETURNING atom_id
 """
-DELETE_ALLOCATION = "DELETE FROM allocations WHERE id = %(id)s"
 
 # Why no machine fits (the Unschedulable message).
 DIAGNOSE = f"""

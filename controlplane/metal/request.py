@@ -4,7 +4,8 @@
 - A node lease cannot be spot, and books no host resources (the machine is the tenant's whole):
   `spot` and `resources` are refused naming the field, so the rule holds as those fields arrive.
 - It takes whole machines: `devices[0].count` is the machine's GPU count (the quota charge), the
-  model may be named, the topology must be any.
+  model may be named, the topology must be any. With `gang` it takes `size` such machines sharing
+  one value of `topologyKey` (spec 004), charged `size` times.
 - In transaction 1 (before the draft is written): the pool's policy must set tenantRoot
   (INVALID_INPUT naming `binding`), and the profile version must exist (NOT_FOUND naming the
   profile); a request without profileVersion is pinned to the profile's newest version then.
@@ -40,8 +41,6 @@ def normalise(raw: dict[str, Any], request: dict[str, Any]) -> None:
         raise errors.InvalidInput("node.profileVersion", f"must be 1 to {MAX_VERSION}")
     if raw.get("spot"):
         raise errors.InvalidInput("spot", "a node lease cannot be spot")
-    if raw.get("gang") is not None:  # whole-machine placement books one machine: never a gang's part of it
-        raise errors.InvalidInput("gang", "a node lease of several machines is not served yet: one machine per lease")
     if raw.get("resources"):
         raise errors.InvalidInput("resources", "a node lease takes whole machines: it books no host-resource limits")
     if request["devices"][0]["topology"] != ANY:

@@ -78,7 +78,8 @@ async def place_again(
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
     if is_node_lease(row["request"]):
-        return ask, await whole_machines.commit(conn, ask, row["id"], rt.settings, exclude=avoid)
+        machines = await whole_machines.commit(conn, ask, None, row["id"], rt.settings, exclude=avoid)
+        return ask, (machines.placements or [None])[0]
     planned = await placer.plan(conn, ask, rt.settings, exclude=avoid, index=rt.capacity)
     return ask, await placer.commit(conn, ask, row["id"], planned, rt.settings, exclude=avoid, metrics=rt.metrics,
                                     index=rt.capacity)
@@ -105,6 +106,9 @@ async def place_again_any(
         return Replaced([placement.node_id])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
+    if is_node_lease(row["request"]):  # a gang of whole machines
+        machines = await whole_machines.commit(conn, ask, members, row["id"], rt.settings, exclude=avoid)
+        return Replaced(machines.node_ids, machines.reason)
     planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity, exclude=avoid)
     committed = await gang.commit(conn, ask, members, row["id"], planned, rt.settings, index=rt.capacity,
                                   exclude=avoid, metrics=rt.metrics)
@@ -222,9 +226,9 @@ async def place_locked(
     Unschedulable condition. Emits the event in the same transaction. When placed, the reservation
     as placed, with its allocations (as reads.load_view reads it); None when pending."""
     ask = prepared.ask
-    if is_node_lease(row["request"]):
-        placement = await whole_machines.commit(conn, ask, row["id"], rt.settings)
-        node_ids, why = ([placement.node_id] if placement else []), ""
+    if is_node_lease(row["request"]):  # one machine, or a gang of them
+        machines = await whole_machines.commit(conn, ask, gang.Gang.of(row["request"]), row["id"], rt.settings)
+        node_ids, why = machines.node_ids, machines.reason
     elif isinstance(prepared.planned, gang.GangPlanned):
         members = gang.Gang.of(row["request"])
         assert members is not None
