@@ -71,7 +71,10 @@ SELECT r.id, r.state, r.pool_id,
        coalesce((r.request #>> '{gang,size}')::int, 1) AS size,
        r.request #>> '{gang,topologyKey}' AS gang_key,
        r.request #>> '{devices,0,topology}' AS topology,
+       r.request ->> 'binding' AS binding,
        count(b.atom_id) FILTER (WHERE live)::int AS bookings,
+       count(b.atom_id) FILTER (WHERE live AND at.kind = 'gpu')::int AS gpu_bookings,
+       count(b.atom_id) FILTER (WHERE live AND NOT b.during <@ r.during)::int AS outside_window,
        count(DISTINCT b.atom_id) FILTER (WHERE live)::int AS atoms,
        count(DISTINCT an.id) FILTER (WHERE live)::int AS nodes,
        count(DISTINCT (a.id, at.nvlink_domain)) FILTER (WHERE live)::int AS domains,
@@ -167,10 +170,15 @@ def check_invariants(conninfo: str, tenant: str) -> dict[str, list[dict[str, Any
         where = f"reservation {b['id']} ({b['state']}): {b}"
         assert b["elsewhere"] == 0, "bookings are on the allocation's node, in the pool; " + where
         if b["state"] in states.BOOKED:
-            assert b["bookings"] == b["count"] == b["atoms"], "a placed one books exactly count atoms; " + where
+            if b["binding"] == "node":  # whole machines: every bookable atom, some joined later (0033)
+                assert b["gpu_bookings"] >= b["count"] and b["bookings"] == b["atoms"], \
+                    "a node lease books at least its machines' GPUs, each atom once; " + where
+                assert b["outside_window"] == 0, "a node lease's bookings lie in its window; " + where
+            else:
+                assert b["bookings"] == b["count"] == b["atoms"], "a placed one books exactly count atoms; " + where
+                assert b["off_window"] == 0, "bookings cover the reservation's window; " + where
             assert b["nodes"] == b["size"] and b["live_allocations"] == b["size"], \
                 "one allocation per node, every member of a gang; " + where
-            assert b["off_window"] == 0, "bookings cover the reservation's window; " + where
             if b["topology"] == "nvlink-all":
                 assert b["domains"] == b["size"] and not b["outside_domain"], "nvlink-all in one domain; " + where
             if b["topology"] == "numa":

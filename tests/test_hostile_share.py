@@ -142,6 +142,53 @@ def test_a_machine_is_never_leased_while_a_gpu_it_no_longer_offers_is_still_book
     session.close()
 
 
+def test_a_gpu_that_becomes_bookable_under_a_future_lease_joins_the_lease(gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """Tenant A leases a machine from tomorrow; afterwards the node's inventory offers a GPU it did
+    not offer then (one out of MIG mode, one new). Those GPUs were not among the lease's atoms, so
+    tenant B could book them into A's window: B's workload bound on a machine A has root on. They
+    now join the lease in the inventory's own transaction, and B's create is pending."""
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
+    node, session = connected(gateway, owner.pool_id, "m2", gpus=4, caps=("devices.limits", "binding.node"))
+    inventory = hello(gpus=4).hello.inventory
+    inventory.generation = 2
+    mig = inventory.gpus[3]
+    mig.mig_mode = True
+    mig.mig_instances.append(npb.MigInstance(index=0, profile="7g.80gb"))
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    profile = register(owner.root, 1)
+    start = owner.later(24)
+    lease = owner.create(count=3, binding="node", node=pb.NodeLease(profile_id=profile), start=start, duration="8h")
+    assert lease.state == "placed" and lease.allocations[0].node_id == node.node_id
+
+    gpu_bookings = ("SELECT count(*) FROM bookings b JOIN atoms a ON a.id = b.atom_id"
+                    " WHERE b.allocation_id = %s AND a.kind = 'gpu'")
+    inventory.generation = 3  # the same inventory again: the MIG GPU is bookable only mid-transaction
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 3, what="inventory")
+    assert owner.sql(gpu_bookings, (lease.allocations[0].id,)) == [(3,)]
+
+    grown = hello(gpus=5).hello.inventory  # the MIG GPU whole again, and a fifth GPU
+    grown.generation = 4
+    session.send(npb.NodeMessage(inventory=grown))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 4, what="inventory")
+    joined = owner.sql(
+        "SELECT a.device_uuid, epoch_ms(lower(b.during)), epoch_ms(upper(b.during)) FROM bookings b"
+        " JOIN atoms a ON a.id = b.atom_id WHERE b.allocation_id = %s AND a.kind = 'gpu' ORDER BY 1",
+        (lease.allocations[0].id,))
+    assert len(joined) == 5 and {(lo, hi) for _, lo, hi in joined} == {(lease.during.start, lease.during.end)}
+
+    _, other = owner.identity()
+    taken = owner.create(other, count=1, start=start + HOUR, duration="1h")
+    assert taken.state == "pending", "a GPU of a leased machine was booked into the lease's window"
+    before = owner.create(other, count=2, start=start - 2 * HOUR, duration="1h")  # outside the window: free
+    assert before.state == "placed" and before.allocations[0].node_id == node.node_id
+    check_invariants(owner.conninfo, owner.tenant)
+    session.close()
+
+
 def test_twenty_gangs_at_once_never_overbook_a_nodes_cpus(world: World, server) -> None:  # noqa: F811
     host_world(world, server, nodes=4, vcpu=66, memory=512)  # 64 bookable vCPUs per node
     world.quota(10_000, "vcpu")
