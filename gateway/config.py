@@ -46,6 +46,11 @@ class GatewaySettings:
     # meanwhile (gateway.session_gc). 0: no freezing.
     gc_unfreeze_seconds: float = field(
         default_factory=lambda: float(os.environ.get("BC_GATEWAY_GC_UNFREEZE_SECONDS", "600")))
+    # A node's hellos, inventories and reports taken in per second, and at once (gateway.throttle);
+    # past that its session's reader waits. 0: no limit.
+    node_messages_per_second: float = field(
+        default_factory=lambda: float(os.environ.get("BC_NODE_MESSAGES_PER_SECOND", "50")))
+    node_messages_burst: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_MESSAGES_BURST", "500")))
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)

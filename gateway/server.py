@@ -25,6 +25,7 @@ from gateway.hub import Hub
 from gateway.interceptor import GatewayInterceptor
 from gateway.servicer import NodeGatewayServicer
 from gateway.session import SessionRunner
+from gateway.throttle import Throttle
 from gateway.tls import ServerTls
 
 log = structlog.get_logger("gateway")
@@ -70,7 +71,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     metrics = GatewayMetrics(lambda: len({s.node_id for s in hub.sessions()}))
     server = grpc.aio.server(interceptors=[GatewayInterceptor(metrics)], options=server_options(settings))
     liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
-    runner = SessionRunner(pool, hub, settings.gateway_id, liveness)
+    runner = SessionRunner(pool, hub, settings.gateway_id, liveness,
+                           Throttle(settings.node_messages_per_second, settings.node_messages_burst))
     node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

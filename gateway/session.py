@@ -25,8 +25,11 @@ from controlplane.pki import enrolment
 from controlplane.pki.enrolment import Peer
 from gateway.hub import Hub
 from gateway.session_state import ACK, CHECK, CLOSED, DESIRED, RENEW, NodeSession
+from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
+
+COSTLY = frozenset({"hello", "inventory", "report"})  # a transaction each: throttled per node
 
 
 class SessionEnded(Exception):
@@ -36,8 +39,10 @@ class SessionEnded(Exception):
 
 
 class SessionRunner:
-    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness) -> None:
+    def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness,
+                 throttle: Throttle | None = None) -> None:
         self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
+        self.throttle = throttle or Throttle(0, 1)
         self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
         self._ending: set[asyncio.Future[None]] = set()  # sessions being unregistered (see run)
 
@@ -89,7 +94,7 @@ class SessionRunner:
     async def _end(self, session: NodeSession, outcome: str, started: float) -> None:
         await self._unregister(session)
         log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
-                 reports_replayed=session.reports_replayed, duration_s=round(time.perf_counter() - started, 3))
+                 reports_replayed=session.reports_replayed, throttled=session.throttled, duration_s=round(time.perf_counter() - started, 3))
 
     async def _serve(self, session: NodeSession, reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
         session.signal(DESIRED)
@@ -133,6 +138,8 @@ class SessionRunner:
     async def _handle(self, session: NodeSession, message: node_pb2.NodeMessage) -> None:
         kind = message.WhichOneof("msg")
         node_id = session.node_id
+        if kind in COSTLY:
+            await self._throttled(session)
         if kind == "hello":
             await inventory.apply_hello(self.pool, node_id, message.hello)
             await self.liveness.hello(node_id)
@@ -154,6 +161,16 @@ class SessionRunner:
             session.acknowledge(ack)
             log.info("report " + node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower(),
                      key_id=ack.key_id, sequence=ack.sequence, intake_ms=_ms(time.perf_counter() - started))
+
+    async def _throttled(self, session: NodeSession) -> None:
+        """Wait for the node's turn (gateway.throttle); the first wait of a session is logged."""
+        delay = self.throttle.wait(session.node_id)
+        if delay <= 0:
+            return
+        if not session.throttled:
+            log.warning("node throttled", wait_ms=_ms(delay), per_second=self.throttle.rate, burst=self.throttle.burst)
+        session.throttled += 1
+        await asyncio.sleep(delay)
 
     async def release_all(self) -> None:
         """On shutdown, once the server stopped: the freshest time each node was heard, then every

@@ -26,6 +26,7 @@ class NodeSession:
     arrival: object = None  # the Liveness token until the hello is taken in
     reports_ignored: int = 0
     reports_replayed: int = 0
+    throttled: int = 0  # messages that waited for the node's turn (gateway.throttle)
     # In the order the reports arrived; only the session's writer sends them.
     acks: list[node_pb2.ReportAck] = field(default_factory=list)
     desired_since: float = 0.0  # time.perf_counter() of the first DESIRED not served yet

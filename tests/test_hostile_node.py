@@ -268,3 +268,49 @@ def test_an_inventory_that_changes_nothing_wakes_no_placer(gateway: GatewayThrea
         caps.hello.inventory.generation = 6
         assert woken_by(caps, 6) == 1
     session.close()
+
+
+# -- a node flooding the gateway --------------------------------------------------------------
+
+
+def test_the_token_bucket_lets_a_burst_through_then_paces_to_its_rate() -> None:
+    from gateway.throttle import TokenBucket
+
+    now = [100.0]
+    bucket = TokenBucket(10, 3, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(3)] == [0.0, 0.0, 0.0]  # the burst
+    assert [round(bucket.take(), 3) for _ in range(3)] == [0.1, 0.2, 0.3]  # each waits behind the last
+    now[0] += 10  # idle: refilled, never past the burst
+    assert [bucket.take() for _ in range(3)] == [0.0, 0.0, 0.0] and bucket.take() > 0
+    assert TokenBucket(0, 1).take() == 0.0  # rate 0: off
+
+
+def test_a_node_flooding_reports_is_paced_and_nothing_it_sent_is_lost(database: str, pool_id: str) -> None:
+    """300 reports at once (unreadable ones: the cheapest for the gateway, no transaction) from one
+    node: before the throttle they were all taken in at once, and a node could keep the gateway
+    busy as fast as it could send. Now at most the burst and `rate` a second are taken in, and
+    every one is still acknowledged (the node is slowed down, not cut off)."""
+    import dataclasses
+
+    from gateway.config import GatewaySettings
+
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=100,
+                                                     node_messages_burst=10))
+    try:
+        node, session = connected(gw, pool_id, "flood")  # the hello took one token
+        sent = time.monotonic()
+        for i in range(300):
+            session.send(pb.NodeMessage(report=pb.AttestedReport(body=b"\xff" + i.to_bytes(2, "big"),
+                                                                 key_id=node.key_id)))
+        times = []
+        for _ in range(300):
+            ack = session.recv("report_ack", timeout=60)
+            assert ack is not None and ack.outcome == pb.REPORT_IGNORED
+            times.append(time.monotonic() - sent)
+        early = sum(1 for t in times if t < 0.5)
+        assert early <= 9 + 50 + 5, f"{early} reports taken in within 0.5 s (burst 10, 100/s)"
+        assert times[-1] >= (300 - 9) / 100 * 0.9  # paced to the rate, none dropped
+        assert node_row(database, node.node_id)["connectivity"] == "connected"
+        session.close()
+    finally:
+        gw.stop()

@@ -1,0 +1,47 @@
+"""How fast one node's messages are taken in: a token bucket per node.
+
+A node's hellos, inventories and reports each cost the gateway a database transaction (a report
+that names one of the node's allocations also a row and a reservation wake-up), so a node that
+floods them, compromised or broken, would cost everyone else's sessions. Each node gets `rate`
+such messages a second, up to `burst` at once; past that its session's reader waits before taking
+the next message in, so HTTP/2 flow control slows the node down and nothing it sent is lost
+(a node keeps a report until its ack). Heartbeats are not counted: they cost no transaction.
+The bucket is the node's, not the session's, so reconnecting does not refill it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self._clock = rate, max(1, burst), clock
+        self.tokens = float(self.burst)
+        self.stamp = clock()
+
+    def take(self) -> float:
+        """Take one token: how long to wait before the message it pays for (0: at once). Waiting
+        callers queue: each one's wait covers the tokens taken before it."""
+        if self.rate <= 0:  # off
+            return 0.0
+        now = self._clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= 1
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
+class Throttle:
+    """One bucket per node id, made on first use."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def wait(self, node_id: str) -> float:
+        bucket = self._buckets.get(node_id)
+        if bucket is None:
+            bucket = self._buckets[node_id] = TokenBucket(self.rate, self.burst)
+        return bucket.take()
