@@ -51,6 +51,10 @@ class GatewaySettings:
     node_messages_per_second: float = field(
         default_factory=lambda: float(os.environ.get("BC_NODE_MESSAGES_PER_SECOND", "50")))
     node_messages_burst: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_MESSAGES_BURST", "500")))
+    # A node's certificate renewals per hour, and at once; past that Renew is QUOTA_EXCEEDED.
+    node_renewals_per_hour: float = field(
+        default_factory=lambda: float(os.environ.get("BC_NODE_RENEWALS_PER_HOUR", "60")))
+    node_renewals_burst: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_RENEWALS_BURST", "10")))
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)

@@ -73,7 +73,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
     runner = SessionRunner(pool, hub, settings.gateway_id, liveness,
                            Throttle(settings.node_messages_per_second, settings.node_messages_burst))
-    node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner), server)
+    renewals = Throttle(settings.node_renewals_per_hour / 3600, settings.node_renewals_burst)
+    node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner, renewals), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_secure_port(listen or settings.listen, server_tls.credentials(require_client_auth=True))

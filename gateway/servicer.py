@@ -3,6 +3,7 @@ node is who its client certificate says, never what a message says)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +18,7 @@ from controlplane.pki import enrolment, store
 from controlplane.pki.config import PkiSettings
 from gateway import tls
 from gateway.session import SessionRunner
+from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
 
@@ -24,8 +26,10 @@ Ctx = grpc.aio.ServicerContext
 
 
 class NodeGatewayServicer(rpc.NodeGatewayServicer):
-    def __init__(self, pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, sessions: SessionRunner) -> None:
+    def __init__(self, pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, sessions: SessionRunner,
+                 renewals: Throttle | None = None) -> None:
         self.pool, self.ca, self.settings, self.sessions = pool, ca, settings, sessions
+        self.renewals = renewals or Throttle(0, 1)
 
     async def _peer(self, context: Ctx) -> enrolment.Peer:
         peer = await enrolment.identify(self.pool, tls.peer_certificate(context))
@@ -40,6 +44,10 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
 
     async def Renew(self, request: pb.RenewRequest, context: Ctx) -> pb.RenewResponse:
         peer = await self._peer(context)
+        wait = self.renewals.wait(peer.node_id, most=0.0)
+        if wait < 0:  # a node renewing in a loop: refused, not queued (gateway.throttle)
+            raise errors.QuotaExceeded("this node renews too often", reason="rate-limited",
+                                       retryAfterSeconds=max(1, math.ceil(-wait)))
         issued = await enrolment.renew(self.pool, self.ca, self.settings, peer, request.csr_pem)
         return pb.RenewResponse(certificate_pem=issued.certificate_pem, not_after=issued.not_after_ms)
 

@@ -6,6 +6,9 @@ floods them, compromised or broken, would cost everyone else's sessions. Each no
 such messages a second, up to `burst` at once; past that its session's reader waits before taking
 the next message in, so HTTP/2 flow control slows the node down and nothing it sent is lost
 (a node keeps a report until its ack). Heartbeats are not counted: they cost no transaction.
+Certificate renewals (a signature and rows each) have a bucket of their own per node and do not
+queue: a renewal that would wait is refused with QUOTA_EXCEEDED, reason `rate-limited`, and
+retryAfterSeconds (a node renews a few times a day, and on a hint after a role change).
 The bucket is the node's, not the session's, so reconnecting does not refill it.
 """
 
@@ -21,16 +24,20 @@ class TokenBucket:
         self.tokens = float(self.burst)
         self.stamp = clock()
 
-    def take(self) -> float:
+    def take(self, most: float | None = None) -> float:
         """Take one token: how long to wait before the message it pays for (0: at once). Waiting
-        callers queue: each one's wait covers the tokens taken before it."""
+        callers queue: each one's wait covers the tokens taken before it. With `most`, a wait
+        longer than that takes nothing and is returned negated (refused)."""
         if self.rate <= 0:  # off
             return 0.0
         now = self._clock()
         self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
+        wait = 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+        if most is not None and wait > most:
+            return -wait
         self.tokens -= 1
-        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+        return wait
 
 
 class Throttle:
@@ -40,8 +47,9 @@ class Throttle:
         self.rate, self.burst = rate, burst
         self._buckets: dict[str, TokenBucket] = {}
 
-    def wait(self, node_id: str) -> float:
+    def wait(self, node_id: str, most: float | None = None) -> float:
+        """The node's wait for its next message (TokenBucket.take)."""
         bucket = self._buckets.get(node_id)
         if bucket is None:
             bucket = self._buckets[node_id] = TokenBucket(self.rate, self.burst)
-        return bucket.take()
+        return bucket.take(most)

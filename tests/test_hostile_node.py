@@ -314,3 +314,33 @@ def test_a_node_flooding_reports_is_paced_and_nothing_it_sent_is_lost(database: 
         session.close()
     finally:
         gw.stop()
+
+
+def test_a_node_renewing_in_a_loop_is_refused_past_its_burst(database: str, pool_id: str) -> None:
+    """Every renewal signs two certificates and writes their rows; a node could renew as fast as it
+    could call. Past the burst a renewal is QUOTA_EXCEEDED (reason rate-limited, retryAfterSeconds)
+    and issues nothing."""
+    import dataclasses
+
+    from gateway.config import GatewaySettings
+
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_renewals_per_hour=60,
+                                                     node_renewals_burst=3))
+    try:
+        node = enrolled(gw, pool_id, "renews")
+
+        def renew() -> pb.RenewResponse:
+            with node.channel() as channel:
+                return node_pb2_grpc.NodeGatewayStub(channel).Renew(pb.RenewRequest(csr_pem=node.keys.csr()), timeout=10)
+
+        for _ in range(3):
+            assert renew().certificate_pem
+        issued = sql(database, "SELECT count(*) AS n FROM node_certs WHERE node_id = %s", (node.node_id,))
+        with pytest.raises(grpc.RpcError) as refused:
+            renew()
+        code, reason, details = status(refused.value)
+        assert (code, reason, details["reason"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED", "rate-limited")
+        assert 1 <= int(details["retryAfterSeconds"]) <= 60
+        assert sql(database, "SELECT count(*) AS n FROM node_certs WHERE node_id = %s", (node.node_id,)) == issued
+    finally:
+        gw.stop()
