@@ -412,3 +412,25 @@ def test_reserve_gang_books_one_node_per_member_sharing_the_label(cli, tty, worl
     assert usage.code == 2 and "--topology-key needs --gang" in usage.err
     shown = tty("get", placed["id"])
     assert "2 nodes sharing one rack" in shown.out
+
+
+# The operator's node commands ----------------------------------------------------------------
+
+
+def test_nodes_join_token_certificates_revoke_and_readmit_with_roots_token(cli, world: World) -> None:
+    root = _token(world.root)
+    token = cli("nodes", "join-token", "cli-node-1", "--ttl", "30m", token=root).json
+    assert token["secret"].startswith("bcj_") and token["nodeName"] == "cli-node-1"
+    assert token["poolId"] == world.pool_id and token["role"] == "node"
+    assert int(token["expiresAt"]) - time.time() * 1000 < 31 * 60_000
+    from tests.test_pki import NodeKeys, _enrol_with
+    node_id = _enrol_with(world.conninfo, token["secret"], NodeKeys().csr()).node_id  # the token enrols a node
+    certs = cli("nodes", "certificates", node_id, token=root).json["items"]
+    assert certs and {c["usage"] for c in certs} == {"signing", "tls"}
+    revoked = cli("nodes", "revoke", node_id, "--reason", "stolen laptop", token=root).json
+    assert sorted(revoked["serials"]) == sorted(c["serial"] for c in certs)
+    assert cli("nodes", "readmit", node_id, token=root).json["readmitted"] is True
+    # A tenant's token is refused; a bad ttl is a usage error; revoke needs a node or a serial.
+    assert cli("nodes", "join-token", "cli-node-2").error["code"] == "ACCESS_DENIED"
+    assert cli("nodes", "join-token", "x", "--ttl", "soon", token=root).code == 2
+    assert cli("nodes", "revoke", "--reason", "r", token=root).code == 2

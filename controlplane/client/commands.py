@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import events_pb2 as epb
+from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.connection import RPC_TIMEOUT_S, Client
@@ -262,3 +263,35 @@ def usage(client: Client, args: argparse.Namespace) -> Message:
     if args.to:
         request.to = parse_moment("--to", args.to)
     return client.call("usage", "Query", request)
+
+
+# The operator's commands (NodeAdmin, root's token) --------------------------------------------
+
+
+def join_token(client: Client, args: argparse.Namespace) -> Message:
+    pool_id = args.pool or client.conn.pool_id
+    if not pool_id:
+        raise UsageError("no pool: pass --pool or use a connection file that names one")
+    try:
+        ttl_s = parse_duration_ms(args.ttl) // 1000 if args.ttl else 0
+    except ValueError as exc:
+        raise UsageError(f"--ttl: {exc}") from None
+    return client.call("nodes", "CreateJoinToken", npb.CreateJoinTokenRequest(
+        pool_id=pool_id, node_name=args.name, role=args.role, ttl_seconds=ttl_s))
+
+
+def node_certificates(client: Client, args: argparse.Namespace) -> Message:
+    return client.call("nodes", "ListNodeCertificates", npb.ListNodeCertificatesRequest(node_id=args.node_id))
+
+
+def revoke_node(client: Client, args: argparse.Namespace) -> Message:
+    request = npb.RevokeCertificatesRequest(reason=args.reason)
+    if args.serial:
+        request.serial = args.serial
+    else:
+        request.node_id = args.node_id
+    return client.call("nodes", "RevokeCertificates", request)
+
+
+def readmit_node(client: Client, args: argparse.Namespace) -> Message:
+    return client.call("nodes", "ReadmitNode", npb.ReadmitNodeRequest(node_id=args.node_id))

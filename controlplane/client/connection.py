@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
+from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
 from controlplane.client.errors import UsageError
 from controlplane.config import Settings
 
@@ -27,6 +27,8 @@ class Connection:
     tenant_id: str
     pool_id: str
     ca: str = ""  # PEM file of the CA that signed the API's TLS certificate; empty: plaintext
+    # The operator's token for `nodes` commands: --token when given, else the file's rootToken.
+    root_token: str = ""
 
     @classmethod
     def resolve(
@@ -38,8 +40,10 @@ class Connection:
         tenant: str | None = None,
         pool: str | None = None,
         ca: str | None = None,
+        operator: bool = False,
     ) -> Connection:
-        """The flags over `connection` (default `$BC_DATA_DIR/connection.json`, if it exists)."""
+        """The flags over `connection` (default `$BC_DATA_DIR/connection.json`, if it exists).
+        `operator`: a `nodes` command, which needs root's token and no tenant."""
         path = pathlib.Path(connection or pathlib.Path(Settings().data_dir, "connection.json"))
         saved: dict[str, Any] = {}
         if path.exists():
@@ -55,8 +59,10 @@ class Connection:
             tenant_id=tenant or saved.get("tenantId", ""),
             pool_id=pool or saved.get("poolId", ""),
             ca=ca or saved.get("ca", ""),
+            root_token=token or saved.get("rootToken", ""),
         )
-        needed = {"endpoint": conn.endpoint, "token": conn.token, "tenant": conn.tenant_id}
+        needed = ({"endpoint": conn.endpoint, "token": conn.root_token or conn.token} if operator  # no tenant
+                  else {"endpoint": conn.endpoint, "token": conn.token, "tenant": conn.tenant_id})
         missing = [name for name, value in needed.items() if not value]
         if missing:
             raise UsageError(
@@ -83,14 +89,17 @@ class Client:
     def __init__(self, channel: grpc.Channel, conn: Connection) -> None:
         self.conn = conn
         self.metadata = (("authorization", f"Bearer {conn.token}"),)
+        self.operator_metadata = (("authorization", f"Bearer {conn.root_token or conn.token}"),)
         self.stubs = {
             "reservations": reservations_pb2_grpc.ReservationsStub(channel),
             "confirmations": reservations_pb2_grpc.ConfirmationsStub(channel),
             "capacity": capacity_pb2_grpc.CapacityStub(channel),
             "events": events_pb2_grpc.EventsStub(channel),
             "usage": usage_pb2_grpc.UsageStub(channel),
+            "nodes": nodes_pb2_grpc.NodeAdminStub(channel),  # root's: the operator's token
         }
 
     def call(self, service: str, method: str, request: Message, timeout: float | None = RPC_TIMEOUT_S) -> Any:
         stub = self.stubs[service]
-        return getattr(stub, method)(request, metadata=self.metadata, timeout=timeout)
+        metadata = self.operator_metadata if service == "nodes" else self.metadata
+        return getattr(stub, method)(request, metadata=metadata, timeout=timeout)

@@ -105,11 +105,40 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--to", help="ISO 8601 or epoch ms (default: now)")
     p.set_defaults(run=commands.usage)
 
+    _node_commands(sub, common)
+
     p = sub.add_parser("confirmations", parents=[common], help="decide on an agent's held request")
     p.add_argument("decision", choices=["approve", "reject"])
     p.add_argument("confirmation_id", metavar="ID")
     p.set_defaults(run=commands.confirmation)
     return parser
+
+
+def _node_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`nodes …`: the operator's side of the node PKI (NodeAdmin), with root's token (--token, or
+    the connection file's rootToken)."""
+    p = sub.add_parser("nodes", parents=[common], help="operator: join tokens and certificates of nodes (root)")
+    ops = p.add_subparsers(dest="op", required=True, metavar="OP")
+    o = ops.add_parser("join-token", parents=[common],
+                       help="a one-time join token for a node name in the pool (the secret is shown once)")
+    o.add_argument("name", metavar="NODE_NAME")
+    o.add_argument("--role", choices=("node", "node-tenant"), default="node")
+    o.add_argument("--ttl", help="how long it can be used: 30m, 1h (default), up to 7d")
+    o.set_defaults(run=commands.join_token)
+    o = ops.add_parser("certificates", parents=[common], help="a node's certificates, newest first")
+    o.add_argument("node_id", metavar="NODE_ID")
+    o.set_defaults(run=commands.node_certificates)
+    o = ops.add_parser("revoke", parents=[common],
+                       help="revoke every certificate of a node (it cannot enrol again until readmitted), or one serial")
+    target = o.add_mutually_exclusive_group(required=True)
+    target.add_argument("node_id", metavar="NODE_ID", nargs="?")
+    target.add_argument("--serial", help="only this certificate (hex, as `nodes certificates` shows it)")
+    o.add_argument("--reason", required=True, help="why, kept with the revocation")
+    o.set_defaults(run=commands.revoke_node)
+    o = ops.add_parser("readmit", parents=[common], help="let a revoked node enrol again, with a new join token")
+    o.add_argument("node_id", metavar="NODE_ID")
+    o.set_defaults(run=commands.readmit_node)
+    p.set_defaults(operator=True)
 
 
 def _shape_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
