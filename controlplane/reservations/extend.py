@@ -27,7 +27,7 @@ from controlplane.common.names import IDEMPOTENCY_KEY, match
 from controlplane.ids import new_id
 from controlplane.nodes import desired
 from controlplane.reservations import queries, schedule, states
-from controlplane.reservations.lifecycle import ended_reason
+from controlplane.reservations.lifecycle import WINDOW_ENDED, ended_reason
 from controlplane.reservations.reads import find_visible, with_allocations
 from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
 from controlplane.runtime import Runtime
@@ -155,7 +155,7 @@ async def _require_alive(conn: AsyncConnection, row: dict[str, Any]) -> None:
     released it yet: an extend does not bring it back."""
     reason = await ended_reason(conn, row)
     if reason is not None:
-        raise errors.InvalidState("this reservation has ended" if reason == "window-ended" else "its lease lapsed",
+        raise errors.InvalidState("this reservation has ended" if reason == WINDOW_ENDED else "its lease lapsed",
                                   state=row["state"], reservationId=row["id"], reason=reason)
 
 

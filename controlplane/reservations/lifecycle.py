@@ -41,15 +41,23 @@ async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str
     await conn.execute(queries.END_ALLOCATIONS, {**params, "state": allocation_state})
 
 
-async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None:
-    """Why a booked reservation is over by compute_now() though the reconciler has not released
-    it yet (its lease lapsed, or its window ended), or None while it lives. Nothing brings it back."""
-    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+LEASE_LAPSED, WINDOW_ENDED = "lease-lapsed", "window-ended"
+
+
+def over_at(row: dict[str, Any], now_ms: int) -> str | None:
+    """Why a booked reservation is over at `now_ms` (its lease lapsed, or its window ended), or
+    None while it lives: what the reconciler ends it for, and what extend and renew refuse."""
     if row["lease_deadline_ms"] is not None and now_ms >= row["lease_deadline_ms"]:
-        return "lease-lapsed"
+        return LEASE_LAPSED
     if row["during_end"] is not None and now_ms >= row["during_end"]:
-        return "window-ended"
+        return WINDOW_ENDED
     return None
+
+
+async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None:
+    """`over_at` compute_now(): over though the reconciler has not released it yet. Nothing
+    brings it back."""
+    return over_at(row, (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"])
 
 
 async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
@@ -116,7 +124,7 @@ async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[s
         if row["state"] not in states.BOOKED:
             raise errors.InvalidState(f"a {row['state']} reservation cannot be renewed",
                                       reservationId=rid, state=row["state"])
-        if await ended_reason(conn, row) == "lease-lapsed":  # a late renew does not revive it
+        if await ended_reason(conn, row) == LEASE_LAPSED:  # a late renew does not revive it
             raise errors.InvalidState("the lease lapsed; the reservation is being released",
                                       reservationId=rid, state=row["state"], reason="lease-lapsed",
                                       leaseDeadline=row["lease_deadline_ms"])

@@ -17,7 +17,7 @@ from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import lifecycle as node_lease
 from controlplane.reservations import binding, preemption, queries, repair, schedule, states
-from controlplane.reservations.lifecycle import free_capacity
+from controlplane.reservations.lifecycle import LEASE_LAPSED, free_capacity, over_at
 from controlplane.reservations.transitions import expire_confirmation, move
 from controlplane.runtime import Runtime
 
@@ -51,10 +51,11 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
         return
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
 
-    if row["lease_deadline_ms"] is not None and now_ms >= row["lease_deadline_ms"]:
-        await end(conn, row, "lease-lapsed")
+    over = over_at(row, now_ms)
+    if over == LEASE_LAPSED:
+        await end(conn, row, LEASE_LAPSED)
         return
-    if now_ms >= row["during_end"]:
+    if over is not None:  # the window ended: at its end, or at a preemption's notice
         await end(conn, row, "preempted" if preemption.notice_of(row) else "expired")
         return
     if is_node_lease(row["request"]):  # from its start the node is metal's (controlplane.metal)
