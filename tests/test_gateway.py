@@ -478,9 +478,16 @@ def test_desired_state_is_pushed_on_connect_and_on_every_bump(gateway: GatewayTh
 
 # Reports ------------------------------------------------------------------------------------
 
-def _bound_body(node_id: str, allocation_id: str) -> bytes:
+def cdi_names(conninfo: str, allocation_id: str) -> list[str]:
+    """The CDI names bcd gives the allocation's devices (none for an unknown allocation)."""
+    rows = sql(conninfo, "SELECT device_ids FROM allocations WHERE id = %s", (allocation_id,))
+    return [f"bcd.dev/gpu={d}" for d in rows[0]["device_ids"]] if rows else []
+
+
+def _bound_body(node_id: str, allocation_id: str, devices: list[str] | None = None) -> bytes:
     return pb.Report(node_id=node_id, sequence=7, time=int(time.time() * 1000), bound=pb.AllocationBound(
-        allocation_id=allocation_id, cdi_devices=["bcd.dev/gpu=GPU-0"], env_file="/run/bcd/a.env")).SerializeToString()
+        allocation_id=allocation_id, cdi_devices=devices or ["bcd.dev/gpu=GPU-0"],
+        env_file="/run/bcd/a.env")).SerializeToString()
 
 
 def test_a_report_about_another_nodes_allocation_is_ignored_like_an_unknown_one(
@@ -495,7 +502,7 @@ def test_a_report_about_another_nodes_allocation_is_ignored_like_an_unknown_one(
     session.send(a.report(_bound_body(b.node_id, their_alloc)))  # claims to be b, on a's session
     session.send(a.report(_bound_body(a.node_id, "alloc_unknown")))
     session.send(pb.NodeMessage(report=pb.AttestedReport(body=b"\xff\x00junk", key_id=a.key_id)))
-    session.send(a.report(_bound_body(a.node_id, my_alloc)))  # processed in order: after the others
+    session.send(a.report(_bound_body(a.node_id, my_alloc, cdi_names(gateway.conninfo, my_alloc))))  # after the others
     eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM node_reports WHERE allocation_id = %s", (my_alloc,)))
     theirs_now = sql(gateway.conninfo, "SELECT bound_report FROM allocations WHERE id = %s", (their_alloc,))
     assert theirs_now == [{"bound_report": None}]
@@ -514,7 +521,7 @@ def test_a_bound_report_is_kept_byte_for_byte_and_wakes_the_reservation(
     rid, aid = binding(cp)
     cp.drain()
     # Valid but not canonical (fields out of order): re-serializing would change the bytes.
-    body = (pb.Report(bound=pb.AllocationBound(allocation_id=aid, cdi_devices=["bcd.dev/gpu=GPU-0"]))
+    body = (pb.Report(bound=pb.AllocationBound(allocation_id=aid, cdi_devices=cdi_names(gateway.conninfo, aid)))
             .SerializeToString() + pb.Report(node_id=node.node_id, sequence=1,
                                              time=int(time.time() * 1000)).SerializeToString())
     message = node.report(body)

@@ -24,7 +24,7 @@ from gateway.config import GatewaySettings
 from tests.conftest import module_stack
 from tests.nodes_support import ControlPlane
 from tests.support import ServerThread, make_world
-from tests.test_gateway import GatewayThread, Node, _bound_body, binding, connected, eventually, sql
+from tests.test_gateway import GatewayThread, Node, _bound_body, binding, cdi_names, connected, eventually, sql
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, deliveries, reserve
 from tests.test_webhooks import eventually as until
 
@@ -105,7 +105,7 @@ def test_control_plane_and_gateway_metrics_move_with_real_traffic(cp: ControlPla
     bad = node.report(_bound_body(node.node_id, aid))
     bad.report.signature = bytes(64)
     session.send(bad)
-    good = npb.Report.FromString(_bound_body(node.node_id, aid))
+    good = npb.Report.FromString(_bound_body(node.node_id, aid, cdi_names(gateway.conninfo, aid)))
     good.sequence += 1
     session.send(node.report(good.SerializeToString()))
     eventually(lambda: len(sql(gateway.conninfo, "SELECT 1 FROM node_reports WHERE allocation_id = %s", (aid,))) == 2,

@@ -13,11 +13,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
+from controlplane.reservations import reports
 from tests.support import Client, ServerThread, World, eventually, get, make_world
 from tests.test_pki import Enrolled, enrol, sign
 
@@ -45,10 +47,26 @@ def world(clock_stack: tuple[ServerThread, Client]) -> Iterator[World]:
     w.close()
 
 
-def report(node: Enrolled, world: World, allocation_id: str, kind: str, **fields: str) -> None:
+def eventually_rows(world: World, query: str, params: Any, count: int) -> list[tuple]:
+    """The rows of `query` once there are at least `count` of them."""
+    deadline = time.monotonic() + 30
+    while len(rows := world.sql(query, params)) < count:
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.05)
+    return rows
+
+
+def cdi_names(world: World, allocation_id: str) -> list[str]:
+    """The CDI names of the allocation's devices (`bcd.dev/gpu=<uuid>`)."""
+    return [f"bcd.dev/gpu={d}" for d in world.sql("SELECT device_ids FROM allocations WHERE id = %s",
+                                                   (allocation_id,))[0][0]]
+
+
+def report(node: Enrolled, world: World, allocation_id: str, kind: str, **fields: Any) -> None:
     """Store a node-signed report of `kind` about the allocation, as the gateway does, and wake."""
     body = node_pb2.Report(node_id=node.node_id, sequence=next(_SEQUENCE), time=int(time.time() * 1000))
-    if kind == "bound":
+    if kind == "bound":  # naming the allocation's devices as bcd names them, unless told otherwise
+        fields.setdefault("cdi_devices", cdi_names(world, allocation_id))
         body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id, **fields))
     elif kind == "released":
         body.released.CopyFrom(node_pb2.AllocationReleased(allocation_id=allocation_id, reason="unassigned"))
@@ -64,7 +82,7 @@ def test_a_report_that_arrives_while_placed_is_judged_at_the_start(world: World,
     now = world.root.admin("GetClock", apb.GetClockRequest()).now
     r = world.create(count=2, start=now + HOUR, duration="2h")
     alloc = r.allocations[0].id
-    report(node, world, alloc, "bound", cdi_devices=["bcd.dev/gpu=GPU-r-0", "bcd.dev/gpu=GPU-r-1"])
+    report(node, world, alloc, "bound")
     # The wake-up the report scheduled has run (the worker took every item due now) ...
     deadline = time.monotonic() + 30
     while world.sql("SELECT 1 FROM work_items WHERE subject = %s AND run_at <= compute_now()", (r.id,)):
@@ -78,8 +96,7 @@ def test_a_report_that_arrives_while_placed_is_judged_at_the_start(world: World,
     active = eventually(world, r.id, lambda x: x.state == "active")
     # At the start itself, not after the 5-minute bind timeout: the clock stands at the start.
     assert world.root.admin("GetClock", apb.GetClockRequest()).now < r.during.start + 5 * 60_000
-    assert active.binding.attested and list(active.binding.cdi_devices) == ["bcd.dev/gpu=GPU-r-0",
-                                                                              "bcd.dev/gpu=GPU-r-1"]
+    assert active.binding.attested and list(active.binding.cdi_devices) == cdi_names(world, alloc)
 
 
 def test_released_by_the_node_is_binding_lost_until_bound_again(world: World, node: Enrolled) -> None:
@@ -137,7 +154,25 @@ def test_a_kubernetes_binding_keeps_no_cgroup_parent_even_when_the_node_names_it
               " jsonb_build_object('value', 'true', 'source', 'system')) WHERE id = %s", (node.node_id,))
     r = world.create(count=1, duration="8h", binding="kubernetes")
     alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
-    report(node, world, alloc, "bound", cgroup_parent=f"bcd-alloc-{alloc}.slice",
-           cdi_devices=["bcd.dev/gpu=GPU-r-0"])
+    report(node, world, alloc, "bound", cgroup_parent=f"bcd-alloc-{alloc}.slice")
     active = eventually(world, r.id, lambda x: x.state == "active")
-    assert active.binding.cgroup_parent == "" and list(active.binding.cdi_devices) == ["bcd.dev/gpu=GPU-r-0"]
+    assert active.binding.cgroup_parent == "" and list(active.binding.cdi_devices) == cdi_names(world, alloc)
+
+
+def test_a_signed_bound_report_naming_other_devices_never_binds(world: World, node: Enrolled) -> None:
+    """The node's genuine signature over "bound" for this allocation, naming GPUs that are not the
+    allocation's (another allocation's on the same node, or one too many): the binding `get`
+    answers is what the workload runs with, so it never counts; binding-rejected says why."""
+    first = world.create(count=2, duration="8h")
+    mine = eventually(world, first.id, lambda x: x.state == "binding").allocations[0]
+    other = world.create(count=2, duration="8h")
+    theirs = eventually(world, other.id, lambda x: x.state == "binding").allocations[0]
+    report(node, world, mine.id, "bound", cdi_devices=cdi_names(world, theirs.id))
+    report(node, world, mine.id, "bound", cdi_devices=[*cdi_names(world, mine.id), *cdi_names(world, theirs.id)[:1]])
+    rejected = eventually_rows(world, "SELECT data->>'reason' FROM events WHERE subject = %s"
+                               " AND type = 'reservation.binding-rejected'", (f"reservation/{first.id}",), 2)
+    assert {r for (r,) in rejected} == {reports.NOT_ALLOCATED}
+    assert get(world, first.id).state == "binding"
+    report(node, world, mine.id, "bound")  # its own devices: bound
+    assert list(eventually(world, first.id, lambda x: x.state == "active").binding.cdi_devices) == \
+        cdi_names(world, mine.id)

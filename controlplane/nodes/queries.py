@@ -203,7 +203,7 @@ WAKE_RESERVATION = "SELECT wake_reservation(%(reservation_id)s)"
 # verdicts, and the newest sequence accepted from one signing key.
 UNJUDGED_REPORTS = """
 SELECT nr.id, nr.kind, nr.body, nr.key_id, nr.signature, nr.node_id AS reporter,
-       a.id AS allocation_id, a.node_id, a.state AS allocation_state
+       a.id AS allocation_id, a.node_id, a.state AS allocation_state, a.device_ids
 FROM node_reports nr
 JOIN allocations a ON a.id = nr.allocation_id
 WHERE a.reservation_id = %(id)s AND nr.judged_at IS NULL AND a.state IN ('binding', 'bound')

@@ -3,7 +3,8 @@ decides what they mean, and is the only writer of the evidence (allocations.boun
 bound_sig_kid, bound_sig: the bytes of the report that made the binding).
 
 - AllocationBound counts only when the attestation check passes (with attested bindings on, the
-  default): the binding then comes from the signed report, marked attested. A report that fails
+  default) and it names exactly the allocation's devices: the binding then comes from the signed
+  report, marked attested. A report that fails
   the check never counts and publishes reservation.binding-rejected; a forged re-report of a
   bound allocation marks the binding lost.
 - A replay never counts: a report about an allocation must be newer (Report.sequence) than every
@@ -33,6 +34,8 @@ from controlplane.reservations.transitions import condition, set_conditions
 # Node leases are exempt from attested bindings (spec): the metal worker binds them after it
 # verified the deploy, so a node's reports about them never count.
 NODE_LEASE = "a node lease is bound by its deploy workflow, not by node reports"
+NOT_ALLOCATED = "the report names devices that are not the allocation's"
+CDI_VENDOR = "bcd.dev"
 from controlplane.runtime import Runtime
 
 
@@ -48,6 +51,8 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
             ok, reason, report = False, NODE_LEASE, None
         else:
             ok, reason, report = await _check(conn, rt, pki, rep)
+        if ok and rep["kind"] == "bound" and not _names_the_allocations_devices(report, rep, row):
+            ok, reason = False, NOT_ALLOCATED
         if ok and await _replayed(conn, rep, report):
             ok, reason = False, attest.REPLAYED
         await stored_reports.record_verdict(conn, rep["id"], "accepted" if ok else f"rejected: {reason}",
@@ -87,6 +92,16 @@ async def _check(conn: AsyncConnection, rt: Runtime, pki: PkiSettings, rep: dict
     if report.WhichOneof("event") != "bound" or report.bound.allocation_id != rep["allocation_id"]:
         return False, attest.NOT_THIS_BOUND, None
     return True, "", report
+
+
+def _names_the_allocations_devices(report: node_pb2.Report, rep: dict[str, Any], row: dict[str, Any]) -> bool:
+    """Whether the bound report names exactly the allocation's devices, as bcd names them in the
+    CDI spec (`bcd.dev/<class>=<device id>`, DESIGN.md section 11): the binding `get` answers is
+    what the workload runs with, so a node must not point it at another allocation's GPUs."""
+    device_class = row["request"]["devices"][0].get("class") or "gpu"
+    allocated = {f"{CDI_VENDOR}/{device_class}={d}" for d in rep["device_ids"]}
+    named = list(report.bound.cdi_devices)
+    return len(named) == len(allocated) and set(named) == allocated
 
 
 async def _replayed(conn: AsyncConnection, rep: dict[str, Any], report: node_pb2.Report) -> bool:
