@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
@@ -26,8 +28,9 @@ WAIT_CAP_S = 1.0
 
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    # Pending reservations are retried only when woken (no 30-second safety net to hide a lost wake-up).
     yield from module_stack(pg_uri, default_placer="lease", placer_lease_seconds=1.5,
-                            create_wait_cap_seconds=WAIT_CAP_S)
+                            create_wait_cap_seconds=WAIT_CAP_S, pending_retry_seconds=3600)
 
 
 @pytest.fixture
@@ -275,4 +278,59 @@ def test_a_victim_whose_preemptor_withdrew_and_that_extended_is_not_released_as_
     assert rel["reason"] == "expired"
     assert not world.sql("SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.preempted'",
                          (f"reservation/{spot.id}",))
+    check_invariants(world.conninfo, world.tenant)
+
+
+HELD = 424242  # the advisory lock a test trigger makes one reservation's pending event wait for
+
+
+def test_capacity_freed_while_a_batch_leaves_a_reservation_pending_wakes_it(world: World) -> None:
+    """The attack: release a reservation while the lease holder's batch, which found no room for a
+    queued one, has not committed it pending yet. The release's wake-up (bc_pool_freed) reached the
+    pending worker while the member was still queued, so it found nothing to retry; the batch then
+    committed it pending and nothing woke it again (until the 30-second safety net, here off),
+    though its capacity had been free all along. The pending worker now waits for the pool lock
+    before it reads the pool's pending reservations, so a batch in flight commits first."""
+    world.wait_ms = 20_000
+    one_node_pool(world)
+    blocker = placed(world, count=8, duration="8h")
+    never = placed(world, count=16)  # always pending: a retry of the pool tries it and says so
+    assert never.state == "pending"
+    world.wait_ms = 0
+    held_by_other(world)
+    late = world.create(count=8, duration="1h")
+    assert late.state == "queued"
+    world.sql(f"""CREATE FUNCTION hold_pending_{world.tenant}() RETURNS trigger LANGUAGE plpgsql AS $$
+                  BEGIN
+                    IF NEW.type = 'reservation.pending' AND NEW.subject = 'reservation/{late.id}' THEN
+                      PERFORM pg_advisory_xact_lock({HELD});
+                    END IF;
+                    RETURN NEW;
+                  END $$""")
+    world.sql(f"CREATE TRIGGER hold_pending_{world.tenant} BEFORE INSERT ON events "
+              f"FOR EACH ROW EXECUTE FUNCTION hold_pending_{world.tenant}()")
+    holder = psycopg.connect(world.conninfo, autocommit=True)
+    try:
+        holder.execute("SELECT pg_advisory_lock(%s)", (HELD,))
+        with capture_logs() as logs:
+            lapse(world)  # the server takes the lease; its batch finds no room and waits to commit
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            deadline = time.monotonic() + 20
+            while world.sql(waiting)[0][0] < 1:
+                assert time.monotonic() < deadline, "the batch never reached its commit"
+                time.sleep(0.02)
+            assert release(world, blocker.id).state == "released"  # capacity freed, the pool woken
+
+            def retried() -> bool:
+                return any(e["event"] == "pending retried" and e.get("pool_id") == world.pool_id for e in logs)
+            while not retried() and world.sql(waiting)[0][0] < 2:  # it retried, or waits for the pool lock
+                assert time.monotonic() < deadline, "the pending worker was never woken"
+                time.sleep(0.02)
+            holder.execute("SELECT pg_advisory_unlock(%s)", (HELD,))
+            r = eventually(world, late.id, lambda x: x.state in ("placed", "binding"), seconds=15)
+        assert len(r.allocations) == 1
+    finally:
+        holder.close()
+        world.sql(f"DROP TRIGGER hold_pending_{world.tenant} ON events")
+        world.sql(f"DROP FUNCTION hold_pending_{world.tenant}()")
     check_invariants(world.conninfo, world.tenant)

@@ -15,6 +15,7 @@ import psycopg
 import structlog
 
 from controlplane import db
+from controlplane.common.locks import pool_lock
 from controlplane.listen import RECONNECTED, listen
 from controlplane.reservations import placing, queries, states
 from controlplane.runtime import Runtime
@@ -27,8 +28,12 @@ COALESCE_SECONDS = 0.05  # wake-ups this close after the first are handled with 
 
 
 async def retry_pool(rt: Runtime, pool_id: str) -> int:
-    """Try to place the pool's pending reservations, oldest first; the number placed."""
+    """Try to place the pool's pending reservations, oldest first; the number placed. The pool lock
+    comes first: a transaction holding it (a lease batch, an inline create) that is about to leave
+    a reservation pending commits before the read, so the wake-up of capacity freed meanwhile is
+    not spent while that reservation is still queued."""
     async with db.read_only(rt.pool) as conn:
+        await pool_lock(conn, pool_id)
         ids = [r["id"] for r in await (
             await conn.execute(queries.PENDING_IN_POOL, {"pool_id": pool_id, "limit": BATCH})
         ).fetchall()]
