@@ -20,6 +20,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
+from controlplane.workers import pending as pending_worker
 from tests.support import Client, ServerThread, World, eventually, get, gpus, invalid, make_world, refused, rpc_error
 
 NOTICE_S = 2
@@ -333,4 +334,36 @@ def test_capacity_freed_while_a_batch_leaves_a_reservation_pending_wakes_it(worl
         holder.close()
         world.sql(f"DROP TRIGGER hold_pending_{world.tenant} ON events")
         world.sql(f"DROP FUNCTION hold_pending_{world.tenant}()")
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_older_hopeless_pending_reservations_of_one_tenant_never_starve_anothers(world: World) -> None:
+    """The attack: a tenant fills a pool it shares with a page's worth (the pending worker's BATCH)
+    of pending reservations nothing can ever place (a node selector no node has), older than
+    another tenant's. Every retry read only the oldest page, so when capacity was freed the other
+    tenant's pending reservation was never retried, neither woken nor by the safety net."""
+    world.quota(pending_worker.BATCH + 16)
+    world.wait_ms = 20_000
+    blockers = [placed(world, count=8, duration="8h") for _ in range(2)]  # the pool is full
+    world.wait_ms = 0
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: world.create(count=1, node_selector={"zone": "nowhere"}),
+                      range(pending_worker.BATCH)))
+    hopeless = "SELECT count(*) FROM reservations WHERE tenant_id = %s AND state = 'pending'"
+    deadline = time.monotonic() + 60
+    while world.sql(hopeless, (world.tenant,))[0][0] < pending_worker.BATCH:
+        assert time.monotonic() < deadline, "the hopeless reservations never went pending"
+        time.sleep(0.1)
+    guest = make_world(world.endpoint, world.root, world.conninfo, nodes=0)
+    try:
+        world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
+        guest.pool_id = world.pool_id
+        g = guest.create(count=8, wait=pb.Wait(timeout_ms=20_000))
+        assert eventually(guest, g.id, lambda x: x.state != "queued", seconds=20).state == "pending"
+        release(world, blockers[0].id)
+        r = eventually(guest, g.id, lambda x: x.state in ("placed", "binding"), seconds=30)
+        assert len(r.allocations) == 1
+        check_invariants(guest.conninfo, guest.tenant)
+    finally:
+        guest.close()
     check_invariants(world.conninfo, world.tenant)
