@@ -26,7 +26,7 @@ from controlplane.common.locks import pool_lock
 from controlplane.common.names import IDEMPOTENCY_KEY, match
 from controlplane.ids import new_id
 from controlplane.nodes import desired
-from controlplane.reservations import queries, schedule, states
+from controlplane.reservations import preemption, queries, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, ended_reason
 from controlplane.reservations.reads import find_visible, with_allocations
 from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
@@ -142,6 +142,7 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
         await _release_slot(conn, rid, staged.hold)
         return {"reservation": await with_allocations(conn, row), "extended": False, "available_until": available}
     await conn.execute(queries.SET_WINDOW_END, params)
+    await preemption.withdraw_notice(conn, row)  # past its notice's end: no longer preempted
     await desired.bump_live_of(conn, rid)
     await _release_slot(conn, rid, staged.hold)
     await schedule.at(conn, rid, staged.new_end)

@@ -22,7 +22,7 @@ from controlplane.metal import is_node_lease
 from controlplane.nodes import desired
 from controlplane.placement import gang, placer, preempt
 from controlplane.reservations import schedule, states
-from controlplane.reservations.transitions import condition
+from controlplane.reservations.transitions import condition, set_conditions
 from controlplane.runtime import Runtime
 
 PREEMPTING = "Preempting"
@@ -103,3 +103,10 @@ async def fall_back_inline(conn: AsyncConnection, pool_id: str, pending: list[di
 def notice_of(row: dict[str, Any]) -> dict[str, Any] | None:
     """The Preempting condition of a row that got a notice, or None."""
     return next((c for c in row["conditions"] if c.get("type") == PREEMPTING), None)
+
+
+async def withdraw_notice(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """`row` (locked) now ends past its notice (an extend got the devices back after its preemptor
+    left them): it is no longer under notice, so its end is not a preemption."""
+    if notice_of(row) is not None:
+        await set_conditions(conn, row, [c for c in row["conditions"] if c.get("type") != PREEMPTING])

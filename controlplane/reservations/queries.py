@@ -223,10 +223,12 @@ ORDER BY r.created_at DESC, r.id DESC
 LIMIT %(limit)s
 """
 
+# One page of the pool's pending reservations, oldest first, after the cursor (NULL: from the first).
 PENDING_IN_POOL = """
-SELECT r.id FROM reservations r
+SELECT r.id, r.created_at FROM reservations r
 WHERE r.pool_id = %(pool_id)s AND r.state = 'pending'
-ORDER BY r.created_at
+  AND (%(after_at)s::timestamptz IS NULL OR (r.created_at, r.id) > (%(after_at)s::timestamptz, %(after_id)s::text))
+ORDER BY r.created_at, r.id
 LIMIT %(limit)s
 """
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import psycopg
 import structlog
 
 from controlplane import db
+from controlplane.common.locks import pool_lock
 from controlplane.listen import RECONNECTED, listen
 from controlplane.reservations import placing, queries, states
 from controlplane.runtime import Runtime
@@ -27,17 +29,29 @@ COALESCE_SECONDS = 0.05  # wake-ups this close after the first are handled with 
 
 
 async def retry_pool(rt: Runtime, pool_id: str) -> int:
-    """Try to place the pool's pending reservations, oldest first; the number placed."""
-    async with db.read_only(rt.pool) as conn:
-        ids = [r["id"] for r in await (
-            await conn.execute(queries.PENDING_IN_POOL, {"pool_id": pool_id, "limit": BATCH})
-        ).fetchall()]
-    placed = 0
-    for rid in ids:
-        if await db.run_in_transaction(rt.pool, lambda c, rid=rid: _retry_one(c, rt, rid)):
-            placed += 1
-    if ids:
-        log.info("pending retried", pool_id=pool_id, tried=len(ids), placed=placed)
+    """Try to place the pool's pending reservations, oldest first, a page of BATCH at a time until
+    every one was tried (a page alone let a tenant's hopeless pending reservations, older than
+    another's, keep that one from ever being retried); the number placed. The pool lock comes
+    first: a transaction holding it (a lease batch, an inline create) that is about to leave a
+    reservation pending commits before the read, so the wake-up of capacity freed meanwhile is not
+    spent while that reservation is still queued."""
+    placed = tried = 0
+    after: dict[str, Any] = {"after_at": None, "after_id": None}
+    while True:
+        async with db.read_only(rt.pool) as conn:
+            if not tried:
+                await pool_lock(conn, pool_id)
+            rows = await (await conn.execute(
+                queries.PENDING_IN_POOL, {"pool_id": pool_id, "limit": BATCH, **after})).fetchall()
+        for row in rows:
+            if await db.run_in_transaction(rt.pool, lambda c, rid=row["id"]: _retry_one(c, rt, rid)):
+                placed += 1
+        tried += len(rows)
+        if len(rows) < BATCH:
+            break
+        after = {"after_at": rows[-1]["created_at"], "after_id": rows[-1]["id"]}
+    if tried:
+        log.info("pending retried", pool_id=pool_id, tried=tried, placed=placed)
     return placed
 
 
