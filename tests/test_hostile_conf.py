@@ -80,3 +80,52 @@ def test_a_create_placing_while_its_owner_is_offboarded_passes_to_the_successor(
     assert world.sql("SELECT count(*) FROM events WHERE subject = %s AND type = 'reservation.reassigned'",
                      (f"reservation/{placed.id}",)) == [(1,)]
     check_invariants(world.conninfo, world.tenant)
+
+
+# Delegated confirmation ----------------------------------------------------------------------------
+
+
+def agent_world(world: World) -> tuple[str, Any]:
+    """People may book; the person's agent is held for confirmation on creates."""
+    world.policy(AGENT_POLICY)
+    return world.identity(kind="agent", person_identity_id=world.user_id, confirm_actions=[CREATE])
+
+
+def held(world: World, agent: Any, request: pb.CreateReservationRequest) -> dict[str, str]:
+    """The details of the CONFIRMATION_REQUIRED an agent's create gets."""
+    code, reason, details = refused(agent.res, "Create", request)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "CONFIRMATION_REQUIRED"), details
+    return details
+
+
+def decide(world: World, method: str, cid: str, client: Any = None) -> pb.Confirmation:
+    return (client or world.user).conf(method, pb.DecideConfirmationRequest(tenant_id=world.tenant,
+                                                                            confirmation_id=cid))
+
+
+@pytest.mark.parametrize("method", ["Approve", "Reject"])
+def test_a_person_deciding_while_the_agent_retries_is_answered_by_that_decision(world: World, method: str) -> None:
+    """The agent's retry read the confirmation pending and IAM held it again; the person decides
+    before the retry's transaction 2. The retry must neither fail INTERNAL (a second open
+    confirmation) nor open a new one that would undo a rejection."""
+    _, agent = agent_world(world)
+    request = world.create_request(count=1, start=world.later(24))
+    first = held(world, agent, request)
+    rid, cid = first["reservationId"], first["confirmationId"]
+    with psycopg.connect(world.conninfo) as holder:  # holds the reservation row transaction 2 locks
+        holder.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (rid,))
+        retry = Background(refused, agent.res, "Create", request)
+        wait_for_lock_wait(world, "%FROM reservations%FOR UPDATE%")
+        assert decide(world, method, cid).state == ("approved" if method == "Approve" else "rejected")
+        holder.rollback()
+    code, reason, details = retry.result()
+    assert reason != "INTERNAL", details
+    assert world.sql("SELECT id, state FROM confirmations WHERE reservation_id = %s", (rid,)) == [
+        (cid, "approved" if method == "Approve" else "rejected")]
+    if method == "Approve":
+        assert (reason, details["confirmationId"]) == ("CONFIRMATION_REQUIRED", cid)
+        assert agent.res("Create", request).state == "placed"  # the next retry finds the approval
+    else:
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+        assert refused(agent.res, "Create", request)[1] == "ACCESS_DENIED"  # the key stays refused
+    check_invariants(world.conninfo, world.tenant)
