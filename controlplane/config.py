@@ -93,7 +93,7 @@ class Settings:
     # Every repeated and map field of every request (labels, selectors, event types, GPUs, ...).
     max_list_entries: int = field(default_factory=lambda: _int("BC_MAX_LIST_ENTRIES", 64))
     # Drafts (refused or abandoned creates) are deleted after this window; an identity holds at
-    # most max_drafts_per_identity live ones.
+    # most max_drafts_per_identity live ones (requests awaiting confirmation count too).
     draft_retention_hours: float = field(
         default_factory=lambda: float(os.environ.get("BC_DRAFT_RETENTION_HOURS", "24"))
     )

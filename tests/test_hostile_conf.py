@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -15,8 +16,9 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from tests.conftest import module_stack
 from tests.invariants import check_invariants
-from tests.support import World, refused
+from tests.support import Client, ServerThread, World, make_world, refused
 
 AGENT_POLICY = "permit(principal, action, resource) unless { context.delegated };"
 CREATE = "compute:reservations:create"
@@ -129,3 +131,201 @@ def test_a_person_deciding_while_the_agent_retries_is_answered_by_that_decision(
         assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
         assert refused(agent.res, "Create", request)[1] == "ACCESS_DENIED"  # the key stays refused
     check_invariants(world.conninfo, world.tenant)
+
+
+def absent_confirmation() -> str:
+    return "conf_" + "0" * 26
+
+
+def test_a_confirmation_is_not_found_for_another_member_and_another_agent_of_the_person(world: World) -> None:
+    """Only the person asked and the agent asking see a confirmation: another member of the tenant,
+    and another agent of the same person, get NOT_FOUND exactly as for an absent one."""
+    _, agent = agent_world(world)
+    cid = held(world, agent, world.create_request(count=1))["confirmationId"]
+    _, other_user = world.identity()
+    _, other_agent = world.identity(kind="agent", person_identity_id=world.user_id, confirm_actions=[CREATE])
+    for client in (other_user, other_agent):
+        for method, request in (("Get", pb.GetConfirmationRequest), ("Approve", pb.DecideConfirmationRequest),
+                                ("Reject", pb.DecideConfirmationRequest)):
+            theirs = refused(client.conf, method, request(tenant_id=world.tenant, confirmation_id=cid))
+            absent = refused(client.conf, method, request(tenant_id=world.tenant,
+                                                          confirmation_id=absent_confirmation()))
+            assert theirs[:2] == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND"), (method, theirs)
+            assert {k: v.replace(cid, "ID") for k, v in theirs[2].items()} == \
+                   {k: v.replace(absent_confirmation(), "ID") for k, v in absent[2].items()}
+    assert world.sql("SELECT state FROM confirmations WHERE id = %s", (cid,)) == [("pending",)]
+
+
+def test_a_confirmation_named_under_another_tenant_of_the_person_is_not_found(world: World) -> None:
+    """The person is a member of two tenants; its confirmation of tenant A named under tenant B is
+    NOT_FOUND, and deciding it there changes nothing."""
+    _, agent = agent_world(world)
+    cid = held(world, agent, world.create_request(count=1))["confirmationId"]
+    other = f"t{cid[-10:]}"
+    world.root.admin("CreateTenant", apb.CreateTenantRequest(id=other, name=other))
+    world.sql("INSERT INTO memberships (tenant_id, identity_id) VALUES (%s, %s)", (other, world.user_id))
+    for method in ("Approve", "Reject"):
+        code, reason, details = refused(world.user.conf, method, pb.DecideConfirmationRequest(
+            tenant_id=other, confirmation_id=cid))
+        assert (code, reason, details["confirmationId"]) == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", cid)
+    assert world.sql("SELECT state FROM confirmations WHERE id = %s", (cid,)) == [("pending",)]
+
+
+def test_concurrent_decisions_of_the_person_leave_exactly_one(world: World) -> None:
+    """Approve and reject racing from the person's own sessions: exactly one wins, every other is
+    INVALID_STATE naming the winner's state, and the stored state is the winner's."""
+    _, agent = agent_world(world)
+    request = world.create_request(count=1, start=world.later(24))
+    cid = held(world, agent, request)["confirmationId"]
+    calls = [Background(refused_or_answer, decide, world, "Approve" if i % 2 else "Reject", cid) for i in range(8)]
+    answers = [c.result() for c in calls]
+    won = [a for a in answers if isinstance(a, pb.Confirmation)]
+    assert len(won) == 1, answers
+    lost = [a for a in answers if not isinstance(a, pb.Confirmation)]
+    assert all(a[:2] == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE") and a[2]["state"] == won[0].state
+               for a in lost), lost
+    assert world.sql("SELECT state FROM confirmations WHERE id = %s", (cid,)) == [(won[0].state,)]
+    # Deciding again after the race is refused the same way.
+    assert refused(decide, world, "Approve", cid)[1] == "INVALID_STATE"
+
+
+def refused_or_answer(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except grpc.RpcError:
+        return refused(fn, *args)
+
+
+def test_concurrent_retries_of_an_approved_request_place_it_once_and_charge_once(world: World) -> None:
+    _, agent = agent_world(world)
+    world.quota(4)
+    request = world.create_request(count=3, start=world.later(24))
+    first = held(world, agent, request)
+    decide(world, "Approve", first["confirmationId"])
+    retries = [Background(agent.res, "Create", request) for _ in range(8)]
+    answers = [r.result() for r in retries]
+    assert {a.id for a in answers} == {first["reservationId"]}
+    assert {a.state for a in answers} == {"placed"}
+    assert world.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (first["reservationId"],)) == [(1,)]
+    assert world.sql("SELECT count(*) FROM events WHERE subject = %s AND type = 'reservation.placed'",
+                     (f"reservation/{first['reservationId']}",)) == [(1,)]
+    # Exactly 3 of 4 GPUs are used: a second reservation of 2 does not fit.
+    assert refused(world.create, count=2)[1] == "QUOTA_EXCEEDED"
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_the_same_key_with_another_request_while_held_is_conflict(world: World) -> None:
+    _, agent = agent_world(world)
+    request = world.create_request(count=1, start=world.later(24))
+    first = held(world, agent, request)
+    other = world.create_request(key=request.idempotency_key, count=2, start=world.later(24))
+    code, reason, details = refused(agent.res, "Create", other)
+    assert (code, reason, details["reservationId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", first["reservationId"])
+    decide(world, "Approve", first["confirmationId"])
+    assert refused(agent.res, "Create", other)[1] == "CONFLICT"  # an approval is for that request only
+    placed = agent.res("Create", request)
+    assert (placed.state, placed.request.devices[0].count) == ("placed", 1)
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_held_request_released_by_its_agent_cannot_be_approved_into_a_placement(world: World) -> None:
+    _, agent = agent_world(world)
+    request = world.create_request(count=1, start=world.later(24))
+    first = held(world, agent, request)
+    rid, cid = first["reservationId"], first["confirmationId"]
+    world.policy(AGENT_POLICY + f'\npermit(principal, action == Action::"compute:reservations:release", resource);')
+    released = agent.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=rid))
+    assert released.state == "cancelled"
+    code, reason, _ = refused(decide, world, "Approve", cid)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE")
+    again = agent.res("Create", request)
+    assert (again.id, again.state) == (rid, "cancelled")
+    assert world.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (rid,)) == [(0,)]
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_offboarding_the_agent_alone_withdraws_what_it_asked(world: World) -> None:
+    """Root offboards the agent (its person stays): its open confirmation is withdrawn, the person
+    can no longer approve it, and its held request expired."""
+    agent_id, agent = agent_world(world)
+    request = world.create_request(count=1, start=world.later(24))
+    first = held(world, agent, request)
+    answer = world.root.admin("OffboardIdentity", apb.OffboardIdentityRequest(
+        identity_id=agent_id, successor_identity_id=world.user_id))
+    assert list(answer.withdrawn_confirmation_ids) == [first["confirmationId"]]
+    assert list(answer.expired_reservation_ids) == [first["reservationId"]]
+    assert refused(decide, world, "Approve", first["confirmationId"])[1] == "INVALID_STATE"
+    assert refused(agent.res, "Create", request)[1] == "UNAUTHENTICATED"
+    seen = world.user.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=first["reservationId"]))
+    assert seen.state == "expired"
+
+
+def test_an_approval_never_outranks_the_persons_own_refusal(world: World) -> None:
+    """Approved, then the policy forbids the person: the retry is decided on the person's authority
+    and refused; nothing is charged or booked, and the key stays refused."""
+    _, agent = agent_world(world)
+    request = world.create_request(count=1, start=world.later(24))
+    first = held(world, agent, request)
+    decide(world, "Approve", first["confirmationId"])
+    world.policy(AGENT_POLICY + f'\nforbid(principal == Identity::"{world.user_id}", action, resource);')
+    assert refused(agent.res, "Create", request)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+    world.policy(AGENT_POLICY)
+    assert refused(agent.res, "Create", request)[1] == "ACCESS_DENIED"
+    assert world.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s",
+                     (first["reservationId"],)) == [(0,)]
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_an_approved_request_over_quota_stays_approved_and_places_once_there_is_room(world: World) -> None:
+    _, agent = agent_world(world)
+    world.quota(1)
+    request = world.create_request(count=2, start=world.later(24))
+    first = held(world, agent, request)
+    decide(world, "Approve", first["confirmationId"])
+    assert refused(agent.res, "Create", request)[1] == "QUOTA_EXCEEDED"
+    assert world.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s",
+                     (first["reservationId"],)) == [(0,)]
+    world.quota(2)
+    assert agent.res("Create", request).state == "placed"
+    check_invariants(world.conninfo, world.tenant)
+
+
+@pytest.mark.parametrize("cid", ["", "conf_" + "0" * 25, "conf_" + "0" * 26 + "\x00", "CONF_" + "0" * 26,
+                                 "conf_" + "0" * 5000, "rsv_" + "0" * 52])
+def test_a_malformed_confirmation_id_is_invalid_input_naming_it(world: World, cid: str) -> None:
+    code, reason, details = refused(world.user.conf, "Approve", pb.DecideConfirmationRequest(
+        tenant_id=world.tenant, confirmation_id=cid))
+    assert (code, reason, details.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT",
+                                                    "confirmationId"), details
+
+
+@pytest.fixture(scope="module")
+def capped(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, max_drafts_per_identity=3)
+
+
+def test_an_agent_cannot_flood_its_person_with_confirmations(capped: tuple[ServerThread, Client]) -> None:
+    """Each held create is an unfinished create request: an agent holds at most
+    max_drafts_per_identity of them (and drafts) at once, like any identity's drafts, so it
+    cannot open confirmations for its person without end. A retry of a held key still works, and
+    a decided one frees its place."""
+    server, root = capped
+    w = make_world(server.endpoint, root, server.conninfo, nodes=1)
+    try:
+        _, agent = agent_world(w)
+        requests = [w.create_request(key=f"ask-{i}", count=1, start=w.later(24)) for i in range(3)]
+        asked = [held(w, agent, r) for r in requests]
+        code, reason, details = refused(agent.res, "Create", w.create_request(key="ask-more", count=1))
+        assert (code, reason, details["reason"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED",
+                                                     "draft-limit"), details
+        assert 0 < int(details["retryAfterSeconds"])
+        assert w.sql("SELECT count(*) FROM confirmations WHERE tenant_id = %s", (w.tenant,)) == [(3,)]
+        retry = held(w, agent, requests[0])
+        assert retry["confirmationId"] == asked[0]["confirmationId"]
+        decide(w, "Reject", asked[1]["confirmationId"])
+        assert refused(agent.res, "Create", requests[1])[1] == "ACCESS_DENIED"  # decided: denied, no longer held
+        held(w, agent, w.create_request(key="ask-more", count=1))
+        # The person is not held back by its agent's requests.
+        assert w.create(count=1, start=w.later(24)).state == "placed"
+    finally:
+        w.close()

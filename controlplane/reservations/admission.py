@@ -229,8 +229,9 @@ async def _with_host_resources(
 
 
 def _require_draft_room(rt: Runtime, live: dict[str, Any]) -> None:
-    """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates)
-    until the retention window deletes them: QUOTA_EXCEEDED, retryable after the window.
+    """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates, and
+    requests awaiting confirmation) until the retention window deletes them or their confirmation
+    ends: QUOTA_EXCEEDED, retryable after the window.
     `live`: its drafts as LIVE_DRAFTS counts them."""
     cap = rt.settings.max_drafts_per_identity
     if live["n"] >= cap:
