@@ -329,3 +329,70 @@ def test_an_agent_cannot_flood_its_person_with_confirmations(capped: tuple[Serve
         assert w.create(count=1, start=w.later(24)).state == "placed"
     finally:
         w.close()
+
+
+# Tokens --------------------------------------------------------------------------------------------
+
+
+def list_with(world: World, header: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    channel = grpc.insecure_channel(world.endpoint)
+    try:
+        stub = __import__("bettercompute.v1.reservations_pb2_grpc", fromlist=["_"]).ReservationsStub(channel)
+        return refused(stub.List, pb.ListReservationsRequest(tenant_id=world.tenant), metadata=header, timeout=30)
+    finally:
+        channel.close()
+
+
+def test_malformed_bearer_values_are_unauthenticated(world: World) -> None:
+    token = world.user.metadata[0][1].split(" ", 1)[1]
+    for header in [
+        (("authorization", "Bearer"),), (("authorization", "Bearer    "),), (("authorization", "Basic " + token),),
+        (("authorization", token),), (("authorization", "Bearer " + token + "x"),),
+        (("authorization", "Bearer " + token[:-1]),), (("authorization", "Bearer " + "a" * 6000),),
+        (("authorization", "Bearer " + token.upper()),), (("authorization-bin", token.encode()),),
+        (("x-authorization", "Bearer " + token),), (),
+    ]:
+        code, reason, _ = list_with(world, header)
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"), header[:1]
+    # The token itself works, with any case of the scheme and spaces around the secret.
+    for header in ((("authorization", "bearer " + token),), (("authorization", "BEARER   " + token + "  "),)):
+        channel = grpc.insecure_channel(world.endpoint)
+        stub = __import__("bettercompute.v1.reservations_pb2_grpc", fromlist=["_"]).ReservationsStub(channel)
+        stub.List(pb.ListReservationsRequest(tenant_id=world.tenant), metadata=header, timeout=30)
+        channel.close()
+
+
+def test_a_token_of_an_identity_in_no_tenant_reaches_nothing(world: World) -> None:
+    loner = f"loner-{world.tenant}"
+    world.root.admin("CreateIdentity", apb.CreateIdentityRequest(id=loner, kind="user", name=loner))
+    token = world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=loner)).secret
+    client = Client(world.endpoint, token)
+    try:
+        assert refused(client.res, "List", pb.ListReservationsRequest(tenant_id=world.tenant))[1] == "ACCESS_DENIED"
+        assert refused(client.res, "Create", world.create_request(count=1))[1] == "ACCESS_DENIED"
+        assert refused(client.admin, "PutPolicy", apb.PutPolicyRequest(
+            tenant_id=world.tenant, cedar="permit(principal, action, resource);"))[1] == "ACCESS_DENIED"
+    finally:
+        client.close()
+
+
+# Deadlines -----------------------------------------------------------------------------------------
+
+
+def test_an_approval_not_used_by_the_deadline_expires_with_the_request(clock_world: World) -> None:
+    """The person approved, but the agent keeps the approval and retries days later: after the
+    deadline the request is expired (spec: by the reconciler or on a late retry), not placed at a
+    time the person never saw."""
+    w = clock_world
+    _, agent = agent_world(w)
+    request = w.create_request(count=1)  # "now": the person approves a booking from now
+    first = held(w, agent, request)
+    decide(w, "Approve", first["confirmationId"])
+    w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=2 * 24 * 3600 * 1000))
+    late = agent.res("Create", request)
+    assert (late.id, late.state) == (first["reservationId"], "expired")
+    assert w.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (late.id,)) == [(0,)]
+    assert w.sql("SELECT state FROM confirmations WHERE id = %s", (first["confirmationId"],)) == [("expired",)]
+    assert w.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND type = 'reservation.expired'",
+                 (f"reservation/{late.id}",)) == [("confirmation-expired",)]
+    check_invariants(w.conninfo, w.tenant)
