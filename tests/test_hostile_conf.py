@@ -5,6 +5,11 @@ database is read to check what is stored, and written only to hold a lock or mov
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +21,7 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane import bootstrap
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, make_world, refused
@@ -396,3 +402,42 @@ def test_an_approval_not_used_by_the_deadline_expires_with_the_request(clock_wor
     assert w.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND type = 'reservation.expired'",
                  (f"reservation/{late.id}",)) == [("confirmation-expired",)]
     check_invariants(w.conninfo, w.tenant)
+
+
+# Policies ------------------------------------------------------------------------------------------
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def deep(depth: int, opening: str = "(", closing: str = ")", inner: str = "true") -> str:
+    return f"permit(principal, action, resource) when {{ {opening * depth}{inner}{closing * depth} }};"
+
+
+def test_a_deeply_nested_policy_is_invalid_input_and_the_server_lives(database: str) -> None:
+    """Cedar's parser recurses per bracket: a policy of a few KB nested a thousand deep overflowed
+    the stack and killed the control plane process on PutPolicy (a segmentation fault, not an
+    error). It is INVALID_INPUT naming `cedar`, whichever bracket nests, and the process serves on."""
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--listen", "127.0.0.1:0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "DATABASE_URL": database, "BC_LOG_FORMAT": "json"})
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        port = int(line.split(" (")[0].rsplit(":", 1)[1])
+        root = Client(f"127.0.0.1:{port}", bootstrap.ensure_root(database))
+        root.admin("CreateTenant", apb.CreateTenantRequest(id="deep", name="deep"))
+        for text in (deep(2000), deep(2000, "[", "]", ""), deep(2000, "{a:", "}", "1"),
+                     deep(40, "(if true then (", ") else true)")):
+            assert len(text) < 65536
+            code, reason, details = refused(root.admin, "PutPolicy", apb.PutPolicyRequest(tenant_id="deep", cedar=text))
+            assert (code, reason, details.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT",
+                                                            "cedar"), details
+        assert proc.poll() is None
+        # Brackets in strings and comments do not count; an ordinary policy nests as it likes.
+        fine = ('// ' + "(" * 2000 + '\npermit(principal, action, resource) when { "' + "[" * 2000 + '" != "" && '
+                + "(" * 20 + "true" + ")" * 20 + " };")
+        assert root.admin("PutPolicy", apb.PutPolicyRequest(tenant_id="deep", cedar=fine)).cedar == fine
+        root.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
