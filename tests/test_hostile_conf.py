@@ -21,10 +21,11 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import reservations_pb2_grpc
 from controlplane import bootstrap
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
-from tests.support import Client, ServerThread, World, make_world, refused
+from tests.support import Client, ServerThread, World, eventually, gpus, make_world, refused
 
 AGENT_POLICY = "permit(principal, action, resource) unless { context.delegated };"
 CREATE = "compute:reservations:create"
@@ -87,6 +88,32 @@ def test_a_create_placing_while_its_owner_is_offboarded_passes_to_the_successor(
     assert seen.owner_identity_id == successor_id
     assert world.sql("SELECT count(*) FROM events WHERE subject = %s AND type = 'reservation.reassigned'",
                      (f"reservation/{placed.id}",)) == [(1,)]
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_an_approved_retry_placing_while_the_person_is_offboarded_passes_to_the_successor(world: World) -> None:
+    agent_id, agent = agent_world(world)
+    successor_id, successor = world.identity()
+    request = world.create_request(count=1, start=world.later(24))
+    first = held(world, agent, request)
+    decide(world, "Approve", first["confirmationId"])
+    with psycopg.connect(world.conninfo) as holder:
+        holder.execute("SELECT 1 FROM quotas WHERE tenant_id = %s AND resource = 'gpu' FOR UPDATE", (world.tenant,))
+        create = Background(agent.res, "Create", request)
+        wait_for_lock_wait(world, "%place_inline%")
+        offboarding = Background(world.root.admin, "OffboardIdentity", apb.OffboardIdentityRequest(
+            identity_id=world.user_id, successor_identity_id=successor_id))
+        wait_for_lock_wait(world, "%FROM reservations%")
+        holder.rollback()
+    placed = create.result()
+    answer = offboarding.result()
+    assert placed.state == "placed"
+    assert list(answer.reassigned_reservation_ids) == [placed.id]
+    assert list(answer.disabled_agent_ids) == [agent_id]
+    seen = successor.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=placed.id))
+    assert seen.owner_identity_id == successor_id
+    assert world.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND type = 'reservation.reassigned'",
+                     (f"reservation/{placed.id}",)) == [("delegator-offboarded",)]
     check_invariants(world.conninfo, world.tenant)
 
 
@@ -169,12 +196,19 @@ def test_a_confirmation_named_under_another_tenant_of_the_person_is_not_found(wo
     cid = held(world, agent, world.create_request(count=1))["confirmationId"]
     other = f"t{cid[-10:]}"
     world.root.admin("CreateTenant", apb.CreateTenantRequest(id=other, name=other))
-    world.sql("INSERT INTO memberships (tenant_id, identity_id) VALUES (%s, %s)", (other, world.user_id))
+    world.root.admin("CreateIdentity", apb.CreateIdentityRequest(id=world.user_id, kind="user", tenant_ids=[other]))
     for method in ("Approve", "Reject"):
         code, reason, details = refused(world.user.conf, method, pb.DecideConfirmationRequest(
             tenant_id=other, confirmation_id=cid))
         assert (code, reason, details["confirmationId"]) == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", cid)
     assert world.sql("SELECT state FROM confirmations WHERE id = %s", (cid,)) == [("pending",)]
+
+
+def refused_or_answer(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except grpc.RpcError:
+        return refused(fn, *args)
 
 
 def test_concurrent_decisions_of_the_person_leave_exactly_one(world: World) -> None:
@@ -195,13 +229,6 @@ def test_concurrent_decisions_of_the_person_leave_exactly_one(world: World) -> N
     assert refused(decide, world, "Approve", cid)[1] == "INVALID_STATE"
 
 
-def refused_or_answer(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except grpc.RpcError:
-        return refused(fn, *args)
-
-
 def test_concurrent_retries_of_an_approved_request_place_it_once_and_charge_once(world: World) -> None:
     _, agent = agent_world(world)
     world.quota(4)
@@ -219,6 +246,28 @@ def test_concurrent_retries_of_an_approved_request_place_it_once_and_charge_once
     assert refused(world.create, count=2)[1] == "QUOTA_EXCEEDED"
     check_invariants(world.conninfo, world.tenant)
 
+
+def test_concurrent_retries_of_an_approved_request_in_a_lease_pool_queue_it_once(world: World) -> None:
+    """The same race in a pool whose creates the lease holder places (admitted queued in one
+    statement): one reservation, one charge, placed once."""
+    _, agent = agent_world(world)
+    world.quota(4)
+    pool = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="leased", region="eu-1", policy=apb.PoolPolicy(placer="lease")))
+    world.root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=pool.id, name=f"leased-{world.tenant}",
+                                                            gpus=gpus(f"leased-{world.tenant}")))
+    request = world.create_request(count=3, start=world.later(24), pool_id=pool.id)
+    first = held(world, agent, request)
+    decide(world, "Approve", first["confirmationId"])
+    answers = [r.result() for r in [Background(agent.res, "Create", request) for _ in range(8)]]
+    assert {a.id for a in answers} == {first["reservationId"]}
+    assert {a.state for a in answers} <= {"queued", "placed"}
+    eventually(world, first["reservationId"], lambda r: r.state == "placed", seconds=30)
+    assert world.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (first["reservationId"],)) == [(1,)]
+    assert world.sql("SELECT count(*) FROM events WHERE subject = %s AND type = 'reservation.queued'",
+                     (f"reservation/{first['reservationId']}",)) == [(1,)]
+    assert refused(world.create, count=2)[1] == "QUOTA_EXCEEDED"
+    check_invariants(world.conninfo, world.tenant)
 
 def test_the_same_key_with_another_request_while_held_is_conflict(world: World) -> None:
     _, agent = agent_world(world)
@@ -343,7 +392,7 @@ def test_an_agent_cannot_flood_its_person_with_confirmations(capped: tuple[Serve
 def list_with(world: World, header: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     channel = grpc.insecure_channel(world.endpoint)
     try:
-        stub = __import__("bettercompute.v1.reservations_pb2_grpc", fromlist=["_"]).ReservationsStub(channel)
+        stub = reservations_pb2_grpc.ReservationsStub(channel)
         return refused(stub.List, pb.ListReservationsRequest(tenant_id=world.tenant), metadata=header, timeout=30)
     finally:
         channel.close()
@@ -363,9 +412,11 @@ def test_malformed_bearer_values_are_unauthenticated(world: World) -> None:
     # The token itself works, with any case of the scheme and spaces around the secret.
     for header in ((("authorization", "bearer " + token),), (("authorization", "BEARER   " + token + "  "),)):
         channel = grpc.insecure_channel(world.endpoint)
-        stub = __import__("bettercompute.v1.reservations_pb2_grpc", fromlist=["_"]).ReservationsStub(channel)
-        stub.List(pb.ListReservationsRequest(tenant_id=world.tenant), metadata=header, timeout=30)
-        channel.close()
+        try:
+            reservations_pb2_grpc.ReservationsStub(channel).List(
+                pb.ListReservationsRequest(tenant_id=world.tenant), metadata=header, timeout=30)
+        finally:
+            channel.close()
 
 
 def test_a_token_of_an_identity_in_no_tenant_reaches_nothing(world: World) -> None:
