@@ -419,6 +419,23 @@ def test_malformed_bearer_values_are_unauthenticated(world: World) -> None:
             channel.close()
 
 
+def test_a_token_minted_while_its_identity_is_offboarded_is_refused(world: World) -> None:
+    """CreateToken read the identity not offboarded while an offboarding held it, then minted once
+    the offboarding committed: a live token for a gone identity. It must wait for the offboarding
+    and answer INVALID_STATE, storing no token."""
+    leaver, _ = world.identity()
+    with psycopg.connect(world.conninfo) as offboarding:  # holds the identity row, as offboarding does
+        offboarding.execute("SELECT 1 FROM identities WHERE id = %s FOR UPDATE", (leaver,))
+        mint = Background(refused, world.root.admin, "CreateToken", apb.CreateTokenRequest(identity_id=leaver))
+        wait_for_lock_wait(world, "%identit%")
+        offboarding.execute("UPDATE identities SET offboarded_at = now(), offboard_reason = 'offboarded',"
+                            " successor_id = %s WHERE id = %s", (world.user_id, leaver))
+        offboarding.commit()
+    code, reason, details = mint.result()
+    assert (code, reason, details.get("identityId")) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE", leaver)
+    assert world.sql("SELECT count(*) FROM api_tokens WHERE identity_id = %s", (leaver,)) == [(1,)]  # its first
+
+
 def test_a_token_of_an_identity_in_no_tenant_reaches_nothing(world: World) -> None:
     loner = f"loner-{world.tenant}"
     world.root.admin("CreateIdentity", apb.CreateIdentityRequest(id=loner, kind="user", name=loner))
