@@ -234,7 +234,7 @@ async def quota_usage(rt: Runtime, tenant_id: str) -> list[dict[str, Any]]:
 
 async def put_policy(rt: Runtime, tenant_id: str, cedar: str) -> dict[str, Any]:
     match("tenantId", tenant_id, TENANT_ID)
-    iam.validate_policy(cedar)
+    iam.validate_policy(cedar, rt.settings.max_policy_nesting)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         return await (await conn.execute(q.UPSERT_POLICY, {"tenant_id": tenant_id, "cedar": cedar})).fetchone()

@@ -90,10 +90,13 @@ class Settings:
     # Every string field of every request, in characters (a policy's Cedar text has its own cap).
     max_string_chars: int = field(default_factory=lambda: _int("BC_MAX_STRING_CHARS", 4096))
     max_policy_chars: int = field(default_factory=lambda: _int("BC_MAX_POLICY_CHARS", 65536))
+    # Brackets nested in a policy's Cedar text: Cedar's parser recurses per bracket, and a deep
+    # nesting overflows the process's stack (a crash, not an error).
+    max_policy_nesting: int = field(default_factory=lambda: _int("BC_MAX_POLICY_NESTING", 64))
     # Every repeated and map field of every request (labels, selectors, event types, GPUs, ...).
     max_list_entries: int = field(default_factory=lambda: _int("BC_MAX_LIST_ENTRIES", 64))
     # Drafts (refused or abandoned creates) are deleted after this window; an identity holds at
-    # most max_drafts_per_identity live ones.
+    # most max_drafts_per_identity live ones (requests awaiting confirmation count too).
     draft_retention_hours: float = field(
         default_factory=lambda: float(os.environ.get("BC_DRAFT_RETENTION_HOURS", "24"))
     )

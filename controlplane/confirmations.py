@@ -30,13 +30,15 @@ VALUES (%(id)s, %(tenant_id)s, %(reservation_id)s, %(request_hash)s, %(action)s,
 """
 _LATEST = """
 SELECT id, state, epoch_ms(expires_at) AS expires_ms,
-       (state = 'pending' AND expires_at <= compute_now()) AS expired
+       (state IN ('pending', 'approved') AND expires_at <= compute_now()) AS expired
 FROM confirmations WHERE reservation_id = %(reservation_id)s AND action = %(action)s
 ORDER BY created_at DESC LIMIT 1
 """
+# An approval is for a retry before the deadline: one kept past it expires with its request, so
+# the request is never placed at a time the person did not see.
 _DUE = """
 SELECT id FROM confirmations
-WHERE reservation_id = %(reservation_id)s AND state = 'pending' AND expires_at <= compute_now()
+WHERE reservation_id = %(reservation_id)s AND state IN ('pending', 'approved') AND expires_at <= compute_now()
 FOR UPDATE
 """
 _EXPIRE = "UPDATE confirmations SET state = 'expired' WHERE id = %(id)s"
@@ -69,12 +71,13 @@ async def open_confirmation(
 
 
 async def latest(conn: AsyncConnection, reservation_id: str, action: str) -> dict[str, Any] | None:
-    """The newest confirmation of `action` on the reservation (with `expired` when past its deadline)."""
+    """The newest confirmation of `action` on the reservation (with `expired` when open past its deadline)."""
     return await (await conn.execute(_LATEST, {"reservation_id": reservation_id, "action": action})).fetchone()
 
 
 async def lock_due(conn: AsyncConnection, reservation_id: str) -> str | None:
-    """The pending confirmation of the reservation whose deadline passed, locked; None if none."""
+    """The open (pending or approved) confirmation of the reservation whose deadline passed, locked;
+    None if none."""
     row = await (await conn.execute(_DUE, {"reservation_id": reservation_id})).fetchone()
     return row["id"] if row else None
 

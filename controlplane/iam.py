@@ -63,14 +63,39 @@ class PolicyCache:
 POLICIES = PolicyCache(1024)  # sized from Settings.policy_cache_entries when the server starts
 
 
-def validate_policy(text: str) -> None:
-    """Raise INVALID_INPUT unless `text` parses as a Cedar policy set."""
+def validate_policy(text: str, max_nesting: int = 64) -> None:
+    """Raise INVALID_INPUT unless `text` parses as a Cedar policy set nesting brackets at most
+    `max_nesting` deep (checked first: a deeper text could crash the parser)."""
+    depth = nesting_depth(text)
+    if depth > max_nesting:
+        raise errors.InvalidInput("cedar", f"brackets nest {depth} deep; at most {max_nesting}")
     try:
         policies = cedarpy.policies_to_json_str(text)
     except Exception as exc:  # cedarpy raises ValueError with the parser's message
         raise errors.InvalidInput("cedar", f"not a valid Cedar policy set: {exc}") from None
     if policies is None:
         raise errors.InvalidInput("cedar", "not a valid Cedar policy set")
+
+
+def nesting_depth(text: str) -> int:
+    """How deep (, [ and { nest in Cedar text, outside string literals and // comments."""
+    depth = deepest = i = 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':  # a string literal, with backslash escapes
+            i += 1
+            while i < len(text) and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif text.startswith("//", i):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+        elif c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth -= 1
+        i += 1
+    return deepest
 
 
 def _cedar_value(value: Any) -> Any:

@@ -90,9 +90,11 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
     ids = [identity_id, *agents]
 
     withdrawn = await confirmations.withdraw_of_identities(conn, ids)
-    owned = await (await conn.execute(
-        reservation_queries.OWNED_BY_FOR_UPDATE, {"ids": ids, "states": [states.AWAITING_CONFIRMATION, *REASSIGNABLE]})).fetchall()
-    moving = [r for r in owned if r["state"] != states.AWAITING_CONFIRMATION]
+    # Drafts are locked too: a create placing one right now is waited for, and its row is read as
+    # it committed (placed: it moves below; still a draft: it is deleted below).
+    owned = await (await conn.execute(reservation_queries.OWNED_BY_FOR_UPDATE, {
+        "ids": ids, "states": [states.DRAFT, states.AWAITING_CONFIRMATION, *REASSIGNABLE]})).fetchall()
+    moving = [r for r in owned if r["state"] in REASSIGNABLE]
     missing = sorted({r["tenant_id"] for r in moving} - set(successor["tenant_ids"]))
     if missing:
         raise errors.InvalidInput("successorIdentityId", "is not a member of every tenant where the identity "

@@ -64,7 +64,8 @@ RETURNING {_COLUMNS}
 """
 
 _IDENTITY_EXISTS = "SELECT 1 FROM identities WHERE id = %s"
-_IDENTITY_OFFBOARDED = "SELECT offboarded_at IS NOT NULL AS offboarded FROM identities WHERE id = %s"
+# Locked (key share): an offboarding in progress holds the row, and is waited for and read.
+_IDENTITY_OFFBOARDED = "SELECT offboarded_at IS NOT NULL AS offboarded FROM identities WHERE id = %s FOR KEY SHARE"
 
 # Open Watch streams end when a token they run on is revoked (controlplane.watch listens).
 REVOKED_CHANNEL = "bc_tokens_revoked"

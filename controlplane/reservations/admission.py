@@ -229,8 +229,9 @@ async def _with_host_resources(
 
 
 def _require_draft_room(rt: Runtime, live: dict[str, Any]) -> None:
-    """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates)
-    until the retention window deletes them: QUOTA_EXCEEDED, retryable after the window.
+    """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates, and
+    requests awaiting confirmation) until the retention window deletes them or their confirmation
+    ends: QUOTA_EXCEEDED, retryable after the window.
     `live`: its drafts as LIVE_DRAFTS counts them."""
     cap = rt.settings.max_drafts_per_identity
     if live["n"] >= cap:
@@ -414,6 +415,8 @@ async def _transaction_2(
         if row["state"] == states.DENIED:  # a twin recorded the refusal first: the key stays refused
             return Outcome(errors.AccessDenied("this request was refused", reservationId=rid))
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
+    if decision.outcome == iam.CONFIRM:
+        decision = await _decided_meanwhile(conn, rid, decision)
     if not decision.allowed:
         await conn.execute(queries.RECORD_DECISION, {"id": rid, "decision": decision.outcome})
 
@@ -434,7 +437,9 @@ async def _require_confirmation(
     conn: AsyncConnection, caller: Caller, row: dict[str, Any], now_ms: int
 ) -> errors.DomainError:
     confirmation = await _latest_confirmation(conn, row["id"])
-    if confirmation is None or confirmation["state"] not in ("pending",):
+    # An open one (pending, or approved since transaction 1 read it) is the one to wait for: the
+    # agent's next retry finds the approval. At most one is open per request.
+    if confirmation is None or confirmation["state"] not in ("pending", "approved"):
         confirmation_id = new_id("conf")
         expires_at = now_ms + CONFIRMATION_WINDOW_MS
         await confirmations.open_confirmation(conn, confirmation_id=confirmation_id, row=row, action=iam.CREATE,
@@ -457,6 +462,15 @@ async def _require_confirmation(
         "the person this agent acts for must confirm this request",
         confirmationId=confirmation_id, expiresAt=expires_at, reservationId=row["id"],
     )
+
+
+async def _decided_meanwhile(conn: AsyncConnection, rid: str, decision: iam.Decision) -> iam.Decision:
+    """IAM held the request again, but the person rejected it after transaction 1 read the
+    confirmation pending: the rejection decides (the row is locked, so no decision follows)."""
+    confirmation = await _latest_confirmation(conn, rid)
+    if confirmation is not None and confirmation["state"] == "rejected":
+        return iam.Decision(iam.DENY, ("the person rejected the confirmation",))
+    return decision
 
 
 async def _latest_confirmation(conn: AsyncConnection, rid: str) -> dict[str, Any] | None:

@@ -401,12 +401,16 @@ WHERE id = %(id)s
 
 # The identity's live drafts, counted up to the cap (the partial index reservations_drafts), and
 # the seconds until the oldest leaves the retention window.
+# An identity's unfinished creates: its drafts and its requests awaiting confirmation (which end
+# at their confirmation's deadline, at most 30 minutes on, if no retry ended them before).
 LIVE_DRAFTS = """
 SELECT count(*) AS n,
-       greatest(0, ceil(extract(epoch FROM min(created_at) + %(retention_s)s * interval '1 second'
+       greatest(0, ceil(extract(epoch FROM min(created_at + CASE WHEN state = 'draft'
+                                                                 THEN %(retention_s)s * interval '1 second'
+                                                                 ELSE interval '30 minutes' END)
                                         - now())))::bigint AS expires_in_s
-FROM (SELECT created_at FROM reservations
-      WHERE owner_identity_id = %(identity_id)s AND state = 'draft'
+FROM (SELECT created_at, state FROM reservations
+      WHERE owner_identity_id = %(identity_id)s AND state IN ('draft', 'awaiting-confirmation')
       ORDER BY created_at LIMIT %(cap)s) d
 """
 
