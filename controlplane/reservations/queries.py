@@ -399,10 +399,10 @@ WHERE id = %(id)s
 
 # admission -------------------------------------------------------------------------------------
 
-# The identity's live drafts, counted up to the cap (the partial index reservations_drafts), and
-# the seconds until the oldest leaves the retention window.
-# An identity's unfinished creates: its drafts and its requests awaiting confirmation (which end
-# at their confirmation's deadline, at most 30 minutes on, if no retry ended them before).
+# An identity's unfinished creates, counted up to the cap (the partial index
+# reservations_unfinished_by_owner): its drafts and its requests awaiting confirmation (which end
+# at their confirmation's deadline, at most 30 minutes on, if no retry ended them before); and
+# the seconds until the oldest of them ends.
 LIVE_DRAFTS = """
 SELECT count(*) AS n,
        greatest(0, ceil(extract(epoch FROM min(created_at + CASE WHEN state = 'draft'
