@@ -213,3 +213,47 @@ def test_a_future_start_books_that_window(world: World) -> None:
     assert world.create(count=8, duration="2h").state in ("placed", "binding")
     assert world.create(count=8, duration="2h").state in ("placed", "binding")
     assert world.create(count=8, duration="2h").state == "pending"
+
+
+def test_nothing_planned_before_the_pool_lock_is_planned_again_under_it(world: World) -> None:
+    """A create plans before it takes the pool lock. When that plan found nothing and capacity was
+    freed before the lock (a release between the two, whose wake-up of the pending worker came
+    before this create was pending), the create went pending on the stale plan and waited for the
+    30-second retry. Planned again under the lock, it takes what was freed. (The race itself is a
+    window of microseconds: here capacity is freed without a wake-up, and the locked step is handed
+    a plan that found nothing.)"""
+    import asyncio
+
+    from controlplane import db
+    from controlplane.common.locks import pool_lock
+    from controlplane.config import Settings
+    from controlplane.placement import placer
+    from controlplane.reservations import placing
+    from controlplane.reservations import queries as rq
+    from controlplane.runtime import Runtime
+
+    start = world.later(2)
+    blockers = [world.create(count=8, start=start, duration="1h") for _ in world.nodes]
+    assert [b.state for b in blockers] == ["placed"] * len(world.nodes)
+    waiting = world.create(count=1, start=start, duration="1h")
+    assert waiting.state == "pending"
+    world.sql("DELETE FROM bookings WHERE allocation_id = %s", (blockers[0].allocations[0].id,))  # no wake-up
+
+    async def place_on_a_stale_plan() -> dict | None:
+        pool = await db.open_pool(world.conninfo, size=1)
+        try:
+            rt = Runtime(pool, Settings(database_url=world.conninfo))
+            async with pool.connection() as conn, conn.transaction():
+                await pool_lock(conn, world.pool_id)
+                row = await (await conn.execute(rq.BY_ID_FOR_UPDATE, {"id": waiting.id})).fetchone()
+                now_ms = (await (await conn.execute(rq.NOW_MS)).fetchone())["now_ms"]
+                stale = placing.Prepared(placing.ask_for(row, now_ms), placer.Planned(None))
+                return await placing.place_locked(conn, rt, row, stale, now_ms)
+        finally:
+            await pool.close()
+
+    placed = asyncio.run(place_on_a_stale_plan())
+    assert placed is not None and placed["state"] == "placed"
+    assert get(world, waiting.id).allocations[0].node_id == blockers[0].allocations[0].node_id
+    for r in blockers:
+        world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))

@@ -236,7 +236,10 @@ async def place_locked(
                                       index=rt.capacity, metrics=rt.metrics)
         node_ids, why = committed.node_ids, committed.reason
     else:
-        placement = await placer.commit(conn, ask, row["id"], prepared.planned, rt.settings, metrics=rt.metrics,
+        planned = prepared.planned
+        if planned.plan is None:  # planned before the pool lock: capacity freed since then counts
+            planned = await placer.plan_from_sql(conn, ask, rt.settings, frozenset(), planned.started)
+        placement = await placer.commit(conn, ask, row["id"], planned, rt.settings, metrics=rt.metrics,
                                         index=rt.capacity)
         node_ids, why = ([placement.node_id] if placement else []), ""
     if not node_ids:  # a regular reservation may take spot bookings, from the end of a notice
