@@ -37,9 +37,15 @@ DELEGATOR_OFFBOARDED = "delegator-offboarded"
 WITHDRAWN_REASON = "confirmation-withdrawn"
 REASSIGNABLE = sorted({states.PENDING, states.QUEUED} | states.BOOKED)
 
+# tenant_ids: where the identity can act. An agent acts only where its person is a member too
+# (controlplane.auth), so a successor agent's tenants are the two memberships' intersection.
 _LOCK_IDENTITIES = """
 SELECT i.id, i.kind, i.delegator_id, i.successor_id, epoch_ms(i.offboarded_at) AS offboarded_ms,
-       coalesce(array(SELECT m.tenant_id FROM memberships m WHERE m.identity_id = i.id), '{}') AS tenant_ids
+       coalesce(array(SELECT m.tenant_id FROM memberships m WHERE m.identity_id = i.id
+                        AND (i.delegator_id IS NULL
+                             OR EXISTS (SELECT 1 FROM memberships d
+                                        WHERE d.identity_id = i.delegator_id AND d.tenant_id = m.tenant_id))),
+                '{}') AS tenant_ids
 FROM identities i WHERE i.id = ANY(%(ids)s) ORDER BY i.id FOR UPDATE OF i
 """
 

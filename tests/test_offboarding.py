@@ -6,6 +6,7 @@ Driven through the API against a real server; the database is read only to check
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -308,3 +309,17 @@ def test_a_create_authenticated_just_before_its_identity_is_offboarded_is_unauth
     assert (code, reason, details["identityId"]) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", world.user_id)
     assert world.sql("SELECT count(*) FROM reservations WHERE idempotency_key = %s",
                      (request.idempotency_key,)) == [(0,)]
+
+
+def test_an_agent_successor_must_be_able_to_act_in_the_tenants_it_would_receive(world: World) -> None:
+    """An agent is a member of the tenant, but its person is not: it can never act there (an agent
+    acts only where its person is a member too). Named successor, it was accepted and received
+    reservations it could neither list nor release. Now INVALID_INPUT, nothing moves."""
+    other = f"t{uuid.uuid4().hex[:10]}"
+    world.root.admin("CreateTenant", apb.CreateTenantRequest(id=other, name=other))
+    person_id, _ = world.identity(tenants=[other])
+    agent_id, _ = world.identity(kind="agent", tenants=[world.tenant], person_identity_id=person_id)
+    r = world.create(count=1)
+    code, reason, details = refused(world, world.user_id, agent_id)
+    assert (reason, details["field"], json.loads(details["tenantIds"])) == ("INVALID_INPUT", "successorIdentityId", [world.tenant])
+    assert world.sql("SELECT owner_identity_id FROM reservations WHERE id = %s", (r.id,)) == [(world.user_id,)]
