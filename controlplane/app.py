@@ -116,6 +116,7 @@ async def start_app(
     lease.check_default(settings)
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     iam.POLICIES.entries = max(1, settings.policy_cache_entries)
+    iam.POLICIES.max_nesting = settings.max_policy_nesting
     capacity = CapacityIndex(pool) if settings.placement_index else None
     leases = lease.LeaseWorker(settings)
     rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds), capacity, leases)

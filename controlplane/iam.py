@@ -37,12 +37,17 @@ class Decision:
         return self.outcome == ALLOW
 
 
+class PolicyTooDeep(Exception):
+    """A stored policy nests deeper than the parser can be trusted with: never evaluated."""
+
+
 class PolicyCache:
     """Parsed policy sets by (tenant, SHA-256 of the policy text): a tenant's policy is parsed once
     per version, not at every decision. Least recently used entries leave first beyond `entries`."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, max_nesting: int = 64) -> None:
         self.entries = max(1, entries)
+        self.max_nesting = max_nesting  # deeper text is never handed to the parser (it could crash it)
         self.parses = 0  # policy texts parsed so far
         self._sets: OrderedDict[tuple[str, bytes], cedarpy.PolicySet] = OrderedDict()
 
@@ -52,6 +57,8 @@ class PolicyCache:
         if found is not None:
             self._sets.move_to_end(key)
             return found
+        if nesting_depth(text) > self.max_nesting:  # stored before PutPolicy checked it
+            raise PolicyTooDeep(f"the tenant's policy nests brackets deeper than {self.max_nesting}")
         parsed = cedarpy.PolicySet.from_str(text)
         self.parses += 1
         self._sets[key] = parsed
@@ -132,6 +139,8 @@ def decide(
         return _refusal(caller, action, ("the tenant has no policy",))
     try:
         policies: cedarpy.PolicySet | str = POLICIES.get(tenant_id, policy)
+    except PolicyTooDeep as exc:  # stored before PutPolicy checked nesting: refused, never parsed
+        return Decision(DENY, (str(exc),))
     except ValueError:  # stored before validation existed: Cedar refuses it with its diagnostics
         policies = policy
     if caller.delegated and not approved:

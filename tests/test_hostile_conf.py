@@ -505,6 +505,20 @@ def test_a_deeply_nested_policy_is_invalid_input_and_the_server_lives(database: 
         fine = ('// ' + "(" * 2000 + '\npermit(principal, action, resource) when { "' + "[" * 2000 + '" != "" && '
                 + "(" * 20 + "true" + ")" * 20 + " };")
         assert root.admin("PutPolicy", apb.PutPolicyRequest(tenant_id="deep", cedar=fine)).cedar == fine
+        # A policy stored before PutPolicy checked nesting is never handed to the parser: its
+        # decisions are refusals, and the process serves on.
+        with psycopg.connect(database, autocommit=True) as conn:
+            conn.execute("UPDATE policies SET cedar = %s WHERE tenant_id = 'deep'", (deep(2000),))
+        pool_id = root.admin("CreatePool", apb.CreatePoolRequest(owner_tenant_id="deep", name="p", region="eu-1")).id
+        root.admin("CreateIdentity", apb.CreateIdentityRequest(id="deep-user", kind="user", name="u",
+                                                               tenant_ids=["deep"]))
+        user = Client(f"127.0.0.1:{port}", root.admin("CreateToken", apb.CreateTokenRequest(identity_id="deep-user")).secret)
+        code, reason, _ = refused(user.res, "Create", pb.CreateReservationRequest(
+            tenant_id="deep", pool_id=pool_id, devices=[pb.DeviceRequest(device_class="gpu", count=1)],
+            duration="1h", idempotency_key="deep-1"))
+        assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+        assert proc.poll() is None
+        user.close()
         root.close()
     finally:
         proc.send_signal(signal.SIGTERM)
