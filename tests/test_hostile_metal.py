@@ -1,0 +1,111 @@
+"""A hostile tenant and a hostile node against whole-machine leases (binding "node", gangs of whole
+machines), the node's role changes, the metal deploy workflow and the gateway's pacing, through the
+real API: a real control plane and a real gateway on loopback, real TLS, raw node sessions that say
+what a hostile node would. The reservation worker runs when the test says so (`cp.drain()`), on a
+controlled clock."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from bettercompute.node.v1 import node_pb2 as npb
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from tests.nodes_support import ControlPlane
+from tests.support import World
+from tests.test_gateway import connected, cp, eventually, gateway, hello, node_row  # noqa: F401 (fixtures)
+from tests.test_node_profiles import register
+
+MINUTE = 60_000
+HOUR = 60 * MINUTE
+CAPS = ("devices.limits", "binding.node")
+
+
+def metal_pool(world: World) -> str:
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
+    return world.pool_id
+
+
+def node_lease(world: World, profile: str, count: int = 4, **kw) -> pb.Reservation:
+    return world.create(count=count, binding="node", node=pb.NodeLease(profile_id=profile), **kw)
+
+
+def get(world: World, rid: str) -> pb.Reservation:
+    return world.user.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=rid))
+
+
+def node_state(world: World, node_id: str) -> str:
+    return world.sql("SELECT state FROM nodes WHERE id = %s", (node_id,))[0][0]
+
+
+def disk(session, gateway, node_id: str, generation: int, state: str, allocation_id: str = "",  # noqa: F811
+         profile: str = "", version: int = 1, checksum: str = "", gpus: int = 4) -> None:
+    """The node's inventory, saying what is on its disk; waits until the gateway stored it."""
+    inventory = hello(gpus=gpus).hello.inventory
+    inventory.generation = generation
+    inventory.deployed.CopyFrom(npb.DeployedProfile(allocation_id=allocation_id, profile_id=profile, version=version,
+                                                    checksum=checksum, state=state))
+    session.send(npb.NodeMessage(inventory=inventory))
+    eventually(lambda: node_row(gateway.conninfo, node_id)["inventory_generation"] == generation, what="inventory")
+
+
+def deployed(world: World, session, gateway, node_id: str, allocation_id: str, generation: int) -> None:  # noqa: F811
+    """An honest node: the asked profile version deployed for `allocation_id`."""
+    [(profile, version, checksum)] = world.sql(
+        "SELECT profile_id, version, checksum FROM metal_deploys WHERE allocation_id = %s", (allocation_id,))
+    disk(session, gateway, node_id, generation, "deployed", allocation_id, profile, version, checksum)
+
+
+def advance_to(cp: ControlPlane, at_ms: int) -> None:  # noqa: F811
+    now = cp.world.sql("SELECT epoch_ms(compute_now())")[0][0]
+    if at_ms > now:
+        cp.advance(at_ms - now)
+    cp.drain()
+
+
+# -- a lease starting on a machine another lease still holds ------------------------------------
+
+
+def test_a_lease_whose_machine_is_still_leased_at_its_start_never_deploys_there(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """Tenant B leases the machine from t; tenant A then leases it for the ten minutes before t
+    (free then, so it places). At t - 15 min BookingRepair finds the machine ready; at t - 10 min
+    A's lease begins and the machine is A's (root, node-tenant keys A may copy); at t A's lease
+    ends, but the machine is not wiped yet. B's start went straight to the deploy, on a machine A
+    still held, with A's keys good through B's lease (they are revoked only by the wipe after the
+    last lease); with A's deploy still under way, the worker failed on it instead (a unique
+    violation, retried until A's two-hour deadline). Now the start checks the machine
+    like the check 15 minutes before: B is repaired, here pending for want of another machine."""
+    world = cp.world
+    metal_pool(world)
+    node, session = connected(gateway, world.pool_id, "m1", gpus=4, caps=CAPS)
+    profile = register(world.root, 1)
+    start = world.later(1)
+    b = node_lease(world, profile, start=start, duration="2h")
+    _, tenant_a = world.identity()
+    a = world.create(tenant_a, count=4, binding="node", node=pb.NodeLease(profile_id=profile),
+                     start=start - 10 * MINUTE, duration="10m")
+    assert (a.state, b.state) == ("placed", "placed")
+    assert a.allocations[0].node_id == b.allocations[0].node_id == node.node_id
+
+    advance_to(cp, start - 15 * MINUTE)
+    assert get(world, b.id).state == "placed"  # the machine is still ready: nothing to repair
+    advance_to(cp, start - 10 * MINUTE)
+    assert get(world, a.id).state == "binding" and node_state(world, node.node_id) == "leased"
+    deployed(world, session, gateway, node.node_id, a.allocations[0].id, 2)
+    cp.drain()
+    assert get(world, a.id).state == "active"
+
+    advance_to(cp, start)
+    assert get(world, a.id).state == "released"
+    assert node_state(world, node.node_id) == "leased"  # A's machine, not wiped yet
+    after = get(world, b.id)
+    assert after.state != "binding", "the lease began on a machine another tenant still held"
+    assert not world.sql("SELECT 1 FROM metal_deploys WHERE reservation_id = %s", (b.id,))
+    assert after.state == "pending" and after.conditions[0].reason == "BookingRepairFailed"
+    assert world.sql("SELECT kind, last_error FROM work_items WHERE last_error IS NOT NULL") == []
+    cp.check_invariants()
+    session.close()
+
