@@ -109,3 +109,29 @@ def test_a_lease_whose_machine_is_still_leased_at_its_start_never_deploys_there(
     cp.check_invariants()
     session.close()
 
+
+# -- a lease released while its deploy is under way ------------------------------------------------
+
+
+def test_a_lease_released_before_its_node_said_anything_gives_the_machine_back_at_once(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """The tenant's lease began (binding, the machine leased) and the tenant ends it before the node
+    reported anything of the deploy. Nothing woke metal's worker: the deploy stayed under way and
+    the machine leased, unbookable, until the deploy's two-hour deadline, though the node never ran
+    the deploy and has nothing of the tenant's to wipe (a failed gang member's machine already came
+    back at once)."""
+    world = cp.world
+    metal_pool(world)
+    node, session = connected(gateway, world.pool_id, "m1", gpus=4, caps=CAPS)
+    profile = register(world.root, 1)
+    r = node_lease(world, profile, duration="4h")
+    cp.drain()
+    assert get(world, r.id).state == "binding" and node_state(world, node.node_id) == "leased"
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    cp.drain()
+    assert world.sql("SELECT state FROM metal_deploys WHERE reservation_id = %s", (r.id,)) == [("ended",)]
+    assert node_state(world, node.node_id) == "ready"
+    again = node_lease(world, profile, duration="1h")  # and it is bookable again now
+    assert again.state == "placed" and again.allocations[0].node_id == node.node_id
+    cp.check_invariants()
+    session.close()
