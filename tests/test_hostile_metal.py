@@ -135,3 +135,37 @@ def test_a_lease_released_before_its_node_said_anything_gives_the_machine_back_a
     assert again.state == "placed" and again.allocations[0].node_id == node.node_id
     cp.check_invariants()
     session.close()
+
+
+def test_a_gang_member_cordoned_in_the_last_minutes_before_the_start_is_replaced_not_deployed(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """A gang of two whole machines passed the check 15 minutes before its start; five minutes
+    before it the operator cordons one member. At the start only that member is replaced (by the
+    third machine) and the deploys go to the two good machines: the cordoned one is never leased."""
+    world = cp.world
+    metal_pool(world)
+    nodes = {}
+    sessions = []
+    for name in ("m1", "m2", "m3"):
+        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
+        nodes[node.node_id] = name
+        sessions.append(session)
+    profile = register(world.root, 1)
+    start = world.later(1)
+    r = node_lease(world, profile, start=start, duration="2h", gang=pb.Gang(size=2))
+    assert r.state == "placed", r.conditions
+    members = {a.node_id for a in r.allocations}
+    advance_to(cp, start - 15 * MINUTE)
+    assert get(world, r.id).state == "placed"
+    cordoned = sorted(members)[0]
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=cordoned, state="cordoned"))
+    advance_to(cp, start)
+    after = get(world, r.id)
+    assert after.state == "binding", after.conditions
+    live = {a.node_id for a in after.allocations if a.state == "binding"}
+    assert live == set(nodes) - {cordoned}
+    assert node_state(world, cordoned) == "cordoned"
+    assert {node_state(world, n) for n in live} == {"leased"}
+    cp.check_invariants()
+    for session in sessions:
+        session.close()
