@@ -6,6 +6,9 @@ controlled clock."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import grpc
 import pytest
 
@@ -14,7 +17,9 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.nodes_support import ControlPlane
 from tests.support import World
-from tests.test_gateway import connected, cp, eventually, gateway, hello, node_row  # noqa: F401 (fixtures)
+from gateway.config import GatewaySettings
+from tests.test_gateway import (GatewayThread, connected, cp, enrolled, eventually, gateway, hello,  # noqa: F401
+                                node_row, pool_id)
 from tests.test_node_profiles import register
 
 MINUTE = 60_000
@@ -169,3 +174,26 @@ def test_a_gang_member_cordoned_in_the_last_minutes_before_the_start_is_replaced
     cp.check_invariants()
     for session in sessions:
         session.close()
+
+
+# -- a node flooding the gateway ----------------------------------------------------------------
+
+
+def test_a_node_reopening_its_session_in_a_loop_is_paced_like_its_messages(database: str, pool_id: str) -> None:  # noqa: F811
+    """Hellos, inventories and reports are paced per node, but opening a session was not: each
+    open costs the gateway several transactions (the session registered, other roles' certificates
+    retired, the desired state read, the previous session unregistered), so a node reconnecting in
+    a loop, sending nothing, cost the database as fast as it could call. An open now takes a
+    token of the node's bucket like a hello (and the node is slowed, never refused)."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=1,
+                                                     node_messages_burst=2))
+    try:
+        node = enrolled(gw, pool_id, "reopens")
+        began = time.monotonic()
+        for _ in range(8):
+            session = node.session()
+            assert session.recv() is not None  # served: the desired state
+            session.close()
+        assert time.monotonic() - began >= (8 - 2) / 1 * 0.9  # burst 2, then one a second
+    finally:
+        gw.stop()
