@@ -197,3 +197,39 @@ def test_a_node_reopening_its_session_in_a_loop_is_paced_like_its_messages(datab
         assert time.monotonic() - began >= (8 - 2) / 1 * 0.9  # burst 2, then one a second
     finally:
         gw.stop()
+
+
+# -- whole machines raced ---------------------------------------------------------------------
+
+
+def test_twenty_machine_gangs_leases_and_holds_at_once_never_share_a_machine(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """Four machines; 20 creates at once for one window: gangs of two whole machines, single
+    machines and one-GPU holds. No atom is booked twice, no machine is in two leases or beside a
+    hold, every placed gang has both machines whole, and the quota matches what is placed."""
+    from tests.test_hostile_share import storm
+
+    world = cp.world
+    metal_pool(world)
+    world.quota(1000)
+    sessions = [connected(gateway, world.pool_id, f"m{i}", gpus=4, caps=CAPS)[1] for i in range(4)]
+    profile = register(world.root, 1)
+    start = world.later(2)
+    lease_of = dict(binding="node", node=pb.NodeLease(profile_id=profile), start=start, duration="2h")
+    kinds = ["gang", "hold", "lease", "hold", "gang", "lease", "hold"] * 3
+    kinds = kinds[:20]
+    requests = [world.create_request(count=4, gang=pb.Gang(size=2), **lease_of) if kind == "gang" else
+                world.create_request(count=4, **lease_of) if kind == "lease" else
+                world.create_request(count=1, start=start + HOUR, duration="2h") for kind in kinds]
+    got = storm(world, requests)
+    assert not [r for r in got if isinstance(r, grpc.RpcError)], got
+    placed = [(kind, r) for kind, r in zip(kinds, got) if r.state == "placed"]
+    leased = [a.node_id for kind, r in placed if kind != "hold" for a in r.allocations]
+    held = {a.node_id for kind, r in placed if kind == "hold" for a in r.allocations}
+    assert len(leased) == len(set(leased)), "a machine in two leases"
+    assert not set(leased) & held, "a hold beside a lease"
+    assert all(len(r.allocations) == 2 for kind, r in placed if kind == "gang")
+    assert len(leased) + len(held) <= 4 and placed
+    cp.check_invariants()
+    for session in sessions:
+        session.close()
