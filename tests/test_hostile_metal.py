@@ -233,3 +233,52 @@ def test_twenty_machine_gangs_leases_and_holds_at_once_never_share_a_machine(
     cp.check_invariants()
     for session in sessions:
         session.close()
+
+
+# -- a gang of machines through its stages ------------------------------------------------------
+
+
+def test_a_machine_gang_extended_and_released_with_one_member_deployed_ends_every_member(
+        gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """A gang of two machines: extended while placed and again while binding with one member
+    deployed (every member's bookings move together), then released: the deployed member's
+    machine waits for its wipe (and then has its keys revoked), the other's deploy ends and its
+    machine is back at once; the quota is refunded and no booking is left."""
+    from tests.test_hostile_queue import extend
+
+    world = cp.world
+    metal_pool(world)
+    world.quota(1000)
+    connected_nodes = {}
+    for name in ("m1", "m2"):
+        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
+        connected_nodes[node.node_id] = session
+    profile = register(world.root, 1)
+    start = world.later(1)
+    r = node_lease(world, profile, start=start, duration="2h", gang=pb.Gang(size=2))
+    assert r.state == "placed"
+    assert extend(world, r.id, by="1h").extended
+    advance_to(cp, start)
+    r = get(world, r.id)
+    assert r.state == "binding" and r.during.end == start + 3 * HOUR
+    first, second = r.allocations
+    deployed(world, connected_nodes[first.node_id], gateway, first.node_id, first.id, 2)
+    cp.drain()
+    r = get(world, r.id)
+    assert r.state == "binding" and {a.id: a.state for a in r.allocations} == {first.id: "bound", second.id: "binding"}
+    assert extend(world, r.id, by="1h").extended
+    ends = world.sql("SELECT DISTINCT epoch_ms(upper(b.during)) FROM bookings b JOIN allocations a"
+                     " ON a.id = b.allocation_id WHERE a.reservation_id = %s", (r.id,))
+    assert ends == [(start + 4 * HOUR,)]
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    cp.drain()
+    assert node_state(world, second.node_id) == "ready"  # never deployed: back at once
+    assert node_state(world, first.node_id) == "leased"  # the tenant's machine until its wipe
+    disk(connected_nodes[first.node_id], gateway, first.node_id, 3, "wiped", first.id, profile)
+    cp.drain()
+    assert node_state(world, first.node_id) == "ready"
+    assert world.sql("SELECT count(*) FROM revocations v JOIN node_certs c USING (serial) WHERE c.node_id = %s",
+                     (first.node_id,))[0][0] > 0
+    assert world.sql("SELECT count(*) FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
+                     " WHERE a.reservation_id = %s AND upper(b.during) > compute_now()", (r.id,)) == [(0,)]
+    cp.check_invariants()
