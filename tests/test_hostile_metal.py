@@ -282,3 +282,34 @@ def test_a_machine_gang_extended_and_released_with_one_member_deployed_ends_ever
     assert world.sql("SELECT count(*) FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
                      " WHERE a.reservation_id = %s AND upper(b.during) > compute_now()", (r.id,)) == [(0,)]
     cp.check_invariants()
+
+
+# -- a hostile node during a lease --------------------------------------------------------------
+
+
+def test_a_node_reporting_its_gang_partners_deploy_binds_neither_machine(gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """Two machines of one gang; m2 says on its disk that m1's allocation is deployed (the asked
+    profile version and checksum), m1 says nothing. Neither allocation is bound by it: each deploy
+    is judged only on its own node's disk."""
+    world = cp.world
+    metal_pool(world)
+    world.quota(1000)
+    sessions = {}
+    for name in ("m1", "m2"):
+        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
+        sessions[node.node_id] = session
+    profile = register(world.root, 1)
+    r = node_lease(world, profile, duration="2h", gang=pb.Gang(size=2))
+    cp.drain()
+    r = get(world, r.id)
+    assert r.state == "binding"
+    victim, liar = r.allocations
+    deployed(world, sessions[liar.node_id], gateway, liar.node_id, victim.id, 2)
+    cp.drain()
+    r = get(world, r.id)
+    assert r.state == "binding" and [a.state for a in r.allocations] == ["binding", "binding"]
+    assert world.sql("SELECT state FROM metal_deploys WHERE reservation_id = %s", (r.id,)) == [("deploying",)] * 2
+    deployed(world, sessions[victim.node_id], gateway, victim.node_id, victim.id, 2)  # the real one counts
+    deployed(world, sessions[liar.node_id], gateway, liar.node_id, liar.id, 3)
+    cp.drain()
+    assert get(world, r.id).state == "active"
