@@ -313,3 +313,29 @@ def test_a_node_reporting_its_gang_partners_deploy_binds_neither_machine(gateway
     deployed(world, sessions[liar.node_id], gateway, liar.node_id, liar.id, 3)
     cp.drain()
     assert get(world, r.id).state == "active"
+
+
+def test_a_node_reopening_sessions_without_a_hello_never_holds_the_unreachable_sweep_for_long(
+        database: str, pool_id: str) -> None:  # noqa: F811
+    """The sweeper holds while sessions wait for their hello (a reconnect storm has not been heard
+    yet), each for at most the grace. One node that opens a new session within every grace and
+    never says hello (a tenant with root on a leased machine holds its node-tenant keys) held it
+    for ever: no node of the gateway was marked unreachable any more. A node now holds it only
+    within the grace of its first session still waiting for a hello, so a dead node is swept."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_grace_seconds=2, sweep_seconds=0.2))
+    try:
+        silent, quiet = connected(gw, pool_id, "silent")  # says hello once, then nothing
+        holder = enrolled(gw, pool_id, "holder")
+        held = []
+        deadline = time.monotonic() + 20
+        while node_row(database, silent.node_id)["connectivity"] != "unreachable":
+            assert time.monotonic() < deadline, "the silent node was never swept"
+            session = holder.session()  # supersedes its previous session; never a hello
+            assert session.recv() is not None
+            held.append(session)
+            time.sleep(0.5)
+        for session in held:
+            session.close()
+        quiet.close()
+    finally:
+        gw.stop()
