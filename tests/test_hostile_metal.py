@@ -339,3 +339,53 @@ def test_a_node_reopening_sessions_without_a_hello_never_holds_the_unreachable_s
         quiet.close()
     finally:
         gw.stop()
+
+
+def test_gpus_removed_readded_and_added_under_an_active_lease_stay_the_lessees(gateway, cp: ControlPlane) -> None:  # noqa: F811
+    """An active lease of a four-GPU machine; the node's inventory drops GPU-3, then brings it back
+    with a fifth GPU and one GPU in MIG mode, then out of it. Every GPU is booked by the lease once
+    (no second booking of the returning GPU), nobody else books any of them into the lease's
+    window, and the lease's charge stays the four GPUs it was placed for."""
+    world = cp.world
+    metal_pool(world)
+    world.quota(1000)
+    node, session = connected(gateway, world.pool_id, "m1", gpus=4, caps=CAPS)
+    profile = register(world.root, 1)
+    r = node_lease(world, profile, duration="4h")
+    cp.drain()
+    alloc = get(world, r.id).allocations[0]
+    deployed(world, session, gateway, node.node_id, alloc.id, 2)
+    cp.drain()
+    assert get(world, r.id).state == "active"
+    [(profile_id, version, checksum)] = world.sql(
+        "SELECT profile_id, version, checksum FROM metal_deploys WHERE allocation_id = %s", (alloc.id,))
+
+    def inventory(generation: int, gpus: int, mig: int | None = None) -> None:
+        inv = hello(gpus=gpus).hello.inventory
+        inv.generation = generation
+        if gpus == 3:
+            del inv.gpus[:]
+            inv.gpus.extend(hello(gpus=4).hello.inventory.gpus[:3])
+        if mig is not None:
+            inv.gpus[mig].mig_mode = True
+            inv.gpus[mig].mig_instances.append(npb.MigInstance(index=0, profile="7g.80gb"))
+        inv.deployed.CopyFrom(npb.DeployedProfile(allocation_id=alloc.id, profile_id=profile_id, version=version,
+                                                  checksum=checksum, state="deployed"))
+        session.send(npb.NodeMessage(inventory=inv))
+        eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == generation)
+
+    booked = ("SELECT a.device_uuid, count(*) FROM bookings b JOIN atoms a ON a.id = b.atom_id"
+              " WHERE b.allocation_id = %s AND a.kind = 'gpu' GROUP BY 1 ORDER BY 1")
+    inventory(3, 3)
+    assert world.sql(booked, (alloc.id,)) == [(f"GPU-{i}", 1) for i in range(4)]  # GPU-3's booking stays
+    inventory(4, 5, mig=1)
+    inventory(5, 5)
+    assert world.sql(booked, (alloc.id,)) == [(f"GPU-{i}", 1) for i in range(5)]
+    _, other = world.identity()
+    taken = world.create(other, count=1, duration="1h")
+    assert taken.state == "pending", "a GPU of a leased machine was booked"
+    world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=taken.id))
+    usage = world.root.admin("GetQuotaUsage", apb.GetQuotaUsageRequest(tenant_id=world.tenant))
+    assert sum(line.used for line in usage.lines if line.resource == "gpu") == 4
+    cp.check_invariants()
+    session.close()
