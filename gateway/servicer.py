@@ -60,6 +60,7 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
                 log.info("session refused", code=exc.code, reason=exc.message)
                 await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
                 return
+            self.sessions.liveness.identified(arrival, peer.node_id)
             await self.sessions.run(peer, request_iterator, context, arrival)
         finally:
             self.sessions.liveness.arrived(arrival)

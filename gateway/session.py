@@ -29,7 +29,7 @@ from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
 
-COSTLY = frozenset({"hello", "inventory", "report"})  # a transaction each: throttled per node
+COSTLY = frozenset({"hello", "inventory", "report"})  # a transaction each: throttled per node (and each open)
 
 
 class SessionEnded(Exception):
@@ -55,6 +55,9 @@ class SessionRunner:
         reader: asyncio.Task | None = None
         outcome = "node closed the stream"
         try:
+            # Opening costs transactions like a hello (registered, other roles retired, the desired
+            # state read, unregistered at the end): paced the same, so reconnecting in a loop is too.
+            await self._throttled(session)
             # Listen first, then register: a newer session registering after us always wakes us.
             self.hub.add(session)
             await sessions.open(self.pool, session.node_id, session.session_id, self.gateway_id)

@@ -89,7 +89,9 @@ class Liveness:
     Nothing is swept before the gateway has been up for the grace (a node whose session was on a
     gateway that restarted cannot have been heard before it came back), nor while sessions that
     arrived within the grace still wait for their hello: a gateway taking in a reconnect storm has
-    not heard the nodes still queued in it. The shutdown stores every node's exact last time."""
+    not heard the nodes still queued in it. A node's sessions hold it only within the grace of its
+    first session still waiting for a hello (`identified`), so a node reopening sessions without a
+    hello cannot hold it for ever. The shutdown stores every node's exact last time."""
 
     def __init__(self, pool: AsyncConnectionPool, grace_seconds: float, write_fraction: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -100,12 +102,26 @@ class Liveness:
         self._applied: dict[str, int] = {}  # node id -> the applied generation last written
         self._ended: set[str] = set()  # sessions gone: stored once more, then forgotten
         self._arriving: dict[object, float] = {}  # sessions not past their hello yet -> when they came
+        # node id -> when its first session still waiting for a hello came (cleared by a hello)
+        self._waiting: dict[str, float] = {}
 
     def arriving(self) -> object:
         """A session came in (its hello is still to be taken in); pass the token to `arrived`."""
         token = object()
         self._arriving[token] = self._clock()
         return token
+
+    def identified(self, token: object, node_id: str) -> None:
+        """The arriving session is `node_id`'s: it holds the sweep only within the grace of the
+        node's first session still waiting for a hello, so a node that opens session after session
+        and never says hello holds it once, not for ever (and again only two graces later)."""
+        at = self._arriving.get(token)
+        if at is None:
+            return
+        since = self._waiting.get(node_id)
+        if since is None or at - since >= 2 * self.grace:
+            since = self._waiting[node_id] = at
+        self._arriving[token] = since
 
     def arrived(self, token: object) -> None:
         """Its hello was taken in, or the session ended before."""
@@ -115,6 +131,8 @@ class Liveness:
         """Whether the sweep holds: too soon after start, or sessions still waiting for their hello."""
         for token in [t for t, at in self._arriving.items() if now - at >= self.grace]:
             del self._arriving[token]  # a session that never says hello holds no sweep for longer
+        for node_id in [n for n, at in self._waiting.items() if now - at >= 2 * self.grace]:
+            del self._waiting[node_id]
         return now - self._started < self.grace or bool(self._arriving)
 
     def heard_at(self, node_id: str) -> float | None:
@@ -122,6 +140,7 @@ class Liveness:
 
     async def hello(self, node_id: str) -> None:
         self._note(node_id)
+        self._waiting.pop(node_id, None)
         self._applied.pop(node_id, None)
         await seen(self.pool, node_id)
 

@@ -8,6 +8,8 @@ from psycopg import AsyncConnection
 
 from controlplane import confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.metal import is_node_lease
+from controlplane.metal import queries as metal_queries
 from controlplane.nodes import desired
 from controlplane.reservations import queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
@@ -62,8 +64,11 @@ async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None
 
 async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
     """End the bookings and the window now, refund the quota, and wake the pool's pending
-    reservations."""
+    reservations (and metal's worker for a node lease's deploy under way: it ends now, and a
+    machine that never ran it comes back now, not at the deploy's deadline)."""
     await end_bookings(conn, row["id"])
+    if is_node_lease(row["request"]):
+        await conn.execute(metal_queries.WAKE_LIVE_OF, {"id": row["id"]})
     await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"]})
     await quota.refund(conn, row["id"])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
