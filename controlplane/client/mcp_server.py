@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
         ca=getattr(args, "ca", None),
         )
+        channel = open_channel(conn)  # a connection file's unreadable `ca` is a usage error too
     except UsageError as exc:
         parser.error(str(exc))
-    with open_channel(conn) as channel:
+    with channel:
         build(Tools(Client(channel, conn))).run("stdio")
     return 0
