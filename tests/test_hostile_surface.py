@@ -14,6 +14,9 @@ from typing import Any
 
 import pytest
 
+from tests.support import World
+from tests.test_mcp import Call, _token, run_agent
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 60
 # Nothing listens there: a command refused before any call never gets that far.
@@ -65,3 +68,43 @@ def test_an_unreadable_ca_of_the_connection_file_stops_the_mcp_server_with_a_usa
     path.write_text(json.dumps({"endpoint": "127.0.0.1:1", "token": "t", "tenantId": "tenant1",
                                 "ca": str(tmp_path / "no-such-ca.pem")}))
     assert_usage_error(cli(tmp_path, "mcp", "--connection", str(path)), "no-such-ca.pem")
+
+
+# Numbers beyond the request's fields --------------------------------------------------------------
+
+OUT_OF_RANGE = {
+    "gpus beyond 32 bits": (["reserve", "--gpus", "99999999999", "--wait", "0"], "--gpus"),
+    "gang beyond 32 bits": (["reserve", "--gpus", "1", "--gang", "99999999999", "--wait", "0"], "--gang"),
+    "start beyond 64 bits": (["reserve", "--gpus", "1", "--start", "99999999999999999999", "--wait", "0"], "--start"),
+    "start in the year 1, local time": (["reserve", "--gpus", "1", "--start", "0001-01-01", "--wait", "0"], "--start"),
+    "wait of infinity": (["reserve", "--gpus", "1", "--wait", "inf"], "--wait"),
+    "wait of not a number": (["reserve", "--gpus", "1", "--wait", "nan"], "--wait"),
+    "preview gpus beyond 32 bits": (["capacity", "--preview", "--gpus", "99999999999"], "--gpus"),
+    "extend until beyond 64 bits": (["extend", "rsv_x", "--until", "99999999999999999999"], "--until"),
+    "timeline to beyond 64 bits": (["capacity", "timeline", "--to", "99999999999999999999"], "--to"),
+    "usage from beyond 64 bits": (["usage", "--from", "99999999999999999999"], "--from"),
+}
+
+
+@pytest.mark.parametrize(("args", "flag"), OUT_OF_RANGE.values(), ids=OUT_OF_RANGE.keys())
+def test_a_number_beyond_its_field_is_a_usage_error(tmp_path: pathlib.Path, args: list[str], flag: str) -> None:
+    assert_usage_error(cli(tmp_path, *DEAD, *args), flag)
+
+
+def test_an_agent_passing_numbers_beyond_their_fields_reads_invalid_input(world: World, tmp_path: pathlib.Path) -> None:
+    async def script(call: Call) -> None:
+        for tool, arguments in (
+            ("reserve_gpus", {"gpus": 2**40, "waitSeconds": 0}),
+            ("reserve_gpus", {"gpus": 1, "start": "99999999999999999999", "waitSeconds": 0}),
+            ("reserve_gpus", {"gpus": 1, "start": "0001-01-01", "waitSeconds": 0}),
+            ("preview_capacity", {"gpus": 1, "gang": 2**40}),
+            ("preview_capacity", {"gpus": 2**40}),
+            ("extend_reservation", {"reservationId": "rsv_x", "until": "99999999999999999999"}),
+        ):
+            failed, answer = await call(tool, **arguments)
+            assert failed and answer["code"] == "INVALID_INPUT", (tool, arguments, answer)
+        # A wait too long to count in milliseconds is still a wait: the server's cap answers.
+        failed, booked = await call("reserve_gpus", gpus=1, waitSeconds=1e308)
+        assert not failed and booked["status"] in ("placed", "binding", "active"), booked
+
+    run_agent(world, tmp_path, _token(world.user), script)
