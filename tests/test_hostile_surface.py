@@ -83,6 +83,10 @@ OUT_OF_RANGE = {
     "extend until beyond 64 bits": (["extend", "rsv_x", "--until", "99999999999999999999"], "--until"),
     "timeline to beyond 64 bits": (["capacity", "timeline", "--to", "99999999999999999999"], "--to"),
     "usage from beyond 64 bits": (["usage", "--from", "99999999999999999999"], "--from"),
+    "list limit beyond 32 bits": (["list", "--limit", "99999999999"], "--limit"),
+    "watch after beyond 64 bits": (["watch", "--after", "99999999999999999999"], "--after"),
+    "timeline step beyond 32 bits": (["capacity", "timeline", "--step", "999999999999w"], "--step"),
+    "timeline step of bare minutes beyond 32 bits": (["capacity", "timeline", "--step", "99999999999"], "--step"),
 }
 
 

@@ -42,6 +42,8 @@ def parse_minutes(flag: str, text: str) -> int:
         ms = int(text) * 60_000 if text.strip().isdigit() else parse_duration_ms(text)
     except ValueError:
         raise UsageError(f"{flag} {text!r}: use a duration such as 30m or 1h") from None
+    if ms // 60_000 > 2**31 - 1:  # the request's 32-bit field (the server allows 5 to 1440)
+        raise UsageError(f"{flag} {text!r}: out of range")
     return ms // 60_000
 
 
