@@ -112,3 +112,28 @@ def test_an_agent_passing_numbers_beyond_their_fields_reads_invalid_input(world:
         assert not failed and booked["status"] in ("placed", "binding", "active"), booked
 
     run_agent(world, tmp_path, _token(world.user), script)
+
+
+# Text that is not UTF-8 ---------------------------------------------------------------------------
+
+NOT_UTF8 = os.fsdecode(b"\xff\xfe")  # argv bytes of another encoding, as Python hands them over
+
+
+@pytest.mark.parametrize("args", [
+    ["get", "rsv_" + NOT_UTF8],
+    ["reserve", "--gpus", "1", "--for", NOT_UTF8, "--wait", "0"],
+    ["watch", "--subject", NOT_UTF8, "--count", "1"],
+    ["nodes", "join-token", NOT_UTF8],
+    ["--token", NOT_UTF8, "get", "rsv_x"],
+    ["mcp", "--token", NOT_UTF8],
+], ids=["get", "reserve", "watch", "join-token", "token", "mcp"])
+def test_an_argument_that_is_not_utf8_is_a_usage_error(tmp_path: pathlib.Path, args: list[str]) -> None:
+    head, rest = (["mcp", *DEAD], args[1:]) if args[0] == "mcp" else (DEAD, args)
+    assert_usage_error(cli(tmp_path, *head, *rest), "not UTF-8")
+
+
+@pytest.mark.parametrize("command", [["get", "rsv_x"], ["mcp"]], ids=["cli", "mcp"])
+def test_a_connection_file_with_a_lone_surrogate_is_a_usage_error(tmp_path: pathlib.Path, command: list[str]) -> None:
+    path = tmp_path / "connection.json"
+    path.write_text('{"endpoint": "127.0.0.1:1", "token": "t", "tenantId": "\\udc80"}')
+    assert_usage_error(cli(tmp_path, *command, "--connection", str(path)), "not UTF-8")

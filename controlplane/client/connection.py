@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
-from controlplane.client.errors import UsageError
+from controlplane.client.errors import UsageError, require_utf8
 from controlplane.config import Settings
 
 RPC_TIMEOUT_S = 30.0
@@ -83,6 +83,7 @@ def _read_saved(path: pathlib.Path) -> dict[str, str]:
     for key in ("endpoint", "token", "tenantId", "poolId", "ca", "rootToken"):
         if saved.get(key) is not None and not isinstance(saved[key], str):
             raise UsageError(f"connection file {path}: {key} is not a string")
+        require_utf8([saved.get(key) or ""], f"connection file {path}: {key}")
     return saved
 
 

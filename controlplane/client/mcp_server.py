@@ -22,7 +22,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.client import commands
 from controlplane.client.connection import Client, Connection, open_channel
-from controlplane.client.errors import UsageError, error_json
+from controlplane.client.errors import UsageError, error_json, require_utf8
 from controlplane.client.render import as_json
 
 INSTRUCTIONS = (
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", help="default pool id")
     args = parser.parse_args(argv)
     try:
+        require_utf8([value for value in vars(args).values() if value], "argument")
         conn = Connection.resolve(
             connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
         ca=getattr(args, "ca", None),
