@@ -137,3 +137,9 @@ def test_a_connection_file_with_a_lone_surrogate_is_a_usage_error(tmp_path: path
     path = tmp_path / "connection.json"
     path.write_text('{"endpoint": "127.0.0.1:1", "token": "t", "tenantId": "\\udc80"}')
     assert_usage_error(cli(tmp_path, *command, "--connection", str(path)), "not UTF-8")
+
+
+@pytest.mark.parametrize("ttl", ["0", "999ms", "0s"])
+def test_a_join_token_ttl_under_a_second_is_a_usage_error_not_the_default_hour(tmp_path: pathlib.Path, ttl: str) -> None:
+    # Sent as 0 seconds, it would be the server's default: a token that lives an hour.
+    assert_usage_error(cli(tmp_path, *DEAD, "nodes", "join-token", "n1", "--ttl", ttl), "--ttl")

@@ -289,6 +289,8 @@ def join_token(client: Client, args: argparse.Namespace) -> Message:
         ttl_s = parse_duration_ms(args.ttl) // 1000 if args.ttl else 0
     except ValueError as exc:
         raise UsageError(f"--ttl: {exc}") from None
+    if args.ttl and ttl_s < 1:  # 0 on the wire is the server's default, an hour
+        raise UsageError(f"--ttl {args.ttl!r}: at least 1s")
     return client.call("nodes", "CreateJoinToken", npb.CreateJoinTokenRequest(
         pool_id=pool_id, node_name=args.name, role=args.role, ttl_seconds=ttl_s))
 
