@@ -5,16 +5,25 @@ spec's code and message as JSON, never a crash of the tool."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
+import pty
+import select
+import struct
 import subprocess
 import sys
+import termios
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.support import World
+from tests.support import Client, ServerThread, World, eventually, make_world
+from tests.test_cli import connection_flags
+from tests.test_pki import Enrolled, enrol
+from tests.test_reports import report
 from tests.test_mcp import Call, _token, run_agent
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -143,3 +152,71 @@ def test_a_connection_file_with_a_lone_surrogate_is_a_usage_error(tmp_path: path
 def test_a_join_token_ttl_under_a_second_is_a_usage_error_not_the_default_hour(tmp_path: pathlib.Path, ttl: str) -> None:
     # Sent as 0 seconds, it would be the server's default: a token that lives an hour.
     assert_usage_error(cli(tmp_path, *DEAD, "nodes", "join-token", "n1", "--ttl", ttl), "--ttl")
+
+
+# What a terminal shows -----------------------------------------------------------------------------
+
+# Escape sequences and rich markup a node writes into the binding a person's terminal shows: clear the
+# screen, set the window title, a hyperlink to its own site (OSC 8), and markup for one.
+HOSTILE_TEXT = ("/run/x.env\x1b[2J\x1b]0;owned\x07\x1b]8;;http://evil.example/\x1b\\click\x1b]8;;\x1b\\"
+                "[link=http://evil.example/]here[/link]\x9b2J")
+
+
+@pytest.fixture
+def node_world(clock_stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    server, root = clock_stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def node(node_world: World) -> Enrolled:
+    """An enrolled, connected node with eight GPUs (as tests/test_reports.py sets one up)."""
+    enrolled = enrol(node_world.conninfo, node_world.pool_id, "reporter")
+    node_world.sql("UPDATE nodes SET connectivity = 'connected' WHERE id = %s", (enrolled.node_id,))
+    node_world.sql("INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)"
+                   " SELECT 'atom_' || md5(%s || g), %s, 'gpu', 'GPU-r-' || g, 'H100', g / 4, 'fab/1'"
+                   " FROM generate_series(0, 7) g", (enrolled.node_id, enrolled.node_id))
+    return enrolled
+
+
+def raw_tty(world: World, tmp_path: pathlib.Path, *args: str) -> bytes:
+    """The bytes `better-compute ARGS` writes to a pseudo-terminal, escape sequences and all."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 400, 0, 0))
+    env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "no-dev"), TERM="xterm-256color", COLUMNS="400", TZ="UTC")
+    process = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *connection_flags(world), *args], cwd=REPO,
+                               env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.DEVNULL)
+    os.close(slave)
+    screen = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], CLI_TIMEOUT_S)
+        assert ready, screen
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(master)
+    assert process.wait(timeout=CLI_TIMEOUT_S) == 0, screen
+    return screen
+
+
+def test_a_node_cannot_write_escape_sequences_or_markup_to_a_persons_terminal(
+    node_world: World, node: Enrolled, tmp_path: pathlib.Path
+) -> None:
+    world = node_world
+    r = world.create(count=2, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    report(node, world, alloc, "bound", env_file=HOSTILE_TEXT)
+    assert eventually(world, r.id, lambda x: x.state == "active").binding.env_file == HOSTILE_TEXT  # kept as signed
+
+    screen = raw_tty(world, tmp_path, "get", r.id)
+    assert r.id.encode() in screen and b"/run/x.env" in screen
+    for sequence in (b"\x1b[2J", b"\x1b]0;", b"\x1b]8;", b"\x07", "\x9b".encode()):
+        assert sequence not in screen, (sequence, screen)
+    assert b"/run/x.env\\x1b[2J\\x1b]0;owned" in screen  # spelled out, so a person sees something is off
+    assert b"[link=http://evil.example/]here[/link]" in screen  # markup shown as text, not obeyed
