@@ -96,6 +96,8 @@ OUT_OF_RANGE = {
     "watch after beyond 64 bits": (["watch", "--after", "99999999999999999999"], "--after"),
     "timeline step beyond 32 bits": (["capacity", "timeline", "--step", "999999999999w"], "--step"),
     "timeline step of bare minutes beyond 32 bits": (["capacity", "timeline", "--step", "99999999999"], "--step"),
+    # Not sent, but -1 read as "stop after the first event".
+    "watch count below 0": (["watch", "--count", "-1"], "--count"),
 }
 
 

@@ -97,7 +97,8 @@ def build() -> argparse.ArgumentParser:
     p.add_argument("--after", type=_bounded("--after", -2**63, 2**63 - 1),
                    help="resume after this event id (default: all kept events)")
     p.add_argument("--from-now", action="store_true", help="only events from now on")
-    p.add_argument("--count", type=int, default=0, help="stop after this many events")
+    p.add_argument("--count", type=_bounded("--count", 0, 2**31 - 1), default=0,
+                   help="stop after this many events (0: never)")
     p.set_defaults(run=commands.watch, stream=True)
 
     p = sub.add_parser("usage", parents=[common], help="the tenant's metered usage, by meter, pool and hours")
