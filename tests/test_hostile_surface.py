@@ -222,3 +222,22 @@ def test_a_node_cannot_write_escape_sequences_or_markup_to_a_persons_terminal(
         assert sequence not in screen, (sequence, screen)
     assert b"/run/x.env\\x1b[2J\\x1b]0;owned" in screen  # spelled out, so a person sees something is off
     assert b"[link=http://evil.example/]here[/link]" in screen  # markup shown as text, not obeyed
+
+
+def test_an_agent_passing_arguments_of_the_wrong_type_reads_invalid_input_naming_the_field(
+    world: World, tmp_path: pathlib.Path
+) -> None:
+    async def script(call: Call) -> None:
+        for tool, arguments, field in (
+            ("reserve_gpus", {"gpus": "two"}, "gpus"),
+            ("reserve_gpus", {"gpus": 1.5}, "gpus"),
+            ("reserve_gpus", {}, "gpus"),
+            ("get_reservation", {"reservationId": 5}, "reservationId"),
+            ("list_reservations", {"states": "placed"}, "states"),
+            ("extend_reservation", {"reservationId": ["rsv_x"], "by": "1h"}, "reservationId"),
+        ):
+            failed, answer = await call(tool, **arguments)
+            assert failed and answer["code"] == "INVALID_INPUT", (tool, arguments, answer)
+            assert answer["details"]["field"] == field and answer["message"].startswith(field), answer
+
+    run_agent(world, tmp_path, _token(world.user), script)

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 from mcp.server.mcpserver import MCPServer
+from pydantic import ValidationError
 from mcp.server.mcpserver.exceptions import ToolError
 
 from bettercompute.v1 import reservations_pb2 as pb
@@ -138,8 +139,25 @@ def confirmation_required(key: str, details: dict[str, str]) -> dict[str, Any]:
     }
 
 
+class Server(MCPServer):
+    """Arguments that fail the tools' schema (a string for gpus, a missing reservationId) are
+    INVALID_INPUT naming the field, as JSON like every other tool failure, not pydantic's text."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            if not isinstance(exc.__cause__, ValidationError):
+                raise
+            problems = exc.__cause__.errors()
+            field = ".".join(str(part) for part in problems[0]["loc"]) if problems else ""
+            error = {"code": "INVALID_INPUT", "message": f"{field}: {problems[0]['msg']}" if problems else str(exc),
+                     "details": {"field": field}}
+            raise ToolError(f"Error executing tool {name}: {json.dumps(error)}") from exc.__cause__
+
+
 def build(tools: Tools) -> MCPServer:
-    server = MCPServer("better-compute", instructions=INSTRUCTIONS)
+    server = Server("better-compute", instructions=INSTRUCTIONS)
 
     @server.tool()
     def reserve_gpus(
