@@ -22,9 +22,9 @@ import pytest
 
 from tests.support import Client, ServerThread, World, eventually, make_world
 from tests.test_cli import connection_flags
+from tests.test_mcp import Call, _token, run_agent
 from tests.test_pki import Enrolled, enrol
 from tests.test_reports import report
-from tests.test_mcp import Call, _token, run_agent
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 60
