@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +24,14 @@ from controlplane.client.times import parse_minutes, parse_moment
 from controlplane.durations import parse_duration_ms
 
 MAX_SERVER_WAIT_MS = 30_000  # the server holds a create at most this long
+INT32_MAX = 2**31 - 1
+
+
+def int32(flag: str, value: int) -> int:
+    """`value` if it fits the request's 32-bit field (the server checks the range it allows)."""
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise UsageError(f"{flag} {value}: out of range")
+    return value
 
 
 def reserve_request(
@@ -53,7 +62,8 @@ def reserve_request(
     request = pb.CreateReservationRequest(
         tenant_id=client.conn.tenant_id,
         pool_id=pool_id,
-        devices=[pb.DeviceRequest(device_class=device_class, count=gpus, topology=topology, profile=profile)],
+        devices=[pb.DeviceRequest(device_class=device_class, count=int32("--gpus", gpus), topology=topology,
+                                  profile=profile)],
         duration=duration,
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
         binding="kubernetes" if kubernetes else "",
@@ -67,7 +77,7 @@ def reserve_request(
         request.binding = "node"
         request.node.CopyFrom(node_lease("--node-profile", node_profile))
     if gang is not None:
-        request.gang.CopyFrom(pb.Gang(size=gang, topology_key=topology_key))
+        request.gang.CopyFrom(pb.Gang(size=int32("--gang", gang), topology_key=topology_key))
     elif topology_key:
         raise UsageError("--topology-key needs --gang")
     if start:
@@ -108,9 +118,12 @@ def create_and_wait(
     on_state: Callable[[str], None] = lambda state: None,
 ) -> pb.Reservation:
     """Create with `wait`; if the answer is still queued, poll get until the same deadline."""
+    if not math.isfinite(wait_s):
+        raise UsageError(f"--wait {wait_s}: use a number of seconds")
     deadline = time.monotonic() + wait_s
-    request.wait.timeout_ms = min(int(wait_s * 1000), MAX_SERVER_WAIT_MS)
-    reservation = client.call("reservations", "Create", request, timeout=wait_s + RPC_TIMEOUT_S)
+    server_wait_s = min(wait_s, MAX_SERVER_WAIT_MS / 1000)  # before scaling: 1e308 s is finite, 1e311 ms is not
+    request.wait.timeout_ms = int(server_wait_s * 1000)
+    reservation = client.call("reservations", "Create", request, timeout=server_wait_s + RPC_TIMEOUT_S)
     on_state(reservation.state)
     pause = 0.25
     while reservation.operation.state == "running" and time.monotonic() + pause < deadline:
@@ -276,6 +289,8 @@ def join_token(client: Client, args: argparse.Namespace) -> Message:
         ttl_s = parse_duration_ms(args.ttl) // 1000 if args.ttl else 0
     except ValueError as exc:
         raise UsageError(f"--ttl: {exc}") from None
+    if args.ttl and ttl_s < 1:  # 0 on the wire is the server's default, an hour
+        raise UsageError(f"--ttl {args.ttl!r}: at least 1s")
     return client.call("nodes", "CreateJoinToken", npb.CreateJoinTokenRequest(
         pool_id=pool_id, node_name=args.name, role=args.role, ttl_seconds=ttl_s))
 

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
-from controlplane.client.errors import UsageError
+from controlplane.client.errors import UsageError, require_utf8
 from controlplane.config import Settings
 
 RPC_TIMEOUT_S = 30.0
@@ -47,10 +47,7 @@ class Connection:
         path = pathlib.Path(connection or pathlib.Path(Settings().data_dir, "connection.json"))
         saved: dict[str, Any] = {}
         if path.exists():
-            try:
-                saved = json.loads(path.read_text())
-            except ValueError as exc:
-                raise UsageError(f"connection file {path} is not JSON: {exc}") from None
+            saved = _read_saved(path)
         elif connection:
             raise UsageError(f"connection file {path} does not exist")
         conn = cls(
@@ -70,6 +67,24 @@ class Connection:
                 "or pass --connection, or --endpoint, --token and --tenant"
             )
         return conn
+
+
+def _read_saved(path: pathlib.Path) -> dict[str, str]:
+    """The connection file: a JSON object whose values are strings (a list, a number or a
+    directory is a usage error, never a traceback)."""
+    try:
+        saved = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"connection file {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"connection file {path} is not JSON: {exc}") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"connection file {path} is not a JSON object")
+    for key in ("endpoint", "token", "tenantId", "poolId", "ca", "rootToken"):
+        if saved.get(key) is not None and not isinstance(saved[key], str):
+            raise UsageError(f"connection file {path}: {key} is not a string")
+        require_utf8([saved.get(key) or ""], f"connection file {path}: {key}")
+    return saved
 
 
 def open_channel(conn: Connection) -> grpc.Channel:

@@ -13,6 +13,16 @@ class UsageError(Exception):
     """A problem with the command line or the connection file, found before any call."""
 
 
+def require_utf8(values: list[str], what: str) -> None:
+    """Every value encodes as UTF-8, as a request's strings must: bytes of another encoding in
+    argv arrive as lone surrogates (and a JSON file may spell one as \\udc80)."""
+    for value in values:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"{what} {value!r} is not UTF-8 text") from None
+
+
 def error_json(err: grpc.RpcError) -> dict[str, Any]:
     """The spec code, message and details of a failed call (the gRPC code when there is none)."""
     out: dict[str, Any] = {"code": err.code().name, "message": err.details() or ""}

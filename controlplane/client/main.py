@@ -9,7 +9,7 @@ import grpc
 
 from controlplane.client import parser as cli_parser
 from controlplane.client.connection import Client, Connection, open_channel
-from controlplane.client.errors import UsageError, error_json
+from controlplane.client.errors import UsageError, error_json, require_utf8
 from controlplane.client.render import Output
 
 
@@ -36,9 +36,11 @@ def run(args: argparse.Namespace, output: Output) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = cli_parser.build().parse_args(argv)
     output = Output.choose(args.json)
     try:
+        require_utf8(argv, "argument")
         run(args, output)
     except UsageError as exc:
         print(f"better-compute: {exc}", file=sys.stderr)

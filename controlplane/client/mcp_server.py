@@ -17,12 +17,13 @@ from typing import Any
 
 import grpc
 from mcp.server.mcpserver import MCPServer
+from pydantic import ValidationError
 from mcp.server.mcpserver.exceptions import ToolError
 
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.client import commands
 from controlplane.client.connection import Client, Connection, open_channel
-from controlplane.client.errors import UsageError, error_json
+from controlplane.client.errors import UsageError, error_json, require_utf8
 from controlplane.client.render import as_json
 
 INSTRUCTIONS = (
@@ -138,8 +139,25 @@ def confirmation_required(key: str, details: dict[str, str]) -> dict[str, Any]:
     }
 
 
+class Server(MCPServer):
+    """Arguments that fail the tools' schema (a string for gpus, a missing reservationId) are
+    INVALID_INPUT naming the field, as JSON like every other tool failure, not pydantic's text."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            if not isinstance(exc.__cause__, ValidationError):
+                raise
+            problems = exc.__cause__.errors()
+            field = ".".join(str(part) for part in problems[0]["loc"]) if problems else ""
+            error = {"code": "INVALID_INPUT", "message": f"{field}: {problems[0]['msg']}" if problems else str(exc),
+                     "details": {"field": field}}
+            raise ToolError(f"Error executing tool {name}: {json.dumps(error)}") from exc.__cause__
+
+
 def build(tools: Tools) -> MCPServer:
-    server = MCPServer("better-compute", instructions=INSTRUCTIONS)
+    server = Server("better-compute", instructions=INSTRUCTIONS)
 
     @server.tool()
     def reserve_gpus(
@@ -219,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", help="default pool id")
     args = parser.parse_args(argv)
     try:
+        require_utf8([value for value in vars(args).values() if value], "argument")
         conn = Connection.resolve(
             connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
         ca=getattr(args, "ca", None),
         )
+        channel = open_channel(conn)  # a connection file's unreadable `ca` is a usage error too
     except UsageError as exc:
         parser.error(str(exc))
-    with open_channel(conn) as channel:
+    with channel:
         build(Tools(Client(channel, conn))).run("stdio")
     return 0

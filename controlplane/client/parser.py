@@ -72,7 +72,8 @@ def build() -> argparse.ArgumentParser:
     p = sub.add_parser("list", parents=[common], help="list reservations, newest first (--pool: only that pool)")
     p.add_argument("--all", action="store_true", help="the tenant's, not only mine")
     p.add_argument("--state", action="append", help="only this state (repeatable)")
-    p.add_argument("--limit", type=int, default=0, help="page size, 1 to 200 (default 50)")
+    p.add_argument("--limit", type=_bounded("--limit", -2**31, 2**31 - 1), default=0,
+                   help="page size, 1 to 200 (default 50)")
     p.add_argument("--cursor", help="nextCursor of the previous page")
     p.set_defaults(run=commands.list_)
 
@@ -93,9 +94,11 @@ def build() -> argparse.ArgumentParser:
     p = sub.add_parser("watch", parents=[common], help="print the tenant's events as they happen")
     p.add_argument("--type", action="append", help="only this event type (repeatable)")
     p.add_argument("--subject", help="only this subject, e.g. reservation/rsv_…")
-    p.add_argument("--after", type=int, help="resume after this event id (default: all kept events)")
+    p.add_argument("--after", type=_bounded("--after", -2**63, 2**63 - 1),
+                   help="resume after this event id (default: all kept events)")
     p.add_argument("--from-now", action="store_true", help="only events from now on")
-    p.add_argument("--count", type=int, default=0, help="stop after this many events")
+    p.add_argument("--count", type=_bounded("--count", 0, 2**31 - 1), default=0,
+                   help="stop after this many events (0: never)")
     p.set_defaults(run=commands.watch, stream=True)
 
     p = sub.add_parser("usage", parents=[common], help="the tenant's metered usage, by meter, pool and hours")

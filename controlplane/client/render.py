@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
@@ -23,6 +24,7 @@ from controlplane.client.times import fmt_duration, fmt_time
 from controlplane.durations import parse_duration_ms
 
 BAR_WIDTH = 40
+M = TypeVar("M", bound=Message)
 STATE_STYLES = {
     "placed": "cyan", "binding": "yellow", "active": "green", "pending": "yellow", "queued": "yellow",
     "awaiting-confirmation": "magenta", "approved": "green", "rejected": "red", "released": "dim", "cancelled": "dim", "expired": "dim",
@@ -49,8 +51,9 @@ class Output:
 
     def __init__(self, json_mode: bool) -> None:
         self.json_mode = json_mode
-        self.out = Console(highlight=False, soft_wrap=False)
-        self.err = Console(stderr=True, highlight=False)
+        # No markup: text from the API is drawn as it reads, never obeyed as "[link=…]".
+        self.out = Console(highlight=False, soft_wrap=False, markup=False)
+        self.err = Console(stderr=True, highlight=False, markup=False)
 
     @classmethod
     def choose(cls, force_json: bool) -> Output:
@@ -60,6 +63,7 @@ class Output:
         if self.json_mode:
             print(json.dumps(as_json(message), indent=2))
             return
+        message = printable(message)
         render = _RENDERERS.get(type(message))
         self.out.print(render(message) if render else json.dumps(as_json(message), indent=2))
 
@@ -67,6 +71,7 @@ class Output:
         if self.json_mode:
             print(json.dumps(as_json(event)), flush=True)  # one line per event
             return
+        event = printable(event)
         data = MessageToDict(event.data)
         extra = "  ".join(f"{k}={v}" for k, v in sorted(data.items()) if k in ("state", "reason", "poolId"))
         line = Text.assemble(
@@ -80,10 +85,10 @@ class Output:
             print(json.dumps(error, indent=2), file=sys.stderr)
             return
         body = error["error"]
-        self.err.print(Text.assemble(("error ", "bold red"), (body["code"], "bold"), f": {body['message']}"))
+        self.err.print(Text.assemble(("error ", "bold red"), (body["code"], "bold"), f": {_safe(body['message'])}"))
         details = body.get("details", {})
         for key, value in sorted(details.items()):
-            self.err.print(f"  {key}: {value}")
+            self.err.print(f"  {_safe(key)}: {_safe(value)}")
         if body["code"] == "CONFIRMATION_REQUIRED" and details.get("confirmationId"):
             self.err.print(
                 f"Your person must approve it: better-compute confirmations approve {details['confirmationId']}\n"
@@ -100,6 +105,46 @@ class Output:
         with Progress(*columns, console=self.out, transient=True) as bar:
             task = bar.add_task(f"{what}: submitted")
             yield lambda state: bar.update(task, description=f"{what}: {state}")
+
+
+def _safe(text: str) -> str:
+    """`text` with its control characters spelled out (`\\x1b`): what a node or another caller
+    wrote must not reach a terminal as escape sequences (clear the screen, retitle it, a link)."""
+    return "".join(f"\\x{ord(ch):02x}" if unicodedata.category(ch) == "Cc" else ch for ch in text)
+
+
+def printable(message: M) -> M:
+    """A copy of `message` whose every string (nested, repeated, map keys and values) is `_safe`."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    _clean(copy)
+    return copy
+
+
+def _clean(message: Message) -> None:
+    for field, value in message.ListFields():
+        if field.type == field.TYPE_STRING:
+            if field.is_repeated:
+                value[:] = [_safe(v) for v in value]
+            else:
+                setattr(message, field.name, _safe(value))
+        elif field.type != field.TYPE_MESSAGE:
+            continue
+        elif field.message_type.GetOptions().map_entry:
+            entries = list(value.items())
+            value.clear()
+            for key, item in entries:
+                key = _safe(key) if isinstance(key, str) else key
+                if isinstance(item, Message):
+                    value[key].CopyFrom(item)
+                    _clean(value[key])
+                else:
+                    value[key] = _safe(item) if isinstance(item, str) else item
+        elif field.is_repeated:
+            for item in value:
+                _clean(item)
+        else:
+            _clean(value)
 
 
 def _state(state: str) -> Text:

@@ -8,25 +8,32 @@ import time
 from controlplane.client.errors import UsageError
 from controlplane.durations import parse_duration_ms
 
+INT64_MAX = 2**63 - 1
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
 
 
 def parse_moment(flag: str, text: str, *, now: int | None = None) -> int:
-    """Epoch milliseconds for `+2h` (from now), ISO 8601 (naive means local time) or epoch ms."""
+    """Epoch milliseconds for `+2h` (from now), ISO 8601 (naive means local time) or epoch ms,
+    within the request's 64-bit field (the server checks the range it allows)."""
     text = text.strip()
     try:
         if text.startswith("+"):
-            return (now_ms() if now is None else now) + parse_duration_ms(text[1:])
-        if text.isdigit():
-            return int(text)
-        moment = datetime.datetime.fromisoformat(text)
-    except ValueError:
+            ms = (now_ms() if now is None else now) + parse_duration_ms(text[1:])
+        elif text.isdigit():
+            ms = int(text)
+        else:
+            moment = datetime.datetime.fromisoformat(text)
+            if moment.tzinfo is None:
+                moment = moment.astimezone()
+            ms = int(moment.timestamp() * 1000)
+    except (ValueError, OverflowError):  # OverflowError: the year 1 in local time
         raise UsageError(f"{flag} {text!r}: use +2h, ISO 8601 or epoch milliseconds") from None
-    if moment.tzinfo is None:
-        moment = moment.astimezone()
-    return int(moment.timestamp() * 1000)
+    if not -INT64_MAX - 1 <= ms <= INT64_MAX:
+        raise UsageError(f"{flag} {text!r}: out of range")
+    return ms
 
 
 def parse_minutes(flag: str, text: str) -> int:
@@ -35,6 +42,8 @@ def parse_minutes(flag: str, text: str) -> int:
         ms = int(text) * 60_000 if text.strip().isdigit() else parse_duration_ms(text)
     except ValueError:
         raise UsageError(f"{flag} {text!r}: use a duration such as 30m or 1h") from None
+    if ms // 60_000 > 2**31 - 1:  # the request's 32-bit field (the server allows 5 to 1440)
+        raise UsageError(f"{flag} {text!r}: out of range")
     return ms // 60_000
 
 
