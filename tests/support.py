@@ -51,6 +51,8 @@ class ServerThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            if not self.thread.is_alive():  # its selector and self-pipe: no descriptors left behind
+                self.loop.close()
 
 
 class _Opened:

@@ -59,6 +59,13 @@ def connection_flags(world: World, token: str | None = None) -> list[str]:
             "--tenant", world.tenant, "--pool", world.pool_id]
 
 
+def _readable(fd: int, seconds: float) -> bool:
+    """Whether `fd` has something to read within `seconds` (poll: any descriptor number)."""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
+    return bool(waiting.poll(int(seconds * 1000)))
+
+
 def _token(client: Any) -> str:
     return client.metadata[0][1].removeprefix("Bearer ")
 
@@ -94,7 +101,7 @@ def tty(world: World, tmp_path: pathlib.Path):
         screen = b""
         deadline = time.monotonic() + CLI_TIMEOUT_S
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
+            ready = _readable(master, 1.0)
             if not ready:
                 continue
             try:

@@ -70,6 +70,8 @@ class GatewayThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+            if not self.thread.is_alive():  # its selector and self-pipe: no descriptors left behind
+                self.loop.close()
 
 
 _OPEN: list[Session] = []

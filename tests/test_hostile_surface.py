@@ -10,7 +10,6 @@ import json
 import os
 import pathlib
 import pty
-import select
 import struct
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support import Client, ServerThread, World, eventually, make_world
-from tests.test_cli import connection_flags
+from tests.test_cli import _readable, connection_flags
 from tests.test_mcp import Call, _token, run_agent
 from tests.test_pki import Enrolled, enrol
 from tests.test_reports import report
@@ -193,7 +192,7 @@ def raw_tty(world: World, tmp_path: pathlib.Path, *args: str) -> bytes:
     os.close(slave)
     screen = b""
     while True:
-        ready, _, _ = select.select([master], [], [], CLI_TIMEOUT_S)
+        ready = _readable(master, CLI_TIMEOUT_S)
         assert ready, screen
         try:
             chunk = os.read(master, 65536)

@@ -565,6 +565,8 @@ class AdminServer:
         self.call(self.pool.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():  # its selector and self-pipe: no descriptors left behind
+            self.loop.close()
 
 
 @pytest.fixture

@@ -66,6 +66,8 @@ class SimThread:
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        if not self.thread.is_alive():  # its selector and self-pipe: no descriptors left behind
+            self.loop.close()
 
 
 class Stubs:

@@ -45,9 +45,10 @@ class Process:
     def _wait_ready(self, ready: re.Pattern[str], timeout: float) -> re.Match[str]:
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
+        waiting = select.poll()  # not select(): a process with 1,024 files open already is fine too
+        waiting.register(self.proc.stdout, select.POLLIN)
         while time.monotonic() < deadline:
-            readable, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if readable:
+            if waiting.poll(500):
                 line = self.proc.stdout.readline().decode(errors="replace")
                 found = ready.search(line)
                 if found:
