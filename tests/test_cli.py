@@ -90,33 +90,37 @@ def tty(world: World, tmp_path: pathlib.Path):
     """Run `better-compute ARGS` with stdout on a pseudo-terminal 160 columns wide; the screen text."""
 
     def run(*args: str, token: str | None = None) -> Run:
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
         env = dict(_env(tmp_path), TERM="xterm-256color", COLUMNS="160", TZ="UTC")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", *connection_flags(world, token), *args],
-            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE,
-        )
-        os.close(slave)
-        screen = b""
-        deadline = time.monotonic() + CLI_TIMEOUT_S
-        while time.monotonic() < deadline:
-            ready = _readable(master, 1.0)
-            if not ready:
-                continue
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the process closed the terminal
-                break
-            if not chunk:
-                break
-            screen += chunk
-        os.close(master)
-        code = process.wait(timeout=CLI_TIMEOUT_S)
-        err = process.stderr.read().decode() if process.stderr else ""
+        code, screen, err = on_a_terminal([*connection_flags(world, token), *args], env, columns=160)
         return Run(code, ANSI.sub("", screen.decode(errors="replace")), err)
 
     return run
+
+
+def on_a_terminal(args: list[str], env: dict[str, str], *, columns: int) -> tuple[int, bytes, str]:
+    """Run `better-compute ARGS` with stdout on a pseudo-terminal `columns` wide: (exit code, the
+    bytes it wrote there, stderr)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    process = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *args], cwd=REPO, env=env,
+                               stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    screen = b""
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not _readable(master, 1.0):
+            continue
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(master)
+    code = process.wait(timeout=CLI_TIMEOUT_S)
+    err = process.stderr.read().decode() if process.stderr else ""
+    return code, screen, err
 
 
 def _iso_in(hours: float) -> str:

@@ -5,25 +5,21 @@ spec's code and message as JSON, never a crash of the tool."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pathlib
-import pty
-import struct
 import subprocess
 import sys
-import termios
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.support import Client, ServerThread, World, eventually, make_world
-from tests.test_cli import _readable, connection_flags
+from tests.test_cli import connection_flags, on_a_terminal
 from tests.test_mcp import Call, _token, run_agent
-from tests.test_pki import Enrolled, enrol
-from tests.test_reports import report
+from tests.test_pki import Enrolled
+from tests.test_reports import enrolled_node, report
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 60
@@ -174,35 +170,14 @@ def node_world(clock_stack: tuple[ServerThread, Client]) -> Iterator[World]:
 @pytest.fixture
 def node(node_world: World) -> Enrolled:
     """An enrolled, connected node with eight GPUs (as tests/test_reports.py sets one up)."""
-    enrolled = enrol(node_world.conninfo, node_world.pool_id, "reporter")
-    node_world.sql("UPDATE nodes SET connectivity = 'connected' WHERE id = %s", (enrolled.node_id,))
-    node_world.sql("INSERT INTO atoms (id, node_id, kind, device_uuid, model, numa_node, nvlink_domain)"
-                   " SELECT 'atom_' || md5(%s || g), %s, 'gpu', 'GPU-r-' || g, 'H100', g / 4, 'fab/1'"
-                   " FROM generate_series(0, 7) g", (enrolled.node_id, enrolled.node_id))
-    return enrolled
+    return enrolled_node(node_world)
 
 
 def raw_tty(world: World, tmp_path: pathlib.Path, *args: str) -> bytes:
     """The bytes `better-compute ARGS` writes to a pseudo-terminal, escape sequences and all."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 400, 0, 0))
     env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "no-dev"), TERM="xterm-256color", COLUMNS="400", TZ="UTC")
-    process = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *connection_flags(world), *args], cwd=REPO,
-                               env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.DEVNULL)
-    os.close(slave)
-    screen = b""
-    while True:
-        ready = _readable(master, CLI_TIMEOUT_S)
-        assert ready, screen
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        screen += chunk
-    os.close(master)
-    assert process.wait(timeout=CLI_TIMEOUT_S) == 0, screen
+    code, screen, _ = on_a_terminal([*connection_flags(world), *args], env, columns=400)
+    assert code == 0, screen
     return screen
 
 

@@ -27,8 +27,7 @@ HOUR = 3_600_000
 _SEQUENCE = itertools.count(1)  # a node's reports are newer one after the other
 
 
-@pytest.fixture
-def node(world: World) -> Enrolled:
+def enrolled_node(world: World) -> Enrolled:
     """An enrolled node with eight GPUs, connected (what the gateway records from its Hello)."""
     enrolled = enrol(world.conninfo, world.pool_id, "reporter")
     world.sql("UPDATE nodes SET connectivity = 'connected' WHERE id = %s", (enrolled.node_id,))
@@ -36,6 +35,11 @@ def node(world: World) -> Enrolled:
               " SELECT 'atom_' || md5(%s || g), %s, 'gpu', 'GPU-r-' || g, 'H100', g / 4, 'fab/1'"
               " FROM generate_series(0, 7) g", (enrolled.node_id, enrolled.node_id))
     return enrolled
+
+
+@pytest.fixture
+def node(world: World) -> Enrolled:
+    return enrolled_node(world)
 
 
 @pytest.fixture
