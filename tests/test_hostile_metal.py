@@ -10,7 +10,6 @@ import dataclasses
 import time
 
 import grpc
-import pytest
 
 from bettercompute.node.v1 import node_pb2 as npb
 from bettercompute.v1 import admin_pb2 as apb
@@ -72,6 +71,17 @@ def advance_to(cp: ControlPlane, at_ms: int) -> None:  # noqa: F811
 
 # -- a lease starting on a machine another lease still holds ------------------------------------
 
+
+
+def two_machines(gateway, world: World) -> dict:  # noqa: ANN001
+    """A metal pool of the world's with two connected 4-GPU machines m1 and m2: node id -> session."""
+    metal_pool(world)
+    world.quota(1000)
+    sessions = {}
+    for name in ("m1", "m2"):
+        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
+        sessions[node.node_id] = session
+    return sessions
 
 def test_a_lease_whose_machine_is_still_leased_at_its_start_never_deploys_there(
         gateway, cp: ControlPlane) -> None:  # noqa: F811
@@ -247,12 +257,7 @@ def test_a_machine_gang_extended_and_released_with_one_member_deployed_ends_ever
     from tests.test_hostile_queue import extend
 
     world = cp.world
-    metal_pool(world)
-    world.quota(1000)
-    connected_nodes = {}
-    for name in ("m1", "m2"):
-        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
-        connected_nodes[node.node_id] = session
+    connected_nodes = two_machines(gateway, world)
     profile = register(world.root, 1)
     start = world.later(1)
     r = node_lease(world, profile, start=start, duration="2h", gang=pb.Gang(size=2))
@@ -292,12 +297,7 @@ def test_a_node_reporting_its_gang_partners_deploy_binds_neither_machine(gateway
     profile version and checksum), m1 says nothing. Neither allocation is bound by it: each deploy
     is judged only on its own node's disk."""
     world = cp.world
-    metal_pool(world)
-    world.quota(1000)
-    sessions = {}
-    for name in ("m1", "m2"):
-        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
-        sessions[node.node_id] = session
+    sessions = two_machines(gateway, world)
     profile = register(world.root, 1)
     r = node_lease(world, profile, duration="2h", gang=pb.Gang(size=2))
     cp.drain()
