@@ -19,7 +19,16 @@ MIN = 60_000
 
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from module_stack(pg_uri, clock_control=True)
+    # Pending reservations retry only when woken (an hour between timed retries): a test that
+    # waits for one to be placed proves the change that freed capacity woke it.
+    yield from module_stack(pg_uri, clock_control=True, pending_retry_seconds=3600)
+
+
+@pytest.fixture
+def lone(world: World) -> tuple[World, apb.Node]:
+    """The world's pool with one schedulable node of 8 GPUs (its default nodes cordoned)."""
+    world.sql("UPDATE nodes SET state = 'cordoned' WHERE pool_id = %s", (world.pool_id,))
+    return world, world.add_node()
 
 
 def conditions(world: World, rid: str, type_: str) -> list:
@@ -41,3 +50,16 @@ def test_a_gpu_quarantined_while_binding_is_a_condition_as_soon_as_it_is_active(
     assert gpu in sick.message
     assert get(world, r.id).state == "active"
     check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_gpu_restored_to_health_wakes_the_pending_reservations_it_fits(lone: tuple[World, apb.Node]) -> None:
+    world, node = lone
+    gpu = f"GPU-{node.name}-0"
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=gpu, health="unhealthy"))
+    r = world.create(count=8, duration="1h")
+    assert r.state == "pending"  # seven healthy GPUs
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=gpu, health="healthy"))
+    placed = eventually(world, r.id, lambda x: x.state in ("placed", "binding"))
+    assert {a.node_id for a in placed.allocations} == {node.id}
+    check_invariants(world.conninfo, world.tenant)
+
