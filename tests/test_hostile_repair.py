@@ -63,3 +63,15 @@ def test_a_gpu_restored_to_health_wakes_the_pending_reservations_it_fits(lone: t
     assert {a.node_id for a in placed.allocations} == {node.id}
     check_invariants(world.conninfo, world.tenant)
 
+
+def test_a_node_an_operator_marks_connected_wakes_the_pending_reservations_it_fits(
+    lone: tuple[World, apb.Node],
+) -> None:
+    world, node = lone
+    world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=node.id, connectivity="unreachable"))
+    r = world.create(count=8, duration="1h")
+    assert r.state == "pending"
+    world.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(node_id=node.id, connectivity="connected"))
+    placed = eventually(world, r.id, lambda x: x.state in ("placed", "binding"))
+    assert {a.node_id for a in placed.allocations} == {node.id}
+    check_invariants(world.conninfo, world.tenant)
