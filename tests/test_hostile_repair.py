@@ -8,11 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
+from controlplane.nodes import inventory
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, settled
-from tests.support import Client, ServerThread, World, eventually, get
+from tests.support import Client, ServerThread, World, eventually, get, gpus
+from tests.test_pki import arun
+from tests.test_shared_gpus import shared_pool
 
 MIN = 60_000
 
@@ -75,3 +79,21 @@ def test_a_node_an_operator_marks_connected_wakes_the_pending_reservations_it_fi
     placed = eventually(world, r.id, lambda x: x.state in ("placed", "binding"))
     assert {a.node_id for a in placed.allocations} == {node.id}
     check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_quarantined_slot_stays_quarantined_when_its_node_reports_its_inventory_again(world: World) -> None:
+    shared_pool(world, "time-slice", nodes=0)
+    node = world.add_node(gpus("slot-node", count=1))
+    gpu = gpus("slot-node", count=1)[0].uuid
+    again = node_pb2.Inventory(generation=2, gpus=[node_pb2.Gpu(uuid=gpu, model="H100-SXM5-80GB", memory_mib=81559)])
+    slot = f"{gpu}:1"  # an XID on one time-slice replica: the operator quarantines that slot only
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=slot, health="unhealthy"))
+    health = "SELECT device_uuid, health FROM atoms WHERE node_id = %s AND kind <> 'gpu' AND health <> 'healthy'"
+    assert world.sql(health, (node.id,)) == [(slot, "unhealthy")]
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, again))  # the node restarted
+    assert world.sql(health, (node.id,)) == [(slot, "unhealthy")]
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=gpu, health="unhealthy"))
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, again))
+    assert len(world.sql(health, (node.id,))) == 4  # the GPU's quarantine covers every slot
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=gpu, health="healthy"))
+    assert world.sql(health, (node.id,)) == []
