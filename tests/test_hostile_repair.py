@@ -97,3 +97,28 @@ def test_a_quarantined_slot_stays_quarantined_when_its_node_reports_its_inventor
     assert len(world.sql(health, (node.id,))) == 4  # the GPU's quarantine covers every slot
     world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=gpu, health="healthy"))
     assert world.sql(health, (node.id,)) == []
+
+
+def live(r) -> list:
+    return [a for a in r.allocations if a.state in ("placed", "binding", "bound")]
+
+
+def test_a_booked_gpu_gone_from_the_inventory_is_a_condition_of_the_active_reservation_until_it_is_back(
+    world: World,
+) -> None:
+    r = world.create(count=2, duration="8h")
+    active = SigningNodes(world).activate(r.id)
+    [alloc] = live(active)
+    node = next(n for n in world.nodes if n.id == alloc.node_id)
+    every = gpus(node.name)
+    inv = lambda kept: node_pb2.Inventory(generation=len(kept), gpus=[  # noqa: E731
+        node_pb2.Gpu(uuid=g.uuid, model=g.model, memory_mib=g.memory_mib) for g in kept])
+    gone = alloc.device_ids[0]
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv([g for g in every if g.uuid != gone])))
+    [sick] = eventually(world, r.id, lambda x: [c for c in x.conditions if c.type == "DeviceUnhealthy"]).conditions
+    assert gone in sick.message
+    assert get(world, r.id).state == "active"  # only a condition
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv(every)))
+    eventually(world, r.id, lambda x: not [c for c in x.conditions if c.type == "DeviceUnhealthy"])
+    assert get(world, r.id).state == "active"
+    check_invariants(world.conninfo, world.tenant)

@@ -111,7 +111,8 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
 
 
 async def node_conditions(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> None:
-    """Set or clear NodeUnreachable and DeviceUnhealthy from the reservation's nodes and atoms."""
+    """Set or clear NodeUnreachable and DeviceUnhealthy from the reservation's nodes and atoms (a
+    booked atom quarantined, or gone from its node's inventory)."""
     facts = await (await conn.execute(queries.NODE_FACTS, {"id": row["id"]})).fetchall()
     unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
     sick = await (await conn.execute(queries.UNHEALTHY_NODES, {"id": row["id"]})).fetchall()
@@ -119,7 +120,8 @@ async def node_conditions(conn: AsyncConnection, row: dict[str, Any], now_ms: in
     if unreachable:
         kept.append(_same_or_new(row, "NodeUnreachable", f"unreachable: {', '.join(unreachable)}", now_ms))
     if sick:
-        message = "unhealthy: " + ", ".join(f"{s['device_uuid']} on {s['name']}" for s in sick)
+        message = "unhealthy: " + ", ".join(f"{s['device_uuid']} on {s['name']}" + (" (gone)" if s["gone"] else "")
+                                            for s in sick)
         kept.append(_same_or_new(row, "DeviceUnhealthy", message, now_ms))
     if kept != row["conditions"]:
         await set_conditions(conn, row, kept)
