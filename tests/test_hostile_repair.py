@@ -114,11 +114,36 @@ def test_a_booked_gpu_gone_from_the_inventory_is_a_condition_of_the_active_reser
     inv = lambda kept: node_pb2.Inventory(generation=len(kept), gpus=[  # noqa: E731
         node_pb2.Gpu(uuid=g.uuid, model=g.model, memory_mib=g.memory_mib) for g in kept])
     gone = alloc.device_ids[0]
-    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv([g for g in every if g.uuid != gone])))
+    kept = [g for g in every if g.uuid != gone]
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv(kept)))
     [sick] = eventually(world, r.id, lambda x: [c for c in x.conditions if c.type == "DeviceUnhealthy"]).conditions
     assert gone in sick.message
     assert get(world, r.id).state == "active"  # only a condition
     arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv(every)))
     eventually(world, r.id, lambda x: not [c for c in x.conditions if c.type == "DeviceUnhealthy"])
     assert get(world, r.id).state == "active"
+    check_invariants(world.conninfo, world.tenant)
+
+
+
+
+def test_a_late_repair_at_the_start_books_from_now_where_the_past_is_taken(lone: tuple[World, apb.Node]) -> None:
+    world, first = lone
+    other = world.add_node()
+    now = world.sql("SELECT epoch_ms(compute_now())")[0][0]
+    start = now + 30 * MIN
+    r = world.create(count=8, start=start, duration="1h")
+    [node] = {a.node_id for a in live(r)}
+    spare = other.id if node == first.id else first.id
+    earlier = world.create(count=8, duration="40m")  # the spare node, until 10 minutes after the start
+    assert {a.node_id for a in live(earlier)} == {spare}
+    world.sql("UPDATE nodes SET state = 'cordoned' WHERE id = %s", (node,))  # its wake-up was lost
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=41 * MIN))  # the worker reaches the start late
+    moved = eventually(world, r.id, lambda x: x.state != "placed" or node not in {a.node_id for a in live(x)})
+    assert moved.state in ("placed", "binding") and {a.node_id for a in live(moved)} == {spare}, moved.state
+    assert moved.during.end == start + 60 * MIN  # the same end: repaired, never pending
+    assert moved.during.start > start  # from when the worker got there, where the spare node is free
+    types = [t for (t,) in world.sql("SELECT type FROM events WHERE subject = %s ORDER BY id",
+                                     (f"reservation/{r.id}",))]
+    assert "reservation.repaired" in types and "reservation.pending" not in types
     check_invariants(world.conninfo, world.tenant)

@@ -374,6 +374,11 @@ RELEASE_PLACED_ALLOCATIONS = "UPDATE allocations SET state = 'released' WHERE re
 
 BUMP_VERSION = "UPDATE reservations SET version = version + 1, updated_at = clock_timestamp() WHERE id = %(id)s"
 
+# A repair the worker reached after the start: the window begins when it placed again (the end stays).
+SET_WINDOW_START = """
+UPDATE reservations SET during = tstzrange(from_epoch_ms(%(start)s), upper(during), '[)') WHERE id = %(id)s
+"""
+
 
 # reports ---------------------------------------------------------------------------------------
 
