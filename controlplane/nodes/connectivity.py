@@ -59,13 +59,17 @@ async def sweep(pool: AsyncConnectionPool, grace_seconds: float) -> list[str]:
 
 
 async def set_by_operator(pool: AsyncConnectionPool, node_id: str, connectivity: str) -> dict[str, Any]:
-    """`connected` (seen now, by the database's clock) or `unreachable`, under the pool lock."""
+    """`connected` (seen now, by the database's clock; the pool's pending reservations retry now)
+    or `unreachable`, under the pool lock."""
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        if await lock_for_placement_change(conn, node_id) is None:
+        node = await lock_for_placement_change(conn, node_id)
+        if node is None:
             raise errors.NotFound("no such node", nodeId=node_id)
         await conn.execute(queries.SET_CONNECTIVITY, {"connectivity": connectivity, "node_id": node_id})
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node_id})
+        if connectivity == "connected":  # as node_seen: placement skips unreachable nodes
+            await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
         return await registry.node(conn, node_id)
 
     return await db.run_in_transaction(pool, work)

@@ -34,7 +34,8 @@ async def set_state(pool: AsyncConnectionPool, node_id: str, state: str) -> dict
 
 
 async def set_gpu_health(pool: AsyncConnectionPool, node_id: str, device_uuid: str, health: str) -> dict[str, Any]:
-    """Quarantine or restore a GPU (and its MIG instances and slots)."""
+    """Quarantine or restore a GPU (and its MIG instances and slots); restored, the pool's pending
+    reservations retry now."""
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         node = await lock_for_placement_change(conn, node_id)
@@ -43,6 +44,8 @@ async def set_gpu_health(pool: AsyncConnectionPool, node_id: str, device_uuid: s
         if changed == 0:
             raise errors.NotFound("no such GPU on that node", nodeId=node_id, deviceUuid=device_uuid)
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node_id})
+        if health == "healthy":  # back in service: the pool's pending reservations retry now
+            await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
         return await registry.node(conn, node_id)
 
     return await db.run_in_transaction(pool, work)

@@ -152,6 +152,7 @@ async def _wake_pool_if_changed(conn: AsyncConnection, node: dict[str, Any], bef
     every placer of the pool re-plan once per message)."""
     if await _placement_facts(conn, node["id"]) != before:
         await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
+        await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})  # a GPU back clears a condition
 
 
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:

@@ -240,7 +240,8 @@ UPDATE atoms SET bookable = false
 WHERE node_id = %(node_id)s AND kind = 'gpu' AND bookable AND device_uuid = ANY(%(uuids)s)
 """
 # The children of present GPUs (device "<uuid>:<n>"), with their parent's model, placement and
-# health; bookable again if they were not.
+# health; bookable again if they were not. A child quarantined on its own (SetGpuHealth naming the
+# instance or slot) stays quarantined: only the operator restores it, never the node's report.
 UPSERT_CHILDREN = """
 INSERT INTO atoms (id, node_id, kind, parent_id, device_uuid, model, numa_node, nvlink_domain, health,
                    profile, gpu_equivalent)
@@ -251,7 +252,9 @@ FROM unnest(%(ids)s::text[], %(parents)s::text[], %(devices)s::text[], %(profile
 JOIN atoms p ON p.node_id = %(node_id)s AND p.kind = 'gpu' AND p.device_uuid = c.parent_uuid
 ON CONFLICT (node_id, device_uuid, kind) DO UPDATE
 SET parent_id = EXCLUDED.parent_id, model = EXCLUDED.model, numa_node = EXCLUDED.numa_node,
-    nvlink_domain = EXCLUDED.nvlink_domain, health = EXCLUDED.health, profile = EXCLUDED.profile,
+    nvlink_domain = EXCLUDED.nvlink_domain,
+    health = CASE WHEN EXCLUDED.health = 'unhealthy' THEN EXCLUDED.health ELSE atoms.health END,
+    profile = EXCLUDED.profile,
     gpu_equivalent = EXCLUDED.gpu_equivalent, bookable = true
 WHERE (atoms.parent_id, atoms.model, atoms.numa_node, atoms.nvlink_domain, atoms.health, atoms.profile,
        atoms.gpu_equivalent, atoms.bookable)

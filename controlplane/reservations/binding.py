@@ -53,6 +53,7 @@ async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_
     if allocations and all(a["state"] == "bound" for a in allocations):
         await move(conn, row, states.ACTIVE, operation_state="succeeded")
         await events.emit_reservation(conn, row, "reservation.active")
+        await node_conditions(conn, row, now_ms)  # a change while binding woke it before it was active
         await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
         return
     late = [a for a in allocations if a["state"] == "binding" and a["bind_deadline_ms"] <= now_ms]
@@ -103,6 +104,15 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
     active reservation is only recorded. Rechecked every 15 minutes: one pending recheck is
     enough, so a wake-up adds none when another is already due within that time."""
     await reports.judge(conn, rt, row, now_ms)
+    await node_conditions(conn, row, now_ms)
+    pending = {"id": row["id"], "within": schedule.ACTIVE_RECHECK_MS}
+    if not await (await conn.execute(queries.RECHECK_PENDING, pending)).fetchone():
+        await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
+
+
+async def node_conditions(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> None:
+    """Set or clear NodeUnreachable and DeviceUnhealthy from the reservation's nodes and atoms (a
+    booked atom quarantined, or gone from its node's inventory)."""
     facts = await (await conn.execute(queries.NODE_FACTS, {"id": row["id"]})).fetchall()
     unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
     sick = await (await conn.execute(queries.UNHEALTHY_NODES, {"id": row["id"]})).fetchall()
@@ -110,13 +120,11 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
     if unreachable:
         kept.append(_same_or_new(row, "NodeUnreachable", f"unreachable: {', '.join(unreachable)}", now_ms))
     if sick:
-        message = "unhealthy: " + ", ".join(f"{s['device_uuid']} on {s['name']}" for s in sick)
+        message = "unhealthy: " + ", ".join(f"{s['device_uuid']} on {s['name']}" + (" (gone)" if s["gone"] else "")
+                                            for s in sick)
         kept.append(_same_or_new(row, "DeviceUnhealthy", message, now_ms))
     if kept != row["conditions"]:
         await set_conditions(conn, row, kept)
-    pending = {"id": row["id"], "within": schedule.ACTIVE_RECHECK_MS}
-    if not await (await conn.execute(queries.RECHECK_PENDING, pending)).fetchone():
-        await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
 
 
 def _same_or_new(row: dict[str, Any], type_: str, message: str, now_ms: int) -> dict[str, Any]:

@@ -323,13 +323,14 @@ WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND
 ORDER BY n.id
 """
 
+# Booked atoms an operator quarantined, or that their node no longer reports (gone: not bookable).
 UNHEALTHY_NODES = """
-SELECT DISTINCT n.name, at.device_uuid
+SELECT DISTINCT n.name, at.device_uuid, NOT at.bookable AS gone
 FROM allocations a
 JOIN bookings b ON b.allocation_id = a.id
 JOIN atoms at ON at.id = b.atom_id
 JOIN nodes n ON n.id = at.node_id
-WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND at.health = 'unhealthy'
+WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND (at.health = 'unhealthy' OR NOT at.bookable)
 ORDER BY n.name, at.device_uuid
 """
 
@@ -372,6 +373,11 @@ RELEASE_PLACED_ALLOCATIONS = "UPDATE allocations SET state = 'released' WHERE re
 
 
 BUMP_VERSION = "UPDATE reservations SET version = version + 1, updated_at = clock_timestamp() WHERE id = %(id)s"
+
+# A repair the worker reached after the start: the window begins when it placed again (the end stays).
+SET_WINDOW_START = """
+UPDATE reservations SET during = tstzrange(from_epoch_ms(%(start)s), upper(during), '[)') WHERE id = %(id)s
+"""
 
 
 # reports ---------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ async def bad_nodes(conn: AsyncConnection, rid: str) -> list[str]:
 
 
 async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: list[str], now_ms: int) -> bool:
-    """Release the allocations and place again for the same window, avoiding `bad` nodes; the quota
-    charge is kept. True when it stays placed, False when it went pending (BookingRepairFailed)."""
+    """Release the allocations and place again for the same window (from now when its start has
+    passed), avoiding `bad` nodes; the quota charge is kept. True when it stays placed, False when
+    it went pending (BookingRepairFailed)."""
     params = {"id": row["id"]}
     window = (row["during_start"], row["during_end"])
     members = gang.Gang.of(row["request"])
@@ -39,12 +40,19 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
         left = [r["node_id"] for r in await (await conn.execute(queries.LIVE_NODES, params)).fetchall()]
         await conn.execute(queries.DROP_PLACED_BOOKINGS, params)
         await conn.execute(queries.RELEASE_PLACED_ALLOCATIONS, params)
+        # When the worker got there after the start (it ran late, or a wake-up was lost), from now:
+        # the time already gone may have been another reservation's on the replacement nodes, and
+        # it can no longer be used anyway. The end stays.
+        window = (max(now_ms, row["during_start"]), row["during_end"])
         replaced = await placing.place_again_any(conn, rt, row, window, frozenset(bad), now_ms)
         if not replaced.node_ids:
             message = f"booking repair found no replacement for {', '.join(bad)}: " + replaced.reason
             await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)
             return False
         node_ids = replaced.node_ids
+    if window[0] != row["during_start"]:
+        await conn.execute(queries.SET_WINDOW_START, {"id": row["id"], "start": window[0]})
+        row["during_start"] = window[0]  # the caller goes on with this row (a node lease's deploy)
     await conn.execute(queries.BUMP_VERSION, params)
     await events.emit_reservation(conn, row, "reservation.repaired", **{"from": left, "nodeIds": node_ids})
     await schedule.at(conn, row["id"], row["during_start"])
