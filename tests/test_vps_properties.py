@@ -111,12 +111,15 @@ class Slots(RuleBasedStateMachine):
     def change_instance(self, pick: int, action: str) -> None:
         iid = sorted(self.instances)[pick % len(self.instances)]
         tenant = self.instances[iid]
+        [(was,)] = self.sql("SELECT state FROM instances WHERE id = %s", iid)
         try:
             got = self.v.instance_call(action, iid, self.stubs[tenant], tenant=tenant)
         except grpc.RpcError as exc:
             assert reason_of(exc) in ("CAPACITY_UNAVAILABLE", "INVALID_STATE"), exc
             return
-        if action == "Start" and got.placement == "reserved":
+        # Only a start that started it took a slot: starting a running instance changes nothing, and
+        # a grant that began meanwhile may hold slots its tenant's instances outside it still run on.
+        if action == "Start" and was != "running" and got.placement == "reserved":
             self.ordinary_slot_was_free()
 
     @precondition(lambda self: not self.gone)
