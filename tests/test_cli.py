@@ -313,7 +313,9 @@ def test_a_terminal_gets_a_table_a_summary_and_a_calendar(cli, tty, world: World
     assert lines[placed["id"]] == ["placed"]
     assert lines["devices"] == ["4", "×", "gpu", "(any)"]
     end = datetime.datetime.fromisoformat(start) + datetime.timedelta(hours=8)
-    assert lines["window"] == [start[:10], start[11:16], "UTC", "→", end.strftime("%H:%M"), "UTC", "(8h)"]
+    # The end shows its date only when it falls on another day than the start.
+    end_shown = [end.strftime("%H:%M")] if end.date().isoformat() == start[:10] else end.strftime("%Y-%m-%d %H:%M").split()
+    assert lines["window"] == [start[:10], start[11:16], "UTC", "→", *end_shown, "UTC", "(8h)"]
 
     until = (datetime.datetime.fromisoformat(start) + datetime.timedelta(hours=10)).isoformat()
     calendar = tty("capacity", "timeline", "--from", start, "--to", until, "--step", "2h")
