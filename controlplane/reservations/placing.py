@@ -106,13 +106,21 @@ async def place_again_any(
         return Replaced([placement.node_id])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     ask = dataclasses.replace(ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
-    if is_node_lease(row["request"]):  # a gang of whole machines
-        machines = await whole_machines.commit(conn, ask, members, row["id"], rt.settings, exclude=avoid)
-        return Replaced(machines.node_ids, machines.reason)
-    planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity, exclude=avoid)
-    committed = await gang.commit(conn, ask, members, row["id"], planned, rt.settings, index=rt.capacity,
-                                  exclude=avoid, metrics=rt.metrics)
+    committed = await commit_gang(conn, rt, row, ask, members, exclude=avoid)
     return Replaced(committed.node_ids, committed.reason)
+
+
+async def commit_gang(
+    conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: placer.Ask, members: gang.Gang, *,
+    exclude: frozenset[str] = frozenset(), within: str | None = None,
+) -> gang.Committed:
+    """Plan and commit `members` of `row`'s gang for the ask's window (the pool lock held): whole
+    machines for a node lease, the per-node devices otherwise; `within` keeps to one label value."""
+    if is_node_lease(row["request"]):
+        return await whole_machines.commit(conn, ask, members, row["id"], rt.settings, exclude=exclude, within=within)
+    planned = await gang.plan(conn, ask, members, rt.settings, index=rt.capacity, exclude=exclude, within=within)
+    return await gang.commit(conn, ask, members, row["id"], planned, rt.settings, index=rt.capacity,
+                             exclude=exclude, within=within, metrics=rt.metrics)
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:

@@ -15,8 +15,6 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
-from controlplane.metal import is_node_lease
-from controlplane.metal import placement as whole_machines
 from controlplane.placement import gang
 from controlplane.reservations import placing, queries, schedule
 from controlplane.runtime import Runtime
@@ -75,12 +73,7 @@ async def _repair_members(
     ask = dataclasses.replace(placing.ask_for(row, now_ms), start_ms=window[0], end_ms=window[1])
     avoid = frozenset(bad) | {r["node_id"] for r in placed}
     part = gang.Gang(len(broken), members.key)
-    if is_node_lease(row["request"]):  # whole machines of the same label value
-        committed = await whole_machines.commit(conn, ask, part, row["id"], rt.settings, exclude=avoid, within=group)
-    else:
-        planned = await gang.plan(conn, ask, part, rt.settings, index=rt.capacity, exclude=avoid, within=group)
-        committed = await gang.commit(conn, ask, part, row["id"], planned, rt.settings, index=rt.capacity,
-                                      exclude=avoid, within=group, metrics=rt.metrics)
+    committed = await placing.commit_gang(conn, rt, row, ask, part, exclude=avoid, within=group)
     if committed.placements is None:
         return None
     ids = [r["id"] for r in broken]
