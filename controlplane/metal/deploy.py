@@ -27,14 +27,14 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import events, quota
+from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.metal import queries
 from controlplane.nodes import desired, tenancy
 from controlplane.pki import store as pki_store
 from controlplane.reservations import queries as rq
 from controlplane.reservations import schedule, states
-from controlplane.reservations.lifecycle import end_bookings
+from controlplane.reservations.lifecycle import free_capacity
 from controlplane.reservations.transitions import move
 from controlplane.runtime import Runtime
 
@@ -156,11 +156,7 @@ async def fail(conn: AsyncConnection, row: dict[str, Any], deploy: dict[str, Any
     the node's desired state drops the assignment (the node then wipes the machine). The other
     machines of a gang are looked at now: their deploys end and they wipe too."""
     await _finish(conn, deploy, "failed", reason)
-    await conn.execute(queries.WAKE_LIVE_OF, {"id": row["id"]})
-    await end_bookings(conn, row["id"], allocation_state="failed")
-    await conn.execute(rq.TRUNCATE_WINDOW, {"id": row["id"]})
-    await quota.refund(conn, row["id"])
-    await conn.execute(rq.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
+    await free_capacity(conn, row, allocation_state="failed")  # wakes the other members' deploys too
     await move(conn, row, states.FAILED, operation_state="failed", end_reason=reason)
     await events.emit_reservation(conn, row, "reservation.failed", reason=reason, nodeId=deploy["node_id"])
     log.info("node lease failed", reservation_id=row["id"], node_id=deploy["node_id"], reason=reason)

@@ -62,11 +62,11 @@ async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None
     return over_at(row, (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"])
 
 
-async def free_capacity(conn: AsyncConnection, row: dict[str, Any]) -> None:
+async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released") -> None:
     """End the bookings and the window now, refund the quota, and wake the pool's pending
     reservations (and metal's worker for a node lease's deploy under way: it ends now, and a
     machine that never ran it comes back now, not at the deploy's deadline)."""
-    await end_bookings(conn, row["id"])
+    await end_bookings(conn, row["id"], allocation_state=allocation_state)
     if is_node_lease(row["request"]):
         await conn.execute(metal_queries.WAKE_LIVE_OF, {"id": row["id"]})
     await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"]})
