@@ -131,14 +131,12 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
         await cur.executemany(queries.UPSERT_GPU, [
             {"id": new_id("atom"), "node_id": node["id"], "uuid": g.uuid, "model": g.model,
              "numa_node": max(0, g.numa_node), "nvlink_domain": nvlink_domain(g)} for g in gpu_list])
-    gone = (await conn.execute(queries.GPUS_GONE, {"node_id": node["id"],
-                                                   "present": [g.uuid for g in gpu_list]})).rowcount
+    # (GPUs gone change the placement facts: `_wake_pool_if_changed` wakes their reservations)
+    await conn.execute(queries.GPUS_GONE, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})
     await shared_atoms.apply(conn, node["id"], node["pool_id"], shared_atoms.from_inventory(gpu_list))
     await conn.execute(queries.SET_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, gpu_list)),
                                                "generation": inventory.generation, "node_id": node["id"]})
     await hosts.sync_node(conn, node["id"])  # bookable at once, not at the reconciler's next pass
-    if gone:  # reservations booked on a vanished GPU hear of it
-        await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
     return fabric_label(node["labels"], gpu_list)
 
 
@@ -152,7 +150,8 @@ async def _wake_pool_if_changed(conn: AsyncConnection, node: dict[str, Any], bef
     every placer of the pool re-plan once per message)."""
     if await _placement_facts(conn, node["id"]) != before:
         await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": node["pool_id"]})
-        await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})  # a GPU back clears a condition
+        # Its reservations too: a GPU gone raises a condition, one back clears it.
+        await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
 
 
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
