@@ -101,7 +101,9 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
 
 
 async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
-    """Withdraw a reservation that has not started: pending or placed. Else INVALID_STATE."""
+    """Withdraw a reservation that has not started: pending or placed. Else INVALID_STATE, and
+    so is a placed one whose start has passed by compute_now() though the reconciler has not
+    moved it to binding yet (it has started: release ends it, and bills it)."""
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
@@ -111,10 +113,19 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
                 f"only a pending or placed reservation can be cancelled; this one is {row['state']}",
                 state=row["state"], reservationId=rid,
             )
+        if row["state"] == states.PLACED and await _started(conn, row):
+            raise errors.InvalidState("this reservation has started; release it instead",
+                                      state=row["state"], reservationId=rid, reason="started",
+                                      start=row["during_start"])
         await _cancel_locked(conn, row, "cancel")
         return await with_allocations(conn, await _locked(conn, rid))
 
     return await db.run_in_transaction(rt.pool, work)
+
+
+async def _started(conn: AsyncConnection, row: dict[str, Any]) -> bool:
+    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    return row["during_start"] is not None and now_ms >= row["during_start"]
 
 
 async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:

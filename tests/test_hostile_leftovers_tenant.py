@@ -1,0 +1,92 @@
+"""Leftovers of earlier hostile reviews, attacked as a tenant and an agent would: a cancel after the
+start (spec "Release and cancel": cancel withdraws only what has not started), an agent acting for
+a platform operator (root-only calls skip IAM, so a delegation could not hold it there), and a
+malformed server variable in the CLI's environment (the CLI reads only what it needs)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from google.protobuf import message_factory
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import nodes_pb2 as npb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane import bootstrap
+from tests.invariants import check_invariants
+from tests.nodes_support import ControlPlane
+from tests.support import World, clock_now, rpc_error
+from tests.test_cli import connection_flags
+from tests.test_hostile_tenant import invoke, methods
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+HOUR = 3_600_000
+CLI_TIMEOUT_S = 60
+
+
+# Cancel checks the clock, not only the state ------------------------------------------------------
+
+
+@pytest.fixture
+def quiet(database: str) -> Iterator[ControlPlane]:
+    """A control plane whose reconciler runs only when the test says so: a placed reservation
+    stays placed after its start until then, as it does between the start and the worker's turn."""
+    cp = ControlPlane(database)
+    for _ in range(2):
+        cp.world.add_node()
+    yield cp
+    cp.stop()
+
+
+def _cancel(world: World, rid: str) -> pb.Reservation:
+    return world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=rid))
+
+
+def _charged(world: World) -> int:
+    return world.sql("SELECT coalesce(sum(amount), 0) FROM quota_charges WHERE tenant_id = %s"
+                     " AND resource = 'gpu' AND refunded_at IS NULL", (world.tenant,))[0][0]
+
+
+def test_a_placed_reservation_past_its_start_is_not_cancelled_before_the_reconciler_moves_it(
+    quiet: ControlPlane,
+) -> None:
+    world = quiet.world
+    start = clock_now(world) + HOUR
+    r = world.create(count=2, start=start, duration="2h")
+    assert r.state == "placed" and _charged(world) == 2
+    quiet.advance(HOUR + 1000)  # its start has passed; nothing has run the reconciler
+    assert quiet.get(r.id).state == "placed"
+
+    with pytest.raises(grpc.RpcError) as exc:
+        _cancel(world, r.id)
+    code, reason, details = rpc_error(exc)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE")
+    assert details["state"] == "placed" and details["reservationId"] == r.id
+    assert details["reason"] == "started" and int(details["start"]) == start
+    after = quiet.get(r.id)
+    assert after.state == "placed" and after.during == r.during and _charged(world) == 2
+    assert "reservation.cancelled" not in [t for (t,) in world.sql(
+        "SELECT type FROM events WHERE subject = %s", (f"reservation/{r.id}",))]
+
+    # Release still ends it (and bills what ran); the reconciler then has nothing to start.
+    released = world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    assert released.state == "released" and released.during.end > start and _charged(world) == 0
+    quiet.drain()
+    quiet.check_invariants()
+
+
+def test_a_pending_reservation_past_its_requested_start_is_still_cancellable(quiet: ControlPlane) -> None:
+    world = quiet.world
+    start = clock_now(world) + HOUR
+    fillers = [world.create(count=8, start=start, duration="2h") for _ in range(2)]
+    waiting = world.create(count=8, start=start, duration="2h")
+    assert [f.state for f in fillers] == ["placed", "placed"] and waiting.state == "pending"
+    quiet.advance(HOUR + 1000)
+    assert _cancel(world, waiting.id).state == "cancelled" and _charged(world) == 16
+    quiet.check_invariants()
