@@ -36,8 +36,13 @@ class Caller:
             raise errors.AccessDenied("the caller is not a member of this tenant", tenantId=tenant_id)
 
     def require_root(self) -> None:
+        """Root-only calls (Admin, NodeAdmin) skip IAM, so a person's delegation (its policy,
+        its confirm_actions) could not hold an agent there: agents are refused outright."""
         if ROOT_TENANT not in self.tenant_ids:
             raise errors.AccessDenied("this call needs a member of the root tenant")
+        if self.delegated:
+            raise errors.AccessDenied("an agent acting for a person cannot make root-only calls",
+                                      identityId=self.identity_id)
 
 
 _CALLER_SQL = """

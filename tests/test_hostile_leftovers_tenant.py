@@ -90,3 +90,49 @@ def test_a_pending_reservation_past_its_requested_start_is_still_cancellable(qui
     quiet.advance(HOUR + 1000)
     assert _cancel(world, waiting.id).state == "cancelled" and _charged(world) == 16
     quiet.check_invariants()
+
+
+# An agent acting for a platform operator ----------------------------------------------------------
+
+
+def _root_agent(world: World) -> tuple[str, object, object]:
+    """A person in the root tenant (a platform operator) and an agent acting for them there."""
+    person, person_client = world.identity(tenants=[bootstrap.ROOT_TENANT])
+    _, agent = world.identity(kind="agent", tenants=[bootstrap.ROOT_TENANT], person_identity_id=person,
+                              confirm_actions=["compute:reservations:create"])
+    return person, person_client, agent
+
+
+def test_an_agent_for_a_root_member_is_denied_every_admin_and_node_admin_call(world: World) -> None:
+    person, person_client, agent = _root_agent(world)
+    # The person is an operator: Admin answers them.
+    assert person_client.admin("GetClock", apb.GetClockRequest()).now > 0
+    swept = 0
+    for service in ("Admin", "NodeAdmin"):
+        for method in methods(service):
+            request = message_factory.GetMessageClass(method.input_type)()
+            with pytest.raises(grpc.RpcError) as exc:
+                invoke(agent, method, request)
+            code, reason, details = rpc_error(exc)
+            assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED"), (service, method.name)
+            swept += 1
+    assert swept >= 25
+
+
+def test_an_agent_for_a_root_member_cannot_mint_its_person_an_undelegated_token(world: World) -> None:
+    person, _, agent = _root_agent(world)
+    before = world.sql("SELECT count(*) FROM api_tokens WHERE identity_id = %s", (person,))[0][0]
+    for call in (lambda: agent.admin("CreateToken", apb.CreateTokenRequest(identity_id=person)),
+                 lambda: agent.admin("CreateTenant", apb.CreateTenantRequest(id="agent-made", name="x")),
+                 lambda: agent.admin("SetQuota", apb.SetQuotaRequest(tenant_id=world.tenant, resource="gpu",
+                                                                     limit=10_000))):
+        with pytest.raises(grpc.RpcError) as exc:
+            call()
+        assert rpc_error(exc)[1] == "ACCESS_DENIED"
+    assert world.sql("SELECT count(*) FROM api_tokens WHERE identity_id = %s", (person,))[0][0] == before
+    assert world.sql("SELECT count(*) FROM tenants WHERE id = 'agent-made'") == [(0,)]
+    nodes_stub = __import__("bettercompute.v1.nodes_pb2_grpc", fromlist=["_"]).NodeAdminStub(agent.channel)
+    with pytest.raises(grpc.RpcError) as exc:
+        nodes_stub.CreateJoinToken(npb.CreateJoinTokenRequest(pool_id=world.pool_id, node_name="evil"),
+                                   metadata=agent.metadata, timeout=30)
+    assert rpc_error(exc)[1] == "ACCESS_DENIED"
