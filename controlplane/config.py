@@ -22,11 +22,16 @@ def _networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
     return tuple(ipaddress.ip_network(n.strip()) for n in raw.split(",") if n.strip())
 
 
+def data_dir_from_env() -> str:
+    """BC_DATA_DIR alone: what the client reads, so a malformed server variable never breaks it."""
+    return os.environ.get("BC_DATA_DIR", ".dev")
+
+
 @dataclass(frozen=True)
 class Settings:
     # An external PostgreSQL; when empty the process starts the embedded one under data_dir.
     database_url: str = field(default_factory=lambda: os.environ.get("DATABASE_URL", ""))
-    data_dir: str = field(default_factory=lambda: os.environ.get("BC_DATA_DIR", ".dev"))
+    data_dir: str = field(default_factory=data_dir_from_env)
     listen: str = field(default_factory=lambda: os.environ.get("BC_LISTEN", "127.0.0.1:50051"))
     log_format: str = field(default_factory=lambda: os.environ.get("BC_LOG_FORMAT", "console"))
     # Random pick among the best topN candidate nodes, so concurrent creates spread out.

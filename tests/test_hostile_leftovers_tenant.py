@@ -136,3 +136,36 @@ def test_an_agent_for_a_root_member_cannot_mint_its_person_an_undelegated_token(
         nodes_stub.CreateJoinToken(npb.CreateJoinTokenRequest(pool_id=world.pool_id, node_name="evil"),
                                    metadata=agent.metadata, timeout=30)
     assert rpc_error(exc)[1] == "ACCESS_DENIED"
+
+
+# The CLI reads only what it needs from the environment --------------------------------------------
+
+
+def _cli(tmp_path: pathlib.Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = dict(os.environ, BC_DATA_DIR=str(tmp_path / "no-dev"), PYTHONUNBUFFERED="1")
+    environ.update(env)
+    environ.pop("DATABASE_URL", None)
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+
+
+MALFORMED = {"BC_PLACER_BATCH": "abc", "BC_WEBHOOK_ALLOW": "not-a-network", "BC_PENDING_RETRY_SECONDS": "soon"}
+
+
+@pytest.mark.parametrize(("name", "value"), MALFORMED.items(), ids=MALFORMED.keys())
+def test_a_malformed_server_variable_does_not_break_the_cli(
+    world: World, tmp_path: pathlib.Path, name: str, value: str
+) -> None:
+    r = world.create(count=1, start=world.later())
+    done = _cli(tmp_path, *connection_flags(world), "get", r.id, "--json", **{name: value})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
+    assert f'"id": "{r.id}"' in done.stdout
+    # The connection file is still found under BC_DATA_DIR.
+    data = tmp_path / "data"
+    data.mkdir()
+    flags = connection_flags(world)
+    (data / "connection.json").write_text(
+        '{"endpoint": "%s", "token": "%s", "tenantId": "%s", "poolId": "%s"}' % tuple(flags[1::2]))
+    done = _cli(tmp_path, "get", r.id, "--json", BC_DATA_DIR=str(data), **{name: value})
+    assert done.returncode == 0 and f'"id": "{r.id}"' in done.stdout, (done.returncode, done.stderr)
+    check_invariants(world.conninfo, world.tenant)

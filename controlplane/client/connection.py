@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
 from controlplane.client.errors import UsageError, require_utf8
-from controlplane.config import Settings
+from controlplane.config import data_dir_from_env
 
 RPC_TIMEOUT_S = 30.0
 
@@ -44,7 +44,7 @@ class Connection:
     ) -> Connection:
         """The flags over `connection` (default `$BC_DATA_DIR/connection.json`, if it exists).
         `operator`: a `nodes` command, which needs root's token and no tenant."""
-        path = pathlib.Path(connection or pathlib.Path(Settings().data_dir, "connection.json"))
+        path = pathlib.Path(connection or pathlib.Path(data_dir_from_env(), "connection.json"))
         saved: dict[str, Any] = {}
         if path.exists():
             saved = _read_saved(path)
