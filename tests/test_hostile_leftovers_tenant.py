@@ -21,12 +21,15 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from tests.invariants import check_invariants
 from tests.nodes_support import ControlPlane
-from tests.support import World, clock_now, rpc_error
+from tests.promise_support import SigningNodes, poll
+from tests.support import World, clock_now, eventually, make_world, rpc_error
 from tests.test_cli import connection_flags
 from tests.test_hostile_tenant import invoke, methods
+from tests.vps_support import own_stack
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-HOUR = 3_600_000
+MIN = 60_000
+HOUR = 60 * MIN
 CLI_TIMEOUT_S = 60
 
 
@@ -169,3 +172,44 @@ def test_a_malformed_server_variable_does_not_break_the_cli(
     done = _cli(tmp_path, "get", r.id, "--json", BC_DATA_DIR=str(data), **{name: value})
     assert done.returncode == 0 and f'"id": "{r.id}"' in done.stdout, (done.returncode, done.stderr)
     check_invariants(world.conninfo, world.tenant)
+
+
+# Billing after a failed bind ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def metered(pg_uri: str) -> Iterator[World]:
+    """A control plane of the test's own (it moves the clock), metering every 0.2 s, two nodes."""
+    stack = own_stack(pg_uri)
+    server, root = next(stack)
+    try:
+        w = make_world(server.endpoint, root, server.conninfo, nodes=2)
+        yield w
+        w.close()
+    finally:
+        stack.close()  # runs the generator's finally: stop the server, drop the database
+
+
+def test_a_reservation_placed_again_after_a_failed_bind_is_billed_for_the_gpus_it_holds_once(
+    metered: World,
+) -> None:
+    world, nodes = metered, SigningNodes(metered)
+    r = world.create(count=2, start=clock_now(world) + 30 * MIN, duration="6h")
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=31 * MIN))
+    first = eventually(world, r.id, lambda x: x.state == "binding").allocations[0]
+    assert nodes.report(first.node_id, first.id, kind="failed") == "stored"
+    eventually(world, r.id, lambda x: x.state == "binding" and any(
+        a.state == "binding" and a.node_id != first.node_id for a in x.allocations))
+    nodes.activate(r.id)
+    activated = world.sql("SELECT epoch_ms(time) FROM events WHERE subject = %s AND type = 'reservation.active'",
+                          (f"reservation/{r.id}",))[0][0]
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=2 * HOUR))
+    ended = world.user.res("Release", pb.ReleaseReservationRequest(
+        tenant_id=world.tenant, reservation_id=r.id)).during.end
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=3 * HOUR))
+    poll(lambda: world.sql("SELECT metered_until >= from_epoch_ms(%s) FROM metering_progress WHERE source = 'gpu'",
+                           (ended + HOUR,)) == [(True,)], seconds=60, what="gpu.hours metered past the release")
+    billed = world.sql("SELECT sum(quantity)::float8 FROM usage_records WHERE tenant_id = %s AND meter = 'gpu.hours'",
+                       (world.tenant,))[0][0]
+    # Two GPUs from active to release: the failed node's two, booked before it was active, are not billed.
+    assert billed == pytest.approx(2 * (ended - activated) / HOUR, abs=2e-5)

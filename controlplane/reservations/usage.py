@@ -13,13 +13,15 @@ from typing import Any
 from psycopg import AsyncConnection
 
 # Reservations active at some time in [from, to): the stretch and the GPUs (whole-GPU equivalents
-# of the distinct atoms it booked).
+# of the distinct atoms it booked for the stretch: the bookings of a node that failed to bind,
+# which ended before it was active, are not billed beside the ones it was placed on again).
 _ACTIVE_IN = """
 SELECT r.id, r.tenant_id, r.pool_id, p.region,
        greatest(e.time, lower(r.during)) AS active_from, upper(r.during) AS active_until,
        (SELECT coalesce(sum(a.gpu_equivalent), 0) FROM atoms a
         WHERE a.id IN (SELECT b.atom_id FROM bookings b JOIN allocations al ON al.id = b.allocation_id
-                       WHERE al.reservation_id = r.id)) AS gpus
+                       WHERE al.reservation_id = r.id
+                         AND b.during && tstzrange(greatest(e.time, lower(r.during)), upper(r.during)))) AS gpus
 FROM reservations r
 JOIN pools p ON p.id = r.pool_id
 CROSS JOIN LATERAL (SELECT min(ev.time) AS time FROM events ev
