@@ -174,6 +174,19 @@ def test_a_malformed_server_variable_does_not_break_the_cli(
     check_invariants(world.conninfo, world.tenant)
 
 
+
+def test_the_mcp_server_reads_its_connection_file_under_bc_data_dir_past_a_malformed_server_variable(
+    tmp_path: pathlib.Path,
+) -> None:
+    """An agent's MCP server finds its connection file as the CLI does: a bad file is the usage
+    error naming it, never a traceback about a variable of the server's."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "connection.json").write_text("[]")
+    done = _cli(tmp_path, "mcp", BC_DATA_DIR=str(data), BC_PLACER_BATCH="abc")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
+    assert "connection file" in done.stderr and not done.stdout
+
 # Billing after a failed bind ----------------------------------------------------------------------
 
 
