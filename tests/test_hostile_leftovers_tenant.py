@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
+from controlplane.common.status import error_info
 from tests.invariants import check_invariants
 from tests.nodes_support import ControlPlane
 from tests.promise_support import SigningNodes, poll
@@ -226,3 +228,38 @@ def test_a_reservation_placed_again_after_a_failed_bind_is_billed_for_the_gpus_i
                        (world.tenant,))[0][0]
     # Two GPUs from active to release: the failed node's two, booked before it was active, are not billed.
     assert billed == pytest.approx(2 * (ended - activated) / HOUR, abs=2e-5)
+
+
+# Cancels racing the start -------------------------------------------------------------------------
+
+
+def test_cancels_racing_the_clock_past_the_start_either_withdraw_or_leave_a_started_reservation(
+    clock_world: World,
+) -> None:
+    """Each cancel sent while the clock moves past the start either withdraws the reservation
+    before its start (cancelled, refunded, never bound) or is INVALID_STATE and the reservation
+    starts (binding, still charged): never both, never neither."""
+    world = clock_world
+    start = clock_now(world) + HOUR
+    rids = [world.create(count=1, start=start, duration="1h").id for _ in range(12)]
+
+    def cancel(rid: str) -> str:
+        try:
+            return _cancel(world, rid).state
+        except grpc.RpcError as exc:
+            info = error_info(exc)
+            reason, details = info.reason, dict(info.metadata)
+            assert reason == "INVALID_STATE", (exc.code(), reason, details)
+            assert details["state"] in ("binding", "placed"), details
+            return "refused"
+
+    with ThreadPoolExecutor(13) as pool:
+        answers = [pool.submit(cancel, rid) for rid in rids]
+        pool.submit(world.root.admin, "AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR + 1000)).result()
+        outcomes = dict(zip(rids, [a.result() for a in answers]))
+    assert set(outcomes.values()) <= {"cancelled", "refused"}, outcomes
+    for rid, outcome in outcomes.items():
+        final = eventually(world, rid, lambda x: x.state in ("cancelled", "binding"))
+        assert final.state == ("cancelled" if outcome == "cancelled" else "binding"), (outcome, final)
+    assert _charged(world) == sum(1 for o in outcomes.values() if o == "refused")
+    check_invariants(world.conninfo, world.tenant)
