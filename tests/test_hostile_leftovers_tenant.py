@@ -79,7 +79,7 @@ def test_a_placed_reservation_past_its_start_is_not_cancelled_before_the_reconci
     assert "reservation.cancelled" not in [t for (t,) in world.sql(
         "SELECT type FROM events WHERE subject = %s", (f"reservation/{r.id}",))]
 
-    # Release still ends it (and bills what ran); the reconciler then has nothing to start.
+    # Release still ends it at compute_now(); the reconciler then has nothing to start.
     released = world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
     assert released.state == "released" and released.during.end > start and _charged(world) == 0
     quiet.drain()

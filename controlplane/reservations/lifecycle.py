@@ -103,7 +103,7 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
 async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:
     """Withdraw a reservation that has not started: pending or placed. Else INVALID_STATE, and
     so is a placed one whose start has passed by compute_now() though the reconciler has not
-    moved it to binding yet (it has started: release ends it, and bills it)."""
+    moved it to binding yet (it has started: release ends it)."""
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
