@@ -97,6 +97,24 @@ def test_a_pending_reservation_past_its_requested_start_is_still_cancellable(qui
     quiet.check_invariants()
 
 
+
+def test_a_reservation_past_its_end_cannot_be_renewed_before_the_reconciler_ends_it(quiet: ControlPlane) -> None:
+    """Renew, like extend, checks the clock: a window that ended (its lease still running) is over,
+    not renewed, though the reconciler has not released it yet."""
+    world = quiet.world
+    r = world.create(count=1, duration="1h", lease_seconds=7200)
+    assert r.state == "placed" and r.lease_deadline > r.during.end
+    quiet.advance(HOUR + 1000)  # the window ended; the lease has an hour left
+    with pytest.raises(grpc.RpcError) as exc:
+        world.user.res("Renew", pb.RenewReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    code, reason, details = rpc_error(exc)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE"), details
+    assert details["reason"] == "window-ended" and details["reservationId"] == r.id, details
+    assert quiet.get(r.id).lease_deadline == r.lease_deadline
+    quiet.drain()
+    assert quiet.get(r.id).state == "released"
+    quiet.check_invariants()
+
 # An agent acting for a platform operator ----------------------------------------------------------
 
 

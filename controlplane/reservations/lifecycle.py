@@ -140,10 +140,15 @@ async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[s
         if row["state"] not in states.BOOKED:
             raise errors.InvalidState(f"a {row['state']} reservation cannot be renewed",
                                       reservationId=rid, state=row["state"])
-        if await ended_reason(conn, row) == LEASE_LAPSED:  # a late renew does not revive it
+        ended = await ended_reason(conn, row)  # a late renew does not revive it
+        if ended == LEASE_LAPSED:
             raise errors.InvalidState("the lease lapsed; the reservation is being released",
                                       reservationId=rid, state=row["state"], reason="lease-lapsed",
                                       leaseDeadline=row["lease_deadline_ms"])
+        if ended == WINDOW_ENDED:
+            raise errors.InvalidState("this reservation has ended; it is being released",
+                                      reservationId=rid, state=row["state"], reason=WINDOW_ENDED,
+                                      end=row["during_end"])
         await conn.execute(queries.RENEW, {"id": rid})
         renewed = await _locked(conn, rid)
         await schedule.at(conn, rid, renewed["lease_deadline_ms"])  # the reconciler checks the new deadline
