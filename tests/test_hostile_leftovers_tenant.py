@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -206,6 +207,38 @@ def test_the_mcp_server_reads_its_connection_file_under_bc_data_dir_past_a_malfo
     done = _cli(tmp_path, "mcp", BC_DATA_DIR=str(data), BC_PLACER_BATCH="abc")
     assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
     assert "connection file" in done.stderr and not done.stdout
+
+
+def _address_space_capped() -> None:
+    """The CLI's address space, capped at 1 GiB: a regression that reads /dev/zero fails in it, not the machine."""
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+@pytest.mark.parametrize("kind", ["pipe", "device"])
+@pytest.mark.parametrize("which", ["connection file", "ca"])
+def test_a_connection_file_or_ca_that_is_a_pipe_or_device_is_a_usage_error(
+    tmp_path: pathlib.Path, kind: str, which: str
+) -> None:
+    """A connection file (found under BC_DATA_DIR, as a planted `.dev` would be) or a CA that is a
+    pipe nobody writes or /dev/zero: exit 2 naming it, never a hang or a read without end."""
+    data = tmp_path / "data"
+    data.mkdir()
+    special = tmp_path / "special"
+    if kind == "pipe":
+        os.mkfifo(special)
+    else:
+        special.symlink_to("/dev/zero")
+    if which == "ca":
+        (data / "connection.json").write_text(
+            '{"endpoint": "127.0.0.1:1", "token": "t", "tenantId": "t1", "ca": "%s"}' % special)
+    else:
+        (data / "connection.json").symlink_to(special)
+    environ = dict(os.environ, BC_DATA_DIR=str(data), PYTHONUNBUFFERED="1")
+    environ.pop("DATABASE_URL", None)
+    done = subprocess.run([sys.executable, "-m", "controlplane.cli", "get", "rsv_x"], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, preexec_fn=_address_space_capped)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert "is not a regular file" in done.stderr and not done.stdout, done.stderr
 
 # Billing after a failed bind ----------------------------------------------------------------------
 

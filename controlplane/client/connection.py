@@ -71,7 +71,9 @@ class Connection:
 
 def _read_saved(path: pathlib.Path) -> dict[str, str]:
     """The connection file: a JSON object whose values are strings (a list, a number or a
-    directory is a usage error, never a traceback)."""
+    directory is a usage error, never a traceback; so is a pipe or a device, which could be read
+    for ever)."""
+    _require_regular(path, f"connection file {path}")
     try:
         saved = json.loads(path.read_text())
     except OSError as exc:
@@ -87,10 +89,18 @@ def _read_saved(path: pathlib.Path) -> dict[str, str]:
     return saved
 
 
+def _require_regular(path: pathlib.Path, what: str) -> None:
+    """A file the client reads must be a regular file (a directory or a missing one is refused
+    where it is read, with the system's reason)."""
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise UsageError(f"{what} is not a regular file")
+
+
 def open_channel(conn: Connection) -> grpc.Channel:
     """The channel to the API: TLS checked against `conn.ca` when one is given, else plaintext."""
     if not conn.ca:
         return grpc.insecure_channel(conn.endpoint)
+    _require_regular(pathlib.Path(conn.ca), f"--ca {conn.ca}")
     try:
         ca_pem = pathlib.Path(conn.ca).read_bytes()
     except OSError as exc:
