@@ -69,6 +69,22 @@ WHERE node_id = %(node_id)s AND bookable
   AND (CASE WHEN kind = 'gpu' THEN id ELSE parent_id END) IN (
       SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu' AND NOT (device_uuid = ANY(%(present)s)))
 """
+# Which node holds each GPU uuid (migration 0036): a node holds the GPUs it reports that no other
+# node holds. A claim racing another of the same uuid waits for that one's commit and then finds
+# the uuid held (HELD_ELSEWHERE reads it in a new snapshot). The uuids go in sorted, so two nodes
+# claiming the same ones take them in one order.
+HOLD_GPUS = """
+INSERT INTO gpu_holders (device_uuid, node_id)
+SELECT u, %(node_id)s FROM unnest(%(uuids)s::text[]) AS u ORDER BY u
+ON CONFLICT (device_uuid) DO NOTHING
+"""
+HELD_ELSEWHERE = """
+SELECT device_uuid, node_id FROM gpu_holders
+WHERE device_uuid = ANY(%(uuids)s) AND node_id <> %(node_id)s
+ORDER BY device_uuid
+"""
+# The node's GPUs it no longer reports (or all, when it is revoked): another node may report them.
+RELEASE_GPUS = "DELETE FROM gpu_holders WHERE node_id = %(node_id)s AND NOT (device_uuid = ANY(%(held)s))"
 # A GPU and its MIG instances and slots (its children, "<uuid>:<n>").
 SET_GPU_HEALTH = """
 UPDATE atoms SET health = %(health)s

@@ -1,0 +1,185 @@
+"""Leftovers of the node side, attacked as a hostile node would (real gateway, real mutual TLS,
+real certificates, the control plane beside it on one database): one GPU uuid is one node's, and
+a refused certificate is cheap to refuse again."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from bettercompute.node.v1 import node_pb2 as npb
+from bettercompute.v1 import admin_pb2 as apb
+from controlplane.pki import admin
+from tests.nodes_support import ControlPlane
+from tests.support import rpc_error
+from tests.test_gateway import (GatewayThread, Session, connected, cp, enrolled, eventually,  # noqa: F401
+                                gateway, hello, node_row, pool_id)
+from tests.test_pki import arun, sql
+
+MODEL = "H100-SXM5-80GB"
+
+
+def inventory(generation: int, *uuids: str, mig: bool = False) -> npb.Inventory:
+    """A node's inventory with these GPUs (in MIG mode with two instances each, when `mig`)."""
+    return npb.Inventory(generation=generation, vcpus=64, memory_bytes=512 << 30, numa_nodes=[
+        npb.NumaNode(id=0, cpulist="0-63", memory_bytes=512 << 30)], gpus=[
+        npb.Gpu(uuid=u, model=MODEL, memory_mib=81559, mig_mode=mig,
+                mig_instances=[npb.MigInstance(index=i, profile="3g.40gb") for i in range(2)] if mig else [])
+        for u in uuids])
+
+
+def say(conninfo: str, node_id: str, session: Session, inv: npb.Inventory, *, as_hello: bool = False) -> None:
+    """Send `inv` (in a hello, or on its own) and wait until it is applied."""
+    if as_hello:
+        session.send(npb.NodeMessage(hello=npb.Hello(daemon_version="bcd", inventory=inv)))
+    else:
+        session.send(npb.NodeMessage(inventory=inv))
+    eventually(lambda: node_row(conninfo, node_id)["inventory_generation"] == inv.generation, what="inventory")
+
+
+def gpu_atoms(conninfo: str, node_id: str) -> dict[str, bool]:
+    """The node's atoms: device id -> bookable."""
+    return {r["device_uuid"]: r["bookable"] for r in sql(
+        conninfo, "SELECT device_uuid, bookable FROM atoms WHERE node_id = %s", (node_id,))}
+
+
+def live_devices(conninfo: str) -> list[dict[str, Any]]:
+    """Device ids that two bookable atoms carry (never, on any nodes)."""
+    return sql(conninfo, "SELECT device_uuid, count(*) AS n FROM atoms WHERE bookable"
+                         " GROUP BY device_uuid HAVING count(*) > 1")
+
+
+def second(gateway: GatewayThread, cp: ControlPlane, name: str, *uuids: str) -> tuple[Any, Session]:
+    """A node of the control plane's pool (another pool than the first node's) whose hello
+    reports these GPUs."""
+    node = enrolled(gateway, cp.pool_id, name)
+    session = node.session()
+    assert session.recv() is not None
+    say(gateway.conninfo, node.node_id, session, inventory(1, *uuids), as_hello=True)
+    return node, session
+
+
+# -- one GPU uuid, one node ----------------------------------------------------------------------
+
+
+def test_a_gpu_another_node_holds_is_refused_and_the_operator_sees_why(
+        gateway: GatewayThread, pool_id: str, cp: ControlPlane) -> None:
+    """Node B reports, beside its own, a GPU node A reported first: B got a second atom of A's
+    device, bookable, and a tenant's binding on B named A's GPU. Now B's copy is refused (no
+    atom), A keeps its GPU, B keeps its own and its session, and the Admin API shows the refusal
+    and who holds the GPU."""
+    a, a_session = connected(gateway, pool_id, "a", gpus=2)  # GPU-0, GPU-1
+    b, b_session = second(gateway, cp, "b", "GPU-1", "GPU-B0")
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-B0": True}
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True, "GPU-1": True}
+    assert live_devices(gateway.conninfo) == []
+    shown = cp.root.admin("ListNodes", apb.ListNodesRequest(pool_id=cp.pool_id)).items
+    assert [(g.uuid, g.held_by_node_id) for g in shown[0].refused_gpus] == [("GPU-1", a.node_id)]
+    assert shown[0].gpu_count == 1
+    # a tenant booking two GPUs in B's pool waits: there is one
+    r = cp.create(count=2)
+    cp.drain()
+    assert cp.get(r.id).state == "pending"
+    b_session.send(npb.NodeMessage(heartbeat=npb.Heartbeat(applied_generation=0)))  # B still served
+    assert node_row(gateway.conninfo, b.node_id)["connectivity"] == "connected"
+    cp.check_invariants()
+    a_session.close()
+    b_session.close()
+
+
+def test_a_gpu_moved_to_another_machine_is_taken_once_its_old_node_lets_go(
+        gateway: GatewayThread, pool_id: str, cp: ControlPlane) -> None:
+    a, a_session = connected(gateway, pool_id, "a", gpus=2)
+    b, b_session = second(gateway, cp, "b", "GPU-1")
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {}
+    say(gateway.conninfo, a.node_id, a_session, inventory(2, "GPU-0"))  # GPU-1 left machine A
+    say(gateway.conninfo, b.node_id, b_session, inventory(2, "GPU-1"))  # and B reports it again
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-1": True}
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True, "GPU-1": False}
+    assert "refused_gpus" not in node_row(gateway.conninfo, b.node_id)["inventory"]
+    # and A cannot take it back while B holds it
+    say(gateway.conninfo, a.node_id, a_session, inventory(3, "GPU-0", "GPU-1"))
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True, "GPU-1": False}
+    assert live_devices(gateway.conninfo) == []
+    a_session.close()
+    b_session.close()
+
+
+def test_the_gpus_of_a_revoked_node_can_be_reported_by_the_machine_enrolled_anew(
+        gateway: GatewayThread, pool_id: str, cp: ControlPlane) -> None:
+    """A machine enrolled under a new name (or a squatter's node revoked by the operator): the
+    revoked node cannot report anything any more, so it holds no GPU."""
+    a, a_session = connected(gateway, pool_id, "a", gpus=1)
+    b, b_session = second(gateway, cp, "b", "GPU-0")
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {}
+    arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, a.node_id, "", "decommissioned"))
+    say(gateway.conninfo, b.node_id, b_session, inventory(2, "GPU-0"))
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-0": True}
+    a_session.close()
+    b_session.close()
+
+
+def test_a_mig_gpu_another_node_holds_gives_no_instances(gateway: GatewayThread, pool_id: str,
+                                                          cp: ControlPlane) -> None:
+    """MIG instances and slots are named "<uuid>:<n>" after their GPU: refusing the GPU refuses
+    them, so no two nodes carry one instance either."""
+    a, a_session = connected(gateway, pool_id, "a", gpus=1)
+    cp.world.pool_id = cp.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=cp.world.tenant, name="mig", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="mig")))).id
+    mig_a, mig_a_session = second(gateway, cp, "mig-a", "GPU-M")
+    say(gateway.conninfo, mig_a.node_id, mig_a_session, inventory(2, "GPU-M", mig=True))
+    mig_b, mig_b_session = second(gateway, cp, "mig-b", "GPU-0")
+    say(gateway.conninfo, mig_b.node_id, mig_b_session, inventory(2, "GPU-0", "GPU-M", mig=True))
+    assert gpu_atoms(gateway.conninfo, mig_b.node_id) == {}
+    assert gpu_atoms(gateway.conninfo, mig_a.node_id) == {"GPU-M": False, "GPU-M:0": True, "GPU-M:1": True}
+    assert live_devices(gateway.conninfo) == []
+    for s in (a_session, mig_a_session, mig_b_session):
+        s.close()
+
+
+def test_an_operator_registering_a_gpu_a_node_holds_is_a_conflict(gateway: GatewayThread, pool_id: str,
+                                                                    cp: ControlPlane) -> None:
+    a, a_session = connected(gateway, pool_id, "a", gpus=1)
+    with pytest.raises(grpc.RpcError) as refused:
+        cp.root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=cp.pool_id, name="twin", gpus=[
+            apb.Gpu(uuid="GPU-X", model=MODEL), apb.Gpu(uuid="GPU-0", model=MODEL)]))
+    assert rpc_error(refused) == (grpc.StatusCode.ABORTED, "CONFLICT", {"uuid": "GPU-0", "nodeId": a.node_id})
+    assert sql(gateway.conninfo, "SELECT 1 FROM nodes WHERE name = 'twin'") == []
+    assert sql(gateway.conninfo, "SELECT node_id FROM gpu_holders WHERE device_uuid IN ('GPU-0', 'GPU-X')") == [
+        {"node_id": a.node_id}]
+    a_session.close()
+
+
+def test_nodes_reporting_one_gpu_at_once_leave_it_to_one(gateway: GatewayThread, pool_id: str,
+                                                         cp: ControlPlane) -> None:
+    nodes = []
+    for i in range(6):
+        node = enrolled(gateway, pool_id if i % 2 else cp.pool_id, f"racer-{i}")
+        session = node.session()
+        assert session.recv() is not None
+        nodes.append((node, session))
+    go = threading.Barrier(len(nodes))
+
+    def report(node: Any, session: Session) -> None:
+        go.wait()
+        say(gateway.conninfo, node.node_id, session, inventory(1, "GPU-SHARED", f"GPU-{node.node_id}"),
+            as_hello=True)
+
+    threads = [threading.Thread(target=report, args=pair) for pair in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    holders = [n.node_id for n, _ in nodes if "GPU-SHARED" in gpu_atoms(gateway.conninfo, n.node_id)]
+    assert len(holders) == 1
+    assert sql(gateway.conninfo, "SELECT node_id FROM gpu_holders WHERE device_uuid = 'GPU-SHARED'") == [
+        {"node_id": holders[0]}]
+    assert all(f"GPU-{n.node_id}" in gpu_atoms(gateway.conninfo, n.node_id) for n, _ in nodes)
+    assert live_devices(gateway.conninfo) == []
+    cp.check_invariants()
+    for _, s in nodes:
+        s.close()
