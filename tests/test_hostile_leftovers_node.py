@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from bettercompute.node.v1 import node_pb2 as npb
+from bettercompute.node.v1 import node_pb2_grpc as npb_grpc
 from bettercompute.v1 import admin_pb2 as apb
+from controlplane.common.status import error_info
 from controlplane.pki import admin
 from tests.nodes_support import ControlPlane
 from tests.support import rpc_error
@@ -183,3 +185,79 @@ def test_nodes_reporting_one_gpu_at_once_leave_it_to_one(gateway: GatewayThread,
     cp.check_invariants()
     for _, s in nodes:
         s.close()
+
+
+# -- a refused certificate, presented again and again ---------------------------------------------
+
+
+def test_refusals_are_bounded_and_expire() -> None:
+    from controlplane import errors
+    from gateway.refusals import Refusals
+
+    now = [0.0]
+    kept = Refusals(2, 10, clock=lambda: now[0])
+    revoked = errors.Unauthenticated("certificate revoked")
+    for pem in (b"a", b"b", b"c"):
+        kept.remember(pem, revoked)
+    assert (kept.refused(b"a"), kept.refused(b"b"), kept.refused(b"c")) == (None, revoked, revoked)  # the oldest went
+    assert len(kept) == 2 and kept.refused(None) is None
+    now[0] = 10
+    assert kept.refused(b"c") is None and len(kept) == 1  # expired
+    off = Refusals(0, 10)
+    off.remember(b"a", revoked)
+    assert off.refused(b"a") is None
+
+
+def refused_session(node: Any, timeout: float = 30) -> grpc.RpcError:
+    """A session opened with the node's certificate: the error it was refused with."""
+    with node.channel() as channel:
+        call = npb_grpc.NodeGatewayStub(channel).Session(iter(()), timeout=timeout)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in call:
+                pass
+    return ended.value
+
+
+def test_a_revoked_certificate_presented_again_is_refused_without_a_database_read(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """A revoked node reconnecting in a loop: each attempt was a read of its certificate from the
+    gateway's small pool, unpaced, while holding the unreachable sweep. Now the refusal is kept:
+    with the certificate table locked (a read would wait), the next attempts and a Renew are
+    still refused at once, with the same error."""
+    import psycopg
+
+    node = enrolled(gateway, pool_id, "revoked")
+    arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, node.node_id, "", "stolen"))
+    first = refused_session(node)
+    assert (first.code(), error_info(first).reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    with psycopg.connect(gateway.conninfo) as holder:
+        holder.execute("LOCK TABLE node_certs IN ACCESS EXCLUSIVE MODE")
+        for _ in range(3):
+            again = refused_session(node, timeout=20)
+            assert (again.code(), again.details()) == (first.code(), first.details())
+        with node.channel() as channel, pytest.raises(grpc.RpcError) as renew:
+            npb_grpc.NodeGatewayStub(channel).Renew(npb.RenewRequest(csr_pem=node.keys.csr()), timeout=20)
+        assert renew.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        holder.rollback()
+    assert not gateway.gateway.runner.liveness.holding(float("inf"))  # no arrival left behind
+
+
+def test_a_readmitted_node_enrolled_again_serves_at_once(gateway: GatewayThread, pool_id: str) -> None:
+    """The refusals are of certificates, never of a node: once readmitted and enrolled again (new
+    certificates), the node's session opens at once, while its old certificate stays refused."""
+    from tests.test_gateway import Node, join_token
+
+    node, session = connected(gateway, pool_id, "again", gpus=1)
+    arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, node.node_id, "", "stolen"))
+    assert session.ended() is not None
+    old = Node(gateway)
+    old.keys, old.node_id, old.cert_pem, old.signing_pem = node.keys, node.node_id, node.cert_pem, node.signing_pem
+    assert refused_session(old).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert arun(gateway.conninfo, lambda pool: admin.readmit_node(pool, node.node_id))
+    node.enrol(join_token(gateway.conninfo, pool_id, "again"))
+    back = node.session()
+    assert back.recv() is not None
+    back.send(hello(gpus=1, version="bcd-back"))
+    eventually(lambda: node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd-back", what="hello")
+    assert refused_session(old).code() == grpc.StatusCode.UNAUTHENTICATED
+    back.close()
