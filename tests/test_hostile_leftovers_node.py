@@ -261,3 +261,29 @@ def test_a_readmitted_node_enrolled_again_serves_at_once(gateway: GatewayThread,
     eventually(lambda: node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd-back", what="hello")
     assert refused_session(old).code() == grpc.StatusCode.UNAUTHENTICATED
     back.close()
+
+
+# -- a GPU named like another's MIG instance or slot ----------------------------------------------
+
+
+def test_a_gpu_uuid_shaped_like_an_instance_or_slot_id_is_dropped(gateway: GatewayThread, pool_id: str,
+                                                                  cp: ControlPlane) -> None:
+    """Instances and slots are named "<uuid>:<n>": a node reporting a GPU "GPU-T:0" carried, as a
+    whole GPU, the device id of another node's slot (two bookable atoms of one id), and its own
+    slots "GPU-T:0:1" named nothing a daemon parses. A ':' is in no GPU uuid: such a GPU is
+    dropped like any malformed entry."""
+    cp.world.pool_id = cp.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=cp.world.tenant, name="ts", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice", replicas=2)))).id
+    sliced, sliced_session = second(gateway, cp, "sliced", "GPU-T")
+    assert gpu_atoms(gateway.conninfo, sliced.node_id) == {"GPU-T": False, "GPU-T:0": True, "GPU-T:1": True}
+    a, a_session = connected(gateway, pool_id, "a", gpus=0)
+    say(gateway.conninfo, a.node_id, a_session, inventory(2, "GPU-T:0", "GPU-A"))
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-A": True}
+    assert live_devices(gateway.conninfo) == []
+    with pytest.raises(grpc.RpcError) as refused:
+        cp.root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=cp.pool_id, name="colon", gpus=[
+            apb.Gpu(uuid="GPU-T:1", model=MODEL)]))
+    assert rpc_error(refused) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "gpus[0].uuid"})
+    sliced_session.close()
+    a_session.close()

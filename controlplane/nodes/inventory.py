@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
 from controlplane import db
-from controlplane.common.names import LABEL, MODEL
+from controlplane.common.names import GPU_UUID, LABEL, MODEL
 from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.nodes import cpulist, hosts, queries, shared_atoms
@@ -34,7 +34,6 @@ from controlplane.nodes.locking import lock_for_placement_change
 log = structlog.get_logger("nodes.inventory")
 
 CAPABILITY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-DEVICE_UUID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CAP_PREFIX = "bc.dev/cap."
 FABRIC = "fabric.domain"
 SYSTEM = "system"
@@ -52,7 +51,7 @@ def capabilities(hello: node_pb2.Hello) -> list[str]:
 def gpus(inventory: node_pb2.Inventory) -> list[node_pb2.Gpu]:
     kept: dict[str, node_pb2.Gpu] = {}
     for gpu in inventory.gpus[:MAX_GPUS]:
-        if DEVICE_UUID.fullmatch(gpu.uuid) and MODEL.fullmatch(gpu.model) and gpu.uuid not in kept:
+        if GPU_UUID.fullmatch(gpu.uuid) and MODEL.fullmatch(gpu.model) and gpu.uuid not in kept:
             kept[gpu.uuid] = gpu
     if len(kept) != len(inventory.gpus):
         log.info("inventory gpus dropped", reported=len(inventory.gpus), kept=len(kept))
