@@ -15,6 +15,7 @@ from bettercompute.node.v1 import node_pb2_grpc as npb_grpc
 from bettercompute.v1 import admin_pb2 as apb
 from controlplane.common.status import error_info
 from controlplane.pki import admin
+from tests.invariants import snapshot
 from tests.nodes_support import ControlPlane
 from tests.support import rpc_error
 from tests.test_gateway import (GatewayThread, Session, connected, cp, enrolled, eventually,  # noqa: F401
@@ -36,7 +37,7 @@ def inventory(generation: int, *uuids: str, mig: bool = False) -> npb.Inventory:
 def say(conninfo: str, node_id: str, session: Session, inv: npb.Inventory, *, as_hello: bool = False) -> None:
     """Send `inv` (in a hello, or on its own) and wait until it is applied."""
     if as_hello:
-        session.send(npb.NodeMessage(hello=npb.Hello(daemon_version="bcd", inventory=inv)))
+        session.send(npb.NodeMessage(hello=npb.Hello(daemon_version="bcd", capabilities=["devices.limits"], inventory=inv)))
     else:
         session.send(npb.NodeMessage(inventory=inv))
     eventually(lambda: node_row(conninfo, node_id)["inventory_generation"] == inv.generation, what="inventory")
@@ -100,11 +101,11 @@ def test_a_gpu_moved_to_another_machine_is_taken_once_its_old_node_lets_go(
     say(gateway.conninfo, a.node_id, a_session, inventory(2, "GPU-0"))  # GPU-1 left machine A
     say(gateway.conninfo, b.node_id, b_session, inventory(2, "GPU-1"))  # and B reports it again
     assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-1": True}
-    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True, "GPU-1": False}
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True}
     assert "refused_gpus" not in node_row(gateway.conninfo, b.node_id)["inventory"]
     # and A cannot take it back while B holds it
     say(gateway.conninfo, a.node_id, a_session, inventory(3, "GPU-0", "GPU-1"))
-    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True, "GPU-1": False}
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True}
     assert live_devices(gateway.conninfo) == []
     a_session.close()
     b_session.close()
@@ -287,3 +288,39 @@ def test_a_gpu_uuid_shaped_like_an_instance_or_slot_id_is_dropped(gateway: Gatew
     assert rpc_error(refused) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", {"field": "gpus[0].uuid"})
     sliced_session.close()
     a_session.close()
+
+
+# -- a node inventing GPUs in a loop ----------------------------------------------------------------
+
+
+def test_gpus_a_node_invents_and_drops_in_a_loop_leave_no_rows_behind(gateway: GatewayThread,
+                                                                        cp: ControlPlane) -> None:
+    """Atoms of GPUs gone from an inventory were never deleted: a node reporting fresh uuids each
+    inventory (here 16 GPUs, 4 slots each, 20 times) grew its atoms without end, and every later
+    inventory of it digested all of them twice. A GPU gone with nothing booked on it (nor on its
+    slots) and not quarantined is deleted; a quarantined or booked one stays."""
+    cp.world.pool_id = cp.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=cp.world.tenant, name="ts", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice", replicas=4)))).id
+    node, session = second(gateway, cp, "inventor", "GPU-sick", "GPU-booked")
+    cp.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.node_id, device_uuid="GPU-sick",
+                                                          health="unhealthy"))
+    r = cp.create(count=2, device_class="gpu.slot")
+    cp.drain()
+    placed = cp.get(r.id)
+    assert placed.allocations, (placed.state, placed.conditions)
+    assert {d.split(":")[0] for d in placed.allocations[0].device_ids} == {"GPU-booked"}
+    for generation in range(2, 22):
+        say(gateway.conninfo, node.node_id, session,
+            inventory(generation, "GPU-kept", *(f"GPU-{generation}-{i}" for i in range(16))))
+    rows = sql(gateway.conninfo, "SELECT count(*) AS n FROM atoms WHERE node_id = %s", (node.node_id,))[0]["n"]
+    # the present GPUs and their slots; the sick one and its (sick) slots; the booked one and its two booked slots
+    assert rows == (1 + 16) * 5 + 5 + 3, rows
+    health = {r["device_uuid"]: r["health"] for r in sql(
+        gateway.conninfo, "SELECT device_uuid, health FROM atoms WHERE node_id = %s AND kind = 'gpu'", (node.node_id,))}
+    assert health["GPU-sick"] == "unhealthy" and "GPU-booked" in health
+    say(gateway.conninfo, node.node_id, session, inventory(30, "GPU-kept", "GPU-sick"))
+    assert sql(gateway.conninfo, "SELECT health FROM atoms WHERE node_id = %s AND device_uuid = 'GPU-sick'",
+               (node.node_id,)) == [{"health": "unhealthy"}]  # still quarantined when it is back
+    assert snapshot(cp.conninfo, cp.world.tenant)["double_booked"] == []
+    session.close()

@@ -160,6 +160,8 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
     # (GPUs gone change the placement facts: `_wake_pool_if_changed` wakes their reservations)
     await conn.execute(queries.GPUS_GONE, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})
     await shared_atoms.apply(conn, node["id"], node["pool_id"], shared_atoms.from_inventory(gpu_list))
+    await conn.execute(queries.DELETE_UNUSED_PARTS, {"node_id": node["id"]})
+    await conn.execute(queries.DELETE_UNUSED_GPUS, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})
     await conn.execute(queries.SET_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, gpu_list, refused)),
                                                "generation": inventory.generation, "node_id": node["id"]})
     await hosts.sync_node(conn, node["id"])  # bookable at once, not at the reconciler's next pass
