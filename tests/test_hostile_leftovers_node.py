@@ -324,3 +324,34 @@ def test_gpus_a_node_invents_and_drops_in_a_loop_leave_no_rows_behind(gateway: G
                (node.node_id,)) == [{"health": "unhealthy"}]  # still quarantined when it is back
     assert snapshot(cp.conninfo, cp.world.tenant)["double_booked"] == []
     session.close()
+
+
+# -- an inventory that waited for the node's revocation ---------------------------------------------
+
+
+def test_an_inventory_applied_after_the_nodes_revocation_takes_back_nothing(
+        gateway: GatewayThread, pool_id: str, cp: ControlPlane) -> None:
+    """A squatter's inventory waits on its node's row while the operator revokes it (which lets go
+    of its GPUs); once the revocation commits, the inventory went in before the session's re-check
+    ended it, and held the GPUs again for the revoked node. A revoked node's hello or inventory is
+    now applied not at all."""
+    import psycopg
+
+    squatter, session = connected(gateway, pool_id, "squatter", gpus=2)
+    waiting = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s"
+    revoking = threading.Thread(target=lambda: arun(gateway.conninfo, lambda pool: admin.revoke_certificates(
+        pool, squatter.node_id, "", "squatting")))
+    with psycopg.connect(gateway.conninfo) as holder:
+        holder.execute("LOCK TABLE revocations IN SHARE ROW EXCLUSIVE MODE")  # the revocation waits to write
+        revoking.start()
+        eventually(lambda: sql(gateway.conninfo, waiting, ("%INSERT INTO revocations%",)), what="the revocation")
+        session.send(npb.NodeMessage(inventory=inventory(2, "GPU-0", "GPU-1", "GPU-new")))
+        eventually(lambda: sql(gateway.conninfo, waiting, ("%FOR UPDATE%",)), what="the inventory waiting")
+        holder.rollback()
+    revoking.join(30)
+    assert session.ended() is not None
+    assert sql(gateway.conninfo, "SELECT device_uuid FROM gpu_holders WHERE node_id = %s", (squatter.node_id,)) == []
+    assert node_row(gateway.conninfo, squatter.node_id)["inventory_generation"] == 1
+    b, b_session = second(gateway, cp, "rightful", "GPU-0")
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-0": True}
+    b_session.close()

@@ -182,12 +182,24 @@ async def _wake_pool_if_changed(conn: AsyncConnection, node: dict[str, Any], bef
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
 
 
+def _revoked(node: dict[str, Any] | None) -> bool:
+    """A node revoked (by the operator, by node id) while its message waited for the node's row:
+    nothing of the message is applied (its sessions are ending; the revocation let go of its GPUs,
+    which it must not take back)."""
+    if node is not None and node["revoked_at"] is None:
+        return False
+    log.info("message of a revoked node ignored")
+    return True
+
+
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
     """The node's daemon version, capabilities (and their system labels) and, when the hello
     carries one, its inventory."""
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        if _revoked(node):
+            return
         before = await _placement_facts(conn, node_id)
         caps = capabilities(hello)
         if hello.HasField("inventory"):
@@ -205,6 +217,8 @@ async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: no
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        if _revoked(node):
+            return
         before = await _placement_facts(conn, node_id)
         labels = await _apply_inventory(conn, node, inventory)
         await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
