@@ -355,3 +355,28 @@ def test_an_inventory_applied_after_the_nodes_revocation_takes_back_nothing(
     b, b_session = second(gateway, cp, "rightful", "GPU-0")
     assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-0": True}
     b_session.close()
+
+
+# -- enrolling a machine a tenant holds -------------------------------------------------------------
+
+
+def test_a_machine_enrolled_while_a_tenant_leases_it_gets_the_tenant_role(gateway: GatewayThread,
+                                                                            cp: ControlPlane) -> None:
+    """The role is the control plane's choice: node-tenant while a tenant has root on the machine.
+    A renewal gave it, but an enrolment gave the join token's role, so a platform (`node`) key was
+    made on a machine the tenant holds (and, once it opened a session, the node-tenant ones were
+    retired)."""
+    from tests.test_gateway import join_token
+    from tests.test_hostile_metal import CAPS, get, metal_pool, node_lease, node_state
+    from tests.test_node_profiles import register
+    from controlplane.pki import certs
+    from tests.test_pki import split
+
+    metal_pool(cp.world)
+    node, session = connected(gateway, cp.world.pool_id, "m1", gpus=4, caps=CAPS)
+    r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
+    cp.drain()
+    assert get(cp.world, r.id).state == "binding" and node_state(cp.world, node.node_id) == "leased"
+    response = node.enrol(join_token(gateway.conninfo, cp.world.pool_id, "m1", "node"))
+    assert {certs.facts(c).role for c in split(response.certificate_pem)} == {"node-tenant"}
+    session.close()
