@@ -380,3 +380,43 @@ def test_a_machine_enrolled_while_a_tenant_leases_it_gets_the_tenant_role(gatewa
     response = node.enrol(join_token(gateway.conninfo, cp.world.pool_id, "m1", "node"))
     assert {certs.facts(c).role for c in split(response.certificate_pem)} == {"node-tenant"}
     session.close()
+
+
+# -- a leased machine's inventory and the pool's host share -----------------------------------------
+
+
+def test_a_leased_machines_inventory_never_shrinks_the_pools_host_share(gateway: GatewayThread,
+                                                                         cp: ControlPlane) -> None:
+    """Each reservation's host share is the smallest per-GPU share any GPU host of its pool gives.
+    A tenant with root on a leased machine says what its inventory is: 256 GPUs on 3 vCPUs and
+    1 GiB made every other tenant's share in the pool 0 (their holds limited to nothing). A leased
+    machine is left out of the share until it is the platform's again."""
+    from tests.test_hostile_metal import CAPS, get, metal_pool, node_lease
+    from tests.test_node_profiles import register
+
+    metal_pool(cp.world)
+    cp.world.quota(1000)
+    machines = {}
+    for name in ("m1", "m2"):
+        node, session = connected(gateway, cp.world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
+        machines[node.node_id] = (node, session)
+    before = cp.create(count=1).host_share
+    assert before.vcpu > 0 and before.memory_gib > 0
+    r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
+    cp.drain()
+    assert get(cp.world, r.id).state == "binding"
+    leased, leased_session = machines[r.allocations[0].node_id]
+    lying = inventory(2, *(f"GPU-fake-{i}" for i in range(256)))
+    lying.vcpus, lying.memory_bytes, lying.numa_nodes[0].cpulist = 3, 1 << 30, "0-2"
+    lying.numa_nodes[0].memory_bytes = 1 << 30
+    say(gateway.conninfo, leased.node_id, leased_session, lying)
+    # the capacity index (what a create reads the share from) has the lie; so has the SQL
+    index = cp.server.app.runtime.capacity
+    eventually(lambda: index.pool(cp.world.pool_id).nodes[leased.node_id].host.get("vcpu", 0) <= 3,
+               what="the index holding the lie")
+    assert cp.create(count=1).host_share == before
+    assert {r["resource"]: int(r["per_gpu"]) for r in sql(
+        gateway.conninfo, "SELECT * FROM pool_host_share_per_gpu(%s)", (cp.world.pool_id,))} == {
+        "vcpu": before.vcpu, "memoryGiB": before.memory_gib}
+    for _, session in machines.values():
+        session.close()

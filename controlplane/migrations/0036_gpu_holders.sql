@@ -21,3 +21,17 @@ WHERE a.kind = 'gpu' AND n.revoked_at IS NULL
               WHERE g->>'uuid' = a.device_uuid)
 ORDER BY n.created_at, n.id
 ON CONFLICT (device_uuid) DO NOTHING;
+
+-- The pool's per-GPU host share leaves out leased machines (hostile review, 2026-12-01): a tenant
+-- with root on one says what its inventory is, and 256 GPUs on 3 vCPUs made every reservation's
+-- share in the pool 0. A machine counts again once it is the platform's (wiped, enrolled anew).
+CREATE OR REPLACE FUNCTION pool_host_share_per_gpu(p_pool_id text) RETURNS TABLE (resource text, per_gpu numeric)
+LANGUAGE sql STABLE AS $$
+    SELECT r.resource, min(host_capacity(n.id, r.resource) / g.gpus)
+    FROM nodes n
+    CROSS JOIN LATERAL (SELECT count(*) AS gpus FROM atoms a WHERE a.node_id = n.id AND a.kind = 'gpu') g
+    CROSS JOIN (VALUES ('vcpu'), ('memoryGiB')) AS r(resource)
+    WHERE n.pool_id = p_pool_id AND g.gpus > 0 AND n.state <> 'leased'
+      AND EXISTS (SELECT 1 FROM host_resources h WHERE h.node_id = n.id AND h.resource = r.resource)
+    GROUP BY r.resource
+$$;

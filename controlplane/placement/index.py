@@ -247,7 +247,9 @@ class PoolIndex:
         usable = node.bookable_count()
         self._classes[usable][node.id] = None
         self._class_of[node.id] = usable
-        inputs = (node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB"))
+        # A leased machine's inventory is its tenant's word: left out of the share (migration 0036).
+        inputs = ((node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB")) if node.state != "leased"
+                  else (0, None, None))
         if self._share_of.get(node.id) != inputs:
             self._share = None
         self._share_of[node.id] = inputs
@@ -272,7 +274,8 @@ class PoolIndex:
 
     def host_share_per_gpu(self) -> dict[str, Fraction]:
         """The smallest share of vcpu and memoryGiB per GPU any GPU host of the pool can give
-        (what it can give ÷ its physical GPUs); hosts without a resource's row are left out."""
+        (what it can give ÷ its physical GPUs); hosts without a resource's row, and leased ones,
+        are left out."""
         if self._share is None:
             share: dict[str, Fraction] = {}
             for gpus, *amounts in self._share_of.values():
