@@ -420,3 +420,39 @@ def test_a_leased_machines_inventory_never_shrinks_the_pools_host_share(gateway:
         "vcpu": before.vcpu, "memoryGiB": before.memory_gib}
     for _, session in machines.values():
         session.close()
+
+
+def test_a_leased_machines_inventory_never_changes_the_pools_models(gateway: GatewayThread,
+                                                                     cp: ControlPlane) -> None:
+    """A request that names no model is charged on the pool's one model; in a pool of several, a
+    tenant with a model quota must name one (QUOTA_EXCEEDED). A tenant with root on a leased
+    machine reported a GPU of another model and made every such request of the pool's tenants
+    refused. A leased machine's models are left out until it is the platform's again."""
+    from tests.test_hostile_metal import CAPS, get, metal_pool, node_lease
+    from tests.test_node_profiles import register
+
+    metal_pool(cp.world)
+    cp.world.quota(1000)
+    cp.world.quota(1000, resource=f"gpu:{MODEL}")
+    machines = {}
+    for name in ("m1", "m2"):
+        node, session = connected(gateway, cp.world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
+        machines[node.node_id] = (node, session)
+    r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
+    cp.drain()
+    assert get(cp.world, r.id).state == "binding"
+    leased, leased_session = machines[r.allocations[0].node_id]
+    lying = inventory(2, *(f"GPU-{leased.node_id}-{i}" for i in range(4)), "GPU-odd")
+    lying.gpus[-1].model = "B200"
+    say(gateway.conninfo, leased.node_id, leased_session, lying)
+    index = cp.server.app.runtime.capacity
+    eventually(lambda: any(a.model == "B200" for a in index.pool(cp.world.pool_id).nodes[leased.node_id].atoms.values()),
+               what="the index holding the lie")
+    assert cp.create(count=1).state == "placed"
+    # and without the index (its SQL)
+    from controlplane.reservations import queries as rq
+    assert sql(gateway.conninfo, rq.POOL_MODELS, {"pool_id": cp.world.pool_id}) == [{"model": MODEL}]
+    assert sql(gateway.conninfo, rq.VISIBLE_POOL, {"pool_id": cp.world.pool_id, "tenant_id": cp.world.tenant})[0][
+        "single_model"] == MODEL
+    for _, session in machines.values():
+        session.close()
