@@ -37,7 +37,8 @@ def inventory(generation: int, *uuids: str, mig: bool = False) -> npb.Inventory:
 def say(conninfo: str, node_id: str, session: Session, inv: npb.Inventory, *, as_hello: bool = False) -> None:
     """Send `inv` (in a hello, or on its own) and wait until it is applied."""
     if as_hello:
-        session.send(npb.NodeMessage(hello=npb.Hello(daemon_version="bcd", capabilities=["devices.limits"], inventory=inv)))
+        session.send(npb.NodeMessage(hello=npb.Hello(daemon_version="bcd", capabilities=["devices.limits"],
+                                                     inventory=inv)))
     else:
         session.send(npb.NodeMessage(inventory=inv))
     eventually(lambda: node_row(conninfo, node_id)["inventory_generation"] == inv.generation, what="inventory")
@@ -446,7 +447,7 @@ def test_a_leased_machines_inventory_never_changes_the_pools_models(gateway: Gat
     lying.gpus[-1].model = "B200"
     say(gateway.conninfo, leased.node_id, leased_session, lying)
     index = cp.server.app.runtime.capacity
-    eventually(lambda: any(a.model == "B200" for a in index.pool(cp.world.pool_id).nodes[leased.node_id].atoms.values()),
+    eventually(lambda: "B200" in {a.model for a in index.pool(cp.world.pool_id).nodes[leased.node_id].atoms.values()},
                what="the index holding the lie")
     assert cp.create(count=1).state == "placed"
     # and without the index (its SQL)
