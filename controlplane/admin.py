@@ -16,7 +16,7 @@ from psycopg.types.json import Jsonb
 from controlplane import admin_queries as q
 from controlplane import db, db_errors, errors, iam, quota
 from controlplane.common import devices
-from controlplane.common.names import IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
+from controlplane.common.names import GPU_UUID, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity as node_connectivity
 from controlplane.nodes import health as node_health
@@ -179,7 +179,8 @@ async def register_node(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     gpus = raw.get("gpus") or []
     seen: set[str] = set()
     for i, gpu in enumerate(gpus):
-        if not gpu.get("uuid") or gpu["uuid"] in seen:
+        match(f"gpus[{i}].uuid", gpu.get("uuid") or "", GPU_UUID)
+        if gpu["uuid"] in seen:
             raise errors.InvalidInput(f"gpus[{i}].uuid", "must be present and unique on the node")
         seen.add(gpu["uuid"])
         match(f"gpus[{i}].model", gpu.get("model") or "", MODEL)

@@ -55,6 +55,11 @@ class GatewaySettings:
     node_renewals_per_hour: float = field(
         default_factory=lambda: float(os.environ.get("BC_NODE_RENEWALS_PER_HOUR", "60")))
     node_renewals_burst: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_RENEWALS_BURST", "10")))
+    # Client certificates refused (unknown, revoked, expired) kept in memory, and for how long: one
+    # presented again is refused without a database read (gateway.refusals). 0: none kept.
+    refused_certificates: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_REFUSED_CERTS", "10000")))
+    refused_certificate_seconds: float = field(
+        default_factory=lambda: float(os.environ.get("BC_NODE_REFUSED_CERT_SECONDS", "600")))
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)

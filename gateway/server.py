@@ -23,6 +23,7 @@ from gateway import session_gc, sweeper
 from gateway.config import GatewaySettings
 from gateway.hub import Hub
 from gateway.interceptor import GatewayInterceptor
+from gateway.refusals import Refusals
 from gateway.servicer import NodeGatewayServicer
 from gateway.session import SessionRunner
 from gateway.throttle import Throttle
@@ -74,7 +75,9 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     runner = SessionRunner(pool, hub, settings.gateway_id, liveness,
                            Throttle(settings.node_messages_per_second, settings.node_messages_burst))
     renewals = Throttle(settings.node_renewals_per_hour / 3600, settings.node_renewals_burst)
-    node_pb2_grpc.add_NodeGatewayServicer_to_server(NodeGatewayServicer(pool, ca, settings.pki, runner, renewals), server)
+    refusals = Refusals(settings.refused_certificates, settings.refused_certificate_seconds)
+    node_pb2_grpc.add_NodeGatewayServicer_to_server(
+        NodeGatewayServicer(pool, ca, settings.pki, runner, renewals, refusals), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_secure_port(listen or settings.listen, server_tls.credentials(require_client_auth=True))

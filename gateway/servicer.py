@@ -17,6 +17,7 @@ from controlplane.common.status import to_status
 from controlplane.pki import enrolment, store
 from controlplane.pki.config import PkiSettings
 from gateway import tls
+from gateway.refusals import Refusals
 from gateway.session import SessionRunner
 from gateway.throttle import Throttle
 
@@ -27,12 +28,22 @@ Ctx = grpc.aio.ServicerContext
 
 class NodeGatewayServicer(rpc.NodeGatewayServicer):
     def __init__(self, pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, sessions: SessionRunner,
-                 renewals: Throttle | None = None) -> None:
+                 renewals: Throttle | None = None, refusals: Refusals | None = None) -> None:
         self.pool, self.ca, self.settings, self.sessions = pool, ca, settings, sessions
         self.renewals = renewals or Throttle(0, 1)
+        self.refusals = refusals if refusals is not None else Refusals(0, 0)
 
     async def _peer(self, context: Ctx) -> enrolment.Peer:
-        peer = await enrolment.identify(self.pool, tls.peer_certificate(context))
+        """The node of the client certificate; a certificate refused lately is refused again from
+        memory (gateway.refusals), without a database read."""
+        cert_pem = tls.peer_certificate(context)
+        if (refused := self.refusals.refused(cert_pem)) is not None:
+            raise refused
+        try:
+            peer = await enrolment.identify(self.pool, cert_pem)
+        except errors.Unauthenticated as exc:
+            self.refusals.remember(cert_pem, exc)
+            raise
         structlog.contextvars.bind_contextvars(node_id=peer.node_id)
         return peer
 
@@ -52,6 +63,11 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         return pb.RenewResponse(certificate_pem=issued.certificate_pem, not_after=issued.not_after_ms)
 
     async def Session(self, request_iterator: AsyncIterator[pb.NodeMessage], context: Ctx) -> None:
+        if (refused := self.refusals.refused(tls.peer_certificate(context))) is not None:
+            # refused lately: refused again at once, holding no sweep
+            log.info("session refused", code=refused.code, reason=refused.message, remembered=True)
+            await context.abort_with_status(to_status(refused.code, refused.message, refused.details))
+            return
         arrival = self.sessions.liveness.arriving()  # the sweeper holds until its hello is in
         try:
             try:

@@ -182,13 +182,14 @@ def join_token(conninfo: str, pool_id: str, name: str, role: str = "node") -> st
 
 
 def hello(gpus: int = 4, caps: tuple[str, ...] = ("devices.limits",), clique: str | list[str] = "7",
-          version: str = "bcd 0.5.0") -> pb.NodeMessage:
+          version: str = "bcd 0.5.0", uuid: str = "GPU") -> pb.NodeMessage:
+    """A hello with GPUs `<uuid>-0`, `<uuid>-1`, ... (a GPU uuid is one node's: give each node its own)."""
     cliques = clique if isinstance(clique, list) else [clique] * gpus
     inventory = pb.Inventory(
         generation=1, vcpus=64, memory_bytes=512 * GIB, hugepages_2mi=0, hugepages_1gi=16, isolated_cpus="",
         numa_nodes=[pb.NumaNode(id=0, cpulist="0-31", memory_bytes=256 * GIB),
                     pb.NumaNode(id=1, cpulist="32-63", memory_bytes=256 * GIB)],
-        gpus=[pb.Gpu(uuid=f"GPU-{i}", model="H100-SXM5-80GB", memory_mib=81559, numa_node=i // 2,
+        gpus=[pb.Gpu(uuid=f"{uuid}-{i}", model="H100-SXM5-80GB", memory_mib=81559, numa_node=i // 2,
                      nvlink_cluster="fab-1", nvlink_clique=cliques[i]) for i in range(gpus)])
     return pb.NodeMessage(hello=pb.Hello(daemon_version=version, capabilities=list(caps), inventory=inventory))
 
@@ -496,7 +497,7 @@ def test_a_report_about_another_nodes_allocation_is_ignored_like_an_unknown_one(
         gateway: GatewayThread, cp: ControlPlane) -> None:
     a, session = connected(gateway, cp.pool_id, "a")
     mine, my_alloc = binding(cp, count=4)  # fills a
-    b, b_session = connected(gateway, cp.pool_id, "b")
+    b, b_session = connected(gateway, cp.pool_id, "b", uuid="GPU-b")
     theirs, their_alloc = binding(cp, count=2)  # so this one is on b
     assert [cp.get(rid).allocations[-1].node_id for rid in (mine, theirs)] == [a.node_id, b.node_id]
     cp.drain()

@@ -79,7 +79,7 @@ def two_machines(gateway, world: World) -> dict:  # noqa: ANN001
     world.quota(1000)
     sessions = {}
     for name in ("m1", "m2"):
-        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
+        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
         sessions[node.node_id] = session
     return sessions
 
@@ -162,7 +162,7 @@ def test_a_gang_member_cordoned_in_the_last_minutes_before_the_start_is_replaced
     nodes = {}
     sessions = []
     for name in ("m1", "m2", "m3"):
-        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS)
+        node, session = connected(gateway, world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
         nodes[node.node_id] = name
         sessions.append(session)
     profile = register(world.root, 1)
@@ -222,7 +222,7 @@ def test_twenty_machine_gangs_leases_and_holds_at_once_never_share_a_machine(
     world = cp.world
     metal_pool(world)
     world.quota(1000)
-    sessions = [connected(gateway, world.pool_id, f"m{i}", gpus=4, caps=CAPS)[1] for i in range(4)]
+    sessions = [connected(gateway, world.pool_id, f"m{i}", gpus=4, caps=CAPS, uuid=f"GPU-m{i}")[1] for i in range(4)]
     profile = register(world.root, 1)
     start = world.later(2)
     lease_of = dict(binding="node", node=pb.NodeLease(profile_id=profile), start=start, duration="2h")

@@ -22,7 +22,7 @@ import re
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("controlplane", "gateway", "nodesim", "providersim")
 
-NODE_TABLES = r"(nodes|atoms|host_resources|node_reports|report_sequences)"
+NODE_TABLES = r"(nodes|atoms|gpu_holders|host_resources|node_reports|report_sequences)"
 NODE_TABLE_WRITE = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+{NODE_TABLES}\b")
 NODE_ONLY_TABLES = re.compile(r"\b(node_reports|host_resources|report_sequences)\b")
 NODE_WRITING_FUNCTIONS = re.compile(r"\b(bump_desired|node_seen|sweep_unreachable)\s*\(")

@@ -756,6 +756,7 @@ class Node(_message.Message):
     CONNECTIVITY_FIELD_NUMBER: _builtins.int
     GPU_COUNT_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    REFUSED_GPUS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     pool_id: _builtins.str
     name: _builtins.str
@@ -766,6 +767,12 @@ class Node(_message.Message):
     gpu_count: _builtins.int
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def refused_gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___RefusedGpu]:
+        """GPUs the node's last inventory reported that another node holds (the first to report a uuid
+        holds it until its inventory drops it or it is revoked): not bookable on this node.
+        """
+
     def __init__(
         self,
         *,
@@ -776,14 +783,40 @@ class Node(_message.Message):
         connectivity: _builtins.str = ...,
         gpu_count: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        refused_gpus: _abc.Iterable[Global___RefusedGpu] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connectivity", b"connectivity", "gpu_count", b"gpu_count", "id", b"id", "labels", b"labels", "name", b"name", "pool_id", b"pool_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connectivity", b"connectivity", "gpu_count", b"gpu_count", "id", b"id", "labels", b"labels", "name", b"name", "pool_id", b"pool_id", "refused_gpus", b"refused_gpus", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Node: _TypeAlias = Node  # noqa: Y015
+
+@_typing.final
+class RefusedGpu(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UUID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    HELD_BY_NODE_ID_FIELD_NUMBER: _builtins.int
+    uuid: _builtins.str
+    reason: _builtins.str
+    held_by_node_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        uuid: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        held_by_node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_by_node_id", b"held_by_node_id", "reason", b"reason", "uuid", b"uuid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RefusedGpu: _TypeAlias = RefusedGpu  # noqa: Y015
 
 @_typing.final
 class SetNodeStateRequest(_message.Message):

@@ -165,6 +165,8 @@ def node(row: dict[str, Any]) -> admin_pb2.Node:
         id=row["id"], pool_id=row["pool_id"], name=row["name"], state=row["state"],
         connectivity=row["connectivity"], gpu_count=row["gpu_count"],
         labels={k: v["value"] for k, v in row["labels"].items()},
+        refused_gpus=[admin_pb2.RefusedGpu(uuid=g["uuid"], reason=g["reason"], held_by_node_id=g["heldBy"])
+                      for g in (row.get("inventory") or {}).get("refused_gpus", [])],
     )
 
 

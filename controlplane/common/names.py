@@ -16,6 +16,9 @@ RESERVATION_ID = re.compile(r"^rsv_[0-9a-hjkmnp-tv-z]{26,52}$")
 NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 LABEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
 MODEL = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+# A GPU's uuid as a node reports it ("GPU-8c1f…"). No ':': its MIG instances and slots are named
+# "<uuid>:<n>", so a GPU named "<other uuid>:0" would carry another GPU's instance id.
+GPU_UUID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 # A MIG profile as NVIDIA names it: "1g.10gb", "3g.40gb", "1g.10gb+me", "1c.3g.40gb".
 MIG_PROFILE = re.compile(r"^[0-9a-z][0-9a-z.+]{0,31}$")
 

@@ -3,6 +3,12 @@ host resources. The node is not trusted for more than its own facts: malformed e
 dropped, sizes no host has read as 0, and only system labels inventory owns are written
 (`bc.dev/cap.*`, `fabric.domain`).
 
+A GPU is one node's: a GPU whose uuid another node holds (gpu_holders, migration 0036: the first
+node to report it, until its inventory drops it or it is revoked) is refused, as if not reported:
+no atom, no MIG instances or slots, not in the stored GPU list. The refusal is logged, kept in the
+stored inventory (`refused_gpus`, uuid and holder) and shown on the Admin API's Node; the node is
+not cut off (its other GPUs serve), and its next inventory after the holder let go takes the GPU.
+
 The node's pool lock first, then its row (controlplane.common.locks), so a placement that
 re-reads labels and atoms under the pool lock never sees them change before it commits.
 """
@@ -19,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
 from controlplane import db
-from controlplane.common.names import LABEL, MODEL
+from controlplane.common.names import GPU_UUID, LABEL, MODEL
 from controlplane.config import Settings
 from controlplane.ids import new_id
 from controlplane.nodes import cpulist, hosts, queries, shared_atoms
@@ -28,7 +34,6 @@ from controlplane.nodes.locking import lock_for_placement_change
 log = structlog.get_logger("nodes.inventory")
 
 CAPABILITY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-DEVICE_UUID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CAP_PREFIX = "bc.dev/cap."
 FABRIC = "fabric.domain"
 SYSTEM = "system"
@@ -46,7 +51,7 @@ def capabilities(hello: node_pb2.Hello) -> list[str]:
 def gpus(inventory: node_pb2.Inventory) -> list[node_pb2.Gpu]:
     kept: dict[str, node_pb2.Gpu] = {}
     for gpu in inventory.gpus[:MAX_GPUS]:
-        if DEVICE_UUID.fullmatch(gpu.uuid) and MODEL.fullmatch(gpu.model) and gpu.uuid not in kept:
+        if GPU_UUID.fullmatch(gpu.uuid) and MODEL.fullmatch(gpu.model) and gpu.uuid not in kept:
             kept[gpu.uuid] = gpu
     if len(kept) != len(inventory.gpus):
         log.info("inventory gpus dropped", reported=len(inventory.gpus), kept=len(kept))
@@ -85,9 +90,11 @@ def bounded(value: int, most: int) -> int:
     return value if 0 <= value <= most else 0
 
 
-def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu]) -> dict[str, Any]:
+def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu],
+                   refused: list[dict[str, str]] | None = None) -> dict[str, Any]:
     return {
         "generation": inventory.generation,
+        **({"refused_gpus": refused} if refused else {}),
         "gpus": [{"uuid": g.uuid, "model": g.model, "memory_mib": g.memory_mib, "numa_node": max(0, g.numa_node),
                   "nvlink_cluster": g.nvlink_cluster, "nvlink_clique": g.nvlink_clique,
                   "nvlink_domain": nvlink_domain(g), "mig_mode": g.mig_mode,
@@ -124,9 +131,28 @@ def deployed_json(d: node_pb2.DeployedProfile) -> dict[str, Any]:
             "message": d.message[:MAX_MESSAGE].replace("\x00", "")}
 
 
+REFUSED_HELD = "held by another node"
+
+
+async def held(conn: AsyncConnection, node_id: str, gpu_list: list[node_pb2.Gpu]
+               ) -> tuple[list[node_pb2.Gpu], list[dict[str, str]]]:
+    """The reported GPUs this node holds (taking those no node holds, letting go of those it no
+    longer reports), and the refused ones: {uuid, reason, heldBy}."""
+    uuids = sorted(g.uuid for g in gpu_list)
+    await conn.execute(queries.HOLD_GPUS, {"node_id": node_id, "uuids": uuids})
+    taken = {r["device_uuid"]: r["node_id"] for r in await (await conn.execute(
+        queries.HELD_ELSEWHERE, {"node_id": node_id, "uuids": uuids})).fetchall()}
+    await conn.execute(queries.RELEASE_GPUS, {"node_id": node_id, "held": [u for u in uuids if u not in taken]})
+    if not taken:
+        return gpu_list, []
+    refused = [{"uuid": u, "reason": REFUSED_HELD, "heldBy": holder} for u, holder in taken.items()]
+    log.warning("inventory gpus refused", node_id=node_id, reason=REFUSED_HELD, refused=refused)
+    return [g for g in gpu_list if g.uuid not in taken], refused
+
+
 async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:
     """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`."""
-    gpu_list = gpus(inventory)
+    gpu_list, refused = await held(conn, node["id"], gpus(inventory))
     async with conn.cursor() as cur:
         await cur.executemany(queries.UPSERT_GPU, [
             {"id": new_id("atom"), "node_id": node["id"], "uuid": g.uuid, "model": g.model,
@@ -134,7 +160,9 @@ async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventor
     # (GPUs gone change the placement facts: `_wake_pool_if_changed` wakes their reservations)
     await conn.execute(queries.GPUS_GONE, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})
     await shared_atoms.apply(conn, node["id"], node["pool_id"], shared_atoms.from_inventory(gpu_list))
-    await conn.execute(queries.SET_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, gpu_list)),
+    await conn.execute(queries.DELETE_UNUSED_PARTS, {"node_id": node["id"]})
+    await conn.execute(queries.DELETE_UNUSED_GPUS, {"node_id": node["id"], "present": [g.uuid for g in gpu_list]})
+    await conn.execute(queries.SET_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, gpu_list, refused)),
                                                "generation": inventory.generation, "node_id": node["id"]})
     await hosts.sync_node(conn, node["id"])  # bookable at once, not at the reconciler's next pass
     return fabric_label(node["labels"], gpu_list)
@@ -154,12 +182,24 @@ async def _wake_pool_if_changed(conn: AsyncConnection, node: dict[str, Any], bef
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node["id"]})
 
 
+def _revoked(node: dict[str, Any] | None) -> bool:
+    """A node revoked (by the operator, by node id) while its message waited for the node's row:
+    nothing of the message is applied (its sessions are ending; the revocation let go of its GPUs,
+    which it must not take back)."""
+    if node is not None and node["revoked_at"] is None:
+        return False
+    log.info("message of a revoked node ignored")
+    return True
+
+
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
     """The node's daemon version, capabilities (and their system labels) and, when the hello
     carries one, its inventory."""
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        if _revoked(node):
+            return
         before = await _placement_facts(conn, node_id)
         caps = capabilities(hello)
         if hello.HasField("inventory"):
@@ -177,6 +217,8 @@ async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: no
 
     async def work(conn: AsyncConnection) -> None:
         node = await lock_for_placement_change(conn, node_id)
+        if _revoked(node):
+            return
         before = await _placement_facts(conn, node_id)
         labels = await _apply_inventory(conn, node, inventory)
         await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})

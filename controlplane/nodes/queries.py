@@ -61,13 +61,44 @@ UPSERT_GPU = INSERT_GPU + """
 ON CONFLICT (node_id, device_uuid, kind) DO UPDATE
 SET model = EXCLUDED.model, numa_node = EXCLUDED.numa_node, nvlink_domain = EXCLUDED.nvlink_domain, bookable = true
 """
-# GPUs gone from the inventory (and their MIG instances and slots) stop being bookable; they are
-# never deleted, so their bookings and history stay.
+# GPUs gone from the inventory (and their MIG instances and slots) stop being bookable; those
+# booked or quarantined stay (their bookings, their health), the others go (DELETE_UNUSED_*).
 GPUS_GONE = """
 UPDATE atoms SET bookable = false
 WHERE node_id = %(node_id)s AND bookable
   AND (CASE WHEN kind = 'gpu' THEN id ELSE parent_id END) IN (
       SELECT id FROM atoms WHERE node_id = %(node_id)s AND kind = 'gpu' AND NOT (device_uuid = ANY(%(present)s)))
+"""
+# Which node holds each GPU uuid (migration 0036): a node holds the GPUs it reports that no other
+# node holds. A claim racing another of the same uuid waits for that one's commit and then finds
+# the uuid held (HELD_ELSEWHERE reads it in a new snapshot). The uuids go in sorted, so two nodes
+# claiming the same ones take them in one order.
+HOLD_GPUS = """
+INSERT INTO gpu_holders (device_uuid, node_id)
+SELECT u, %(node_id)s FROM unnest(%(uuids)s::text[]) AS u ORDER BY u
+ON CONFLICT (device_uuid) DO NOTHING
+"""
+HELD_ELSEWHERE = """
+SELECT device_uuid, node_id FROM gpu_holders
+WHERE device_uuid = ANY(%(uuids)s) AND node_id <> %(node_id)s
+ORDER BY device_uuid
+"""
+# The node's GPUs it no longer reports (or all, when it is revoked): another node may report them.
+RELEASE_GPUS = "DELETE FROM gpu_holders WHERE node_id = %(node_id)s AND NOT (device_uuid = ANY(%(held)s))"
+# What an inventory no longer lists (a GPU gone, a MIG instance or slot gone), with nothing booked
+# on it and not quarantined, is deleted, parts first: a node reporting fresh uuids in a loop grew
+# its atoms without end. A booked or quarantined one stays (its bookings, its health when it is back).
+DELETE_UNUSED_PARTS = """
+DELETE FROM atoms c
+WHERE c.node_id = %(node_id)s AND c.kind <> 'gpu' AND NOT c.bookable AND c.health = 'healthy'
+  AND NOT EXISTS (SELECT 1 FROM bookings b WHERE b.atom_id = c.id)
+"""
+DELETE_UNUSED_GPUS = """
+DELETE FROM atoms g
+WHERE g.node_id = %(node_id)s AND g.kind = 'gpu' AND NOT (g.device_uuid = ANY(%(present)s))
+  AND g.health = 'healthy'
+  AND NOT EXISTS (SELECT 1 FROM bookings b WHERE b.atom_id = g.id)
+  AND NOT EXISTS (SELECT 1 FROM atoms c WHERE c.parent_id = g.id)
 """
 # A GPU and its MIG instances and slots (its children, "<uuid>:<n>").
 SET_GPU_HEALTH = """
@@ -262,7 +293,7 @@ WHERE (atoms.parent_id, atoms.model, atoms.numa_node, atoms.nvlink_domain, atoms
                         EXCLUDED.health, EXCLUDED.profile, EXCLUDED.gpu_equivalent, true)
 """
 # Children the inventory no longer has (or of a kind the pool does not book) stop being bookable;
-# like GPUs, they are never deleted, so their bookings and history stay.
+# like GPUs, those booked or quarantined stay, the others go (DELETE_UNUSED_PARTS).
 CHILDREN_GONE = """
 UPDATE atoms SET bookable = false
 WHERE node_id = %(node_id)s AND kind <> 'gpu' AND bookable

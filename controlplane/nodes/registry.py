@@ -10,7 +10,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import db, db_errors
+from controlplane import db, db_errors, errors
 from controlplane.common.locks import pool_lock
 from controlplane.ids import new_id
 from controlplane.nodes import queries, shared_atoms
@@ -36,6 +36,7 @@ async def register(pool: AsyncConnectionPool, *, pool_id: str, name: str, labels
         await conn.execute(queries.REGISTER, {
             "id": node_id, "pool_id": pool_id, "name": name, "labels": Jsonb(labels),
             "capabilities": capabilities, "inventory": Jsonb({"gpus": gpus})})
+        await _hold_all(conn, node_id, [g["uuid"] for g in gpus])
         async with conn.cursor() as cur:
             await cur.executemany(queries.INSERT_GPU, [
                 {"id": new_id("atom"), "node_id": node_id, "uuid": g["uuid"], "model": g.get("model") or "",
@@ -46,6 +47,16 @@ async def register(pool: AsyncConnectionPool, *, pool_id: str, name: str, labels
 
     with db_errors.mapped(poolId=pool_id, name=name):  # nodes_pool_id_fkey, nodes_pool_id_name_key
         return await db.run_in_transaction(pool, work)
+
+
+async def _hold_all(conn: AsyncConnection, node_id: str, uuids: list[str]) -> None:
+    """The new node holds every GPU it is registered with; CONFLICT when another node holds one
+    (controlplane.nodes.inventory: one device, one node)."""
+    await conn.execute(queries.HOLD_GPUS, {"node_id": node_id, "uuids": sorted(uuids)})
+    taken = await (await conn.execute(queries.HELD_ELSEWHERE, {"node_id": node_id, "uuids": uuids})).fetchone()
+    if taken is not None:
+        raise errors.Conflict("a GPU with this uuid is on another node", uuid=taken["device_uuid"],
+                              nodeId=taken["node_id"])
 
 
 async def exists(conn: AsyncConnection, node_id: str) -> bool:
@@ -67,8 +78,11 @@ async def lock(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
 
 
 async def mark_revoked(conn: AsyncConnection, node_id: str, reason: str) -> None:
-    """The node may not enrol again until it is readmitted (the first revocation's time and reason stay)."""
+    """The node may not enrol again until it is readmitted (the first revocation's time and reason
+    stay); the GPUs it held are let go."""
     await conn.execute(queries.MARK_REVOKED, {"node_id": node_id, "reason": reason})
+    # Its GPUs are no longer held: another node (the machine enrolled anew) may report them.
+    await conn.execute(queries.RELEASE_GPUS, {"node_id": node_id, "held": []})
 
 
 async def readmit(conn: AsyncConnection, node_id: str) -> bool:

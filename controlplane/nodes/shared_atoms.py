@@ -10,7 +10,8 @@ under the pool lock that write already holds.
   whole GPUs are not bookable.
 
 Children take their parent's model, NUMA node, NVLink domain and health. Children that are gone
-(an instance repartitioned away, fewer replicas) stop being bookable and are never deleted.
+(an instance repartitioned away, fewer replicas) stop being bookable; unless booked or quarantined
+they are then deleted (controlplane.nodes.inventory).
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
     """Spend a join token (once) and certify the node it names, created on first enrolment and
     reused when the same name enrols again: then every certificate it held before is revoked (one
     name, one live identity). A node an operator revoked is refused until it is readmitted; the
-    token is then not spent."""
+    token is then not spent. The role is the token's, except on a machine a tenant leases
+    (node-tenant, as a renewal would give)."""
     if not join_token:
         raise errors.Unauthenticated("a join token is required")
     csr = certs.parse_csr_bundle(csr_pem)  # a bad CSR does not spend the token
@@ -92,7 +93,9 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
         superseded = await store.revoke(conn, node_id=node_id, reason=SUPERSEDED)
         if superseded:
             log.info("earlier certificates revoked by re-enrolment", node_id=node_id, serials=superseded)
-        return await _issue(conn, ca, settings, csr, node_id, claim["role"])
+        # As at a renewal: node-tenant while a tenant holds the machine, else the token's role.
+        role = await store.node_role(conn, node_id) or claim["role"]
+        return await _issue(conn, ca, settings, csr, node_id, role)
 
     return await db.run_in_transaction(pool, work)
 

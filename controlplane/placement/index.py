@@ -38,6 +38,7 @@ from sortedcontainers import SortedList
 from controlplane.placement import planner
 
 GPU = "gpu"
+LEASED = "leased"  # a node a tenant holds (controlplane.nodes.tenancy): its inventory is the tenant's word
 LONG_MS = 24 * 3600 * 1000  # bookings longer than this are kept in the pool's short list of long ones
 # Above this many bookings starting around a window, `candidates` does not visit every node with
 # one (in a well-booked pool that is nearly every node) but BUSY_SAMPLE of them, then checks the
@@ -232,7 +233,7 @@ class PoolIndex:
         for entry in old.bookings():
             self._drop_entry(entry)
         for atom in old.atoms.values():
-            if atom.kind == GPU:
+            if atom.kind == GPU and old.state != LEASED:
                 self._models[atom.model] -= 1
                 if not self._models[atom.model]:
                     del self._models[atom.model]
@@ -242,12 +243,14 @@ class PoolIndex:
     def _hold(self, node: Node) -> None:
         self.nodes[node.id] = node
         for atom in node.atoms.values():
-            if atom.kind == GPU:
+            if atom.kind == GPU and node.state != LEASED:  # a leased machine's models are its tenant's word
                 self._models[atom.model] += 1
         usable = node.bookable_count()
         self._classes[usable][node.id] = None
         self._class_of[node.id] = usable
-        inputs = (node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB"))
+        # A leased machine's inventory is its tenant's word: left out of the share (migration 0036).
+        inputs = ((node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB")) if node.state != LEASED
+                  else (0, None, None))
         if self._share_of.get(node.id) != inputs:
             self._share = None
         self._share_of[node.id] = inputs
@@ -272,7 +275,8 @@ class PoolIndex:
 
     def host_share_per_gpu(self) -> dict[str, Fraction]:
         """The smallest share of vcpu and memoryGiB per GPU any GPU host of the pool can give
-        (what it can give ÷ its physical GPUs); hosts without a resource's row are left out."""
+        (what it can give ÷ its physical GPUs); hosts without a resource's row, and leased ones,
+        are left out."""
         if self._share is None:
             share: dict[str, Fraction] = {}
             for gpus, *amounts in self._share_of.values():
@@ -286,11 +290,12 @@ class PoolIndex:
         return dict(self._share)
 
     def single_model(self) -> str | None:
-        """The pool's GPU model when all its whole GPUs are of one (any health), else None."""
+        """The pool's GPU model when all its whole GPUs are of one (any health; leased machines'
+        left out), else None."""
         return next(iter(self._models)) if len(self._models) == 1 else None
 
     def models(self) -> list[str]:
-        """Every GPU model of the pool's whole GPUs (any health), sorted."""
+        """Every GPU model of the pool's whole GPUs (any health; leased machines' left out), sorted."""
         return sorted(self._models)
 
     def touched(self, start: int, end: int) -> set[str]:

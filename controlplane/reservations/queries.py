@@ -62,7 +62,7 @@ SELECT * FROM d
 VISIBLE_POOL = """
 SELECT p.id, p.region, p.policy, p.owner_tenant_id,
        (SELECT min(a.model) FROM atoms a JOIN nodes n ON n.id = a.node_id
-        WHERE n.pool_id = p.id AND a.kind = 'gpu'
+        WHERE n.pool_id = p.id AND a.kind = 'gpu' AND n.state <> 'leased'
         HAVING count(DISTINCT a.model) = 1) AS single_model
 FROM pools p
 WHERE p.id = %(pool_id)s
@@ -79,10 +79,11 @@ WHERE p.id = %(pool_id)s
        OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
 """
 
-# The pool's GPU models (whole GPUs, any health), for a caller without the capacity index.
+# The pool's GPU models (whole GPUs, any health), for a caller without the capacity index. A leased
+# machine's are left out (with VISIBLE_POOL's): its inventory is its tenant's word.
 POOL_MODELS = """
 SELECT DISTINCT a.model FROM atoms a JOIN nodes n ON n.id = a.node_id
-WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu'
+WHERE n.pool_id = %(pool_id)s AND a.kind = 'gpu' AND n.state <> 'leased'
 ORDER BY a.model
 """
 
