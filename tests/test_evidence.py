@@ -90,7 +90,7 @@ def node(stack: tuple[ServerThread, Client, GatewayThread], world: World) -> Ite
     node = Node(gateway)
     node.enrol(join_token(world.conninfo, world.pool_id, "gpu-01"))
     session = node.session()
-    session.send(hello())
+    session.send(hello(uuid=f"GPU-{node.node_id}"))  # a GPU uuid is one node's: the module's nodes each their own
     eventually_(lambda: world.sql("SELECT connectivity = 'connected' FROM nodes WHERE id = %s", (node.node_id,))[0][0],
              what="hello")
     yield node, session
@@ -233,7 +233,7 @@ def test_re_enrolling_a_node_name_revokes_its_earlier_certificates(
                                                         again.key_id: None}
 
     fresh = again.session()  # the new identity works
-    fresh.send(hello())
+    fresh.send(hello(uuid=f"GPU-{again.node_id}"))
     assert fresh.recv("desired_state") is not None
     fresh.close()
 
