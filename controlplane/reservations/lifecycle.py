@@ -129,9 +129,11 @@ async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[s
         if row["state"] not in states.BOOKED:
             raise errors.InvalidState(f"a {row['state']} reservation cannot be renewed",
                                       reservationId=rid, state=row["state"])
-        if await ended_reason(conn, row) == LEASE_LAPSED:  # a late renew does not revive it
-            raise errors.InvalidState("the lease lapsed; the reservation is being released",
-                                      reservationId=rid, state=row["state"], reason="lease-lapsed",
+        over = await ended_reason(conn, row)  # a late renew does not revive it
+        if over is not None:
+            raise errors.InvalidState("the lease lapsed; the reservation is being released" if over == LEASE_LAPSED
+                                      else "the window ended; the reservation is being released",
+                                      reservationId=rid, state=row["state"], reason=over,
                                       leaseDeadline=row["lease_deadline_ms"])
         await conn.execute(queries.RENEW, {"id": rid})
         renewed = await _locked(conn, rid)
