@@ -129,6 +129,18 @@ def test_durations_at_their_bounds(world: World) -> None:
 
 # Moments the reconciler reaches late ------------------------------------------------------------
 
+def test_a_window_that_ended_before_its_lease_lapsed_is_expired_when_both_are_handled_at_once(
+        world: World) -> None:
+    r = world.create(count=1, duration="1h", lease_seconds=2 * 3600, start=world.later(1))
+    assert r.during.end < r.lease_deadline
+    advance_and_settle(world, r.id, 4 * HOUR)  # start - 15 min, start, end and lease deadline at once
+    done = get(world, r.id)
+    assert done.state == "released"
+    assert released_reasons(world, r.id) == ["expired"]  # the end came first
+    assert done.during == r.during and booked_until(world, r.id) == r.during.end
+    check_invariants(world.conninfo, world.tenant)
+
+
 def test_a_reservation_past_its_end_cannot_be_renewed(unhandled: World) -> None:
     w = unhandled
     r = w.create(count=1, duration="1h", lease_seconds=2 * 3600)

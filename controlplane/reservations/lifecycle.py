@@ -48,10 +48,12 @@ LEASE_LAPSED, WINDOW_ENDED = "lease-lapsed", "window-ended"
 
 def over_at(row: dict[str, Any], now_ms: int) -> str | None:
     """Why a booked reservation is over at `now_ms` (its lease lapsed, or its window ended), or
-    None while it lives: what the reconciler ends it for, and what extend and renew refuse."""
-    if row["lease_deadline_ms"] is not None and now_ms >= row["lease_deadline_ms"]:
+    None while it lives: what the reconciler ends it for, and what extend and renew refuse. When
+    both moments passed, the one that came first (a clock jump or a backlog reaches both at once)."""
+    lease, end = row["lease_deadline_ms"], row["during_end"]
+    if lease is not None and now_ms >= lease and (end is None or lease <= end):
         return LEASE_LAPSED
-    if row["during_end"] is not None and now_ms >= row["during_end"]:
+    if end is not None and now_ms >= end:
         return WINDOW_ENDED
     return None
 
