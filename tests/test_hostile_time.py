@@ -129,6 +129,20 @@ def test_durations_at_their_bounds(world: World) -> None:
 
 # Moments the reconciler reaches late ------------------------------------------------------------
 
+def test_a_lapse_the_reconciler_reaches_late_ends_the_window_at_the_lease_deadline(world: World) -> None:
+    r = world.create(count=2, duration="8h", lease_seconds=60)
+    active = SigningNodes(world).activate(r.id)
+    deadline = active.lease_deadline
+    advance_and_settle(world, r.id, 30 * MIN)  # one jump: the lapse is handled half an hour late
+    done = get(world, r.id)
+    assert done.state == "released" and released_reasons(world, r.id) == ["lease-lapsed"]
+    # Billing runs [active, release): the release is the lapse, not the moment it was handled.
+    assert done.during.end == deadline, (done.during.end - deadline)
+    assert booked_until(world, r.id) == deadline
+    assert used(world) == 0
+    check_invariants(world.conninfo, world.tenant)
+
+
 def test_a_window_that_ended_before_its_lease_lapsed_is_expired_when_both_are_handled_at_once(
         world: World) -> None:
     r = world.create(count=1, duration="1h", lease_seconds=2 * 3600, start=world.later(1))

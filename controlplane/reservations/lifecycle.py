@@ -33,10 +33,11 @@ async def _locked(conn: AsyncConnection, rid: str) -> dict[str, Any]:
     return row
 
 
-async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str = "released") -> None:
-    """End the live allocations now: future bookings deleted, running ones truncated, and the
-    nodes' desired state drops them."""
-    params = {"id": rid}
+async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str = "released",
+                       at_ms: int | None = None) -> None:
+    """End the live allocations now (or at `at_ms`, a moment that passed): future bookings
+    deleted, running ones truncated, and the nodes' desired state drops them."""
+    params = {"id": rid, "at": at_ms}
     await conn.execute(queries.DELETE_FUTURE_BOOKINGS, params)
     await conn.execute(queries.TRUNCATE_RUNNING_BOOKINGS, params)
     await desired.bump_live_of(conn, rid)
@@ -64,14 +65,15 @@ async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None
     return over_at(row, (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"])
 
 
-async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released") -> None:
-    """End the bookings and the window now, refund the quota, and wake the pool's pending
+async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released",
+                        at_ms: int | None = None) -> None:
+    """End the bookings and the window now (or at `at_ms`), refund the quota, and wake the pool's pending
     reservations (and metal's worker for a node lease's deploy under way: it ends now, and a
     machine that never ran it comes back now, not at the deploy's deadline)."""
-    await end_bookings(conn, row["id"], allocation_state=allocation_state)
+    await end_bookings(conn, row["id"], allocation_state=allocation_state, at_ms=at_ms)
     if is_node_lease(row["request"]):
         await conn.execute(metal_queries.WAKE_LIVE_OF, {"id": row["id"]})
-    await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"]})
+    await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"], "at": at_ms})
     await quota.refund(conn, row["id"])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
 

@@ -79,8 +79,10 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
 
 async def end(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     """Released at its end (expired) or when its lease lapsed: bookings end, quota refunds, the
-    nodes' desired state drops the assignment."""
-    await free_capacity(conn, row)
+    nodes' desired state drops the assignment. A lapse ends at its deadline however late the
+    reconciler reaches it (billing runs until the release, and the lapse is the release); an end
+    is the window's own."""
+    await free_capacity(conn, row, at_ms=row["lease_deadline_ms"] if reason == LEASE_LAPSED else None)
     await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
     await events.emit_reservation(conn, row, "reservation.released", reason=reason)
     notice = preemption.notice_of(row) if reason == "preempted" else None
