@@ -164,3 +164,16 @@ def test_a_reservation_past_its_end_cannot_be_renewed(unhandled: World) -> None:
     assert details["reason"] == "window-ended" and details["reservationId"] == r.id, details
     assert get(w, r.id).lease_deadline == r.lease_deadline
     check_invariants(w.conninfo, w.tenant)
+
+
+@pytest.mark.parametrize("passed", ["lease-lapsed", "expired"])
+def test_a_release_after_a_moment_that_passed_ends_it_as_that_moment(unhandled: World, passed: str) -> None:
+    w = unhandled
+    r = w.create(count=2, duration="1h", lease_seconds=60 if passed == "lease-lapsed" else 2 * 3600)
+    ended_at = r.lease_deadline if passed == "lease-lapsed" else r.during.end
+    advance(w, HOUR + 10 * MIN)  # passed; the reconciler has not released it yet
+    done = release(w, r.id)
+    assert done.state == "released" and released_reasons(w, r.id) == [passed]
+    assert done.during.end == ended_at and booked_until(w, r.id) == ended_at
+    assert used(w) == 0
+    check_invariants(w.conninfo, w.tenant)

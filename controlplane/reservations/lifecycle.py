@@ -11,7 +11,7 @@ from controlplane.auth import Caller
 from controlplane.metal import is_node_lease
 from controlplane.metal import queries as metal_queries
 from controlplane.nodes import desired
-from controlplane.reservations import queries, schedule, states
+from controlplane.reservations import preemption, queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
 from controlplane.reservations.transitions import move
 from controlplane.runtime import Runtime
@@ -78,6 +78,22 @@ async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocatio
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
 
 
+async def end_over(conn: AsyncConnection, row: dict[str, Any], over: str) -> None:
+    """Release a reservation whose moment passed (`over_at`), as that moment: its lease lapsed
+    (ending at the deadline however late this runs: billing runs until the release, and the lapse
+    is the release), or its window ended (expired, or preempted at a notice's end). The
+    reconciler's end, and a release that finds the moment passed before the reconciler did.
+    Bookings end, quota refunds, the nodes' desired state drops the assignment."""
+    reason = over if over == LEASE_LAPSED else "preempted" if preemption.notice_of(row) else "expired"
+    await free_capacity(conn, row, at_ms=row["lease_deadline_ms"] if over == LEASE_LAPSED else None)
+    await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
+    await events.emit_reservation(conn, row, "reservation.released", reason=reason)
+    notice = preemption.notice_of(row) if reason == "preempted" else None
+    if notice is not None:
+        await events.emit_reservation(conn, row, "reservation.preempted", by=notice.get("by"),
+                                      noticeUntil=notice.get("noticeUntil"))
+
+
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     # An open confirmation dies with the request, so nobody approves a withdrawn reservation.
     await confirmations.withdraw(conn, row["id"])
@@ -93,7 +109,10 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         row = await _locked(conn, rid)
-        if row["state"] in states.BOOKED:
+        over = await ended_reason(conn, row) if row["state"] in states.BOOKED else None
+        if over is not None:  # its end or lapse came first: released as that moment
+            await end_over(conn, row, over)
+        elif row["state"] in states.BOOKED:
             await free_capacity(conn, row)
             await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason="release")
             await events.emit_reservation(conn, row, "reservation.released", reason="release")
