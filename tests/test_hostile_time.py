@@ -177,3 +177,20 @@ def test_a_release_after_a_moment_that_passed_ends_it_as_that_moment(unhandled: 
     assert done.during.end == ended_at and booked_until(w, r.id) == ended_at
     assert used(w) == 0
     check_invariants(w.conninfo, w.tenant)
+
+
+def cancel(world: World, rid: str) -> pb.Reservation:
+    return world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=rid))
+
+
+@pytest.mark.parametrize("passed", ["started", "lease-lapsed"])
+def test_a_placed_reservation_whose_start_or_lapse_passed_cannot_be_cancelled(unhandled: World, passed: str) -> None:
+    w = unhandled
+    lease = {"lease_seconds": 60} if passed == "lease-lapsed" else {}
+    r = w.create(count=2, duration="2h", start=w.later(1), **lease)
+    advance(w, HOUR + SECOND if passed == "started" else 2 * MIN)  # the reconciler has not been there yet
+    code, reason, details = refused(cancel, w, r.id)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE"), details
+    assert details["reason"] == passed and details["reservationId"] == r.id, details
+    assert get(w, r.id).state == "placed" and used(w) == 2
+    check_invariants(w.conninfo, w.tenant)

@@ -134,6 +134,12 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
                 f"only a pending or placed reservation can be cancelled; this one is {row['state']}",
                 state=row["state"], reservationId=rid,
             )
+        if row["state"] == states.PLACED:  # placed in the row, but its start (or lapse) came by time
+            now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+            why = over_at(row, now_ms) or ("started" if now_ms >= row["during_start"] else None)
+            if why is not None:
+                raise errors.InvalidState(f"this reservation cannot be cancelled any more ({why}); release it",
+                                          state=row["state"], reservationId=rid, reason=why)
         await _cancel_locked(conn, row, "cancel")
         return await with_allocations(conn, await _locked(conn, rid))
 
