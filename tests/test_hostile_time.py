@@ -6,10 +6,12 @@ a promise before its fix, or pins a boundary the attacks found kept."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
@@ -21,7 +23,7 @@ from controlplane.config import Settings
 from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, advance_and_settle, settled
-from tests.support import Client, ServerThread, World, get, invalid, make_world, refused
+from tests.support import Client, ServerThread, World, get, gpus, invalid, make_world, refused
 from tests.support import clock_now as now
 from tests.support import eventually as _eventually
 
@@ -47,6 +49,15 @@ def unhandled(pg_uri: str) -> Iterator[World]:
     finally:
         root.close()
         server.stop()
+
+
+def lock_waited(world: World, event: str, seconds: float = 30) -> None:
+    """Until a backend waits for a lock of that kind (a positive signal that a step is held)."""
+    deadline = time.monotonic() + seconds
+    while world.sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND wait_event = %s", (event,)) == [(0,)]:
+        assert time.monotonic() < deadline, f"nothing ever waited for a lock ({event})"
+        time.sleep(0.02)
 
 
 def advance(world: World, ms: int) -> None:
@@ -193,4 +204,43 @@ def test_a_placed_reservation_whose_start_or_lapse_passed_cannot_be_cancelled(un
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE"), details
     assert details["reason"] == passed and details["reservationId"] == r.id, details
     assert get(w, r.id).state == "placed" and used(w) == 2
+    check_invariants(w.conninfo, w.tenant)
+
+
+# Confirmation deadlines ---------------------------------------------------------------------------
+
+AGENT_POLICY = "permit(principal, action, resource) unless { context.delegated };"
+
+
+@pytest.mark.parametrize("placer", ["inline", "lease"])
+def test_an_approved_retry_whose_deadline_passes_while_it_waits_to_place_is_expired(unhandled: World,
+                                                                                  placer: str) -> None:
+    """The approval is for a retry before the deadline; one whose placement comes after it (its
+    transaction 2 waited) must end as the reconciler would have ended it: expired, never placed."""
+    w = unhandled
+    w.policy(AGENT_POLICY)
+    _, agent = w.identity(kind="agent", person_identity_id=w.user_id,
+                          confirm_actions=["compute:reservations:create"])
+    pool_id = w.pool_id
+    if placer == "lease":
+        pool_id = w.root.admin("CreatePool", apb.CreatePoolRequest(
+            owner_tenant_id=w.tenant, name="leased", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+        w.root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=pool_id, name=f"leased-{w.tenant}",
+                                                            gpus=gpus(f"leased-{w.tenant}")))
+    request = w.create_request(count=1, pool_id=pool_id)
+    code, reason, details = refused(agent.res, "Create", request)
+    assert reason == "CONFIRMATION_REQUIRED", details
+    w.user.conf("Approve", pb.DecideConfirmationRequest(tenant_id=w.tenant, confirmation_id=details["confirmationId"]))
+    rid, deadline = details["reservationId"], int(details["expiresAt"])
+    with ThreadPoolExecutor(1) as pool, psycopg.connect(w.conninfo) as holder:
+        holder.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (rid,))
+        retry = pool.submit(agent.res, "Create", request)
+        lock_waited(w, "transactionid")  # its transaction 2 waits for the row the test holds
+        advance(w, deadline - now(w) + SECOND)
+        holder.commit()
+    late = retry.result(timeout=30)
+    assert (late.id, late.state) == (rid, "expired")
+    assert w.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (rid,)) == [(0,)]
+    assert w.sql("SELECT state FROM confirmations WHERE id = %s", (details["confirmationId"],)) == [("expired",)]
+    assert used(w) == 0
     check_invariants(w.conninfo, w.tenant)
