@@ -154,6 +154,18 @@ def test_a_lapse_the_reconciler_reaches_late_ends_the_window_at_the_lease_deadli
     check_invariants(world.conninfo, world.tenant)
 
 
+def test_a_lease_that_lapses_exactly_at_the_start_keeps_the_window(world: World) -> None:
+    r = world.create(count=1, duration="1h", lease_seconds=60, start=world.later(1))
+    # The test moves the deadline onto the start (a placement leaseSeconds before its start does it).
+    world.sql("UPDATE reservations SET lease_deadline = lower(during) WHERE id = %s", (r.id,))
+    advance_and_settle(world, r.id, HOUR + MIN)
+    done = get(world, r.id)
+    assert done.state == "released" and released_reasons(world, r.id) == ["lease-lapsed"]
+    assert done.during == r.during  # never an empty window: it never began
+    assert booked_until(world, r.id) is None and used(world) == 0
+    check_invariants(world.conninfo, world.tenant)
+
+
 def test_a_window_that_ended_before_its_lease_lapsed_is_expired_when_both_are_handled_at_once(
         world: World) -> None:
     r = world.create(count=1, duration="1h", lease_seconds=2 * 3600, start=world.later(1))

@@ -198,9 +198,10 @@ END_ALLOCATIONS = """
 UPDATE allocations SET state = %(state)s
 WHERE reservation_id = %(id)s AND state IN ('placed', 'binding', 'bound')
 """
+# A window that has not begun by then keeps its bounds (cut at its start it would be empty).
 TRUNCATE_WINDOW = f"""
 UPDATE reservations SET during = tstzrange(lower(during), {_ENDS_AT}, '[)')
-WHERE id = %(id)s AND during @> {_ENDS_AT}
+WHERE id = %(id)s AND during @> {_ENDS_AT} AND lower(during) < {_ENDS_AT}
 """
 
 RENEW = """
