@@ -256,3 +256,22 @@ def test_an_approved_retry_whose_deadline_passes_while_it_waits_to_place_is_expi
     assert w.sql("SELECT state FROM confirmations WHERE id = %s", (details["confirmationId"],)) == [("expired",)]
     assert used(w) == 0
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_request_whose_confirmation_deadline_passed_is_expired_not_cancelled_by_a_release(unhandled: World) -> None:
+    """After the deadline the request is expired (by the reconciler, or whoever meets it first):
+    a release (here by the person) that finds it past the deadline does not make it cancelled."""
+    w = unhandled
+    w.policy(AGENT_POLICY)
+    _, agent = w.identity(kind="agent", person_identity_id=w.user_id,
+                          confirm_actions=["compute:reservations:create"])
+    code, reason, details = refused(agent.res, "Create", w.create_request(count=1))
+    assert reason == "CONFIRMATION_REQUIRED", details
+    rid, deadline = details["reservationId"], int(details["expiresAt"])
+    advance(w, deadline - now(w) + SECOND)  # the reconciler has not been there yet
+    assert release(w, rid).state == "expired"
+    assert w.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND type = 'reservation.expired'",
+                 (f"reservation/{rid}",)) == [("confirmation-expired",)]
+    assert w.sql("SELECT state FROM confirmations WHERE reservation_id = %s", (rid,)) == [("expired",)]
+    assert not w.sql("SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.cancelled'", (f"reservation/{rid}",))
+    check_invariants(w.conninfo, w.tenant)

@@ -13,7 +13,7 @@ from controlplane.metal import queries as metal_queries
 from controlplane.nodes import desired
 from controlplane.reservations import preemption, queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
-from controlplane.reservations.transitions import move
+from controlplane.reservations.transitions import expire_confirmation, move
 from controlplane.runtime import Runtime
 
 CANCELLABLE = frozenset({states.PENDING, states.QUEUED, states.PLACED})
@@ -117,7 +117,11 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
             await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason="release")
             await events.emit_reservation(conn, row, "reservation.released", reason="release")
         elif row["state"] in (states.PENDING, states.QUEUED, states.AWAITING_CONFIRMATION):
-            await _cancel_locked(conn, row, "release")
+            if row["state"] == states.AWAITING_CONFIRMATION:  # its deadline passed: expired, as the reconciler does
+                await expire_confirmation(conn, row)
+                row = await _locked(conn, rid)
+            if row["state"] != states.EXPIRED:
+                await _cancel_locked(conn, row, "release")
         return await with_allocations(conn, await _locked(conn, rid))
 
     return await db.run_in_transaction(rt.pool, work)
