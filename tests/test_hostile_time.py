@@ -1,8 +1,8 @@
 """A hostile tenant against time: starts, ends, leases, extend, renew and release at their
 boundaries, and clock moves that skip several of a reservation's moments at once, through the real
 gRPC API with the controllable clock (DESIGN.md sections 4, 7a and 10; spec "Start, lease, extend
-and release", "Calendar reservations", "The timeline API"). Each test here was an attack that broke
-a promise before its fix, or pins a boundary the attacks found kept."""
+and release", "Delegated confirmation", "Calendar reservations"). Each test here was an attack
+that broke a promise before its fix, or pins a boundary the attacks found kept."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
-from bettercompute.v1 import capacity_pb2 as cpb
-from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.config import Settings
@@ -100,17 +98,6 @@ def renew(world: World, rid: str) -> pb.Reservation:
 
 def release(world: World, rid: str) -> pb.Reservation:
     return world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=rid))
-
-
-def extend(world: World, rid: str, key: str = "ext", **change) -> pb.ExtendReservationResponse:
-    return world.user.res("Extend", pb.ExtendReservationRequest(
-        tenant_id=world.tenant, reservation_id=rid, idempotency_key=key, **change))
-
-
-def timeline(world: World, **kw) -> cpb.TimelineResponse:
-    stub = capacity_pb2_grpc.CapacityStub(world.user.channel)
-    return stub.Timeline(cpb.TimelineRequest(tenant_id=world.tenant, pool_id=world.pool_id, **kw),
-                         metadata=world.user.metadata)
 
 
 # Starts and durations at their bounds -----------------------------------------------------------
@@ -264,6 +251,7 @@ def test_hours_metered_before_a_late_lapse_is_handled_stop_at_the_lease_deadline
         holder.rollback()
     assert eventually(w, r.id, state_is("released")).during.end == deadline
     assert gpu_hours(w, r.id) == pytest.approx(2 * (deadline - activated) / HOUR, abs=2e-5)
+    check_invariants(w.conninfo, w.tenant)
 
 
 # Confirmation deadlines ---------------------------------------------------------------------------
@@ -320,5 +308,6 @@ def test_a_request_whose_confirmation_deadline_passed_is_expired_not_cancelled_b
     assert w.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND type = 'reservation.expired'",
                  (f"reservation/{rid}",)) == [("confirmation-expired",)]
     assert w.sql("SELECT state FROM confirmations WHERE reservation_id = %s", (rid,)) == [("expired",)]
-    assert not w.sql("SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.cancelled'", (f"reservation/{rid}",))
+    assert not w.sql("SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.cancelled'",
+                     (f"reservation/{rid}",))
     check_invariants(w.conninfo, w.tenant)
