@@ -100,7 +100,7 @@ def test_an_approved_retry_placing_while_the_person_is_offboarded_passes_to_the_
     with psycopg.connect(world.conninfo) as holder:
         holder.execute("SELECT 1 FROM quotas WHERE tenant_id = %s AND resource = 'gpu' FOR UPDATE", (world.tenant,))
         create = Background(agent.res, "Create", request)
-        wait_for_lock_wait(world, "%place_inline%")
+        wait_for_lock_wait(world, "%charge_all%")  # transaction 2 of an approved retry
         offboarding = Background(world.root.admin, "OffboardIdentity", apb.OffboardIdentityRequest(
             identity_id=world.user_id, successor_identity_id=successor_id))
         wait_for_lock_wait(world, "%FROM reservations%")

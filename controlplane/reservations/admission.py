@@ -66,7 +66,9 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                 draft.policy, caller, iam.CREATE, "Reservation", rid, draft.attributes,
                 tenant_id=inp.tenant_id, approved=draft.approved,
             )
-        if draft.lease and decision.allowed:
+        if draft.approved and decision.allowed:
+            outcome = await _place_approved(rt, caller, draft, decision)
+        elif draft.lease and decision.allowed:
             outcome = await _admit_queued(rt, draft.row, decision, draft.charges)
         elif decision.allowed:
             outcome = await _place_inline(rt, caller, draft, decision)
@@ -325,8 +327,39 @@ def _charged(row: dict[str, Any], charges: devices.Charges) -> dict[str, Any]:
     return {**charges.amounts, **excess}
 
 
+class _DeadlinePassed(Exception):
+    """The approval's deadline passed before the transaction that would use it: it rolls back."""
+
+
+async def _place_approved(rt: Runtime, caller: Caller, draft: Draft, decision: iam.Decision) -> Outcome:
+    """An allowed retry on the person's approval, which is for a retry before the deadline: placed
+    (or queued) only if the deadline has not passed by the transaction that commits it, judged
+    under the reservation's lock; past it, expired as the reconciler would have expired it."""
+    rid = draft.row["id"]
+
+    async def queue(conn: AsyncConnection) -> Outcome:  # admit_queued takes no pool lock: the row first
+        await _fetch(conn, rid, for_update=True)
+        if await confirmations.lock_due(conn, rid) is not None:
+            raise _DeadlinePassed
+        return await _admit_queued(rt, draft.row, decision, draft.charges, conn=conn)
+
+    async def expire(conn: AsyncConnection) -> Outcome:
+        row = await _fetch(conn, rid)
+        if row is not None and row["state"] == states.AWAITING_CONFIRMATION:
+            await expire_confirmation(conn, row)
+        return Outcome()
+
+    try:
+        if draft.lease:
+            return await db.run_in_transaction(rt.pool, queue)
+        return await db.run_in_transaction(rt.pool, lambda c: _transaction_2(
+            c, rt, caller, draft.row, decision, draft.now_ms, charges=draft.charges, approved=True))
+    except _DeadlinePassed:
+        return await db.run_in_transaction(rt.pool, expire)
+
+
 async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.Decision,
-                        charges: devices.Charges | None) -> Outcome:
+                        charges: devices.Charges | None, conn: AsyncConnection | None = None) -> Outcome:
     """Transaction 2 of an allowed create in a lease-policy pool: one statement in autocommit
     (admit_queued, migration 0028) that records the decision, charges quota (QUOTA_EXCEEDED
     charges nothing) and queues the reservation for the pool's lease holder: no plan, no pool
@@ -334,11 +367,11 @@ async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.De
     assert charges is not None
     rid, amounts = draft_row["id"], _charged(draft_row, charges)
     params = quota.charge_params(draft_row["tenant_id"], rid, amounts, charges.unnamed_models)
+    admit = {**params, "id": rid, "version": draft_row["version"], "decision": decision.outcome,
+             "undecided": UNDECIDED, "from_states": states.sources_of(states.QUEUED)}
     try:
-        found = await db.fetch_one(rt.pool, queries.ADMIT_QUEUED, {
-            **params, "id": rid, "version": draft_row["version"], "decision": decision.outcome,
-            "undecided": UNDECIDED, "from_states": states.sources_of(states.QUEUED),
-        })
+        found = (await db.fetch_one(rt.pool, queries.ADMIT_QUEUED, admit) if conn is None
+                 else await (await conn.execute(queries.ADMIT_QUEUED, admit)).fetchone())
     except psycopg.Error as exc:
         raise quota.refusal(exc, amounts) from None
     assert found is not None
@@ -385,6 +418,7 @@ async def _place_inline(rt: Runtime, caller: Caller, draft: Draft, decision: iam
 async def _transaction_2(
     conn: AsyncConnection, rt: Runtime, caller: Caller, draft_row: dict[str, Any], decision: iam.Decision,
     now_ms: int, *, charges: devices.Charges | None = None, prepared: placing.Prepared | None = None,
+    approved: bool = False,
 ) -> Outcome:
     """Plans from the row and the clock transaction 1 read (its request never changes; the
     version is checked under the lock), so the row is read once here, locked. (An allowed create of a lease-policy
@@ -415,6 +449,8 @@ async def _transaction_2(
         if row["state"] == states.DENIED:  # a twin recorded the refusal first: the key stays refused
             return Outcome(errors.AccessDenied("this request was refused", reservationId=rid))
         return Outcome()  # decided meanwhile by a concurrent twin: answer with the stored row
+    if approved and await confirmations.lock_due(conn, rid) is not None:
+        raise _DeadlinePassed  # the charge and the decision roll back with this transaction
     if decision.outcome == iam.CONFIRM:
         decision = await _decided_meanwhile(conn, rid, decision)
     if not decision.allowed:

@@ -11,9 +11,9 @@ from controlplane.auth import Caller
 from controlplane.metal import is_node_lease
 from controlplane.metal import queries as metal_queries
 from controlplane.nodes import desired
-from controlplane.reservations import queries, schedule, states
+from controlplane.reservations import preemption, queries, schedule, states
 from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
-from controlplane.reservations.transitions import move
+from controlplane.reservations.transitions import expire_confirmation, move
 from controlplane.runtime import Runtime
 
 CANCELLABLE = frozenset({states.PENDING, states.QUEUED, states.PLACED})
@@ -33,10 +33,11 @@ async def _locked(conn: AsyncConnection, rid: str) -> dict[str, Any]:
     return row
 
 
-async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str = "released") -> None:
-    """End the live allocations now: future bookings deleted, running ones truncated, and the
-    nodes' desired state drops them."""
-    params = {"id": rid}
+async def end_bookings(conn: AsyncConnection, rid: str, *, allocation_state: str = "released",
+                       at_ms: int | None = None) -> None:
+    """End the live allocations now (or at `at_ms`, a moment that passed): future bookings
+    deleted, running ones truncated, and the nodes' desired state drops them."""
+    params = {"id": rid, "at": at_ms}
     await conn.execute(queries.DELETE_FUTURE_BOOKINGS, params)
     await conn.execute(queries.TRUNCATE_RUNNING_BOOKINGS, params)
     await desired.bump_live_of(conn, rid)
@@ -48,10 +49,12 @@ LEASE_LAPSED, WINDOW_ENDED = "lease-lapsed", "window-ended"
 
 def over_at(row: dict[str, Any], now_ms: int) -> str | None:
     """Why a booked reservation is over at `now_ms` (its lease lapsed, or its window ended), or
-    None while it lives: what the reconciler ends it for, and what extend and renew refuse."""
-    if row["lease_deadline_ms"] is not None and now_ms >= row["lease_deadline_ms"]:
+    None while it lives: what the reconciler ends it for, and what extend and renew refuse. When
+    both moments passed, the one that came first (a clock jump or a backlog reaches both at once)."""
+    lease, end = row["lease_deadline_ms"], row["during_end"]
+    if lease is not None and now_ms >= lease and (end is None or lease <= end):
         return LEASE_LAPSED
-    if row["during_end"] is not None and now_ms >= row["during_end"]:
+    if end is not None and now_ms >= end:
         return WINDOW_ENDED
     return None
 
@@ -62,16 +65,33 @@ async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None
     return over_at(row, (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"])
 
 
-async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released") -> None:
-    """End the bookings and the window now, refund the quota, and wake the pool's pending
+async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released",
+                        at_ms: int | None = None) -> None:
+    """End the bookings and the window now (or at `at_ms`), refund the quota, and wake the pool's pending
     reservations (and metal's worker for a node lease's deploy under way: it ends now, and a
     machine that never ran it comes back now, not at the deploy's deadline)."""
-    await end_bookings(conn, row["id"], allocation_state=allocation_state)
+    await end_bookings(conn, row["id"], allocation_state=allocation_state, at_ms=at_ms)
     if is_node_lease(row["request"]):
         await conn.execute(metal_queries.WAKE_LIVE_OF, {"id": row["id"]})
-    await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"]})
+    await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"], "at": at_ms})
     await quota.refund(conn, row["id"])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
+
+
+async def end_over(conn: AsyncConnection, row: dict[str, Any], over: str) -> None:
+    """Release a reservation whose moment passed (`over_at`), as that moment: its lease lapsed
+    (ending at the deadline however late this runs: billing runs until the release, and the lapse
+    is the release), or its window ended (expired, or preempted at a notice's end). The
+    reconciler's end, and a release that finds the moment passed before the reconciler did.
+    Bookings end, quota refunds, the nodes' desired state drops the assignment."""
+    reason = over if over == LEASE_LAPSED else "preempted" if preemption.notice_of(row) else "expired"
+    await free_capacity(conn, row, at_ms=row["lease_deadline_ms"] if over == LEASE_LAPSED else None)
+    await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
+    await events.emit_reservation(conn, row, "reservation.released", reason=reason)
+    notice = preemption.notice_of(row) if reason == "preempted" else None
+    if notice is not None:
+        await events.emit_reservation(conn, row, "reservation.preempted", by=notice.get("by"),
+                                      noticeUntil=notice.get("noticeUntil"))
 
 
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
@@ -89,12 +109,19 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         row = await _locked(conn, rid)
-        if row["state"] in states.BOOKED:
+        over = await ended_reason(conn, row) if row["state"] in states.BOOKED else None
+        if over is not None:  # its end or lapse came first: released as that moment
+            await end_over(conn, row, over)
+        elif row["state"] in states.BOOKED:
             await free_capacity(conn, row)
             await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason="release")
             await events.emit_reservation(conn, row, "reservation.released", reason="release")
         elif row["state"] in (states.PENDING, states.QUEUED, states.AWAITING_CONFIRMATION):
-            await _cancel_locked(conn, row, "release")
+            if row["state"] == states.AWAITING_CONFIRMATION:  # its deadline passed: expired, as the reconciler does
+                await expire_confirmation(conn, row)
+                row = await _locked(conn, rid)
+            if row["state"] != states.EXPIRED:
+                await _cancel_locked(conn, row, "release")
         return await with_allocations(conn, await _locked(conn, rid))
 
     return await db.run_in_transaction(rt.pool, work)
@@ -113,19 +140,17 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
                 f"only a pending or placed reservation can be cancelled; this one is {row['state']}",
                 state=row["state"], reservationId=rid,
             )
-        if row["state"] == states.PLACED and await _started(conn, row):
-            raise errors.InvalidState("this reservation has started; release it instead",
-                                      state=row["state"], reservationId=rid, reason="started",
-                                      start=row["during_start"])
+        if row["state"] == states.PLACED:  # placed in the row, but its start (or lapse) came by time
+            now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+            why = over_at(row, now_ms) or ("started" if now_ms >= row["during_start"] else None)
+            if why is not None:
+                raise errors.InvalidState(f"this reservation cannot be cancelled any more ({why}); release it",
+                                          state=row["state"], reservationId=rid, reason=why,
+                                          start=row["during_start"])
         await _cancel_locked(conn, row, "cancel")
         return await with_allocations(conn, await _locked(conn, rid))
 
     return await db.run_in_transaction(rt.pool, work)
-
-
-async def _started(conn: AsyncConnection, row: dict[str, Any]) -> bool:
-    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
-    return row["during_start"] is not None and now_ms >= row["during_start"]
 
 
 async def renew(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str, Any]:

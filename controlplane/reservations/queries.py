@@ -183,22 +183,26 @@ FROM reservations r WHERE r.id = %(id)s
 """
 
 # Release: bookings that have not begun are deleted, running ones end now.
-DELETE_FUTURE_BOOKINGS = """
+# The end of bookings and window: at %(at)s (epoch ms) when given (a lapse the reconciler reaches
+# late ends at its deadline), else at compute_now().
+_ENDS_AT = "coalesce(from_epoch_ms(%(at)s::bigint), compute_now())"
+DELETE_FUTURE_BOOKINGS = f"""
 DELETE FROM bookings b USING allocations a
-WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND lower(b.during) >= compute_now()
+WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND lower(b.during) >= {_ENDS_AT}
 """
-TRUNCATE_RUNNING_BOOKINGS = """
-UPDATE bookings b SET during = tstzrange(lower(b.during), compute_now(), '[)')
+TRUNCATE_RUNNING_BOOKINGS = f"""
+UPDATE bookings b SET during = tstzrange(lower(b.during), {_ENDS_AT}, '[)')
 FROM allocations a
-WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND b.during @> compute_now()
+WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND b.during @> {_ENDS_AT}
 """
 END_ALLOCATIONS = """
 UPDATE allocations SET state = %(state)s
 WHERE reservation_id = %(id)s AND state IN ('placed', 'binding', 'bound')
 """
-TRUNCATE_WINDOW = """
-UPDATE reservations SET during = tstzrange(lower(during), compute_now(), '[)')
-WHERE id = %(id)s AND during @> compute_now()
+# A window that has not begun by then keeps its bounds (cut at its start it would be empty).
+TRUNCATE_WINDOW = f"""
+UPDATE reservations SET during = tstzrange(lower(during), {_ENDS_AT}, '[)')
+WHERE id = %(id)s AND during @> {_ENDS_AT} AND lower(during) < {_ENDS_AT}
 """
 
 RENEW = """

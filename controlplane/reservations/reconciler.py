@@ -8,17 +8,14 @@ released for node trouble: the reconciler only sets and clears conditions.
 
 from __future__ import annotations
 
-from typing import Any
-
 from psycopg import AsyncConnection
 
-from controlplane import events
 from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import lifecycle as node_lease
-from controlplane.reservations import binding, preemption, queries, repair, schedule, states
-from controlplane.reservations.lifecycle import LEASE_LAPSED, free_capacity, over_at
-from controlplane.reservations.transitions import expire_confirmation, move
+from controlplane.reservations import binding, queries, repair, schedule, states
+from controlplane.reservations.lifecycle import end_over, over_at
+from controlplane.reservations.transitions import expire_confirmation
 from controlplane.runtime import Runtime
 
 
@@ -52,11 +49,8 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
     now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
 
     over = over_at(row, now_ms)
-    if over == LEASE_LAPSED:
-        await end(conn, row, LEASE_LAPSED)
-        return
-    if over is not None:  # the window ended: at its end, or at a preemption's notice
-        await end(conn, row, "preempted" if preemption.notice_of(row) else "expired")
+    if over is not None:
+        await end_over(conn, row, over)
         return
     if is_node_lease(row["request"]):  # from its start the node is metal's (controlplane.metal)
         await node_lease.reconcile(conn, rt, row, now_ms, may_place=may_place)
@@ -75,16 +69,4 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
         await binding.progress(conn, rt, row, now_ms, may_place=may_place)
     elif row["state"] == states.ACTIVE:
         await binding.recheck_active(conn, rt, row, now_ms)
-
-
-async def end(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
-    """Released at its end (expired) or when its lease lapsed: bookings end, quota refunds, the
-    nodes' desired state drops the assignment."""
-    await free_capacity(conn, row)
-    await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason=reason)
-    await events.emit_reservation(conn, row, "reservation.released", reason=reason)
-    notice = preemption.notice_of(row) if reason == "preempted" else None
-    if notice is not None:
-        await events.emit_reservation(conn, row, "reservation.preempted", by=notice.get("by"),
-                                      noticeUntil=notice.get("noticeUntil"))
 
