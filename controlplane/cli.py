@@ -27,7 +27,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     from controlplane import bootstrap, db
     from controlplane.logs import configure_logging
 
-    settings = Settings()
+    try:  # a malformed BC_* variable is a usage error naming it (exit 2), before anything starts
+        settings = Settings()
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.metrics_listen is not None:
         settings = dataclasses.replace(settings, metrics_listen=args.metrics_listen)
     configure_logging(settings.log_format)

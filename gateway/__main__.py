@@ -24,11 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.config import GatewaySettings
     from gateway.server import run_forever
 
-    common = Settings()
+    try:  # a malformed BC_* variable is a usage error naming it (exit 2), before anything starts
+        common, settings = Settings(), GatewaySettings()
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging(common.log_format)
     conninfo = common.database_url or db.start_embedded(common.data_dir)
     db.migrate(conninfo)
-    settings = GatewaySettings()
     if args.metrics_listen is not None:
         settings = dataclasses.replace(settings, metrics_listen=args.metrics_listen)
     asyncio.run(run_forever(settings, conninfo, args.listen or settings.listen,

