@@ -16,14 +16,13 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import bootstrap
-from controlplane.config import Settings
-from tests.conftest import clone_database, module_stack
+from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, advance_and_settle, settled
 from tests.support import Client, ServerThread, World, get, gpus, invalid, make_world, refused
 from tests.support import clock_now as now
-from tests.support import eventually as _eventually
+from tests.test_hostile_input import unhandled  # noqa: F401  (a fixture: a world with no workers)
+from tests.test_time import advance, eventually, state_is
 
 SECOND, MIN, HOUR, DAY = 1000, 60_000, 3_600_000, 86_400_000
 
@@ -31,22 +30,6 @@ SECOND, MIN, HOUR, DAY = 1000, 60_000, 3_600_000, 86_400_000
 @pytest.fixture(scope="module")
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, clock_control=True)
-
-
-@pytest.fixture
-def unhandled(pg_uri: str) -> Iterator[World]:
-    """A world whose control plane runs no workers: a moment that passed stays unhandled, as under
-    a work-queue backlog, until an API call meets it."""
-    conninfo = clone_database(pg_uri)
-    server = ServerThread(conninfo, Settings(database_url=conninfo, clock_control=True), workers=False)
-    root = Client(server.endpoint, bootstrap.ensure_root(conninfo))
-    try:
-        w = make_world(server.endpoint, root, conninfo)
-        yield w
-        w.close()
-    finally:
-        root.close()
-        server.stop()
 
 
 def lock_waited(world: World, event: str, seconds: float = 30) -> None:
@@ -63,18 +46,6 @@ def poll_until(check, seconds: float = 30) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
-
-
-def advance(world: World, ms: int) -> None:
-    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=ms))
-
-
-def eventually(world: World, rid: str, check, seconds: float = 10) -> pb.Reservation:
-    return _eventually(world, rid, check, seconds)
-
-
-def state_is(*states: str):
-    return lambda r: r.state in states
 
 
 def released_reasons(world: World, rid: str) -> list[str]:
