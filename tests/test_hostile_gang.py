@@ -235,10 +235,10 @@ def test_booking_repair_racing_a_release_extend_or_cancel_never_double_books_or_
             assert exc.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), exc
     # Wait for the repair worker to have judged the reservation (its work item done or it is ended).
     deadline = time.monotonic() + 15
-    while True:
-        final = get(w, r.id)
+    while True:  # the event first: a reservation read before it could predate the repair it reports
         repaired = w.sql("SELECT count(*) FROM events WHERE subject = %s AND type = 'reservation.repaired'",
                          (f"reservation/{r.id}",))[0][0]
+        final = get(w, r.id)
         if final.state in ("released", "cancelled") or repaired:
             break
         assert time.monotonic() < deadline, final
