@@ -1,0 +1,84 @@
+"""Taking something away, attacked as a hostile tenant (or an unlucky operator) would: a node's
+certificates revoked, a token expired by the product clock, a pool offer withdrawn, a membership
+removed, a webhook deleted, a policy tightened. Each must hold from the moment it is taken away,
+not after a sweep (real servers on loopback, the real gateway with mutual TLS for nodes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import nodes_pb2 as npb
+from bettercompute.v1 import nodes_pb2_grpc as npb_grpc
+from controlplane.workers import pending
+from tests.nodes_support import ControlPlane
+from tests.test_gateway import (GatewayThread, Node, connected, cp, eventually, gateway,  # noqa: F401
+                                join_token, node_row, pool_id, hello)
+from tests.support import rpc_error
+
+# -- a revoked node -------------------------------------------------------------------------------
+
+
+def _node_admin(cp: ControlPlane) -> npb_grpc.NodeAdminStub:
+    return npb_grpc.NodeAdminStub(cp.root.channel)
+
+
+def _only_node(cp: ControlPlane, gateway: GatewayThread, name: str, gpus: int = 2) -> tuple[Node, Any]:
+    """A connected node in the control plane's pool, the pool's only one."""
+    node, session = connected(gateway, cp.pool_id, name, gpus=gpus, uuid=f"GPU-{name}")
+    return node, session
+
+
+def test_a_revoked_node_is_unschedulable_at_once_and_again_once_readmitted_and_back(
+        gateway: GatewayThread, cp: ControlPlane) -> None:
+    """An operator revokes a stolen node (NodeAdmin, by node id): its atoms stayed bookable until
+    the gateway's sweep marked it unreachable, so a create right after was placed on it. Now the
+    revoke makes it unreachable in its own transaction: the next create is not placed there, the
+    placed reservation on it is moved off (BookingRepair); readmitted, enrolled again and back, it is
+    schedulable again and the waiting reservation is placed there."""
+    node, session = _only_node(cp, gateway, "stolen")
+    future = cp.create(count=1, start=cp.world.later())
+    assert cp.get(future.id).state == "placed"
+    assert [a.node_id for a in cp.get(future.id).allocations] == [node.node_id]
+
+    revoked = _node_admin(cp).RevokeCertificates(
+        npb.RevokeCertificatesRequest(node_id=node.node_id, reason="stolen"), metadata=cp.root.metadata)
+    assert revoked.serials
+
+    after = cp.create(count=1)
+    cp.drain()
+    after = cp.get(after.id)
+    assert not after.allocations and after.state == "pending", after
+    assert node_row(cp.conninfo, node.node_id)["connectivity"] == "unreachable"
+    assert cp.get(future.id).state == "placed"  # as on a lost node: repaired before its start
+    cp.advance(24 * 3_600_000 - 10 * 60_000)
+    cp.drain()
+    future = cp.get(future.id)  # BookingRepair moved it off the node: nowhere else to go
+    assert future.state == "pending" and any(c.reason == "BookingRepairFailed" for c in future.conditions), (
+        future.state, list(future.conditions), list(future.allocations))
+
+    # Its session is ended by the gateway; an operator cannot make it connected while it is revoked.
+    assert session.ended() is not None
+    with pytest.raises(grpc.RpcError) as refused:
+        cp.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(
+            node_id=node.node_id, connectivity="connected"))
+    assert rpc_error(refused)[1:] == ("INVALID_STATE", {"nodeId": node.node_id})
+    assert node_row(cp.conninfo, node.node_id)["connectivity"] == "unreachable"
+
+    assert _node_admin(cp).ReadmitNode(npb.ReadmitNodeRequest(node_id=node.node_id),
+                                       metadata=cp.root.metadata).readmitted
+    assert node_row(cp.conninfo, node.node_id)["connectivity"] == "unreachable"  # not back yet
+    node.enrol(join_token(gateway.conninfo, cp.pool_id, "stolen"))
+    back = node.session()
+    assert back.recv() is not None
+    back.send(hello(gpus=2, uuid="GPU-stolen"))
+    eventually(lambda: node_row(cp.conninfo, node.node_id)["connectivity"] == "connected", what="back")
+    cp.server.call(pending.retry_pool(cp.server.app.runtime, cp.pool_id))  # the worker node_seen wakes
+    future = cp.get(future.id)
+    assert future.state == "placed" and [a.node_id for a in future.allocations if a.state != "released"] == [node.node_id], future
+    cp.check_invariants()
+    back.close()
+
