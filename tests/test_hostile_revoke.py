@@ -13,11 +13,12 @@ import pytest
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import nodes_pb2_grpc as npb_grpc
+from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.workers import pending
 from tests.nodes_support import ControlPlane
 from tests.test_gateway import (GatewayThread, Node, connected, cp, eventually, gateway,  # noqa: F401
                                 join_token, node_row, pool_id, hello)
-from tests.support import rpc_error
+from tests.support import Client, World, rpc_error
 
 # -- a revoked node -------------------------------------------------------------------------------
 
@@ -82,3 +83,42 @@ def test_a_revoked_node_is_unschedulable_at_once_and_again_once_readmitted_and_b
     cp.check_invariants()
     back.close()
 
+
+# -- a token expired by the product clock ---------------------------------------------------------
+
+HOUR = 3_600_000
+
+
+def _whoami(client: Client, world: World) -> Any:
+    return client.res("List", pb.ListReservationsRequest(tenant_id=world.tenant))
+
+
+def test_a_token_expires_by_the_product_clock(clock_world: World) -> None:
+    """Token expiry was judged by the wall clock (now()), not compute_now() (DESIGN "Time"): with
+    the clock moved past a token's expiry, the token still worked and was still listed as live.
+    Now the product clock judges it everywhere: authentication refuses it (UNAUTHENTICATED naming
+    it), the live list leaves it out; a token minted after the move lives its whole TTL, and an
+    absolute expiresAt is a time on that clock."""
+    w = clock_world
+    ident, client = w.identity()
+    short = w.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="1h"))
+    short_client = Client(w.endpoint, short.secret)
+    _whoami(short_client, w)
+    w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR + 1000))
+    with pytest.raises(grpc.RpcError) as expired:
+        _whoami(short_client, w)
+    assert rpc_error(expired) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", {"tokenId": short.id})
+    live = w.root.admin("ListTokens", apb.ListTokensRequest(identity_id=ident)).items
+    assert short.id not in [t.id for t in live] and live
+    _whoami(client, w)  # the identity's 30-day token still works
+
+    now = w.root.admin("GetClock", apb.GetClockRequest()).now
+    fresh = w.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="1h"))
+    assert now + HOUR - 60_000 <= fresh.expires_at <= now + HOUR + 60_000
+    at = w.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, expires_at=now + 2 * HOUR))
+    assert at.expires_at == now + 2 * HOUR
+    for token in (fresh, at):
+        fresh_client = Client(w.endpoint, token.secret)
+        _whoami(fresh_client, w)
+        fresh_client.close()
+    short_client.close()
