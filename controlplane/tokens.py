@@ -186,6 +186,19 @@ async def revoke_identities(conn: AsyncConnection, identity_ids: list[str]) -> l
     return rows
 
 
+_EXPIRED_BY_CLOCK = """
+SELECT id FROM api_tokens
+WHERE revoked_at IS NULL AND expires_at <= compute_now()
+  AND expires_at > compute_now() - %(by_ms)s * interval '1 millisecond'
+"""
+
+
+async def notify_expired_by_clock(conn: AsyncConnection, by_ms: int) -> None:
+    """The clock moved `by_ms` forward (dev and test) in the caller's transaction: the open Watch
+    streams of the tokens that move expired end (their timers run on the wall clock)."""
+    await _notify_revoked(conn, await (await conn.execute(_EXPIRED_BY_CLOCK, {"by_ms": by_ms})).fetchall())
+
+
 async def _notify_revoked(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
     ids = [r["id"] for r in rows]
     for i in range(0, len(ids), _IDS_PER_NOTIFY):  # a payload holds at most 8000 bytes

@@ -95,7 +95,7 @@ FROM events
 _LAST_VISIBLE = "SELECT coalesce(max(id), 0) AS id FROM events WHERE tenant_id = %(tenant_id)s"
 _TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
 
-_REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND revoked_at IS NOT NULL"
+_REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND (revoked_at IS NOT NULL OR expires_at <= compute_now())"
 
 _EVENTS = """
 SELECT id, type, subject, tenant_id, epoch_ms(time) AS time_ms, data

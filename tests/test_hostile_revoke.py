@@ -19,6 +19,7 @@ from tests.nodes_support import ControlPlane
 from tests.test_gateway import (GatewayThread, Node, connected, cp, eventually, gateway,  # noqa: F401
                                 join_token, node_row, pool_id, hello)
 from tests.support import Client, World, rpc_error
+from tests.test_watch import open_stream, reserve
 
 # -- a revoked node -------------------------------------------------------------------------------
 
@@ -121,4 +122,28 @@ def test_a_token_expires_by_the_product_clock(clock_world: World) -> None:
         fresh_client = Client(w.endpoint, token.secret)
         _whoami(fresh_client, w)
         fresh_client.close()
+    short_client.close()
+
+
+def test_an_open_watch_stream_ends_when_the_clock_passes_its_tokens_expiry(clock_world: World) -> None:
+    """A Watch stream's timer ran on the wall clock: with the product clock moved past its token's
+    expiry, new calls with the token were refused but the open stream went on delivering events.
+    Now moving the clock ends the streams of the tokens it expired, UNAUTHENTICATED, and a stream
+    on a token that lives on keeps going."""
+    w = clock_world
+    reserve(w)  # a stored event, so an open stream has something to stream first
+    ident, _ = w.identity()
+    short = w.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="1h"))
+    short_client = Client(w.endpoint, short.secret)
+    doomed = open_stream(short_client, w)
+    lasting = open_stream(w.user, w)
+    w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR + 1000))
+    with pytest.raises(grpc.RpcError) as ended:
+        while True:
+            doomed.take(1)  # events after the move may come first; then the end
+    assert rpc_error(ended)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    later = reserve(w)
+    while lasting.take(1)[0].subject != f"reservation/{later.id}":
+        pass
+    lasting.call.cancel()
     short_client.close()
