@@ -147,3 +147,21 @@ def test_an_open_watch_stream_ends_when_the_clock_passes_its_tokens_expiry(clock
         pass
     lasting.call.cancel()
     short_client.close()
+
+
+# -- a policy tightened under an open stream -------------------------------------------------------
+
+
+def test_an_open_watch_stream_stops_when_the_policy_no_longer_allows_it(world: World) -> None:
+    """IAM was asked once, when the stream opened: after the tenant's admin tightened the policy
+    so the identity may no longer read events, its open stream kept delivering new ones. Now each
+    batch is decided on the policy read with it: the stream ends ACCESS_DENIED, before the event."""
+    reserve(world)
+    stream = open_stream(world.user, world)
+    world.policy('permit(principal, action == Action::"compute:reservations:create", resource);')
+    later = reserve(world)
+    with pytest.raises(grpc.RpcError) as ended:
+        while True:
+            event = stream.take(1)[0]
+            assert event.subject != f"reservation/{later.id}", "an event streamed after the policy denied it"
+    assert rpc_error(ended)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
