@@ -49,6 +49,9 @@ def test_a_revoked_node_is_unschedulable_at_once_and_again_once_readmitted_and_b
     revoked = _node_admin(cp).RevokeCertificates(
         npb.RevokeCertificatesRequest(node_id=node.node_id, reason="stolen"), metadata=cp.root.metadata)
     assert revoked.serials
+    index = cp.server.app.runtime.capacity  # the placement index hears it with the revoke's commit
+    cp.server.call(index.barrier())
+    assert not index.pool(cp.pool_id).nodes[node.node_id].schedulable
 
     after = cp.create(count=1)
     cp.drain()
