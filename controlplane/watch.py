@@ -400,6 +400,8 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                     "types": req.types, "limit": BATCH,
                 })).fetchall()
                 policy = await authorize.read_policy(conn, req.tenant_id) if rows else None
+            if sub.revoked:  # while it read (a send or a wait notices it by itself)
+                raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)
             if rows:  # the policy as it is now: one tightened since the stream opened holds at once
                 authorize.check(policy, caller, req.tenant_id, EVENTS_READ, "Tenant", req.tenant_id, attributes,
                                 tenantId=req.tenant_id)

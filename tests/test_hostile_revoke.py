@@ -5,6 +5,7 @@ not after a sweep (real servers on loopback, the real gateway with mutual TLS fo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -19,7 +20,7 @@ from tests.nodes_support import ControlPlane
 from tests.test_gateway import (GatewayThread, Node, connected, cp, eventually, gateway,  # noqa: F401
                                 join_token, node_row, pool_id, hello)
 from tests.support import Client, World, rpc_error
-from tests.test_watch import open_stream, reserve
+from tests.test_watch import Stream, open_stream, reserve
 
 # -- a revoked node -------------------------------------------------------------------------------
 
@@ -168,3 +169,41 @@ def test_an_open_watch_stream_stops_when_the_policy_no_longer_allows_it(world: W
             event = stream.take(1)[0]
             assert event.subject != f"reservation/{later.id}", "an event streamed after the policy denied it"
     assert rpc_error(ended)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+
+
+# -- a token revoked while its stream reads -------------------------------------------------------
+
+
+def test_a_token_revoked_while_its_stream_reads_gets_no_more_events(world: World) -> None:
+    """The stream checked its token's revocation only when it waited for new events, or (through
+    its send timer) while suspended in a send: revoked while it read a batch, it streamed that
+    batch and every further one first. Now each batch read is checked: UNAUTHENTICATED, nothing
+    streamed after the revocation."""
+    import psycopg
+
+    reserve(world)
+    keeper = open_stream(world.user, world)  # keeps the hub's frontier fresh
+    ident, client = world.identity()
+    waiting = ("SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+               " AND wait_event_type = 'Lock' AND query LIKE %s")
+    with psycopg.connect(world.conninfo) as holder, psycopg.connect(world.conninfo, autocommit=True) as probe:
+        holder.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")  # the stream's read waits
+        stream = Stream(client, tenant_id=world.tenant)
+        until(lambda: probe.execute(waiting, ("%event_type_matches%",)).fetchall(), "the stream's read")
+        world.root.admin("RevokeTokens", apb.RevokeTokensRequest(identity_id=ident))
+        until(lambda: probe.execute(waiting, ("%pg_locks%",)).fetchall(), "the hub past the revocation")
+        holder.rollback()
+    with pytest.raises(grpc.RpcError) as ended:
+        event = stream.take(1)[0]
+        pytest.fail(f"streamed after its token was revoked: {event.type}")
+    assert rpc_error(ended)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    keeper.call.cancel()
+    client.close()
+
+
+def until(check: Any, what: str, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return result
