@@ -15,11 +15,13 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import nodes_pb2_grpc as npb_grpc
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.nodes import connectivity
 from controlplane.workers import pending
 from tests.nodes_support import ControlPlane
 from tests.test_gateway import (GatewayThread, Node, connected, cp, eventually, gateway,  # noqa: F401
                                 join_token, node_row, pool_id, hello)
 from tests.support import Client, World, rpc_error
+from tests.test_pki import arun
 from tests.test_watch import Stream, open_stream, reserve
 
 # -- a revoked node -------------------------------------------------------------------------------
@@ -66,8 +68,10 @@ def test_a_revoked_node_is_unschedulable_at_once_and_again_once_readmitted_and_b
     assert future.state == "pending" and any(c.reason == "BookingRepairFailed" for c in future.conditions), (
         future.state, list(future.conditions), list(future.allocations))
 
-    # Its session is ended by the gateway; an operator cannot make it connected while it is revoked.
+    # Its session is ended by the gateway; a heartbeat it sent just before (taken in after the
+    # revoke) or an operator cannot make it connected while it is revoked.
     assert session.ended() is not None
+    assert not arun(cp.conninfo, lambda pool: connectivity.seen(pool, node.node_id, 1))
     with pytest.raises(grpc.RpcError) as refused:
         cp.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(
             node_id=node.node_id, connectivity="connected"))
