@@ -211,3 +211,23 @@ def until(check: Any, what: str, timeout: float = 30) -> Any:
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
     return result
+
+
+def test_a_join_token_issued_before_a_nodes_revocation_is_void_after_its_readmission(
+        gateway: GatewayThread, cp: ControlPlane) -> None:
+    """A join token for the node's name, issued before the revocation and unspent (on the stolen
+    disk, say), was refused while the node was revoked but not spent: once an operator readmitted
+    the node for its rebuilt machine, the thief's token enrolled it. Revoking the node now voids
+    its name's unspent join tokens; one issued after the revocation enrols it once readmitted."""
+    node, session = _only_node(cp, gateway, "laptop", gpus=1)
+    stale = join_token(gateway.conninfo, cp.pool_id, "laptop")
+    _node_admin(cp).RevokeCertificates(npb.RevokeCertificatesRequest(node_id=node.node_id, reason="stolen"),
+                                       metadata=cp.root.metadata)
+    fresh = join_token(gateway.conninfo, cp.pool_id, "laptop")
+    assert _node_admin(cp).ReadmitNode(npb.ReadmitNodeRequest(node_id=node.node_id),
+                                       metadata=cp.root.metadata).readmitted
+    with pytest.raises(grpc.RpcError) as refused:
+        Node(gateway).enrol(stale)
+    assert rpc_error(refused)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert Node(gateway).enrol(fresh).node_id == node.node_id
+    session.close()
