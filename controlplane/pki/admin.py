@@ -64,9 +64,10 @@ async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: s
     async def work(conn: AsyncConnection) -> list[str]:
         if node_id:
             await _require_node(conn, node_id)
-            await registry.mark_revoked(conn, node_id, reason)
+            # The tokens first, as an enrolment locks them (its token, then the node's row).
             node = await registry.node(conn, node_id)
             await store.void_join_tokens(conn, node["pool_id"], node["name"])
+            await registry.mark_revoked(conn, node_id, reason)
         elif await store.certificate_by_serial(conn, serial) is None:
             raise errors.NotFound("no such certificate", serial=serial)
         return await store.revoke(conn, node_id=node_id, serial=serial, reason=reason)
