@@ -24,6 +24,8 @@ class Caller:
     delegator_id: str | None = None
     confirm_actions: tuple[str, ...] = ()
     token_id: str = ""
+    # When the token expires on the wall clock (its expiry on the product clock less the clock's
+    # offset, as read at authentication): a Watch stream's timer.
     token_expires_ms: int = 0
 
     @property
@@ -47,7 +49,7 @@ class Caller:
 
 _CALLER_SQL = """
 SELECT i.id, i.kind, i.delegator_id, i.confirm_actions, t.id AS token_id,
-       epoch_ms(t.expires_at) AS expires_ms, t.expires_at <= now() AS expired,
+       epoch_ms(t.expires_at - (compute_now() - now())) AS expires_ms, t.expires_at <= compute_now() AS expired,
        coalesce(array_agg(m.tenant_id) FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids
 FROM api_tokens t
 JOIN identities i ON i.id = t.identity_id

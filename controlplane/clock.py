@@ -6,7 +6,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controlplane import db, errors
+from controlplane import db, errors, tokens
 from controlplane.runtime import Runtime
 
 _READ = "SELECT epoch_ms(compute_now()) AS now, offset_ms FROM clock"
@@ -27,6 +27,7 @@ async def advance(rt: Runtime, by_ms: int) -> dict[str, Any]:
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         await conn.execute("UPDATE clock SET offset_ms = offset_ms + %s", (by_ms,))
         await conn.execute("SELECT pg_notify('bc_work', 'clock')")
+        await tokens.notify_expired_by_clock(conn, by_ms)
         return await (await conn.execute(_READ)).fetchone()
 
     return await db.run_in_transaction(rt.pool, work)

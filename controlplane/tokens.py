@@ -2,8 +2,9 @@
 or per identity. The secret is shown once and stored only as its SHA-256; the first characters
 of the secret (its prefix) are kept so an operator can recognise and revoke a token without it.
 
-Expiry uses the database's real `now()`, not `compute_now()`: moving the dev clock expires no
-credential (as for node certificates).
+Expiry is a time on the product clock, `compute_now()` (DESIGN "Time"), when minted and when
+judged: moving the dev or test clock past a token's expiry expires it. (Node certificates and
+join tokens keep the database's real `now()`.)
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ _COLUMNS = """id, identity_id, prefix, epoch_ms(created_at) AS created_ms, epoch
 
 MINT = f"""
 INSERT INTO api_tokens (id, token_hash, prefix, identity_id, expires_at)
-VALUES (%(id)s, %(hash)s, %(prefix)s, %(identity_id)s, now() + %(ttl_ms)s * interval '1 millisecond')
+VALUES (%(id)s, %(hash)s, %(prefix)s, %(identity_id)s, compute_now() + %(ttl_ms)s * interval '1 millisecond')
 RETURNING {_COLUMNS}
 """
 
-_NOW_MS = "SELECT epoch_ms(now()) AS now_ms"
+_NOW_MS = "SELECT epoch_ms(compute_now()) AS now_ms"
 
 _LIST = f"""
 SELECT {_COLUMNS} FROM api_tokens
 WHERE identity_id = %(identity_id)s
-  AND (%(all)s OR (revoked_at IS NULL AND expires_at > now()))
+  AND (%(all)s OR (revoked_at IS NULL AND expires_at > compute_now()))
 ORDER BY created_at DESC, id
 """
 
@@ -92,8 +93,8 @@ def mint_sync(conn: psycopg.Connection, identity_id: str, ttl_ms: int) -> str:
 def remaining_ms(conn: psycopg.Connection, secret: str) -> int:
     """How long the token stays valid (ms), or 0 when it is unknown, revoked or expired."""
     row = conn.execute(
-        "SELECT epoch_ms(expires_at) - epoch_ms(now()) FROM api_tokens"
-        " WHERE token_hash = %s AND revoked_at IS NULL AND expires_at > now()", (token_hash(secret),),
+        "SELECT epoch_ms(expires_at) - epoch_ms(compute_now()) FROM api_tokens"
+        " WHERE token_hash = %s AND revoked_at IS NULL AND expires_at > compute_now()", (token_hash(secret),),
     ).fetchone()
     return int(row[0]) if row else 0
 
@@ -183,6 +184,19 @@ async def revoke_identities(conn: AsyncConnection, identity_ids: list[str]) -> l
     rows = await (await conn.execute(_REVOKE_IDENTITIES, {"identity_ids": identity_ids})).fetchall()
     await _notify_revoked(conn, rows)
     return rows
+
+
+_EXPIRED_BY_CLOCK = """
+SELECT id FROM api_tokens
+WHERE revoked_at IS NULL AND expires_at <= compute_now()
+  AND expires_at > compute_now() - %(by_ms)s * interval '1 millisecond'
+"""
+
+
+async def notify_expired_by_clock(conn: AsyncConnection, by_ms: int) -> None:
+    """The clock moved `by_ms` forward (dev and test) in the caller's transaction: the open Watch
+    streams of the tokens that move expired end (their timers run on the wall clock)."""
+    await _notify_revoked(conn, await (await conn.execute(_EXPIRED_BY_CLOCK, {"by_ms": by_ms})).fetchall())
 
 
 async def _notify_revoked(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:

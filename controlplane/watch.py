@@ -95,7 +95,7 @@ FROM events
 _LAST_VISIBLE = "SELECT coalesce(max(id), 0) AS id FROM events WHERE tenant_id = %(tenant_id)s"
 _TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
 
-_REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND revoked_at IS NOT NULL"
+_REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND (revoked_at IS NOT NULL OR expires_at <= compute_now())"
 
 _EVENTS = """
 SELECT id, type, subject, tenant_id, epoch_ms(time) AS time_ms, data
@@ -375,14 +375,16 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
     """Yield the tenant's matching events after `after_id` (or from now) until cancelled.
 
     The stream holds a slot (see StreamSlots) from before IAM is asked until it ends, however it
-    ends; membership is checked first, so no outsider can use up a tenant's slots."""
+    ends; membership is checked first, so no outsider can use up a tenant's slots. IAM decides
+    again on each batch of events, with the policy read beside them: a stream the tenant's policy
+    no longer allows ends ACCESS_DENIED before its next event."""
     req = parse_watch(raw)
     caller.require_member(req.tenant_id)
     release = hub.slots.acquire(caller.identity_id, req.tenant_id)
     sub = hub.subscribe(req.tenant_id, caller.token_id)
+    attributes = {"types": req.types, "subject": req.subject}
     try:
-        await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ,
-                               {"types": req.types, "subject": req.subject})
+        await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ, attributes)
         last = 0
         if req.from_now:  # skip what committed before the call, even past the hub's frontier
             async with db.read_only(rt.pool) as conn:
@@ -397,6 +399,12 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                     "tenant_id": req.tenant_id, "after": after, "upto": upto, "subject": req.subject,
                     "types": req.types, "limit": BATCH,
                 })).fetchall()
+                policy = await authorize.read_policy(conn, req.tenant_id) if rows else None
+            if sub.revoked:  # while it read (a send or a wait notices it by itself)
+                raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)
+            if rows:  # the policy as it is now: one tightened since the stream opened holds at once
+                authorize.check(policy, caller, req.tenant_id, EVENTS_READ, "Tenant", req.tenant_id, attributes,
+                                tenantId=req.tenant_id)
             for row in rows:
                 timer = _end_if_stalled(sub, caller, rt.settings.watch_send_seconds)
                 try:

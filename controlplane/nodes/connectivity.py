@@ -66,6 +66,9 @@ async def set_by_operator(pool: AsyncConnectionPool, node_id: str, connectivity:
         node = await lock_for_placement_change(conn, node_id)
         if node is None:
             raise errors.NotFound("no such node", nodeId=node_id)
+        if connectivity == "connected" and node["revoked_at"] is not None:  # back only once readmitted
+            raise errors.InvalidState("the node is revoked: readmit it, it is connected once heard from",
+                                      nodeId=node_id)
         await conn.execute(queries.SET_CONNECTIVITY, {"connectivity": connectivity, "node_id": node_id})
         await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node_id})
         if connectivity == "connected":  # as node_seen: placement skips unreachable nodes

@@ -14,6 +14,7 @@ from controlplane import db, db_errors, errors
 from controlplane.common.locks import pool_lock
 from controlplane.ids import new_id
 from controlplane.nodes import queries, shared_atoms
+from controlplane.nodes.locking import lock_for_placement_change
 
 
 async def node(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
@@ -79,8 +80,13 @@ async def lock(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
 
 async def mark_revoked(conn: AsyncConnection, node_id: str, reason: str) -> None:
     """The node may not enrol again until it is readmitted (the first revocation's time and reason
-    stay); the GPUs it held are let go."""
+    stay); the GPUs it held are let go. It is unreachable at once, under its pool's lock (nothing
+    is placed on it from this commit; the reservations live on it wake and hear NodeUnreachable),
+    until it is readmitted, enrolled again and heard from (node_seen, migration 0038)."""
+    await lock_for_placement_change(conn, node_id)
     await conn.execute(queries.MARK_REVOKED, {"node_id": node_id, "reason": reason})
+    await conn.execute(queries.SET_CONNECTIVITY, {"connectivity": "unreachable", "node_id": node_id})
+    await conn.execute(queries.WAKE_RESERVATIONS, {"node_id": node_id})
     # Its GPUs are no longer held: another node (the machine enrolled anew) may report them.
     await conn.execute(queries.RELEASE_GPUS, {"node_id": node_id, "held": []})
 

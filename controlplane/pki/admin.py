@@ -50,7 +50,8 @@ async def _require_node(conn: AsyncConnection, node_id: str) -> None:
 
 async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: str, reason: str) -> list[str]:
     """Revoke one certificate or all of a node's; already revoked ones are left as they are. By
-    node id the node itself is revoked too: it enrols again only after `readmit_node`."""
+    node id the node itself is revoked too: it enrols again only after `readmit_node`, with a join
+    token issued after the revocation (its name's unspent ones are void)."""
     if bool(node_id) == bool(serial):
         raise errors.InvalidInput("target", "name exactly one of nodeId or serial")
     if node_id:
@@ -63,6 +64,9 @@ async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: s
     async def work(conn: AsyncConnection) -> list[str]:
         if node_id:
             await _require_node(conn, node_id)
+            # The tokens first, as an enrolment locks them (its token, then the node's row).
+            node = await registry.node(conn, node_id)
+            await store.void_join_tokens(conn, node["pool_id"], node["name"])
             await registry.mark_revoked(conn, node_id, reason)
         elif await store.certificate_by_serial(conn, serial) is None:
             raise errors.NotFound("no such certificate", serial=serial)

@@ -83,6 +83,14 @@ async def claim_join_token(conn: AsyncConnection, token_hash: bytes) -> dict[str
         (token_hash,))).fetchone()
 
 
+async def void_join_tokens(conn: AsyncConnection, pool_id: str, node_name: str) -> None:
+    """The unspent join tokens of this node name expire now (its node was revoked: a token issued
+    before, perhaps on the machine taken, must not enrol it once it is readmitted)."""
+    await conn.execute("UPDATE join_tokens SET expires_at = now()"
+                       " WHERE pool_id = %s AND node_name = %s AND used_at IS NULL AND expires_at > now()",
+                       (pool_id, node_name))
+
+
 async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: str) -> None:
     await conn.execute("UPDATE join_tokens SET used_at = now(), node_id = %s WHERE token_hash = %s",
                        (node_id, token_hash))
