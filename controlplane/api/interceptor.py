@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import auth, errors
+from controlplane import auth, errors, tokens
 from controlplane.common import inputs
 from controlplane.common.names import TENANT_ID
 from controlplane.common.status import to_status
@@ -104,7 +104,10 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         request = inputs.decode(deserializer, raw)
         tenant = getattr(request, "tenant_id", "")
         if isinstance(tenant, str) and tenant:
-            if TENANT_ID.fullmatch(tenant):
+            if tenant.startswith(tokens.SECRET_PREFIX):  # a bearer secret pasted as the tenant: its public prefix
+                structlog.contextvars.bind_contextvars(tenant_invalid=repr(tenant[:tokens.PREFIX_LENGTH]),
+                                                       tenant_len=len(tenant))
+            elif TENANT_ID.fullmatch(tenant):
                 structlog.contextvars.bind_contextvars(tenant=tenant)
             else:
                 structlog.contextvars.bind_contextvars(tenant_invalid=repr(tenant[:_SHOWN]), tenant_len=len(tenant))
