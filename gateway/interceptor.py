@@ -4,6 +4,7 @@ Requests and a session's messages are decoded here, not by grpc (controlplane.no
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,10 @@ from controlplane.metrics import RpcMetrics
 from controlplane.nodes import wire
 
 log = structlog.get_logger("gateway.rpc")
+
+# A caller's x-request-id is kept when it is one the API would keep; anything else (the enrol port
+# answers anyone: a 8 KB header of forged text) gets a fresh one, never the caller's text in the log.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class GatewayInterceptor(grpc.aio.ServerInterceptor):
@@ -38,11 +43,15 @@ class GatewayInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
         return grpc.unary_unary_rpc_method_handler(
-            _wrap(details.method, metadata.get("x-request-id") or uuid.uuid4().hex, handler.unary_unary,
+            _wrap(details.method, _request_id(metadata.get("x-request-id", "")), handler.unary_unary,
                   handler.request_deserializer, self._metrics),
             request_deserializer=None,  # decoded in the wrapper: bad bytes are INVALID_INPUT
             response_serializer=handler.response_serializer,
         )
+
+
+def _request_id(given: str) -> str:
+    return given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 def _decoding(behavior: Any, deserializer: Any) -> Any:

@@ -17,12 +17,17 @@ from typing import Any
 import grpc
 import pytest
 
+from structlog.testing import capture_logs
+
+from bettercompute.node.v1 import node_pb2, node_pb2_grpc
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
+from controlplane.api.interceptor import REQUEST_ID
 from tests.support import PERMISSIVE, Client, rpc_error
+from tests.test_gateway import GatewayThread, Node, eventually, gateway, pool_id  # noqa: F401 (fixtures)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 HOOK = "https://93.184.216.34/hook"  # a public literal: no resolver asked
@@ -159,3 +164,30 @@ def test_metrics_labels_are_not_tenant_strings(served: Served, database: str) ->
     text = served.metrics()
     root.close()
     assert "bc_rpcs_total" in text and marker not in text
+
+
+# The gateway's enrolment: unauthenticated callers ------------------------------------------
+
+def test_a_wrong_join_token_and_a_hostile_request_id_stay_out_of_the_gateway_log(gateway: GatewayThread,
+                                                                                   pool_id: str) -> None:
+    wrong = "jt-wrong-" + "Z" * 30
+    forged = "x" * 2000 + ' {"event": "forged"}'
+    node = Node(gateway)
+    with capture_logs() as logs:
+        with grpc.secure_channel(gateway.enrol_endpoint, grpc.ssl_channel_credentials(gateway.ca_pem)) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                node_pb2_grpc.NodeGatewayStub(ch).Enrol(node_pb2.EnrolRequest(join_token=wrong, csr_pem=node.keys.csr()),
+                                                        metadata=(("x-request-id", forged),), timeout=10)
+        eventually(lambda: any(e["event"] == "rpc" for e in logs), what="the rpc line")
+    assert rpc_error(err)[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert wrong not in str(err.value) and wrong not in repr(logs)
+    line = next(e for e in logs if e["event"] == "rpc")
+    assert REQUEST_ID.fullmatch(line["request_id"]) and "forged" not in repr(logs), line["request_id"][-40:]
+    # A request id the API would accept is kept, so an operator can follow a call.
+    with capture_logs() as logs:
+        with grpc.secure_channel(gateway.enrol_endpoint, grpc.ssl_channel_credentials(gateway.ca_pem)) as ch:
+            with pytest.raises(grpc.RpcError):
+                node_pb2_grpc.NodeGatewayStub(ch).Enrol(node_pb2.EnrolRequest(join_token=wrong, csr_pem=node.keys.csr()),
+                                                        metadata=(("x-request-id", "req-42"),), timeout=10)
+        eventually(lambda: any(e["event"] == "rpc" for e in logs), what="the rpc line")
+    assert next(e for e in logs if e["event"] == "rpc")["request_id"] == "req-42"
