@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 
 from bettercompute.node.v1 import node_pb2 as pb
-from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_names
+from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_limits, check_names
 from nodesim.config import Faults
 from nodesim.inventory import Hardware
 
@@ -115,7 +115,7 @@ class Converger:
         if hold.until <= now_ms:
             self.log.debug("assignment already past its end; not bound", allocation=a.allocation_id)
             return None
-        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids))
+        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids)) or check_limits(hold.limits)
         reason = REASON_INVALID
         if problem is None:
             reason, problem = self._admit(hold)

@@ -1,0 +1,42 @@
+"""A hostile control plane (or gateway) against the node daemon's writes: desired states whose
+strings reach the CDI spec, the env file and the cgroup slice under the node's root.
+
+The peer (tests/nodesim_peer.py) sends what the real gateway never would: the control plane mints
+allocation ids, and the limits it sends come from bounded host resources and a cpuset it formats
+itself (controlplane/nodes/desired.py), so only a hostile gateway can send these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bettercompute.node.v1 import node_pb2 as pb
+from tests.nodesim_peer import assignment, eventually
+from tests.test_nodesim import artefact_paths, bound_ids, gpus, run, sandbox, simulated
+
+
+def failed_reasons(node) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {r.failed.allocation_id: r.failed.reason for r in node.events("failed")}
+
+
+def test_a_cpuset_that_is_not_a_cpulist_is_refused_and_never_written_into_the_slice(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            peer.set_desired(node.node_id, [
+                assignment("alloc_ok", [g[0]], limits=pb.Limits(cpu_millis=1000, cpus="0-3,8", mems="0")),
+                assignment("alloc_line", [g[1]], limits=pb.Limits(cpu_millis=1000, cpus="0-3\nmax")),
+                assignment("alloc_nul", [g[2]], limits=pb.Limits(cpu_millis=1000, mems="0\x001")),
+                assignment("alloc_word", [g[3]], limits=pb.Limits(cpu_millis=1000, cpus="all")),
+            ])  # fmt: skip
+            await eventually(lambda: len(node.events("failed")) == 3)
+            assert bound_ids(node) == ["alloc_ok"]
+            assert failed_reasons(node) == dict.fromkeys(("alloc_line", "alloc_nul", "alloc_word"),
+                                                         "invalid-assignment")
+            root = sandbox(tmp_path, "sim-000")
+            assert (artefact_paths(root, "alloc_ok")[2] / "cpuset.cpus").read_text() == "0-3,8\n"
+            for alloc in ("alloc_line", "alloc_nul", "alloc_word"):
+                assert not any(p.exists() for p in artefact_paths(root, alloc))
+
+    run(scenario())
