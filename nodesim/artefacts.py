@@ -130,6 +130,10 @@ def check_limits(limits: Limits | None) -> str | None:
     """Why limits cannot be written into a slice, or None."""
     if limits is None:
         return None
+    # A negative amount would be written as unlimited, and subtracted from what the host gives.
+    negative = [n for n in ("cpu_millis", "memory_bytes", "hugepages_1gi") if getattr(limits, n) < 0]
+    if negative:
+        return f"negative limits: {', '.join(negative)}"
     bad = [name for name in ("cpus", "mems") if not CPULIST.fullmatch(getattr(limits, name))]
     if bad:
         return f"not a cpulist: {', '.join(bad)}"

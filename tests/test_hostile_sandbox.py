@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bettercompute.node.v1 import node_pb2 as pb
 from tests.nodesim_peer import assignment, eventually
-from tests.test_nodesim import artefact_paths, bound_ids, gpus, run, sandbox, simulated
+from tests.test_nodesim import GIB, artefact_paths, bound_ids, gpus, run, sandbox, simulated
 
 
 def failed_reasons(node) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -38,5 +38,27 @@ def test_a_cpuset_that_is_not_a_cpulist_is_refused_and_never_written_into_the_sl
             assert (artefact_paths(root, "alloc_ok")[2] / "cpuset.cpus").read_text() == "0-3,8\n"
             for alloc in ("alloc_line", "alloc_nul", "alloc_word"):
                 assert not any(p.exists() for p in artefact_paths(root, alloc))
+
+    run(scenario())
+
+
+def test_a_negative_limit_is_refused_and_never_buys_room_for_another_hold(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            memory = node.hellos[-1].inventory.memory_bytes
+            peer.set_desired(node.node_id, [
+                # Its negative memory would have been written as "max" (unlimited) and subtracted
+                # from what the node's other holds ask of the host.
+                assignment("alloc_credit", [g[0]], limits=pb.Limits(memory_bytes=-memory)),
+                assignment("alloc_big", [g[1]], limits=pb.Limits(memory_bytes=memory + GIB)),
+                assignment("alloc_cpu", [g[2]], limits=pb.Limits(cpu_millis=-1000)),
+                assignment("alloc_pages", [g[3]], limits=pb.Limits(hugepages_1gi=-1)),
+            ])  # fmt: skip
+            await eventually(lambda: len(node.events("failed")) == 4)
+            assert failed_reasons(node) == {"alloc_credit": "invalid-assignment", "alloc_big": "resources-exhausted",
+                                            "alloc_cpu": "invalid-assignment", "alloc_pages": "invalid-assignment"}
+            assert bound_ids(node) == []
 
     run(scenario())
