@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bettercompute.node.v1 import node_pb2 as pb
+from nodesim.artefacts import Sandbox
 from tests.nodesim_peer import assignment, eventually
-from tests.test_nodesim import GIB, artefact_paths, bound_ids, gpus, run, sandbox, simulated
+from tests.test_nodesim import GIB, applied, artefact_paths, bound_ids, gpus, run, sandbox, simulated
 
 
 def failed_reasons(node) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -60,5 +61,27 @@ def test_a_negative_limit_is_refused_and_never_buys_room_for_another_hold(tmp_pa
             assert failed_reasons(node) == {"alloc_credit": "invalid-assignment", "alloc_big": "resources-exhausted",
                                             "alloc_cpu": "invalid-assignment", "alloc_pages": "invalid-assignment"}
             assert bound_ids(node) == []
+
+    run(scenario())
+
+
+def test_a_hold_whose_id_looks_like_a_temporary_file_survives_a_restart(tmp_path: Path) -> None:
+    """An id with the temporary files' mark in it ("<name>.tmp-<pid>") is a safe file name: its
+    spec and env file were taken for leftovers of an interrupted write when the daemon restarted,
+    and removed, so the node dropped a hold on its own until the next desired state."""
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, fleet):
+            node = peer.by_name("sim-000")
+            alloc = "alloc.tmp-1"
+            await applied(node, peer.set_desired(node.node_id, [assignment(alloc, [gpus(node)[0]])]))
+            assert bound_ids(node) == [alloc]
+            await fleet.stop()
+        root = sandbox(tmp_path, "sim-000")
+        spec, env, _ = artefact_paths(root, alloc)
+        before = (spec.read_bytes(), env.read_bytes())
+        # What a restarted daemon does first, before it hears of any desired state.
+        assert [h.allocation_id for h in Sandbox(root).recover()] == [alloc]
+        assert (spec.read_bytes(), env.read_bytes()) == before
 
     run(scenario())
