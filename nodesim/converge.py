@@ -9,6 +9,7 @@ control plane ends the reservation and takes the assignment out). A new assignme
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 
 import structlog
@@ -85,7 +86,17 @@ class Converger:
         for alloc in [a for a in self.holds if a not in wanted]:
             events.append(self._release(alloc, RELEASE_UNASSIGNED))
         self._failed = {k: v for k, v in self._failed.items() if k in wanted}
+        # Assignments of one allocation id would write the same files: none of them is bound.
+        repeated = {k for k, n in Counter(a.allocation_id for a in holds).items() if n > 1}
+        for alloc in repeated:
+            fingerprint = b"".join(a.SerializeToString(deterministic=True) for a in holds if a.allocation_id == alloc)
+            if self._failed.get(alloc) != fingerprint:
+                self._failed[alloc] = fingerprint
+                self.log.info("bind failed", allocation=alloc, reason=REASON_INVALID, message="repeated allocation id")
+                events.append(Failed(alloc, REASON_INVALID, "allocation id repeated in the desired state"))
         for assignment in holds:
+            if assignment.allocation_id in repeated:
+                continue
             event = self._converge_one(assignment, now_ms)
             if event is not None:
                 events.append(event)

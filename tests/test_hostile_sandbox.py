@@ -85,3 +85,23 @@ def test_a_hold_whose_id_looks_like_a_temporary_file_survives_a_restart(tmp_path
         assert (spec.read_bytes(), env.read_bytes()) == before
 
     run(scenario())
+
+
+def test_an_allocation_id_twice_in_one_desired_state_is_refused_not_written_twice(tmp_path: Path) -> None:
+    """Both assignments would write the same files: each desired state wrote one, then the other,
+    and reported two bindings of one allocation on other devices, again at every push."""
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            twice = [assignment("alloc_twice", [g[0]]), assignment("alloc_twice", [g[1]]),
+                     assignment("alloc_ok", [g[2]])]
+            await applied(node, peer.set_desired(node.node_id, twice))
+            await applied(node, peer.set_desired(node.node_id, twice))
+            assert bound_ids(node) == ["alloc_ok"]
+            assert [(r.failed.allocation_id, r.failed.reason) for r in node.events("failed")] == [
+                ("alloc_twice", "invalid-assignment")]
+            assert not any(p.exists() for p in artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_twice"))
+
+    run(scenario())
