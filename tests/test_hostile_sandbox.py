@@ -105,3 +105,24 @@ def test_an_allocation_id_twice_in_one_desired_state_is_refused_not_written_twic
             assert not any(p.exists() for p in artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_twice"))
 
     run(scenario())
+
+
+def test_a_deploy_with_a_line_break_in_its_image_fails_and_writes_no_disk(tmp_path: Path) -> None:
+    """The control plane takes only an operator's single-line image and a sha256 checksum; a deploy
+    from anywhere else with a line break in its image wrote a checksum line of its choosing onto
+    the machine's disk."""
+    good = "sha256:" + "0" * 64
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--reimage-seconds", "0") as (peer, fleet):
+            node = peer.by_name("sim-000")
+            metal = fleet.node("sim-000").metal
+            lease = assignment("alloc_lease", gpus(node), binding=pb.BINDING_NODE)
+            lease.deploy.CopyFrom(pb.Deploy(profile_id="p", version=1, image=f"img\nchecksum {good}",
+                                            checksum="sha256:" + "1" * 64))
+            await applied(node, peer.set_desired(node.node_id, [lease]))
+            await eventually(lambda: (metal.record or {}).get("state") in ("deployed", "failed"))
+            assert metal.record["state"] == "failed" and "image" in metal.record["message"]
+            assert not metal.image_path.exists()
+
+    run(scenario())
