@@ -56,6 +56,11 @@ def _conflicts(a: str, b: str) -> bool:
     return ga == gb and (not pa or not pb_)
 
 
+def _canonical(part: str) -> bool:
+    """An instance or slot number as the node names it: "1", never "01" (another id, the same one)."""
+    return part.isdigit() and part == str(int(part))
+
+
 class Converger:
     def __init__(self, sandbox: Sandbox, hardware: Hardware, faults: Faults, node_name: str) -> None:
         self.sandbox = sandbox
@@ -170,9 +175,9 @@ class Converger:
                 return f"no GPU {uuid}"
             if hold.device_class == "gpu" and (sep or uuid in mig):
                 return f"{device} is not a whole GPU on this node"
-            if hold.device_class == "gpu.mig" and (not part.isdigit() or int(part) not in mig.get(uuid, ())):
+            if hold.device_class == "gpu.mig" and (not _canonical(part) or int(part) not in mig.get(uuid, ())):
                 return f"no MIG instance {device}"
-            if hold.device_class == "gpu.slot" and (not part.isdigit() or uuid in mig):
+            if hold.device_class == "gpu.slot" and (not _canonical(part) or uuid in mig):
                 return f"no slot {device}"
         return None
 

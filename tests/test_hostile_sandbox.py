@@ -126,3 +126,22 @@ def test_a_deploy_with_a_line_break_in_its_image_fails_and_writes_no_disk(tmp_pa
             assert not metal.image_path.exists()
 
     run(scenario())
+
+
+def test_a_mig_instance_spelled_with_a_leading_zero_is_no_second_instance(tmp_path: Path) -> None:
+    """"<uuid>:01" was read as instance 1 but compared as another id than "<uuid>:1": two holds
+    (or one, twice) got the same MIG instance."""
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--mig-gpus", "2") as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            await applied(node, peer.set_desired(node.node_id, [
+                assignment("alloc_one", [f"{g[6]}:1"], device_class="gpu.mig"),
+                assignment("alloc_zero_one", [f"{g[6]}:01"], device_class="gpu.mig"),
+                assignment("alloc_both", [f"{g[7]}:2", f"{g[7]}:02"], device_class="gpu.mig"),
+            ]))  # fmt: skip
+            assert bound_ids(node) == ["alloc_one"]
+            assert failed_reasons(node) == {"alloc_zero_one": "device-missing", "alloc_both": "device-missing"}
+
+    run(scenario())
