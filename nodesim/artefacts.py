@@ -37,6 +37,8 @@ ANN_LIMITS = f"{VENDOR}/limits"
 ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # CDI device names (container-device-interface pkg/parser): the ids the node is given become them.
 DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# A cpuset's cpus and mems (Linux cpulist format), or "" when not pinned: written into the slice.
+CPULIST = re.compile(r"^(\d+(-\d+)?(,\d+(-\d+)?)*)?$")
 
 _CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
@@ -121,6 +123,20 @@ def check_names(allocation_id: str, device_class: str, device_ids: list[str]) ->
         return f"device ids not valid CDI device names: {bad}"
     if len(set(device_ids)) != len(device_ids):
         return "repeated device ids"
+    return None
+
+
+def check_limits(limits: Limits | None) -> str | None:
+    """Why limits cannot be written into a slice, or None."""
+    if limits is None:
+        return None
+    # A negative amount would be written as unlimited, and subtracted from what the host gives.
+    negative = [n for n in ("cpu_millis", "memory_bytes", "hugepages_1gi") if getattr(limits, n) < 0]
+    if negative:
+        return f"negative limits: {', '.join(negative)}"
+    bad = [name for name in ("cpus", "mems") if not CPULIST.fullmatch(getattr(limits, name))]
+    if bad:
+        return f"not a cpulist: {', '.join(bad)}"
     return None
 
 

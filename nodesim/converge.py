@@ -9,12 +9,13 @@ control plane ends the reservation and takes the assignment out). A new assignme
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 
 import structlog
 
 from bettercompute.node.v1 import node_pb2 as pb
-from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_names
+from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_limits, check_names
 from nodesim.config import Faults
 from nodesim.inventory import Hardware
 
@@ -55,6 +56,11 @@ def _conflicts(a: str, b: str) -> bool:
     return ga == gb and (not pa or not pb_)
 
 
+def _canonical(part: str) -> bool:
+    """An instance or slot number as the node names it: "1", never "01" (another id, the same one)."""
+    return part.isdigit() and part == str(int(part))
+
+
 class Converger:
     def __init__(self, sandbox: Sandbox, hardware: Hardware, faults: Faults, node_name: str) -> None:
         self.sandbox = sandbox
@@ -85,7 +91,17 @@ class Converger:
         for alloc in [a for a in self.holds if a not in wanted]:
             events.append(self._release(alloc, RELEASE_UNASSIGNED))
         self._failed = {k: v for k, v in self._failed.items() if k in wanted}
+        # Assignments of one allocation id would write the same files: none of them is bound.
+        repeated = {k for k, n in Counter(a.allocation_id for a in holds).items() if n > 1}
+        for alloc in repeated:
+            fingerprint = b"".join(a.SerializeToString(deterministic=True) for a in holds if a.allocation_id == alloc)
+            if self._failed.get(alloc) != fingerprint:
+                self._failed[alloc] = fingerprint
+                self.log.info("bind failed", allocation=alloc, reason=REASON_INVALID, message="repeated allocation id")
+                events.append(Failed(alloc, REASON_INVALID, "allocation id repeated in the desired state"))
         for assignment in holds:
+            if assignment.allocation_id in repeated:
+                continue
             event = self._converge_one(assignment, now_ms)
             if event is not None:
                 events.append(event)
@@ -115,7 +131,7 @@ class Converger:
         if hold.until <= now_ms:
             self.log.debug("assignment already past its end; not bound", allocation=a.allocation_id)
             return None
-        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids))
+        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids)) or check_limits(hold.limits)
         reason = REASON_INVALID
         if problem is None:
             reason, problem = self._admit(hold)
@@ -159,9 +175,9 @@ class Converger:
                 return f"no GPU {uuid}"
             if hold.device_class == "gpu" and (sep or uuid in mig):
                 return f"{device} is not a whole GPU on this node"
-            if hold.device_class == "gpu.mig" and (not part.isdigit() or int(part) not in mig.get(uuid, ())):
+            if hold.device_class == "gpu.mig" and (not _canonical(part) or int(part) not in mig.get(uuid, ())):
                 return f"no MIG instance {device}"
-            if hold.device_class == "gpu.slot" and (not part.isdigit() or uuid in mig):
+            if hold.device_class == "gpu.slot" and (not _canonical(part) or uuid in mig):
                 return f"no slot {device}"
         return None
 

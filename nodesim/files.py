@@ -4,9 +4,12 @@ reader (or a restarted daemon) sees the old content or the new, never half of on
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+# A temporary file's name ends with the mark and a pid: an allocation id may hold the mark itself.
+_TEMPORARY = re.compile(re.escape(TMP_MARK) + r"[0-9]+$")
 
 
 def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> None:
@@ -27,4 +30,4 @@ def remove(path: Path) -> None:
 
 
 def is_temporary(path: Path) -> bool:
-    return TMP_MARK in path.name
+    return _TEMPORARY.search(path.name) is not None

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ STATE_FILE = Path("var/lib/bcd/metal/deployed.json")
 IMAGE_FILE = Path("var/lib/bcd/metal/root.img")
 LIES = ("unasked", "bad-checksum")
 ROGUE_PROFILE = "rogue"
+# What the control plane takes from an operator (controlplane.metal.profiles): one line each.
+IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+=%~?&#-]{0,511}$")
+CHECKSUM = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class Metal:
@@ -98,6 +102,11 @@ class Metal:
         self._set(allocation_id=a.allocation_id, profile_id=d.profile_id, version=d.version, image=d.image,
                   checksum="", state="deploying", message="")
         await asyncio.sleep(self.reimage_seconds)
+        problem = _check_deploy(d)
+        if problem is not None:
+            self.log.info("reimage refused", allocation=a.allocation_id, message=problem)
+            self._set(**{**(self.record or {}), "state": "failed", "message": problem})
+            return
         if self._fails(a.allocation_id):
             self.log.info("reimage failed (fault injection)", allocation=a.allocation_id)
             self._set(**{**(self.record or {}), "state": "failed", "message": "injected fault: reimage failed"})
@@ -133,3 +142,12 @@ class Metal:
             return False
         digest = hashlib.sha256(f"{self.name}/reimage/{allocation_id}".encode()).digest()
         return int.from_bytes(digest[:8], "big") / 2**64 < rate
+
+
+def _check_deploy(d: pb.Deploy) -> str | None:
+    """Why a deploy cannot be written onto the disk, or None."""
+    if not IMAGE.fullmatch(d.image):
+        return "invalid deploy: the image is not an OCI reference or URL"
+    if not CHECKSUM.fullmatch(d.checksum):
+        return "invalid deploy: the checksum is not sha256:<64 hex>"
+    return None
