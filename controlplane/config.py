@@ -45,7 +45,8 @@ def data_dir_from_env() -> str:
 @dataclass(frozen=True)
 class Settings:
     # An external PostgreSQL; when empty the process starts the embedded one under data_dir.
-    database_url: str = field(default_factory=lambda: os.environ.get("DATABASE_URL", ""))
+    database_url: str = field(default_factory=lambda: os.environ.get("DATABASE_URL", ""),
+                              repr=False)  # may carry a password: never in a printed Settings
     data_dir: str = field(default_factory=data_dir_from_env)
     listen: str = field(default_factory=lambda: os.environ.get("BC_LISTEN", "127.0.0.1:50051"))
     log_format: str = field(default_factory=lambda: os.environ.get("BC_LOG_FORMAT", "console"))

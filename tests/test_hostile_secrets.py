@@ -205,3 +205,16 @@ def test_a_wrong_join_token_and_a_hostile_request_id_stay_out_of_the_gateway_log
                                                         metadata=(("x-request-id", "req-42"),), timeout=10)
         eventually(lambda: any(e["event"] == "rpc" for e in logs), what="the rpc line")
     assert next(e for e in logs if e["event"] == "rpc")["request_id"] == "req-42"
+
+
+def test_printed_settings_carry_neither_the_database_password_nor_the_ca_passphrase() -> None:
+    """A Settings or PkiSettings printed (a debug line, a traceback's locals) shows neither secret."""
+    from controlplane.config import Settings
+    from controlplane.pki.config import PkiSettings
+    from gateway.config import GatewaySettings
+
+    settings = Settings(database_url="postgresql://bc:s3cret-db-pass@db.internal/bc")
+    pki = PkiSettings(ca_passphrase="s3cret-ca-pass")
+    assert "s3cret-db-pass" not in repr(settings) and "s3cret-db-pass" not in str(settings)
+    assert "s3cret-ca-pass" not in repr(pki) and "s3cret-ca-pass" not in repr(GatewaySettings(pki=pki))
+    assert settings.database_url.endswith("@db.internal/bc")  # still there to use

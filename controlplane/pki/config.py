@@ -40,7 +40,8 @@ class PkiSettings:
     # The certificate roles whose nodes run workloads, so whose reports can bind an allocation.
     workload_roles: frozenset[str] = field(default_factory=_roles)
     # When set, the CA key is stored encrypted with it (it must then be set for every process).
-    ca_passphrase: str = field(default_factory=lambda: os.environ.get("BC_CA_KEY_PASSPHRASE", ""))
+    ca_passphrase: str = field(default_factory=lambda: os.environ.get("BC_CA_KEY_PASSPHRASE", ""),
+                               repr=False)  # a secret: never in a printed PkiSettings
 
     @property
     def offline_grace(self) -> timedelta:
