@@ -182,8 +182,12 @@ def test_a_renewal_racing_the_nodes_revocation_never_leaves_it_a_good_certificat
         eventually(lambda: sql(gateway.conninfo, waiting, ("%INSERT INTO node_certs%",)), what="the renewal waiting")
         revoking = threading.Thread(target=revoke)  # meanwhile the operator revokes the node
         revoking.start()
-        revocation_waits = ("%UPDATE nodes SET revoked_at%",)
-        eventually(lambda: not revoking.is_alive() or sql(gateway.conninfo, waiting, revocation_waits),
+        # The revocation waits behind the renewal on whichever of its statements meets the
+        # renewal's locks first (the pool lock, the node's row or its certificates): a second
+        # backend waiting on a lock, besides the renewal.
+        both_wait = ("SELECT count(*) >= 2 AS two FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                     " AND datname = current_database()")
+        eventually(lambda: not revoking.is_alive() or sql(gateway.conninfo, both_wait)[0]["two"],
                    what="the revocation done or waiting for the renewal")
         holder.rollback()
     renewing.join(30)
