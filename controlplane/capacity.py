@@ -52,7 +52,7 @@ async def timeline(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str
         raise errors.InvalidInput("stepMinutes", "must be 5 to 1440")
     step = step_minutes * 60_000
     async with db.read_only(rt.pool) as conn:
-        now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+        now_ms = await db.now_ms(conn)
         start = raw["from"] if raw.get("from") is not None else now_ms - now_ms % HOUR_MS
         end = raw["to"] if raw.get("to") is not None else start + 24 * HOUR_MS
         limits = TimeLimits.of(rt.settings)  # as far ahead as the last booking can end

@@ -195,6 +195,12 @@ async def _retrying(once: Callable[[], Awaitable[T]], attempts: int, what: str) 
     raise AssertionError("unreachable")
 
 
+async def now_ms(conn: psycopg.AsyncConnection) -> int:
+    """compute_now() in epoch milliseconds: the product clock (DESIGN.md section 4), read on `conn`
+    (inside its transaction, when one is open)."""
+    return (await (await conn.execute("SELECT epoch_ms(compute_now()) AS now_ms")).fetchone())["now_ms"]
+
+
 async def fetch_one(pool: AsyncConnectionPool, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
     """One statement's first row, read in autocommit: one round trip."""
     return await run_autocommit(pool, lambda conn: _fetch_one(conn, sql, params))

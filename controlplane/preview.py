@@ -16,7 +16,7 @@ from controlplane.metal import placement as whole_machines
 from controlplane.placement import filters, gang, placer
 from controlplane.placement.index import PoolIndex
 from controlplane.placement.index_sync import read_pool
-from controlplane.reservations import admission, earliest, placing, queries
+from controlplane.reservations import admission, earliest, placing
 from controlplane.reservations.validate import DAY_MS, TimeLimits, check_start, validate_create
 from controlplane.runtime import Runtime
 
@@ -30,7 +30,7 @@ async def preview(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str,
                           max_gang_size=rt.settings.max_gang_size)
     caller.require_member(inp.tenant_id)
     async with db.read_only(rt.pool) as conn:
-        now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+        now_ms = await db.now_ms(conn)
         check_start(inp, now_ms, limits)
         resolved = await admission.resolve_request(conn, rt, inp.request, inp.tenant_id)
     pool_id = resolved.pool["id"]
@@ -40,7 +40,7 @@ async def preview(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str,
                             message="IAM refused this read", poolId=pool_id)
     await earliest.caught_up(rt)
     async with db.read_only(rt.pool) as conn:
-        now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+        now_ms = await db.now_ms(conn)
         return await _plan(conn, rt, pool_id, resolved.request, now_ms)
 
 

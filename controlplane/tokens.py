@@ -38,7 +38,6 @@ VALUES (%(id)s, %(hash)s, %(prefix)s, %(identity_id)s, compute_now() + %(ttl_ms)
 RETURNING {_COLUMNS}
 """
 
-_NOW_MS = "SELECT epoch_ms(compute_now()) AS now_ms"
 
 _LIST = f"""
 SELECT {_COLUMNS} FROM api_tokens
@@ -130,7 +129,7 @@ async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str =
             raise errors.NotFound("no such identity", identityId=identity_id)
         if identity["offboarded"]:
             raise errors.InvalidState("this identity is offboarded", identityId=identity_id, state="offboarded")
-        now_ms = (await (await conn.execute(_NOW_MS)).fetchone())["now_ms"]
+        now_ms = await db.now_ms(conn)
         secret, params = _mint_params(identity_id, _ttl_ms(rt, now_ms, expires_at_ms, ttl))
         row = await (await conn.execute(MINT, params)).fetchone()
         return {**row, "secret": secret}

@@ -246,7 +246,7 @@ def test_nothing_planned_before_the_pool_lock_is_planned_again_under_it(world: W
             async with pool.connection() as conn, conn.transaction():
                 await pool_lock(conn, world.pool_id)
                 row = await (await conn.execute(rq.BY_ID_FOR_UPDATE, {"id": waiting.id})).fetchone()
-                now_ms = (await (await conn.execute(rq.NOW_MS)).fetchone())["now_ms"]
+                now_ms = await db.now_ms(conn)
                 stale = placing.Prepared(placing.ask_for(row, now_ms), placer.Planned(None))
                 return await placing.place_locked(conn, rt, row, stale, now_ms)
         finally:

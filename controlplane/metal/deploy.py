@@ -27,7 +27,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import events
+from controlplane import db, events
 from controlplane.common.locks import pool_lock
 from controlplane.metal import queries
 from controlplane.nodes import desired, tenancy
@@ -90,7 +90,7 @@ async def handle(conn: AsyncConnection, rt: Runtime, node_id: str) -> None:
     if node is None:
         return
     await pool_lock(conn, node["pool_id"])
-    now_ms = (await (await conn.execute(rq.NOW_MS)).fetchone())["now_ms"]
+    now_ms = await db.now_ms(conn)
     deploy = await (await conn.execute(queries.LIVE_DEPLOY, {"node_id": node_id})).fetchone()
     if deploy is not None:
         await _progress(conn, deploy, now_ms)

@@ -62,7 +62,7 @@ def over_at(row: dict[str, Any], now_ms: int) -> str | None:
 async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None:
     """`over_at` compute_now(): over though the reconciler has not released it yet. Nothing
     brings it back."""
-    return over_at(row, (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"])
+    return over_at(row, await db.now_ms(conn))
 
 
 async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released",
@@ -141,7 +141,7 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
                 state=row["state"], reservationId=rid,
             )
         if row["state"] == states.PLACED:  # placed in the row, but its start (or lapse) came by time
-            now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+            now_ms = await db.now_ms(conn)
             why = over_at(row, now_ms) or ("started" if now_ms >= row["during_start"] else None)
             if why is not None:
                 raise errors.InvalidState(f"this reservation cannot be cancelled any more ({why}); release it",

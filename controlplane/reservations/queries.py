@@ -102,7 +102,6 @@ WHERE reservation_id = %(id)s
 """
 
 
-NOW_MS = "SELECT epoch_ms(compute_now()) AS now_ms"
 
 # A transition: only from a state the state table allows, bumping the version.
 # The body of a transition: only from a state the state table allows, bumping the version.

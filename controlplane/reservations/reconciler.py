@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from psycopg import AsyncConnection
 
+from controlplane import db
 from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import lifecycle as node_lease
@@ -46,7 +47,7 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] not in states.BOOKED:
         return
-    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    now_ms = await db.now_ms(conn)
 
     over = over_at(row, now_ms)
     if over is not None:

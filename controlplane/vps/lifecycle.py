@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 from psycopg import AsyncConnection
 
+from controlplane import db
 from controlplane.runtime import Runtime
 from controlplane.vps import events
 from controlplane.vps import queries as q
@@ -25,7 +26,7 @@ KIND = "grant"
 
 
 async def now_ms(conn: AsyncConnection) -> int:
-    return (await (await conn.execute(q.NOW_MS)).fetchone())["now"]
+    return await db.now_ms(conn)
 
 
 async def lock_reservation(conn: AsyncConnection, account_id: str, reservation_id: str) -> dict[str, Any] | None:

@@ -141,7 +141,7 @@ async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[s
     await access.on_tenant(rt, caller, tenant_id, access.USAGE_READ)
     async with db.read_only(rt.pool) as conn:
         if to_ms is None:
-            to_ms = (await (await conn.execute(q.NOW_MS)).fetchone())["now"] + 3_600_000
+            to_ms = await db.now_ms(conn) + 3_600_000
         return await (await conn.execute(q.USAGE, {
             "tenant_id": tenant_id, "meter": meter, "pool_id": pool_id, "from_ms": from_ms, "to_ms": to_ms,
             "limit": rt.settings.usage_query_max_rows})).fetchall()

@@ -264,7 +264,6 @@ VALUES (%(instance_id)s, %(tenant_id)s, %(class)s, %(grant_id)s, %(pool_id)s, %(
 
 # --- metering -----------------------------------------------------------------------------------
 
-NOW_MS = "SELECT epoch_ms(compute_now()) AS now"
 
 # vm.grant.slot.hours: every committed slot of every hour of the term that has ended (more than
 # `settle` seconds ago), whether used or not; fractions at a term's ends.

@@ -56,7 +56,7 @@ async def retry_pool(rt: Runtime, pool_id: str) -> int:
 
 
 async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bool:
-    now_ms = (await (await conn.execute(queries.NOW_MS)).fetchone())["now_ms"]
+    now_ms = await db.now_ms(conn)
     row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
