@@ -190,6 +190,7 @@ def test_a_malformed_server_variable_does_not_break_the_cli(
     flags = connection_flags(world)
     (data / "connection.json").write_text(
         '{"endpoint": "%s", "token": "%s", "tenantId": "%s", "poolId": "%s"}' % tuple(flags[1::2]))
+    (data / "connection.json").chmod(0o600)  # private, as `dev` writes it (a found file must be)
     done = _cli(tmp_path, "get", r.id, "--json", BC_DATA_DIR=str(data), **{name: value})
     assert done.returncode == 0 and f'"id": "{r.id}"' in done.stdout, (done.returncode, done.stderr)
     check_invariants(world.conninfo, world.tenant)
@@ -204,6 +205,7 @@ def test_the_mcp_server_reads_its_connection_file_under_bc_data_dir_past_a_malfo
     data = tmp_path / "data"
     data.mkdir()
     (data / "connection.json").write_text("[]")
+    (data / "connection.json").chmod(0o600)
     done = _cli(tmp_path, "mcp", BC_DATA_DIR=str(data), BC_PLACER_BATCH="abc")
     assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
     assert "connection file" in done.stderr and not done.stdout
@@ -231,6 +233,7 @@ def test_a_connection_file_or_ca_that_is_a_pipe_or_device_is_a_usage_error(
     if which == "ca":
         (data / "connection.json").write_text(
             '{"endpoint": "127.0.0.1:1", "token": "t", "tenantId": "t1", "ca": "%s"}' % special)
+        (data / "connection.json").chmod(0o600)
     else:
         (data / "connection.json").symlink_to(special)
     environ = dict(os.environ, BC_DATA_DIR=str(data), PYTHONUNBUFFERED="1")

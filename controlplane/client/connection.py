@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
-import pathlib
 import json
+import os
+import pathlib
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ class Connection:
         path = pathlib.Path(connection or pathlib.Path(data_dir_from_env(), "connection.json"))
         saved: dict[str, Any] = {}
         if path.exists():
+            _require_trusted(path, found=not connection)
             saved = _read_saved(path)
         elif connection:
             raise UsageError(f"connection file {path} does not exist")
@@ -87,6 +90,27 @@ def _read_saved(path: pathlib.Path) -> dict[str, str]:
             raise UsageError(f"connection file {path}: {key} is not a string")
         require_utf8([saved.get(key) or ""], f"connection file {path}: {key}")
     return saved
+
+
+def _require_trusted(path: pathlib.Path, *, found: bool) -> None:
+    """A connection file says where the token goes, so only its user may have written it. One the
+    client finds by itself (`.dev/connection.json` is relative to the working directory, so a
+    cloned repository could carry one) must be the user's and private (mode 0600, as `dev` writes
+    it): a checked-out file is readable by all and is refused, and `--token` is never sent to an
+    endpoint it names. One named by `--connection` must be the user's and writable by no one else."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise UsageError(f"connection file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        return  # refused as not a regular file where it is read
+    loose = stat.S_IRWXG | stat.S_IRWXO if found else stat.S_IWGRP | stat.S_IWOTH
+    if info.st_uid != os.getuid():
+        raise UsageError(f"connection file {path} belongs to another user: it could send your token "
+                         "anywhere (pass --connection with your own file, or --endpoint)")
+    if info.st_mode & loose:
+        needed = "private to you (chmod 600)" if found else "writable by you alone (chmod go-w)"
+        raise UsageError(f"connection file {path} must be {needed}: it says where your token is sent")
 
 
 def _require_regular(path: pathlib.Path, what: str) -> None:
