@@ -1,0 +1,76 @@
+"""The node daemon against desired states only a hostile gateway sends (tests/nodesim_peer.py sends
+them; the control plane never would): what its reports carry, what stays on disk when an assignment
+turns invalid, and cpusets naming CPUs the node does not have.
+
+The peer is a real gRPC server with gRPC's default limit on a received message (4 MiB), as the
+gateway has.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bettercompute.node.v1 import node_pb2 as pb
+from tests.nodesim_peer import assignment, eventually
+from tests.test_nodesim import applied, artefact_paths, bound_ids, gpus, run, sandbox, simulated
+
+GRPC_MAX_MESSAGE = 4 * 1024 * 1024  # gRPC's default limit on a received message
+REPORT_MAX_CHARS = 256  # nodesim --report-max-chars, default
+
+
+def failures(node) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
+    return [(r.failed.allocation_id, r.failed.reason, r.failed.message) for r in node.events("failed")]
+
+
+def test_a_huge_rejected_allocation_id_is_cut_in_its_failure_report_and_later_reports_still_go(
+    tmp_path: Path,
+) -> None:
+    """The failure report repeated the id whole (twice: as the id and in the message), so a 3 MB id
+    made a report the gateway could not take; it was sent again at every reconnect, first, and the
+    node never reported anything again."""
+    huge = "alloc_" + "x" * 3_000_000
+    shown = huge[:REPORT_MAX_CHARS] + f"…[{len(huge)} chars]"
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            peer.set_desired(node.node_id, [assignment(huge, [g[0]])])
+            await eventually(lambda: node.events("failed"))
+            [(alloc, reason, message)] = failures(node)
+            assert (alloc, reason) == (shown, "invalid-assignment")
+            assert message.startswith("allocation id 'alloc_xxx") and message.endswith(" chars]")
+            assert len(message) < REPORT_MAX_CHARS + 20
+            await applied(node, peer.set_desired(node.node_id, [assignment("alloc_after", [g[1]])]))
+            await eventually(lambda: bound_ids(node) == ["alloc_after"])
+            assert artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_after")[0].exists()
+
+    run(scenario())
+
+
+def test_a_report_too_big_to_send_is_dropped_and_does_not_hold_up_the_reports_after_it(tmp_path: Path) -> None:
+    """A hold of tens of thousands of slots of one GPU: its bind report (the CDI device names) is
+    over the gateway's 4 MiB, though the desired state was not. It broke every session, was sent
+    again first in the next one, and nothing after it ever arrived."""
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            slots = [f"{g[0]}:{n}" for n in range(72_000)]
+            many = assignment("alloc_many", slots, device_class="gpu.slot")
+            names = sum(len(f"bcd.dev/gpu.slot={s}") + 3 for s in slots)
+            assert pb.DesiredState(assignments=[many]).ByteSize() < GRPC_MAX_MESSAGE < names
+            peer.set_desired(node.node_id, [many])
+            await eventually(lambda: artefact_paths(sandbox(tmp_path, "sim-000"), "alloc_many")[0].exists())
+            # Then something the node must still say: a failure, and a bind.
+            peer.set_desired(node.node_id, [many, assignment("alloc_bad", ["GPU-none"])])
+            await eventually(lambda: failures(node))
+            assert [f[:2] for f in failures(node)] == [("alloc_bad", "device-missing")]
+            await applied(node, peer.set_desired(node.node_id, [many, assignment("alloc_next", [g[1]])]))
+            await eventually(lambda: "alloc_next" in bound_ids(node))
+            assert "alloc_many" not in bound_ids(node)
+
+    run(scenario())
