@@ -151,6 +151,12 @@ class Converger:
         return Bound(hold)
 
     def _failure(self, allocation_id: str, reason: str, message: str) -> Failed:
+        """A failed assignment, and the end of what an earlier version of it holds: the workload
+        must not keep devices (or a slice) the desired state no longer gives it."""
+        if allocation_id in self.holds:
+            self.sandbox.remove(allocation_id)
+            del self.holds[allocation_id]
+            self.log.info("hold removed: its new assignment failed", allocation=allocation_id)
         failed = Failed(shown(allocation_id, self.text_chars), reason, shown(message, self.text_chars))
         self.log.info("bind failed", allocation=failed.allocation_id, reason=reason, message=failed.message)
         return failed

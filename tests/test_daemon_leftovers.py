@@ -74,3 +74,45 @@ def test_a_report_too_big_to_send_is_dropped_and_does_not_hold_up_the_reports_af
             assert "alloc_many" not in bound_ids(node)
 
     run(scenario())
+
+
+def _limited(cpus: str = "0-3", mems: str = "") -> pb.Limits:
+    return pb.Limits(cpu_millis=1000, cpus=cpus, mems=mems)
+
+
+# (what the new version of a bound assignment does wrong, the reason the node reports)
+INVALID_VERSIONS = {
+    "not-a-cpulist": (lambda g: [assignment("alloc_turns", [g[0]], limits=_limited(cpus="all"))],
+                      "invalid-assignment"),
+    "unknown-gpu": (lambda g: [assignment("alloc_turns", ["GPU-none"], limits=_limited())], "device-missing"),
+    "repeated-id": (lambda g: [assignment("alloc_turns", [g[0]], limits=_limited()),
+                               assignment("alloc_turns", [g[1]], limits=_limited())], "invalid-assignment"),
+    "held-device": (lambda g: [assignment("alloc_other", [g[2]]),
+                               assignment("alloc_turns", [g[2]], limits=_limited())], "resources-exhausted"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID_VERSIONS))
+def test_an_assignment_that_turns_invalid_loses_its_hold_on_disk(tmp_path: Path, case: str) -> None:
+    """The new version was reported failed, but the CDI spec, env file and slice of the earlier
+    valid version stayed: the workload kept its devices the control plane no longer gave it."""
+    version, reason = INVALID_VERSIONS[case]
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"]) as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            valid = assignment("alloc_turns", [g[0]], limits=_limited())
+            await applied(node, peer.set_desired(node.node_id, [valid]))
+            assert bound_ids(node) == ["alloc_turns"]
+            root = sandbox(tmp_path, "sim-000")
+            assert all(p.exists() for p in artefact_paths(root, "alloc_turns"))
+            await applied(node, peer.set_desired(node.node_id, version(g)))
+            assert [f[:2] for f in failures(node)] == [("alloc_turns", reason)]
+            assert not any(p.exists() for p in artefact_paths(root, "alloc_turns"))
+            # The valid version again is a new bind of it.
+            await applied(node, peer.set_desired(node.node_id, [valid]))
+            assert bound_ids(node).count("alloc_turns") == 2
+            assert all(p.exists() for p in artefact_paths(root, "alloc_turns"))
+
+    run(scenario())
