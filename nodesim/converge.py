@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from bettercompute.node.v1 import node_pb2 as pb
-from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_limits, check_names
+from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_cpuset, check_limits, check_names
 from nodesim.config import REPORT_MAX_CHARS, Faults
 from nodesim.inventory import Hardware
 
@@ -138,7 +138,9 @@ class Converger:
         if hold.until <= now_ms:
             self.log.debug("assignment already past its end; not bound", allocation=a.allocation_id)
             return None
-        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids)) or check_limits(hold.limits)
+        inv = self.hardware.inventory
+        problem = (check_names(a.allocation_id, hold.device_class, list(a.device_ids)) or check_limits(hold.limits)
+                   or check_cpuset(hold.limits, inv.vcpus, len(inv.numa_nodes)))
         reason = REASON_INVALID
         if problem is None:
             reason, problem = self._admit(hold)

@@ -116,3 +116,34 @@ def test_an_assignment_that_turns_invalid_loses_its_hold_on_disk(tmp_path: Path,
             assert all(p.exists() for p in artefact_paths(root, "alloc_turns"))
 
     run(scenario())
+
+
+def test_a_cpuset_naming_cpus_or_numa_nodes_the_node_lacks_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    """cpus 0-4095 on an 8-vCPU node was written into the slice as it came."""
+    refused = {
+        "alloc_4096": _limited(cpus="0-4095"),
+        "alloc_eight": _limited(cpus="0-3,8"),
+        "alloc_backwards": _limited(cpus="5-3"),
+        "alloc_digits": _limited(cpus="0-" + "9" * 5000),
+        "alloc_mems": _limited(cpus="0-3", mems="0,2"),
+    }
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--vcpus", "8", "--numa-nodes", "2") as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            wanted = [assignment("alloc_ok", [g[0]], limits=_limited(cpus="0-7", mems="0-1"))]
+            wanted += [assignment(alloc, [g[i + 1]], limits=limits) for i, (alloc, limits) in enumerate(refused.items())]
+            await applied(node, peer.set_desired(node.node_id, wanted))
+            assert bound_ids(node) == ["alloc_ok"]
+            failed = {alloc: (reason, message) for alloc, reason, message in failures(node)}
+            assert set(failed) == set(refused)
+            assert {reason for reason, _ in failed.values()} == {"invalid-assignment"}
+            assert "cpuset.cpus" in failed["alloc_4096"][1] and "0-7" in failed["alloc_4096"][1]
+            assert "cpuset.mems" in failed["alloc_mems"][1]
+            root = sandbox(tmp_path, "sim-000")
+            assert (artefact_paths(root, "alloc_ok")[2] / "cpuset.cpus").read_text() == "0-7\n"
+            for alloc in refused:
+                assert not any(p.exists() for p in artefact_paths(root, alloc))
+
+    run(scenario())
