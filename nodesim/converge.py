@@ -63,8 +63,9 @@ def shown(text: str, limit: int) -> str:
 
 
 def _canonical(part: str) -> bool:
-    """An instance or slot number as the node names it: "1", never "01" (another id, the same one)."""
-    return part.isdigit() and part == str(int(part))
+    """An instance or slot number as the node names it: "1", never "01" (another id, the same one).
+    No node has 10**18 of them (and int() refuses over 4300 digits)."""
+    return part.isdigit() and len(part) <= 18 and part == str(int(part))
 
 
 class Converger:

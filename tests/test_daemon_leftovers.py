@@ -147,3 +147,24 @@ def test_a_cpuset_naming_cpus_or_numa_nodes_the_node_lacks_is_refused_and_nothin
                 assert not any(p.exists() for p in artefact_paths(root, alloc))
 
     run(scenario())
+
+
+def test_a_slot_numbered_with_thousands_of_digits_is_missing_and_the_rest_still_converges(tmp_path: Path) -> None:
+    """The node read a slot's or MIG instance's number with int(), which refuses more than 4300
+    digits: the desired state's convergence raised, the session ended, and the next session got the
+    same desired state: nothing of it (and no report) ever came."""
+
+    async def scenario() -> None:
+        async with simulated(tmp_path, ["sim-000"], "--mig-gpus", "1") as (peer, _):
+            node = peer.by_name("sim-000")
+            g = gpus(node)
+            await applied(node, peer.set_desired(node.node_id, [
+                assignment("alloc_slot", [f"{g[0]}:{'1' * 5000}"], device_class="gpu.slot"),
+                assignment("alloc_mig", [f"{g[7]}:{'2' * 5000}"], device_class="gpu.mig"),
+                assignment("alloc_ok", [g[1]]),
+            ]))  # fmt: skip
+            assert bound_ids(node) == ["alloc_ok"]
+            assert {f[:2] for f in failures(node)} == {("alloc_slot", "device-missing"),
+                                                      ("alloc_mig", "device-missing")}
+
+    run(scenario())
