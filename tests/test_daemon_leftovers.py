@@ -1,6 +1,6 @@
 """The node daemon against desired states only a hostile gateway sends (tests/nodesim_peer.py sends
 them; the control plane never would): what its reports carry, what stays on disk when an assignment
-turns invalid, and cpusets naming CPUs the node does not have.
+turns invalid, cpusets naming CPUs the node does not have, and slot numbers too long to read.
 
 The peer is a real gRPC server with gRPC's default limit on a received message (4 MiB), as the
 gateway has.
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from bettercompute.node.v1 import node_pb2 as pb
+from nodesim.config import REPORT_MAX_CHARS
 from tests.nodesim_peer import assignment, eventually
 from tests.test_nodesim import applied, artefact_paths, bound_ids, gpus, run, sandbox, simulated
 
 GRPC_MAX_MESSAGE = 4 * 1024 * 1024  # gRPC's default limit on a received message
-REPORT_MAX_CHARS = 256  # nodesim --report-max-chars, default
 
 
 def failures(node) -> list[tuple[str, str, str]]:  # type: ignore[no-untyped-def]
