@@ -140,6 +140,30 @@ def check_limits(limits: Limits | None) -> str | None:
     return None
 
 
+def check_cpuset(limits: Limits | None, vcpus: int, numa_nodes: int) -> str | None:
+    """Why a cpuset (a cpulist already) names CPUs or NUMA nodes this node does not have, or None:
+    the node's CPUs are 0 to `vcpus` - 1, its NUMA nodes 0 to `numa_nodes` - 1."""
+    if limits is None:
+        return None
+    for name, cpulist, count, what in (("cpuset.cpus", limits.cpus, vcpus, "CPUs"),
+                                       ("cpuset.mems", limits.mems, numa_nodes, "NUMA nodes")):
+        bad = _outside(cpulist, count)
+        if bad is not None:
+            return f"{name} {bad!r} is not within this node's {what} (0-{count - 1})"
+    return None
+
+
+def _outside(cpulist: str, count: int) -> str | None:
+    """The first part of the cpulist naming an id of `count` or more, or a range running backwards."""
+    for part in filter(None, cpulist.split(",")):
+        lo, _, hi = part.partition("-")
+        hi = hi or lo
+        # No node has 10**18 CPUs (and int() refuses over 4300 digits).
+        if max(len(lo), len(hi)) > 18 or int(hi) >= count or int(lo) > int(hi):
+            return part
+    return None
+
+
 class Sandbox:
     """One node's root directory."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,6 +21,11 @@ SMALLEST_MIG_PROFILE = {
     "H200-SXM5-141GB": "1g.18gb",
 }
 METAL_LIES = ("unasked", "bad-checksum")
+# Characters of an allocation id or a failure message a report (and its log line) carries; the
+# longest id a node accepts is 128 (nodesim.artefacts.ALLOCATION_ID), the control plane's 32.
+REPORT_MAX_CHARS = 256
+# gRPC's default limit on a received message: a larger report would end the gateway's session.
+MAX_REPORT_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,11 @@ class FleetConfig:
     # How long a simulated reimage (a whole-machine lease's deploy) and the wipe after it take.
     reimage_seconds: float = 2.0
     wipe_seconds: float = 1.0
+    # What a report may carry: characters of an allocation id or failure message (the rest cut,
+    # with a marker), and bytes of the whole message (gRPC's default limit on a received message;
+    # a larger report is dropped, not sent: the gateway would end the session at every try).
+    report_max_chars: int = REPORT_MAX_CHARS
+    max_report_bytes: int = MAX_REPORT_BYTES
     inventory: InventorySpec = field(default_factory=InventorySpec)
     faults: Faults = NO_FAULTS
     log_format: str = "console"
@@ -162,6 +173,16 @@ def _jitter(value: str) -> float:
     return number
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        number = int(value)
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"at least {minimum}")
+        return number
+
+    return parse
+
+
 def _names(value: str) -> frozenset[str]:
     return frozenset(part.strip() for part in value.split(",") if part.strip())
 
@@ -192,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a whole-machine lease's simulated reimage takes")
     p.add_argument("--wipe-seconds", type=float, default=1.0, metavar="SECONDS",
                    help="how long the simulated wipe after a whole-machine lease takes")
+    p.add_argument("--report-max-chars", type=_at_least(128), default=REPORT_MAX_CHARS, metavar="N",
+                   help="characters of an allocation id or a message a failure report carries; the rest is cut,"
+                        " marked '…[<length> chars]' (at least 128, the longest allocation id a node accepts)")
+    p.add_argument("--max-report-bytes", type=_at_least(1024), default=MAX_REPORT_BYTES, metavar="BYTES",
+                   help="a report larger than this is dropped (logged), never sent (default: gRPC's 4 MiB)")
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
@@ -292,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         kubelet_retry=max(0.0, a.kubelet_retry),
         reimage_seconds=max(0.0, a.reimage_seconds),
         wipe_seconds=max(0.0, a.wipe_seconds),
+        report_max_chars=a.report_max_chars,
+        max_report_bytes=a.max_report_bytes,
         inventory=inventory,
         faults=faults,
         log_format=a.log_format,

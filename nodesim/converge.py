@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import structlog
 
 from bettercompute.node.v1 import node_pb2 as pb
-from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_limits, check_names
-from nodesim.config import Faults
+from nodesim.artefacts import GIB, Hold, Limits, Sandbox, check_cpuset, check_limits, check_names
+from nodesim.config import REPORT_MAX_CHARS, Faults
 from nodesim.inventory import Hardware
 
 REASON_EXHAUSTED = "resources-exhausted"
@@ -56,17 +56,26 @@ def _conflicts(a: str, b: str) -> bool:
     return ga == gb and (not pa or not pb_)
 
 
+def shown(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and "…[<length> chars]": a hostile gateway's string
+    repeated whole made a report too big to send."""
+    return text if len(text) <= limit else f"{text[:limit]}…[{len(text)} chars]"
+
+
 def _canonical(part: str) -> bool:
-    """An instance or slot number as the node names it: "1", never "01" (another id, the same one)."""
-    return part.isdigit() and part == str(int(part))
+    """An instance or slot number as the node names it: "1", never "01" (another id, the same one).
+    No node has 10**18 of them (and int() refuses over 4300 digits)."""
+    return part.isdigit() and len(part) <= 18 and part == str(int(part))
 
 
 class Converger:
-    def __init__(self, sandbox: Sandbox, hardware: Hardware, faults: Faults, node_name: str) -> None:
+    def __init__(self, sandbox: Sandbox, hardware: Hardware, faults: Faults, node_name: str,
+                 text_chars: int = REPORT_MAX_CHARS) -> None:
         self.sandbox = sandbox
         self.hardware = hardware
         self.faults = faults
         self.node_name = node_name
+        self.text_chars = text_chars
         # An older daemon (no capabilities) drops limits and BINDING_KUBERNETES: plain holds.
         self.legacy = faults.no_capabilities
         self.holds: dict[str, Hold] = {}
@@ -97,8 +106,7 @@ class Converger:
             fingerprint = b"".join(a.SerializeToString(deterministic=True) for a in holds if a.allocation_id == alloc)
             if self._failed.get(alloc) != fingerprint:
                 self._failed[alloc] = fingerprint
-                self.log.info("bind failed", allocation=alloc, reason=REASON_INVALID, message="repeated allocation id")
-                events.append(Failed(alloc, REASON_INVALID, "allocation id repeated in the desired state"))
+                events.append(self._failure(alloc, REASON_INVALID, "allocation id repeated in the desired state"))
         for assignment in holds:
             if assignment.allocation_id in repeated:
                 continue
@@ -131,18 +139,30 @@ class Converger:
         if hold.until <= now_ms:
             self.log.debug("assignment already past its end; not bound", allocation=a.allocation_id)
             return None
-        problem = check_names(a.allocation_id, hold.device_class, list(a.device_ids)) or check_limits(hold.limits)
+        inv = self.hardware.inventory
+        problem = (check_names(a.allocation_id, hold.device_class, list(a.device_ids)) or check_limits(hold.limits)
+                   or check_cpuset(hold.limits, inv.vcpus, len(inv.numa_nodes)))
         reason = REASON_INVALID
         if problem is None:
             reason, problem = self._admit(hold)
         if problem is not None:
             self._failed[a.allocation_id] = fingerprint
-            self.log.info("bind failed", allocation=a.allocation_id, reason=reason, message=problem)
-            return Failed(a.allocation_id, reason, problem)
+            return self._failure(a.allocation_id, reason, problem)
         self.sandbox.write(hold, self.hardware.gpu_index)
         self.holds[hold.allocation_id] = hold
         self.log.debug("bound", allocation=hold.allocation_id, devices=list(hold.device_ids))
         return Bound(hold)
+
+    def _failure(self, allocation_id: str, reason: str, message: str) -> Failed:
+        """A failed assignment, and the end of what an earlier version of it holds: the workload
+        must not keep devices (or a slice) the desired state no longer gives it."""
+        if allocation_id in self.holds:
+            self.sandbox.remove(allocation_id)
+            del self.holds[allocation_id]
+            self.log.info("hold removed: its new assignment failed", allocation=allocation_id)
+        failed = Failed(shown(allocation_id, self.text_chars), reason, shown(message, self.text_chars))
+        self.log.info("bind failed", allocation=failed.allocation_id, reason=reason, message=failed.message)
+        return failed
 
     def _admit(self, hold: Hold) -> tuple[str, str | None]:
         missing = self._missing_devices(hold)

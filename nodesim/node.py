@@ -86,7 +86,7 @@ class SimNode:
         self.hardware: Hardware = build(config.inventory, name, position)
         self.store = IdentityStore(self.root)
         self.sandbox = Sandbox(self.root)
-        self.converger = Converger(self.sandbox, self.hardware, self.faults, name)
+        self.converger = Converger(self.sandbox, self.hardware, self.faults, name, config.report_max_chars)
         self.plugin = DevicePlugins(self.root, lambda: self.converger.holds.values(), name, config.kubelet_retry)
         self.metal = Metal(self.root, self.hardware, self.faults, name, reimage_seconds=config.reimage_seconds,
                            wipe_seconds=config.wipe_seconds, changed=self._inventory_changed)
@@ -365,8 +365,15 @@ class SimNode:
             else:
                 assert isinstance(item, tuple)
                 message = pb.NodeMessage(report=item[1])
-                # Kept before the write: the ack can come back before write() returns.
                 sequence = _sequence(item[1])
+                if message.ByteSize() > self.config.max_report_bytes:
+                    # The gateway would end the session, and the report, kept until acknowledged,
+                    # would go first in every session after: nothing after it would ever arrive.
+                    self._timing.pop(sequence, None)
+                    self.log.error("report too large to send; dropped", sequence=sequence, bind=item[0],
+                                   bytes=message.ByteSize(), limit=self.config.max_report_bytes)
+                    continue
+                # Kept before the write: the ack can come back before write() returns.
                 self._unacked[sequence] = item
                 timing = self._timing.pop(sequence, None)
                 if timing is not None:
