@@ -4,12 +4,20 @@ expiry of a confirmation (one lock order: the reservation's row, then its confir
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import anyio
 import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
 from structlog.testing import capture_logs
 
 from bettercompute.v1 import admin_pb2 as apb
@@ -18,8 +26,122 @@ from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.support import World, clock_now, make_world, refused
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 60
 SECOND = 1000
 AGENT_POLICY = "permit(principal, action, resource) unless { context.delegated };"
+
+
+# The bearer token out of argv: BC_TOKEN and --token-file -----------------------------------------
+
+def _token(client: Any) -> str:
+    return client.metadata[0][1].removeprefix("Bearer ")
+
+
+def cli(tmp_path: pathlib.Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`better-compute ARGS` as a process, with no connection file and `env` added to its environment."""
+    environ = dict(os.environ, BC_DATA_DIR=str(tmp_path / "no-dev"), PYTHONUNBUFFERED="1", **env)
+    environ.pop("DATABASE_URL", None)
+    if "BC_TOKEN" not in env:
+        environ.pop("BC_TOKEN", None)
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def no_token(world: World) -> list[str]:
+    return ["--endpoint", world.endpoint, "--tenant", world.tenant, "--pool", world.pool_id]
+
+
+def test_the_cli_takes_its_token_from_bc_token_or_a_token_file(world: World, tmp_path: pathlib.Path) -> None:
+    rid = world.create().id
+    token_file = tmp_path / "token"
+    token_file.write_text(_token(world.user) + "\n")
+
+    from_env = cli(tmp_path, *no_token(world), "get", rid, BC_TOKEN=_token(world.user))
+    assert from_env.returncode == 0, from_env.stderr
+    assert json.loads(from_env.stdout)["id"] == rid
+    from_file = cli(tmp_path, *no_token(world), "get", rid, "--token-file", str(token_file))
+    assert from_file.returncode == 0, from_file.stderr
+    assert json.loads(from_file.stdout)["id"] == rid
+    # The file, given on the command line, wins over the variable; the variable is really used.
+    over_env = cli(tmp_path, "--token-file", str(token_file), *no_token(world), "get", rid, BC_TOKEN="bct_wrong")
+    assert over_env.returncode == 0, over_env.stderr
+    wrong = cli(tmp_path, *no_token(world), "get", rid, BC_TOKEN="bct_wrong")
+    assert wrong.returncode == 1 and json.loads(wrong.stderr)["error"]["code"] == "UNAUTHENTICATED", wrong.stderr
+    # An option after the command that the ones before it start with is still read as itself
+    # (--to, beside --token and --token-file).
+    usage = cli(tmp_path, *no_token(world), "--token-file", str(token_file), "usage", "--to", "2099-01-01T00:00:00Z")
+    assert usage.returncode == 0 and "items" in json.loads(usage.stdout), usage.stderr
+    # --token still works.
+    assert cli(tmp_path, *no_token(world), "--token", _token(world.user), "get", rid).returncode == 0
+
+
+DEAD = ["--endpoint", "127.0.0.1:1", "--tenant", "tenant1", "--pool", "pool_06h31j4ff8bcsn30075tfxe24g"]
+BAD_TOKEN_FILES: dict[str, tuple[bytes | None, str]] = {
+    "missing": (None, "No such file"),
+    "empty": (b"", "is empty"),
+    "a newline only": (b"\n", "is empty"),
+    "two lines": (b"bct_one\nbct_two\n", "more than one line"),
+    "not UTF-8": (b"bct_\xff\n", "not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("content, reason", BAD_TOKEN_FILES.values(), ids=BAD_TOKEN_FILES.keys())
+@pytest.mark.parametrize("command", [["get", "rsv_x"], ["mcp"]], ids=["cli", "mcp"])
+def test_a_token_file_that_gives_no_token_is_a_usage_error_naming_the_option(
+    tmp_path: pathlib.Path, command: list[str], content: bytes | None, reason: str,
+) -> None:
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_bytes(content)
+    done = cli(tmp_path, *command, *DEAD, "--token-file", str(path), BC_TOKEN="bct_not-this-one")
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert f"--token-file {path}" in done.stderr and reason in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "unrecognized" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", [["get", "rsv_x"], ["mcp"]], ids=["cli", "mcp"])
+def test_a_token_file_that_is_a_directory_or_given_with_token_is_a_usage_error(
+    tmp_path: pathlib.Path, command: list[str],
+) -> None:
+    directory = cli(tmp_path, *command, *DEAD, "--token-file", str(tmp_path))
+    assert directory.returncode == 2 and f"--token-file {tmp_path}" in directory.stderr, directory.stderr
+    assert "Traceback" not in directory.stderr
+    path = tmp_path / "token"
+    path.write_text("bct_x\n")
+    both = cli(tmp_path, *command, *DEAD, "--token", "bct_x", "--token-file", str(path))
+    assert both.returncode == 2 and "--token and --token-file" in both.stderr, both.stderr
+
+
+def list_as_agent(world: World, tmp_path: pathlib.Path, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Start `better-compute mcp ARGS` with `env` and call its list_reservations tool: the JSON it answers."""
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "controlplane.cli", "mcp", *args], cwd=str(REPO),
+        env={"BC_DATA_DIR": str(tmp_path / "no-dev"), "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env},
+    )
+    answer: dict[str, Any] = {}
+
+    async def session() -> None:
+        with anyio.fail_after(TIMEOUT_S * 2):
+            async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+                await client.initialize()
+                result = await client.call_tool("list_reservations", {}, read_timeout_seconds=TIMEOUT_S)
+                text = "".join(block.text for block in result.content if block.type == "text")
+                assert not result.is_error, text
+                answer.update(json.loads(text))
+
+    anyio.run(session)
+    return answer
+
+
+def test_the_mcp_server_takes_its_token_from_bc_token_or_a_token_file(world: World, tmp_path: pathlib.Path) -> None:
+    rid = world.create().id
+    token_file = tmp_path / "token"
+    token_file.write_text(_token(world.user) + "\n")
+    from_env = list_as_agent(world, tmp_path, no_token(world), {"BC_TOKEN": _token(world.user)})
+    assert [r["id"] for r in from_env["items"]] == [rid], from_env
+    from_file = list_as_agent(world, tmp_path, [*no_token(world), "--token-file", str(token_file)], {})
+    assert [r["id"] for r in from_file["items"]] == [rid], from_file
 
 
 # A release racing the expiry of its confirmation ---------------------------------------------------
