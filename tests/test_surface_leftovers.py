@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +25,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
-from tests.support import World, clock_now, make_world, refused
+from tests.support import World, clock_now, invalid, make_world, refused
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -142,6 +143,21 @@ def test_the_mcp_server_takes_its_token_from_bc_token_or_a_token_file(world: Wor
     assert [r["id"] for r in from_env["items"]] == [rid], from_env
     from_file = list_as_agent(world, tmp_path, [*no_token(world), "--token-file", str(token_file)], {})
     assert [r["id"] for r in from_file["items"]] == [rid], from_file
+
+
+# Tenant ids that read as tokens -------------------------------------------------------------------
+
+@pytest.mark.parametrize("tenant_id", ["bct_acme", "bct_AbCdEfGh12345678"])
+def test_a_tenant_id_with_the_tokens_prefix_is_refused(world: World, tenant_id: str) -> None:
+    """A bearer token starts with bct_: a tenant so named is logged as a token's prefix by the
+    per-call log (the rest of it dropped) and is confusable with a secret wherever it appears."""
+    invalid("id", world.root.admin, "CreateTenant", apb.CreateTenantRequest(id=tenant_id, name="x"))
+    assert world.sql("SELECT count(*) FROM tenants WHERE id = %s", (tenant_id,)) == [(0,)]
+
+
+def test_a_tenant_id_with_bct_elsewhere_is_still_a_tenant_id(world: World) -> None:
+    for tenant_id in (f"acme-bct_{uuid.uuid4().hex[:6]}", f"bct-{uuid.uuid4().hex[:6]}", f"BCT_{uuid.uuid4().hex[:6]}"):
+        assert world.root.admin("CreateTenant", apb.CreateTenantRequest(id=tenant_id, name="x")).id == tenant_id
 
 
 # A release racing the expiry of its confirmation ---------------------------------------------------
