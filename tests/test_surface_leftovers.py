@@ -237,3 +237,47 @@ def _settled(w: World, held: list[str], seconds: float = 60) -> dict[str, str]:
         assert time.monotonic() < deadline, "the reconciler never handled the confirmation deadlines"
         time.sleep(0.05)
     return dict(w.sql("SELECT id, state FROM reservations WHERE id = ANY(%s)", (held,)))
+
+
+def test_releases_racing_the_offboarding_of_their_agents_never_deadlock(world: World) -> None:
+    """Offboarding withdrew the agent's open confirmations (locking them) before it locked the
+    agent's reservations, the other way round from a release: released while its agent was
+    offboarded, a held request deadlocked the two. Offboarding now locks the rows first."""
+    world.policy(AGENT_POLICY)
+    deadlocks: list[dict] = []
+    for _ in range(ROUNDS):
+        deadlocks += _offboarding_round(world)
+    assert deadlocks == [], deadlocks
+    check_invariants(world.conninfo, world.tenant)
+
+
+def _offboarding_round(w: World) -> list[dict]:
+    """RACED agents with a request held for confirmation, each offboarded while its request is
+    released; the log lines of any deadlock."""
+    held: list[tuple[str, str, str]] = []  # (agent, its held request, its successor)
+    for _ in range(RACED):
+        agent_id, agent = w.identity(kind="agent", person_identity_id=w.user_id,
+                                     confirm_actions=["compute:reservations:create"])
+        _, reason, details = refused(agent.res, "Create", w.create_request(count=1))
+        assert reason == "CONFIRMATION_REQUIRED", details
+        successor, _ = w.identity()  # one each: offboardings naming one successor take turns
+        held.append((agent_id, details["reservationId"], successor))
+    start = threading.Barrier(2 * RACED)
+
+    def release(rid: str) -> pb.Reservation:
+        start.wait(30)
+        return w.user.res("Release", pb.ReleaseReservationRequest(tenant_id=w.tenant, reservation_id=rid))
+
+    def offboard(agent_id: str, successor: str) -> apb.OffboardIdentityResponse:
+        start.wait(30)
+        return w.root.admin("OffboardIdentity", apb.OffboardIdentityRequest(
+            identity_id=agent_id, successor_identity_id=successor))
+
+    with capture_logs() as logs, ThreadPoolExecutor(2 * RACED) as pool:
+        calls = [pool.submit(release, rid) for _, rid, _ in held] + [pool.submit(offboard, a, s) for a, _, s in held]
+        answers = [f.result(timeout=120) for f in calls]
+    assert {a.state for a in answers[:RACED]} <= {"expired", "cancelled"}, [a.state for a in answers[:RACED]]
+    rids = [rid for _, rid, _ in held]
+    assert w.sql("SELECT count(*) FROM confirmations WHERE reservation_id = ANY(%s)"
+                 " AND state IN ('pending', 'approved')", (rids,)) == [(0,)]
+    return [e for e in logs if e.get("sqlstate") == "40P01" or "eadlock" in str(e.get("error", ""))]
