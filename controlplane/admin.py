@@ -14,7 +14,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
 from controlplane import admin_queries as q
-from controlplane import db, db_errors, errors, iam, quota
+from controlplane import db, db_errors, errors, iam, quota, tokens
 from controlplane.common import devices
 from controlplane.common.names import GPU_UUID, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
 from controlplane.ids import new_id
@@ -31,6 +31,8 @@ SYSTEM_LABEL_PREFIXES = ("bc.dev/", "fabric.domain")
 
 async def create_tenant(rt: Runtime, tenant_id: str, name: str) -> dict[str, Any]:
     match("id", tenant_id, TENANT_ID)
+    if tenant_id.startswith(tokens.SECRET_PREFIX):  # the per-call log shows such a value as a token's prefix
+        raise errors.InvalidInput("id", f"must not start with {tokens.SECRET_PREFIX!r}, the prefix of API tokens")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name or tenant_id})

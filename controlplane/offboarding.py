@@ -95,11 +95,12 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
                                   "and is disabled with it")
     ids = [identity_id, *agents]
 
-    withdrawn = await confirmations.withdraw_of_identities(conn, ids)
     # Drafts are locked too: a create placing one right now is waited for, and its row is read as
-    # it committed (placed: it moves below; still a draft: it is deleted below).
+    # it committed (placed: it moves below; still a draft: it is deleted below). The rows before
+    # their confirmations, as a release locks them: the other way round the two deadlocked.
     owned = await (await conn.execute(reservation_queries.OWNED_BY_FOR_UPDATE, {
         "ids": ids, "states": [states.DRAFT, states.AWAITING_CONFIRMATION, *REASSIGNABLE]})).fetchall()
+    withdrawn = await confirmations.withdraw_of_identities(conn, ids)
     moving = [r for r in owned if r["state"] in REASSIGNABLE]
     missing = sorted({r["tenant_id"] for r in moving} - set(successor["tenant_ids"]))
     if missing:

@@ -20,6 +20,7 @@ from controlplane.client.errors import UsageError, require_utf8
 from controlplane.config import data_dir_from_env
 
 RPC_TIMEOUT_S = 30.0
+TOKEN_ENV = "BC_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,11 @@ class Connection:
         pool: str | None = None,
         ca: str | None = None,
         operator: bool = False,
+        token_file: str | None = None,
     ) -> Connection:
         """The flags over `connection` (default `$BC_DATA_DIR/connection.json`, if it exists).
         `operator`: a `nodes` command, which needs root's token and no tenant."""
+        token = chosen_token(token, token_file)
         path = pathlib.Path(connection or pathlib.Path(data_dir_from_env(), "connection.json"))
         saved: dict[str, Any] = {}
         if path.exists():
@@ -67,9 +70,42 @@ class Connection:
         if missing:
             raise UsageError(
                 f"no {', '.join(missing)}: start `make dev` (it writes {path}), "
-                "or pass --connection, or --endpoint, --token and --tenant"
+                f"or pass --connection, or --endpoint, --token-file (or ${TOKEN_ENV}) and --tenant"
             )
         return conn
+
+
+def chosen_token(token: str | None, token_file: str | None) -> str | None:
+    """The bearer token: --token, else the content of --token-file, else $BC_TOKEN; None: the
+    connection file's. The file and the variable keep the secret out of argv, which any local
+    user reads (`ps`); --token stays for compatibility."""
+    if token and token_file:
+        raise UsageError("give one of --token and --token-file")
+    if token_file:
+        return _read_token_file(token_file)
+    if token:
+        return token
+    token = os.environ.get(TOKEN_ENV) or None
+    require_utf8([token or ""], f"${TOKEN_ENV}")
+    return token
+
+
+def _read_token_file(name: str) -> str:
+    """The token in file `name`, read once, without its trailing newline: one line of text."""
+    path = pathlib.Path(name)
+    _require_regular(path, f"--token-file {name}")
+    try:
+        text = path.read_bytes().decode()
+    except OSError as exc:
+        raise UsageError(f"--token-file {name}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--token-file {name} is not UTF-8 text") from None
+    token = text.rstrip("\r\n")
+    if not token.strip():
+        raise UsageError(f"--token-file {name} is empty")
+    if any(c in token for c in "\r\n"):
+        raise UsageError(f"--token-file {name} holds more than one line")
+    return token
 
 
 def _read_saved(path: pathlib.Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ from controlplane.client.render import Output
 def connect(args: argparse.Namespace) -> Connection:
     return Connection.resolve(
         connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
-        ca=getattr(args, "ca", None), operator=getattr(args, "operator", False),
+        ca=getattr(args, "ca", None), operator=getattr(args, "operator", False), token_file=args.token_file,
     )
 
 

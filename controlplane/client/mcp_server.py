@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="better-compute mcp", description="Serve the GPU tools to an agent over stdio (MCP).")
     parser.add_argument("--connection", metavar="PATH", help="the file `dev` writes (default $BC_DATA_DIR/connection.json)")
     parser.add_argument("--endpoint", help="host:port of the API")
-    parser.add_argument("--token", help="the agent's bearer token")
+    parser.add_argument("--token", help="the agent's bearer token (any local user sees it in `ps`: prefer $BC_TOKEN"
+                        " or --token-file)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help="a file holding the agent's bearer token (read once; a trailing newline is ignored)")
     parser.add_argument("--tenant", help="tenant id")
     parser.add_argument("--pool", help="default pool id")
     args = parser.parse_args(argv)
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         require_utf8([value for value in vars(args).values() if value], "argument")
         conn = Connection.resolve(
             connection=args.connection, endpoint=args.endpoint, token=args.token, tenant=args.tenant, pool=args.pool,
-        ca=getattr(args, "ca", None),
+        ca=getattr(args, "ca", None), token_file=args.token_file,
         )
         channel = open_channel(conn)  # a connection file's unreadable `ca` is a usage error too
     except UsageError as exc:

@@ -18,7 +18,10 @@ def _common_args(parser: argparse.ArgumentParser, default: Any) -> None:
         help="the file `dev` writes (default $BC_DATA_DIR/connection.json)",
     )
     group.add_argument("--endpoint", default=default, help="host:port of the API")
-    group.add_argument("--token", default=default, help="bearer token")
+    group.add_argument("--token", default=default,
+                       help="bearer token (any local user sees it in `ps`: prefer $BC_TOKEN or --token-file)")
+    group.add_argument("--token-file", metavar="PATH", default=default,
+                       help="a file holding the bearer token (read once; a trailing newline is ignored)")
     group.add_argument("--tenant", default=default, help="tenant id")
     group.add_argument("--pool", default=default, help="pool id (default: the connection's)")
     group.add_argument("--ca", metavar="PATH", default=default,
@@ -42,8 +45,11 @@ def build() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _common_args(common, argparse.SUPPRESS)
 
+    # No abbreviations of the options before the command: every argument is matched against them,
+    # and `capacity timeline --to` or `usage --to` would be ambiguous (--token, --token-file).
     parser = argparse.ArgumentParser(
         prog="better-compute",
+        allow_abbrev=False,
         description="Reserve GPUs through the Better Compute API. Tables on a terminal, JSON otherwise.",
         epilog="`better-compute dev` runs the system locally; `better-compute mcp` serves the "
         "tools to an agent over stdio (see README.md)."

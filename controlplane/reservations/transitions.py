@@ -106,12 +106,14 @@ async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions:
 async def expire_confirmation(conn: AsyncConnection, row: dict[str, Any]) -> None:
     """A request awaiting confirmation whose deadline passed: the confirmation expires and the
     reservation with it. Called by the reconciler at the deadline and by admission when a late
-    retry finds it past; a no-op when nothing is due or it was decided meanwhile."""
+    retry finds it past; a no-op when nothing is due or it was decided meanwhile. The reservation's
+    row is locked before its confirmation, as a release (which locks the row, then expires or
+    withdraws the confirmation) and admission lock them: the other way round the two deadlocked."""
+    locked = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": row["id"]})).fetchone()
+    if locked is None or locked["state"] != states.AWAITING_CONFIRMATION:
+        return
     due = await confirmations.lock_due(conn, row["id"])
     if due is None:
-        return
-    locked = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": row["id"]})).fetchone()
-    if locked["state"] != states.AWAITING_CONFIRMATION:
         return
     await confirmations.expire(conn, due)
     await move(conn, locked, states.EXPIRED, operation_state="failed", end_reason="confirmation-expired")
