@@ -4,6 +4,11 @@ Lock order, everywhere (DESIGN §17):
 
     pool advisory lock -> reservation row -> quota rows -> allocation rows -> node rows
 
+A reservation's confirmation request hangs off its row: release, cancel, admission, the
+reconciler's expiry (`expire_confirmation`) and offboarding all lock the reservation row before
+its confirmation (the expiry and offboarding took the confirmation first and deadlocked with a
+release; tests/test_surface_leftovers.py).
+
 A transaction that needs the pool lock takes it first. Placement re-reads node state, labels and
 atom health under it, so every change that affects placement (inventory, atoms, host resources,
 GPU health, cordon, operator connectivity and labels) takes the node's pool lock before it locks
