@@ -1,0 +1,230 @@
+"""Spec audit of the gang/calendar/timeline page (004) and the reservationGrants page (001): the
+promises no other test checked, each through the real API against the real server, database and
+simulated provider. Every test here would fail if its promise broke."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import capacity_pb2 as cpb
+from bettercompute.v1 import capacity_pb2_grpc
+from bettercompute.v1 import reservations_pb2 as pb
+from tests.conftest import module_stack
+from tests.promise_support import advance_and_settle
+from tests.support import PERMISSIVE, Client, ServerThread, World, eventually, get, make_world, rpc_error
+from tests.vps_support import HOUR, MIN, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+
+
+@pytest.fixture
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from own_stack(pg_uri)
+
+
+@pytest.fixture
+def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    yield from world_of(stack, nodes=2)
+
+
+def until(check, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def now(world: World) -> int:
+    return world.root.admin("GetClock", apb.GetClockRequest()).now
+
+
+def advance(world: World, ms: int) -> None:
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=ms))
+
+
+def capacity(world: World) -> capacity_pb2_grpc.CapacityStub:
+    return capacity_pb2_grpc.CapacityStub(world.user.channel)
+
+
+def timeline(world: World, **kw) -> cpb.TimelineResponse:
+    return capacity(world).Timeline(cpb.TimelineRequest(tenant_id=world.tenant, pool_id=world.pool_id, **kw),
+                                    metadata=world.user.metadata, timeout=30)
+
+
+def rollup(world: World) -> cpb.RollupResponse:
+    return capacity(world).Rollup(cpb.RollupRequest(tenant_id=world.tenant, pool_id=world.pool_id),
+                                  metadata=world.user.metadata, timeout=30)
+
+
+def live_nodes(r: pb.Reservation) -> set[str]:
+    return {a.node_id for a in r.allocations if a.state in ("placed", "binding", "bound")}
+
+
+# --- 004: the timeline ------------------------------------------------------------------------------
+
+def test_timeline_counts_a_gpu_booked_twice_in_a_bucket_once_and_free_never_below_zero(world: World) -> None:
+    """"`booked` counts the distinct whole GPUs ... with any booking that overlaps the bucket";
+    "`free` is `max(0, allocatable - booked)`, where `allocatable` is the pool's current rollup value"."""
+    a, b = world.nodes
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=b.id, state="cordoned"))
+    base = now(world)
+    h0 = base - base % HOUR + 2 * HOUR  # BookingRepair's first look (start - 15 min) is still ahead
+    first = world.create(count=8, start=h0, duration="30m")
+    second = world.create(count=8, start=h0 + 30 * MIN, duration="30m")
+    assert live_nodes(first) == live_nodes(second) == {a.id}  # the same eight GPUs, twice in one hour
+    out = timeline(world, **{"from": h0, "to": h0 + 2 * HOUR})
+    assert out.allocatable == 8
+    assert [(bk.booked, bk.free) for bk in out.buckets] == [(8, 0), (0, 8)]
+    # One booked GPU turns unhealthy: the current allocatable is 7, the bucket still books 8.
+    uuid = first.allocations[0].device_ids[0]
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=a.id, device_uuid=uuid, health="unhealthy"))
+    out = timeline(world, **{"from": h0, "to": h0 + 2 * HOUR})
+    assert out.allocatable == 7
+    assert [(bk.booked, bk.free) for bk in out.buckets] == [(8, 0), (0, 7)]
+
+
+def test_timeline_to_defaults_to_from_plus_24_hours_in_hourly_buckets(world: World) -> None:
+    """`to` defaults to "from plus 24 hours", `stepMinutes` to 60."""
+    base = now(world)
+    start = base - base % HOUR + 3 * HOUR + 17 * MIN
+    out = timeline(world, **{"from": start})
+    assert len(out.buckets) == 24
+    assert [(bk.start, bk.end) for bk in out.buckets] == [(start + i * HOUR, start + (i + 1) * HOUR)
+                                                          for i in range(24)]
+
+
+def test_timeline_is_decided_as_capacity_read_on_the_pool(world: World) -> None:
+    """"decided as `compute:capacity:read` on the pool"."""
+    world.policy(PERMISSIVE + '\nforbid(principal, action == Action::"compute:capacity:read", resource);')
+    with pytest.raises(grpc.RpcError) as exc:
+        timeline(world)
+    code, reason, details = rpc_error(exc)
+    assert (code, reason, details.get("poolId")) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED",
+                                                     world.pool_id)
+    world.policy(PERMISSIVE)
+    assert len(timeline(world).buckets) == 24
+
+
+# --- 004: calendar reservations ---------------------------------------------------------------------
+
+def test_the_rollup_counts_a_calendar_booking_reserved_until_it_begins(world: World) -> None:
+    """"The pool's rollup counts the booking as `reserved` until it begins.\""""
+    r = world.create(count=3, start=now(world) + HOUR, duration="2h")
+    assert r.state == "placed"
+    before = rollup(world).total
+    assert (before.reserved, before.in_use) == (3, 0)
+    advance(world, HOUR)
+    eventually(world, r.id, lambda x: x.state == "binding")
+    after = rollup(world).total
+    assert (after.reserved, after.in_use) == (0, 3)
+
+
+def test_a_pending_reservation_is_retried_periodically_without_any_wake_up(pg_uri: str) -> None:
+    """"If nothing fits the window at admission, the reservation is `pending` and retried every 30
+    seconds" (BC_PENDING_RETRY_SECONDS; 1 s here). The room appears through a write that wakes
+    nobody, so only the periodic retry can place it."""
+    stack = module_stack(pg_uri, pending_retry_seconds=1)
+    server, root = next(stack)
+    try:
+        w = make_world(server.endpoint, root, server.conninfo, nodes=1)
+        node = w.nodes[0].id
+        w.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=node, state="cordoned"))
+        start = w.later(2)
+        r = w.create(count=2, start=start, duration="1h")
+        assert r.state == "pending"
+        w.sql("UPDATE nodes SET state = 'ready' WHERE id = %s", (node,))
+        placed = eventually(w, r.id, lambda x: x.state == "placed", seconds=30)
+        assert live_nodes(placed) == {node} and placed.during.start == start
+        w.close()
+    finally:
+        stack.close()
+
+
+# --- 004: BookingRepair -----------------------------------------------------------------------------
+
+def test_booking_repair_checks_again_at_the_start(world: World) -> None:
+    """"At 15 minutes before the start, and again at the start, the lifecycle checks every
+    allocation of a `placed` reservation": a node that went bad after the first check (its
+    wake-up lost) is left at the start, for the same window."""
+    start = now(world) + HOUR
+    r = world.create(count=8, start=start, duration="1h")
+    [bad] = live_nodes(r)
+    spare = next(n.id for n in world.nodes if n.id != bad)
+    advance_and_settle(world, r.id, 50 * MIN)  # the first check ran (start - 15 min): all was well
+    assert get(world, r.id).state == "placed"
+    world.sql("UPDATE nodes SET state = 'cordoned' WHERE id = %s", (bad,))  # no wake-up for it
+    advance(world, 10 * MIN)
+    repaired = eventually(world, r.id, lambda x: bool(world.sql(
+        "SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.repaired'", (f"reservation/{r.id}",))))
+    assert live_nodes(repaired) == {spare}
+    # The same window; the check runs at the start, so the time already gone is left out (the
+    # repair books from the moment it ran, as a late repair does) and the end stays.
+    assert start <= repaired.during.start <= now(world) and repaired.during.end == start + HOUR
+    data = world.sql("SELECT data FROM events WHERE subject = %s AND type = 'reservation.repaired'",
+                     (f"reservation/{r.id}",))[0][0]
+    assert (data["from"], data["nodeIds"]) == ([bad], [spare])
+
+
+# --- 001: grants -----------------------------------------------------------------------------------
+
+def root_events(v: Vps, type_: str) -> list[dict]:
+    return [d for (d,) in v.world.sql("SELECT data FROM events WHERE tenant_id = 'root' AND type = %s ORDER BY id",
+                                      (type_,))]
+
+
+def test_capacity_short_counts_only_the_live_grants(v: Vps) -> None:
+    """"When a scan sees the reservation's `total` drop below the slots its live grants hold (at
+    their peak overlap), it publishes `reservation-grant.capacity-short`": ended and cancelled
+    grants hold no slots."""
+    start = v.now()
+    cancelled = v.grant(slots=4, starts_at=start + HOUR, ends_at=start + 3 * HOUR)
+    assert v.end(cancelled.id).state == "cancelled"
+    ended = v.grant(slots=3, starts_at=start, ends_at=start + 3 * HOUR)
+    until(lambda: v.get_grant(ended.id).state == "active")
+    assert v.end(ended.id).state == "ended"
+    live = v.grant(slots=2, starts_at=start + HOUR, ends_at=start + 3 * HOUR)
+    v.put(2)
+    v.scan()
+    assert root_events(v, "reservation-grant.capacity-short") == []
+    v.put(1)
+    v.scan()
+    assert root_events(v, "reservation-grant.capacity-short") == [{
+        "accountId": v.account_id, "reservationId": v.reservation, "total": 1, "grantedSlots": 2,
+        "grantIds": [live.id]}]
+
+
+def instance_ledger(v: Vps, instance_id: str) -> list[tuple[str, int, float]]:
+    return [(m, h, q) for m, h, q in v.world.sql(
+        "SELECT meter, epoch_ms(hour), quantity::float8 FROM usage_records WHERE subject = %s ORDER BY hour, meter",
+        (f"instance/{instance_id}",))]
+
+
+def test_an_instance_taken_in_at_a_grants_start_is_billed_inside_it_for_its_term_exactly(v: Vps) -> None:
+    """"a grant that starts while its tenant already runs instances on the reservation outside any
+    grant takes them in ... from its start"; "Its instances inside the grant record only the
+    informational `vm.grant.usage.hours`, never compute meters"; "When a grant ends, its billing
+    stops at `endsAt` and its running instances are billed at the reservation rate from then on"."""
+    made = v.instance()
+    assert made.placement == "reserved"
+    began = v.world.sql("SELECT epoch_ms(min(started_at)) FROM instance_segments WHERE instance_id = %s",
+                        (made.id,))[0][0]
+    start = v.now() + HOUR + 20 * MIN
+    g = v.grant(slots=1, starts_at=start, ends_at=start + 2 * HOUR)
+    v.advance(HOUR + 20 * MIN)
+    until(lambda: v.get_grant(g.id).state == "active")
+    v.advance(2 * HOUR)
+    until(lambda: v.get_grant(g.id).state == "ended")
+    v.advance(2 * HOUR)
+    end = start + 2 * HOUR
+    until(lambda: any(m == "vm.reserved.instance.hours" and h >= end for m, h, _ in instance_ledger(v, made.id)))
+    rows = instance_ledger(v, made.id)
+    inside = sum(q for m, h, q in rows if m == "vm.grant.usage.hours")
+    assert inside == pytest.approx(2.0, abs=1e-6)  # exactly the term, from startsAt to endsAt
+    before = sum(q for m, h, q in rows if m == "vm.reserved.instance.hours" and h < start)
+    assert before == pytest.approx((start - began) / HOUR, abs=1e-6)
+    # No compute meter in any hour that lies wholly inside the term.
+    assert [r for r in rows if r[0] != "vm.grant.usage.hours" and r[1] >= start and r[1] + HOUR <= end] == []
+    assert {m for m, _, _ in rows} == {"vm.reserved.instance.hours", "vm.grant.usage.hours"}
