@@ -228,3 +228,99 @@ def test_an_instance_taken_in_at_a_grants_start_is_billed_inside_it_for_its_term
     # No compute meter in any hour that lies wholly inside the term.
     assert [r for r in rows if r[0] != "vm.grant.usage.hours" and r[1] >= start and r[1] + HOUR <= end] == []
     assert {m for m, _, _ in rows} == {"vm.reserved.instance.hours", "vm.grant.usage.hours"}
+
+
+# --- second pass -----------------------------------------------------------------------------------
+
+def test_the_documented_defaults(pg_uri: str) -> None:
+    """Defaults the pages state: pending retried "every 30 seconds"; grants listed "at most 1000";
+    a grant's `startsAt` "at most 5 minutes in the past"."""
+    from controlplane.config import Settings
+    s = Settings(database_url="")
+    assert (s.pending_retry_seconds, s.grants_list_max, s.grant_start_past_seconds) == (30, 1000, 300)
+
+
+def test_timeline_does_not_count_mig_instances(world: World) -> None:
+    """"MIG instances and slots are not counted" (slots: test_shared_gpus)."""
+    from controlplane.nodes import inventory
+    from tests.support import gpus
+    from tests.test_pki import arun
+    from tests.test_shared_gpus import _mig_inventory, shared_pool
+    shared_pool(world, "mig", nodes=0)
+    node = world.add_node(gpus("mig-audit", count=2))
+    first, second = (g.uuid for g in gpus("mig-audit", count=2))
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(
+        pool, node.id, _mig_inventory(2, {first: [(1, "3g.40gb"), (2, "3g.40gb")], second: [(0, "7g.80gb")]})))
+    held = world.create(device_class="gpu.mig", count=2, profile="3g.40gb")
+    whole = world.create(device_class="gpu.mig", count=1, profile="7g.80gb")
+    assert (held.state, whole.state) == ("placed", "placed")
+    out = timeline(world)
+    assert {bk.booked for bk in out.buckets} == {0} and out.allocatable == 0
+
+
+def test_booking_repair_moves_a_booking_off_a_gpu_no_longer_bookable(world: World) -> None:
+    """BookingRepair checks that "every booked atom [is] healthy and bookable": a booked GPU gone
+    from its node's inventory (kept, with its booking, but no longer bookable) is bad hardware."""
+    from bettercompute.node.v1 import node_pb2
+    from controlplane.nodes import inventory
+    from tests.support import gpus
+    from tests.test_pki import arun
+    start = now(world) + HOUR
+    r = world.create(count=2, start=start, duration="1h")
+    [bad] = live_nodes(r)
+    node = next(n for n in world.nodes if n.id == bad)
+    gone = r.allocations[0].device_ids[0]
+    kept = [node_pb2.Gpu(uuid=g.uuid, model=g.model, memory_mib=g.memory_mib) for g in gpus(node.name)
+            if g.uuid != gone]
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, bad, node_pb2.Inventory(generation=2,
+                                                                                            gpus=kept)))
+    assert world.sql("SELECT bookable FROM atoms WHERE device_uuid = %s", (gone,)) == [(False,)]
+    advance(world, 45 * MIN + 1000)  # BookingRepair's look at start - 15 min
+    repaired = eventually(world, r.id, lambda x: bool(world.sql(
+        "SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.repaired'", (f"reservation/{r.id}",))))
+    assert repaired.state == "placed"
+    assert (repaired.during.start, repaired.during.end) == (start, start + HOUR)
+    assert gone not in [d for a in repaired.allocations if a.state == "placed" for d in a.device_ids]
+
+
+def test_end_after_a_lost_term_end_never_moves_ends_at_later(v: Vps) -> None:
+    """end: "`endsAt` becomes the current time (never later than it was)". The grant's own wake-ups
+    are lost, so it is still `active` when `end` comes after its `endsAt`."""
+    start = v.now()
+    g = v.grant(slots=1, starts_at=start, ends_at=start + HOUR)
+    until(lambda: v.get_grant(g.id).state == "active")
+    v.world.sql("DELETE FROM work_items WHERE kind = 'grant' AND subject = %s", (g.id,))
+    v.advance(2 * HOUR)
+    assert v.get_grant(g.id).state == "active"
+    ended = v.end(g.id)
+    assert (ended.state, ended.ends_at) == ("ended", start + HOUR)
+
+
+def test_a_renewal_keeps_billing_its_instance_inside_a_grant_and_the_rest_go_to_the_reservation_rate(
+    v: Vps,
+) -> None:
+    """"When a grant ends, its billing stops at `endsAt` and its running instances are billed at the
+    reservation rate from then on, unless another grant of the tenant on the same reservation is
+    live then (a renewal), which takes them on up to its free slots"."""
+    start = v.now()
+    first = v.grant(slots=2, starts_at=start, ends_at=start + HOUR + 30 * MIN)
+    renewal = v.grant(slots=1, starts_at=start + HOUR + 30 * MIN, ends_at=start + 4 * HOUR)
+    until(lambda: v.get_grant(first.id).state == "active")
+    a, b = v.instance(), v.instance()
+    assert {a.grant_id, b.grant_id} == {first.id}
+    cut = start + HOUR + 30 * MIN
+    v.advance(HOUR + 30 * MIN)
+    until(lambda: v.get_grant(renewal.id).state == "active")
+    v.advance(HOUR + 30 * MIN)  # the hour after the cut has ended
+    until(lambda: any(h >= cut for m, h, _ in instance_ledger(v, b.id) if m == "vm.reserved.instance.hours"))
+    after = cut - cut % HOUR + HOUR  # the first whole hour after the cut
+    until(lambda: any(h == after for _, h, _ in instance_ledger(v, a.id)))
+    rows_a, rows_b = instance_ledger(v, a.id), instance_ledger(v, b.id)
+    # The oldest instance goes on inside the renewal: informational usage only, never billed.
+    assert {m for m, _, _ in rows_a} == {"vm.grant.usage.hours"}
+    assert [q for _, h, q in rows_a if h == after] == [pytest.approx(1.0)]
+    # The other one: inside the ended grant until its end, the reservation rate from then on.
+    assert not [r for r in rows_b if r[0] == "vm.grant.usage.hours" and r[1] >= cut]
+    assert not [r for r in rows_b if r[0] == "vm.reserved.instance.hours" and r[1] + HOUR <= cut]
+    assert [q for m, h, q in rows_b if h == after] == [pytest.approx(1.0)]
+    assert [m for m, h, _ in rows_b if h == after] == ["vm.reserved.instance.hours"]
