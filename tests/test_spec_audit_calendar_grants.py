@@ -324,3 +324,50 @@ def test_a_renewal_keeps_billing_its_instance_inside_a_grant_and_the_rest_go_to_
     assert not [r for r in rows_b if r[0] == "vm.reserved.instance.hours" and r[1] + HOUR <= cut]
     assert [q for m, h, q in rows_b if h == after] == [pytest.approx(1.0)]
     assert [m for m, h, _ in rows_b if h == after] == ["vm.reserved.instance.hours"]
+
+
+def test_booking_repair_in_a_lease_pool_places_inline(world: World) -> None:
+    """"Repairs always place inline": in a pool placed by the pool-lease placer, the repaired
+    booking is placed at once, never queued for the placer."""
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="lease", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+    world.nodes = []
+    world.add_node()
+    world.add_node()
+    world.wait_ms = 20_000
+    start = now(world) + HOUR
+    r = world.create(count=4, start=start, duration="1h")
+    r = eventually(world, r.id, lambda x: x.state == "placed", seconds=20)
+    [bad] = live_nodes(r)
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=bad, state="cordoned"))
+    advance(world, 45 * MIN + 1000)
+    repaired = eventually(world, r.id, lambda x: bool(world.sql(
+        "SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.repaired'", (f"reservation/{r.id}",))))
+    assert repaired.state == "placed" and live_nodes(repaired) and bad not in live_nodes(repaired)
+    types = [t for (t,) in world.sql("SELECT type FROM events WHERE subject = %s ORDER BY id",
+                                     (f"reservation/{r.id}",))]
+    assert types[types.index("reservation.placed"):] == ["reservation.placed", "reservation.repaired"]
+
+
+def test_a_gang_is_picked_at_random_among_the_best_top_n_candidates() -> None:
+    """"Candidate gangs are ranked by the sum of their members' scores, then by group name, and
+    one is picked at random among the best `topN`": three equal groups, topN 2, many seeds."""
+    import random
+
+    from controlplane.placement import gang
+    from controlplane.placement.index import Atom, Node, PoolIndex, Window
+    pool = PoolIndex("p")
+    for name, value in (("a1", "x"), ("a2", "x"), ("b1", "w"), ("b2", "w"), ("c1", "v"), ("c2", "v")):
+        node = Node(name, "p", name, {"fabric.domain": {"value": value, "source": "system"}}, frozenset(),
+                    "ready", "connected")
+        for g in range(8):
+            node.atoms[f"{name}-{g}"] = Atom(f"{name}-{g}", name, "gpu", f"GPU-{name}-{g}", "H100", g // 4, "d",
+                                             True, True)
+        pool.put(node)
+    window = Window(8, "any", "", {}, 0, 1000)
+    picked = {gang.plan_in(pool, window, gang.Gang(2, "fabric.domain"), top_n=2, rng=random.Random(seed)).plan.group
+              for seed in range(40)}
+    assert picked == {"v", "w"}  # the two best by name among equal sums; never the third
+    only = {gang.plan_in(pool, window, gang.Gang(2, "fabric.domain"), top_n=1, rng=random.Random(seed)).plan.group
+            for seed in range(10)}
+    assert only == {"v"}
