@@ -280,7 +280,10 @@ def test_booking_repair_moves_a_booking_off_a_gpu_no_longer_bookable(world: Worl
         "SELECT 1 FROM events WHERE subject = %s AND type = 'reservation.repaired'", (f"reservation/{r.id}",))))
     assert repaired.state == "placed"
     assert (repaired.during.start, repaired.during.end) == (start, start + HOUR)
-    assert gone not in [d for a in repaired.allocations if a.state == "placed" for d in a.device_ids]
+    assert bad not in live_nodes(repaired)  # "avoiding the bad nodes": the node, not only the GPU
+    data = world.sql("SELECT data FROM events WHERE subject = %s AND type = 'reservation.repaired'",
+                     (f"reservation/{r.id}",))[0][0]
+    assert (data["from"], data["nodeIds"]) == ([bad], sorted(live_nodes(repaired)))
 
 
 def test_end_after_a_lost_term_end_never_moves_ends_at_later(v: Vps) -> None:
@@ -371,3 +374,19 @@ def test_a_gang_is_picked_at_random_among_the_best_top_n_candidates() -> None:
     only = {gang.plan_in(pool, window, gang.Gang(2, "fabric.domain"), top_n=1, rng=random.Random(seed)).plan.group
             for seed in range(10)}
     assert only == {"v"}
+
+
+def test_timeline_counts_a_released_booking_for_the_buckets_it_touched_only(world: World) -> None:
+    """"a GPU busy for five minutes of an hour counts for the hour": a booking released three
+    minutes in (before its bind deadline moves it) counts for the current bucket and no later one."""
+    base = now(world)
+    hour = base - base % HOUR
+    r = world.create(count=2, duration="3h")
+    advance(world, 3 * MIN)
+    world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    out = timeline(world, **{"from": hour, "to": hour + 4 * HOUR})
+    booked = [bk.booked for bk in out.buckets]
+    if (base + 3 * MIN) // HOUR == base // HOUR:  # the release fell in the same hour
+        assert booked == [2, 0, 0, 0]
+    else:
+        assert booked == [2, 2, 0, 0]
