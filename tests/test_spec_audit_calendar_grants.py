@@ -390,3 +390,28 @@ def test_timeline_counts_a_released_booking_for_the_buckets_it_touched_only(worl
         assert booked == [2, 0, 0, 0]
     else:
         assert booked == [2, 2, 0, 0]
+
+
+@pytest.mark.parametrize(("method", "fields", "name"), [
+    ("End", {"account_id": "pacct_short"}, "accountId"),
+    ("End", {"account_id": "acct_" + "0" * 26}, "accountId"),
+    ("End", {"grant_id": "rgrant_nope"}, "grantId"),
+    ("End", {"grant_id": "grant_" + "0" * 26}, "grantId"),
+    ("List", {"tenant_id": "root tenant"}, "tenantId"),
+    ("List", {"tenant_id": "x" * 129}, "tenantId"),
+])
+def test_end_and_list_check_their_field_constraints(v: Vps, method: str, fields: dict, name: str) -> None:
+    """The input tables of end and list: a value out of its constraint is INVALID_INPUT naming it."""
+    from bettercompute.v1 import grants_pb2 as gpb
+    g = v.grant(starts_at=v.now() + HOUR)
+    if method == "End":
+        request = gpb.EndReservationGrantRequest(tenant_id="root", account_id=v.account_id, grant_id=g.id)
+    else:
+        request = gpb.ListReservationGrantsRequest(tenant_id="root")
+    for field, value in fields.items():
+        setattr(request, field, value)
+    with pytest.raises(grpc.RpcError) as exc:
+        v.root("grants", method, request)
+    code, reason, details = rpc_error(exc)
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", name)
+    assert v.get_grant(g.id).state == "scheduled"
