@@ -415,3 +415,28 @@ def test_end_and_list_check_their_field_constraints(v: Vps, method: str, fields:
     code, reason, details = rpc_error(exc)
     assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", name)
     assert v.get_grant(g.id).state == "scheduled"
+
+
+def test_a_calendar_gang_is_billed_for_every_member_from_active_until_release(world: World) -> None:
+    """Calendar: "Billing starts only when it is `active`"; a gang: "The reservation becomes
+    `active` only when every member node has reported its devices bound", and counts as `size`
+    times the per-node devices: gpu.hours are 2 x 8 GPUs from active to release, nothing before."""
+    from tests.promise_support import SigningNodes
+    start = now(world) + 30 * MIN
+    r = world.create(count=8, gang=pb.Gang(size=2), start=start, duration="6h")
+    assert r.state == "placed" and len(live_nodes(r)) == 2
+    advance(world, 31 * MIN)
+    eventually(world, r.id, lambda x: x.state == "binding")
+    advance(world, 3 * MIN)  # three minutes of binding: not billed
+    SigningNodes(world).activate(r.id)
+    activated = world.sql("SELECT epoch_ms(time) FROM events WHERE subject = %s AND type = 'reservation.active'",
+                          (f"reservation/{r.id}",))[0][0]
+    advance(world, 2 * HOUR)
+    released = world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    ended = released.during.end
+    advance(world, 3 * HOUR)
+    until(lambda: world.sql("SELECT metered_until >= from_epoch_ms(%s) FROM metering_progress WHERE source = 'gpu'",
+                            (ended + HOUR,)) == [(True,)])
+    billed = world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE meter = 'gpu.hours' "
+                       "AND subject = %s", (f"reservation/{r.id}",))[0][0]
+    assert billed == pytest.approx(16 * (ended - activated) / HOUR, abs=1e-4)
