@@ -440,3 +440,47 @@ def test_a_calendar_gang_is_billed_for_every_member_from_active_until_release(wo
     billed = world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE meter = 'gpu.hours' "
                        "AND subject = %s", (f"reservation/{r.id}",))[0][0]
     assert billed == pytest.approx(16 * (ended - activated) / HOUR, abs=1e-4)
+
+
+@pytest.mark.parametrize(("attempts", "placed"), [(1, False), (2, True)])
+def test_a_gang_is_planned_again_after_a_lost_race_up_to_max_attempts(world: World, attempts: int,
+                                                                       placed: bool) -> None:
+    """"If any member loses a race, the whole gang rolls back, that node is excluded, and the gang
+    is planned again, up to `maxAttempts` times" (BC_PLACEMENT_MAX_ATTEMPTS): with one attempt a
+    lost race ends it; with two the second plan, without the lost node, is committed."""
+    import asyncio
+
+    from controlplane import db
+    from controlplane.config import Settings
+    from controlplane.placement import gang, placer
+    from tests.test_gang import FABRIC, fleet
+    nodes = fleet(world, {"fab-a": 3})["fab-a"]
+    r = world.create(count=8, gang=pb.Gang(size=2, topology_key=FABRIC), start=world.later(5))
+    world.user.res("Cancel", pb.CancelReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
+    settings = Settings(database_url="", placement_top_n=1, placement_max_attempts=attempts)
+
+    async def scenario() -> tuple[gang.Committed, str, int]:
+        pool = await db.open_pool(world.conninfo, size=2)
+        try:
+            async with pool.connection() as conn:
+                start = (await (await conn.execute("SELECT epoch_ms(compute_now()) + 3600000 AS s")).fetchone())["s"]
+                ask = placer.Ask(world.pool_id, 8, "any", "", {}, start, start + HOUR)
+                planned = await gang.plan(conn, ask, gang.Gang(2, FABRIC), settings)
+                lost = planned.plan.members[0].node_id
+                await conn.execute("UPDATE nodes SET state = 'cordoned' WHERE id = %s", (lost,))
+                committed = await gang.commit(conn, ask, gang.Gang(2, FABRIC), r.id, planned, settings)
+                kept = (await (await conn.execute(
+                    "SELECT count(*) AS n FROM allocations WHERE reservation_id = %s AND state = 'placed'",
+                    (r.id,))).fetchone())["n"]
+                await conn.rollback()
+                return committed, lost, kept
+        finally:
+            await pool.close()
+
+    committed, lost, kept = asyncio.run(scenario())
+    if placed:
+        assert committed.placements is not None and kept == 2
+        assert sorted(p.node_id for p in committed.placements) == sorted(set(nodes) - {lost})
+    else:
+        assert committed.placements is None and kept == 0
+        assert committed.reason == "no gang of 2 nodes could be committed in 1 attempts (lost races)"
