@@ -484,3 +484,23 @@ def test_a_gang_is_planned_again_after_a_lost_race_up_to_max_attempts(world: Wor
     else:
         assert committed.placements is None and kept == 0
         assert committed.reason == "no gang of 2 nodes could be committed in 1 attempts (lost races)"
+
+
+def test_an_extended_calendar_reservation_runs_to_its_new_end_then_expires(world: World) -> None:
+    """"`reservations.extend` works on a placed reservation too": extended before its start, it is
+    still active at its old end and released (expired) at the new one."""
+    from tests.promise_support import SigningNodes
+    start = now(world) + HOUR
+    r = world.create(count=2, start=start, duration="1h")
+    out = world.user.res("Extend", pb.ExtendReservationRequest(tenant_id=world.tenant, reservation_id=r.id,
+                                                               idempotency_key="ext", by="1h"))
+    assert out.extended and out.reservation.state == "placed" and out.reservation.during.end == start + 2 * HOUR
+    advance(world, HOUR)
+    SigningNodes(world).activate(r.id)
+    advance_and_settle(world, r.id, HOUR + MIN)  # past the old end: the old end's wake-up ran
+    assert get(world, r.id).state == "active"
+    advance(world, HOUR)
+    done = eventually(world, r.id, lambda x: x.state == "released")
+    assert done.during.end == start + 2 * HOUR
+    assert world.sql("SELECT data->>'reason' FROM events WHERE subject = %s AND type = 'reservation.released'",
+                     (f"reservation/{r.id}",)) == [("expired",)]
