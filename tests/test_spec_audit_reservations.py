@@ -1,0 +1,180 @@
+"""Promises of the reservations page that no other test held the product to, each driven through
+the real API: which IAM action renew, release and cancel are decided on, wait left out of the
+request hash, an Unschedulable create that asks to wait, the list's default page, renew and
+cancel outside their states, extend's idempotency key, terminal releases, and the data of
+reservation.binding-rejected."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from bettercompute.v1 import reservations_pb2 as pb
+from tests.invariants import check_invariants
+from tests.promise_support import SigningNodes, poll
+from tests.support import PERMISSIVE, World, clock_now, eventually, get, invalid, refused
+
+
+def call(world: World, method: str, rid: str, client=None) -> pb.Reservation:
+    request = getattr(pb, f"{method}ReservationRequest")(tenant_id=world.tenant, reservation_id=rid)
+    return (client or world.user).res(method, request)
+
+
+def events_of(world: World, rid: str, kind: str) -> list[dict]:
+    return [d for (d,) in world.sql("SELECT data FROM events WHERE subject = %s AND type = %s ORDER BY id",
+                                    (f"reservation/{rid}", kind))]
+
+
+def forbid(action: str) -> str:
+    return PERMISSIVE + f' forbid(principal, action == Action::"{action}", resource);'
+
+
+# "reservations.renew (compute:reservations:extend)" and "Both are compute:reservations:release".
+
+def test_renew_is_decided_as_compute_reservations_extend(world: World) -> None:
+    leased = world.create(count=1, lease_seconds=600, start=world.later())
+    world.policy(forbid("compute:reservations:extend"))
+    code, reason, details = refused(call, world, "Renew", leased.id)
+    assert (code, reason, details["reservationId"]) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED", leased.id)
+    assert get(world, leased.id).lease_deadline == leased.lease_deadline  # refused: nothing moved
+    # Release and cancel are not extend: still allowed under this policy.
+    assert call(world, "Cancel", leased.id).state == "cancelled"
+    world.policy(PERMISSIVE)
+
+
+def test_release_and_cancel_are_decided_as_compute_reservations_release(world: World) -> None:
+    leased = world.create(count=1, lease_seconds=600, start=world.later())
+    world.policy(forbid("compute:reservations:release"))
+    for method in ("Release", "Cancel"):
+        code, reason, details = refused(call, world, method, leased.id)
+        assert (code, reason, details["reservationId"]) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED",
+                                                            leased.id), method
+    assert get(world, leased.id).state == "placed"
+    # Renew is extend, not release: allowed under this policy.
+    assert call(world, "Renew", leased.id).state == "placed"
+    world.policy(PERMISSIVE)
+    check_invariants(world.conninfo, world.tenant)
+
+
+# "wait is excluded from the request hash".
+
+def test_a_repeat_that_waits_differently_or_not_at_all_is_the_same_request(world: World) -> None:
+    first = world.user.res("Create", world.create_request(key="waits", count=1, start=world.later(),
+                                                          wait=pb.Wait(timeout_ms=1000)))
+    for wait in (pb.Wait(timeout_ms=5000), None):
+        request = world.create_request(key="waits", count=1, start=first.request.start)
+        if wait is not None:
+            request.wait.CopyFrom(wait)
+        again = world.user.res("Create", request)
+        assert (again.id, again.created_at, again.state) == (first.id, first.created_at, "placed")
+    # Not vacuous: another request under the key is a CONFLICT.
+    code, reason, details = refused(world.user.res, "Create", world.create_request(
+        key="waits", count=2, start=first.request.start))
+    assert (reason, details["reservationId"]) == ("CONFLICT", first.id)
+
+
+# "With the inline placer a create is placed or Unschedulable at once, so wait returns immediately."
+
+def test_an_unschedulable_create_that_asks_to_wait_answers_pending_at_once(world: World) -> None:
+    with capture_logs() as logs:
+        r = world.user.res("Create", world.create_request(count=8, model="B200", wait=pb.Wait(timeout_ms=20_000)))
+    assert r.state == "pending" and r.operation.state == "succeeded"
+    assert [c.type for c in r.conditions] == ["Unschedulable"]
+    # At most the one read that finds the operation stopped: no pause of the back-off.
+    waits = [e for e in logs if e.get("event") == "operation wait" and e.get("reservation_id") == r.id]
+    assert all(e["pauses_ms"] == [] for e in waits), waits
+
+
+# "pages with limit (1 to 200, default 50) and cursor, the last reservation's id".
+
+def test_list_pages_50_by_default_and_takes_up_to_200(world: World) -> None:
+    made = [world.create(count=1, duration="30m", start=world.later(1 + i)).id for i in range(51)]
+
+    def page(**kw) -> pb.ListReservationsResponse:
+        return world.user.res("List", pb.ListReservationsRequest(tenant_id=world.tenant, **kw))
+
+    first = page()
+    assert [r.id for r in first.items] == made[:0:-1]  # newest first, 50 of them
+    assert first.next_cursor == made[1]
+    rest = page(cursor=first.next_cursor)
+    assert [r.id for r in rest.items] == [made[0]] and rest.next_cursor == ""
+    assert [r.id for r in page(limit=200).items] == made[::-1]
+    for limit in (-1, 201):
+        invalid("limit", world.user.res, "List", pb.ListReservationsRequest(tenant_id=world.tenant, limit=limit))
+
+
+# "reservations.renew ... in states placed, binding and active" and "Renewing a reservation
+# created without leaseSeconds is INVALID_STATE".
+
+def test_renew_moves_a_placed_lease_and_is_invalid_state_when_pending_or_terminal(world: World) -> None:
+    placed = world.create(count=1, lease_seconds=600, start=world.later())
+    before = clock_now(world)
+    renewed = call(world, "Renew", placed.id)
+    after = clock_now(world)
+    assert renewed.state == "placed" and renewed.during == placed.during
+    assert before + 600_000 <= renewed.lease_deadline <= after + 600_000  # now plus leaseSeconds
+
+    pending = world.create(count=8, model="B200", lease_seconds=600)
+    assert pending.state == "pending"
+    released = world.create(count=1, lease_seconds=600, start=world.later())
+    call(world, "Release", released.id)
+    for rid, state in ((pending.id, "pending"), (released.id, "released")):
+        code, reason, details = refused(call, world, "Renew", rid)
+        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE"), details
+        assert (details["reservationId"], details["state"]) == (rid, state)
+        assert get(world, rid).state == state
+    check_invariants(world.conninfo, world.tenant)
+
+
+# "reservations.extend takes exactly one of until (epoch milliseconds) or by (a duration), plus an
+# idempotencyKey."
+
+def test_extend_without_an_idempotency_key_is_invalid_input_naming_it(world: World) -> None:
+    r = world.create(count=1, start=world.later())
+    invalid("idempotencyKey", world.user.res, "Extend", pb.ExtendReservationRequest(
+        tenant_id=world.tenant, reservation_id=r.id, by="1h"))
+    assert get(world, r.id).during == r.during
+
+
+# "reservations.cancel withdraws one that has not started (pending or placed); anything else is
+# INVALID_STATE." A request awaiting its person's confirmation is neither.
+
+def test_cancel_of_a_request_awaiting_confirmation_is_invalid_state(world: World) -> None:
+    world.policy("permit(principal, action, resource) unless { context.delegated };")
+    _, agent = world.identity(kind="agent", person_identity_id=world.user_id,
+                              confirm_actions=["compute:reservations:create"])
+    code, reason, details = refused(world.create, agent, key="held", count=1)
+    assert reason == "CONFIRMATION_REQUIRED"
+    rid = details["reservationId"]
+    code, reason, details = refused(call, world, "Cancel", rid)
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE")
+    assert (details["reservationId"], details["state"]) == (rid, "awaiting-confirmation")
+    assert get(world, rid).state == "awaiting-confirmation"
+    world.policy(PERMISSIVE)
+
+
+# "releasing a terminal one changes nothing" (a cancelled one as well as a released one).
+
+def test_releasing_a_cancelled_reservation_changes_nothing(world: World) -> None:
+    r = world.create(count=1, start=world.later())
+    cancelled = call(world, "Cancel", r.id)
+    again = call(world, "Release", r.id)
+    assert (again.state, again.version, again.during) == ("cancelled", cancelled.version, cancelled.during)
+    assert events_of(world, r.id, "reservation.released") == []
+    assert len(events_of(world, r.id, "reservation.cancelled")) == 1
+
+
+# "reservation.binding-rejected (with allocationId, nodeId and reason ...)", with state and poolId.
+
+def test_binding_rejected_carries_allocation_node_reason_state_and_pool(world: World) -> None:
+    nodes = SigningNodes(world)
+    r = world.create(count=1, duration="2h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0]
+    # Signed by the node, but naming a device that is not the allocation's: it never counts.
+    assert nodes.report(alloc.node_id, alloc.id, cdi_devices=["bcd.dev/gpu=GPU-not-this-one"]) == "stored"
+    [data] = poll(lambda: events_of(world, r.id, "reservation.binding-rejected"), what="binding-rejected")
+    assert (data["allocationId"], data["nodeId"], data["state"], data["poolId"]) == (
+        alloc.id, alloc.node_id, "binding", world.pool_id)
+    assert data["reason"]
+    assert get(world, r.id).state == "binding"
