@@ -6,14 +6,25 @@ reservation.binding-rejected."""
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
 import grpc
 import pytest
 from structlog.testing import capture_logs
 
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
+from tests.conftest import module_stack
 from tests.promise_support import SigningNodes, poll
-from tests.support import PERMISSIVE, World, clock_now, eventually, get, invalid, refused
+from tests.support import (PERMISSIVE, Client, ServerThread, World, clock_now, eventually, get, invalid,
+                           make_world, refused)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def call(world: World, method: str, rid: str, client=None) -> pb.Reservation:
@@ -178,3 +189,56 @@ def test_binding_rejected_carries_allocation_node_reason_state_and_pool(world: W
         alloc.id, alloc.node_id, "binding", world.pool_id)
     assert data["reason"]
     assert get(world, r.id).state == "binding"
+
+
+# "The better-compute reserve command sends wait (its --wait, 20 seconds by default) and, if the
+# answer is still Queued, keeps polling reservations.get until the same deadline." Run as a real
+# process against a lease pool whose server holds a create at most 1 s: the answer comes back
+# queued and only the CLI's own polling can see it placed.
+
+LEASE_WAIT_CAP_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def lease_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, default_placer="lease", placer_lease_seconds=1.5,
+                            create_wait_cap_seconds=LEASE_WAIT_CAP_S)
+
+
+def test_reserve_keeps_polling_get_after_a_queued_answer_by_default(
+        lease_stack: tuple[ServerThread, Client], tmp_path: pathlib.Path) -> None:
+    server, root = lease_stack
+    world = make_world(server.endpoint, root, server.conninfo)
+    # An absent holder holds the pool's lease: nothing places the reservation until it lapses.
+    world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
+              "VALUES (%s, 'elsewhere', 7, clock_timestamp() + interval '1 hour') "
+              "ON CONFLICT (pool_id) DO UPDATE SET holder = 'elsewhere', epoch = pool_leases.epoch + 1, "
+              "deadline = EXCLUDED.deadline", (world.pool_id,))
+    token = world.user.metadata[0][1].removeprefix("Bearer ")
+    env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "none"), PYTHONUNBUFFERED="1")
+    env.pop("DATABASE_URL", None)
+    with capture_logs() as logs:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", "--endpoint", world.endpoint, "--token", token,
+             "--tenant", world.tenant, "--pool", world.pool_id, "--json", "reserve", "--gpus", "1",
+             "--start", "+2h", "--for", "1h"],  # no --wait: its default
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            def rpcs(method: str) -> list[dict]:
+                return [e for e in list(logs) if e.get("event") == "rpc" and e.get("tenant") == world.tenant
+                        and e.get("method") == f"/bettercompute.v1.Reservations/{method}"]
+
+            [created] = poll(lambda: rpcs("Create"), what="the CLI's create answered")
+            assert created["code"] == "OK"
+            poll(lambda: rpcs("Get"), what="the CLI polling get after the queued answer")
+            world.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (world.pool_id,))
+            out, err = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert process.returncode == 0, err
+    answer = json.loads(out)
+    assert answer["state"] == "placed" and answer["operation"]["state"] == "succeeded", answer
+    assert get(world, answer["id"]).state == "placed"
+    world.close()
