@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
 from tests.conftest import module_stack
 from tests.promise_support import SigningNodes, poll
+from tests.test_mcp import run_agent
 from tests.support import (PERMISSIVE, Client, ServerThread, World, clock_now, eventually, get, invalid,
                            make_world, refused)
 
@@ -205,15 +207,30 @@ def lease_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
                             create_wait_cap_seconds=LEASE_WAIT_CAP_S)
 
 
-def test_reserve_keeps_polling_get_after_a_queued_answer_by_default(
-        lease_stack: tuple[ServerThread, Client], tmp_path: pathlib.Path) -> None:
+def held_lease_world(lease_stack: tuple[ServerThread, Client]) -> World:
+    """A lease pool whose lease an absent holder holds: nothing places a reservation until
+    `lapse_lease` lets the server's own lease worker take it."""
     server, root = lease_stack
     world = make_world(server.endpoint, root, server.conninfo)
-    # An absent holder holds the pool's lease: nothing places the reservation until it lapses.
     world.sql("INSERT INTO pool_leases (pool_id, holder, epoch, deadline) "
               "VALUES (%s, 'elsewhere', 7, clock_timestamp() + interval '1 hour') "
               "ON CONFLICT (pool_id) DO UPDATE SET holder = 'elsewhere', epoch = pool_leases.epoch + 1, "
               "deadline = EXCLUDED.deadline", (world.pool_id,))
+    return world
+
+
+def lapse_lease(world: World) -> None:
+    world.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (world.pool_id,))
+
+
+def rpcs(logs: list[dict], world: World, method: str) -> list[dict]:
+    return [e for e in list(logs) if e.get("event") == "rpc" and e.get("tenant") == world.tenant
+            and e.get("method") == f"/bettercompute.v1.Reservations/{method}"]
+
+
+def test_reserve_keeps_polling_get_after_a_queued_answer_by_default(
+        lease_stack: tuple[ServerThread, Client], tmp_path: pathlib.Path) -> None:
+    world = held_lease_world(lease_stack)
     token = world.user.metadata[0][1].removeprefix("Bearer ")
     env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "none"), PYTHONUNBUFFERED="1")
     env.pop("DATABASE_URL", None)
@@ -224,14 +241,11 @@ def test_reserve_keeps_polling_get_after_a_queued_answer_by_default(
              "--start", "+2h", "--for", "1h"],  # no --wait: its default
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            def rpcs(method: str) -> list[dict]:
-                return [e for e in list(logs) if e.get("event") == "rpc" and e.get("tenant") == world.tenant
-                        and e.get("method") == f"/bettercompute.v1.Reservations/{method}"]
-
-            [created] = poll(lambda: rpcs("Create"), what="the CLI's create answered")
-            assert created["code"] == "OK"
-            poll(lambda: rpcs("Get"), what="the CLI polling get after the queued answer")
-            world.sql("UPDATE pool_leases SET deadline = clock_timestamp() WHERE pool_id = %s", (world.pool_id,))
+            [created] = poll(lambda: rpcs(logs, world, "Create"), what="the CLI's create answered")
+            # It sent wait: the server held the answer up to its cap before answering queued.
+            assert created["code"] == "OK" and created["duration_ms"] >= LEASE_WAIT_CAP_S * 900, created
+            poll(lambda: rpcs(logs, world, "Get"), what="the CLI polling get after the queued answer")
+            lapse_lease(world)
             out, err = process.communicate(timeout=60)
         finally:
             if process.poll() is None:
@@ -241,4 +255,33 @@ def test_reserve_keeps_polling_get_after_a_queued_answer_by_default(
     answer = json.loads(out)
     assert answer["state"] == "placed" and answer["operation"]["state"] == "succeeded", answer
     assert get(world, answer["id"]).state == "placed"
+    world.close()
+
+
+# "The MCP reserve_gpus tool sends wait from its waitSeconds" (and polls like the CLI).
+
+def test_mcp_reserve_gpus_waits_for_placement_for_its_wait_seconds(
+        lease_stack: tuple[ServerThread, Client], tmp_path: pathlib.Path) -> None:
+    world = held_lease_world(lease_stack)
+    token = world.user.metadata[0][1].removeprefix("Bearer ")
+    answers: list[dict] = []
+
+    async def script(call) -> None:
+        failed, booked = await call("reserve_gpus", gpus=1, topology="", duration="1h", start="+2h", waitSeconds=20)
+        assert not failed, booked
+        answers.append(booked)
+
+    with capture_logs() as logs:
+        def lapse_once_polled() -> None:
+            poll(lambda: rpcs(logs, world, "Get"), seconds=30, what="the tool polling get after the queued answer")
+            lapse_lease(world)
+
+        with ThreadPoolExecutor(1) as pool:
+            lapsed = pool.submit(lapse_once_polled)
+            run_agent(world, tmp_path, token, script)
+            lapsed.result(timeout=5)
+    [booked] = answers
+    assert booked["status"] == "placed" and booked["reservation"]["operation"]["state"] == "succeeded", booked
+    [created] = rpcs(logs, world, "Create")
+    assert created["code"] == "OK" and created["duration_ms"] >= LEASE_WAIT_CAP_S * 900, created  # it sent wait
     world.close()
