@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
 from tests.conftest import module_stack
-from tests.promise_support import SigningNodes, poll
+from tests.promise_support import SigningNodes, poll, wake_up_times
 from tests.test_mcp import run_agent
 from tests.support import (PERMISSIVE, Client, ServerThread, World, clock_now, eventually, get, invalid,
                            make_world, refused)
@@ -193,6 +193,34 @@ def test_binding_rejected_carries_allocation_node_reason_state_and_pool(world: W
     assert get(world, r.id).state == "binding"
 
 
+# "The capacity.reservations reconciler drives each reservation, woken by the work queue at the
+# moments that matter: the start, 15 minutes before it, ..., the end and the lease deadline."
+# Each way a reservation is placed writes them: a create placed at once, and a pending one placed
+# by its retry when capacity frees.
+
+MIN = 60_000
+
+
+def moments_of(r: pb.Reservation) -> set[int]:
+    return {r.during.start - 15 * MIN, r.during.start, r.during.end, r.lease_deadline}
+
+
+def test_every_placement_wakes_the_reconciler_at_start_15_minutes_before_end_and_lease(world: World) -> None:
+    at_once = world.create(count=1, duration="2h", start=world.later(24), lease_seconds=3600)
+    assert at_once.state == "placed" and at_once.HasField("lease_deadline")
+    assert moments_of(at_once) <= set(wake_up_times(world, at_once.id)), wake_up_times(world, at_once.id)
+
+    start = world.later(48)
+    blockers = [world.create(count=8, start=start, duration="1h") for _ in world.nodes]
+    waiting = world.create(count=8, start=start, duration="1h", lease_seconds=3600)
+    assert waiting.state == "pending" and not waiting.HasField("lease_deadline")
+    call(world, "Cancel", blockers[0].id)  # frees capacity: the pool's pending reservations are retried now
+    placed = eventually(world, waiting.id, lambda x: x.state == "placed")
+    assert placed.during.start == start and placed.HasField("lease_deadline")
+    assert moments_of(placed) <= set(wake_up_times(world, waiting.id)), wake_up_times(world, waiting.id)
+    check_invariants(world.conninfo, world.tenant)
+
+
 # "The better-compute reserve command sends wait (its --wait, 20 seconds by default) and, if the
 # answer is still Queued, keeps polling reservations.get until the same deadline." Run as a real
 # process against a lease pool whose server holds a create at most 1 s: the answer comes back
@@ -284,4 +312,15 @@ def test_mcp_reserve_gpus_waits_for_placement_for_its_wait_seconds(
     assert booked["status"] == "placed" and booked["reservation"]["operation"]["state"] == "succeeded", booked
     [created] = rpcs(logs, world, "Create")
     assert created["code"] == "OK" and created["duration_ms"] >= LEASE_WAIT_CAP_S * 900, created  # it sent wait
+    world.close()
+
+
+def test_a_batch_placement_wakes_the_reconciler_at_its_moments_too(lease_stack: tuple[ServerThread, Client]) -> None:
+    world = held_lease_world(lease_stack)
+    queued = world.create(count=1, duration="2h", start=world.later(24), lease_seconds=3600)
+    assert queued.state == "queued"
+    lapse_lease(world)
+    placed = eventually(world, queued.id, lambda x: x.state == "placed", seconds=20)
+    assert placed.HasField("lease_deadline")
+    assert moments_of(placed) <= set(wake_up_times(world, placed.id)), wake_up_times(world, placed.id)
     world.close()
