@@ -7,6 +7,7 @@ here was an attack; the ones that broke a promise came with their fix."""
 
 from __future__ import annotations
 
+import pathlib
 import threading
 import time
 from collections.abc import Callable
@@ -16,9 +17,14 @@ import grpc
 import psycopg
 import pytest
 
+from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane import bootstrap
+from controlplane.common.status import error_info
+from controlplane.devtools import devstack
+from tests.conftest import clone_database
 from tests.invariants import check_invariants
-from tests.support import World, get, refused
+from tests.support import Client, World, get, gpus, make_world, refused
 
 WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
 
@@ -113,3 +119,147 @@ def test_a_call_whose_backend_is_ended_mid_call_is_unavailable_and_its_retry_con
         assert again.state == "placed" and world.sql("SELECT count(*) FROM reservations WHERE id = %s",
                                                       (again.id,)) == [(1,)]
     check_invariants(world.conninfo, world.tenant)
+
+
+# -- kill -9 of the control plane with calls in flight ------------------------------------------
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+class Call:
+    """One call with a fixed request (its idempotency key included), made again until it has an
+    answer that is not a fault: what a client that retries does."""
+
+    def __init__(self, name: str, rid: str, send: Callable[[Client], Any]) -> None:
+        self.name, self.rid, self.send = name, rid, send
+        self.answers: list[Any] = []  # every answer or spec error, in order
+
+    def once(self, client: Client, timeout: float = 20) -> str:
+        """"" once it has a final answer (a response, or a spec error that is no fault); else why
+        not: "fault" (the server was away), "in-flight" (a killed extend's slot, taken over once
+        60 s old)."""
+        try:
+            self.answers.append(self.send(client, timeout))
+            return ""
+        except grpc.RpcError as exc:
+            if exc.code() in RETRYABLE:
+                return "fault"
+            info = error_info(exc)
+            if info is not None and info.reason == "CONFLICT" and info.metadata.get("reason") == "extend-in-flight":
+                return "in-flight"
+            self.answers.append((exc.code(), info.reason if info else "", dict(info.metadata) if info else {}))
+            return ""
+
+
+@pytest.mark.parametrize("eighths", [1, 4], ids=["early", "midway"])
+def test_kill_9_with_creates_extends_releases_and_cancels_in_flight_converges_on_retry(
+        pg_uri: str, tmp_path: pathlib.Path, eighths: int) -> None:
+    """A control plane killed with -9 while 42 calls are in flight (creates on an inline and a
+    lease pool, extends to an `until`, releases, cancels), `eighths` of them answered, then
+    started again: every call made again with the same request (and key) converges to one
+    outcome, the one answered before the kill if any. No duplicate or lost reservation, no draft,
+    queued or running create left, no extend slot or pending change left behind, and the
+    invariants hold (no overlap, quota usage equal to the live charges, legal transitions)."""
+    conninfo = clone_database(pg_uri)
+    root_token = bootstrap.ensure_root(conninfo)
+    env = {"BC_CLOCK_CONTROL": "1", "BC_PENDING_RETRY_SECONDS": "2", "BC_PLACER_LEASE_SECONDS": "1.5"}
+    process, endpoint = devstack.controlplane(conninfo, tmp_path / "cp-1.log", env=env)
+    processes = [process]
+    clients: list[Client] = []
+    try:
+        root = Client(endpoint, root_token)
+        clients.append(root)
+        world = make_world(endpoint, root, conninfo, nodes=4, quota=10_000)
+        token = world.user.metadata[0][1].split(" ", 1)[1]
+        lease_pool = root.admin("CreatePool", apb.CreatePoolRequest(
+            owner_tenant_id=world.tenant, name="lease", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+        for i in range(4):
+            root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=lease_pool, name=f"l{i}", gpus=gpus(f"l{i}")))
+        # Targets for the calls on existing reservations: placed, starting in two hours.
+        targets = [world.create(count=1, start=world.later(2)) for _ in range(18)]
+        tenant = world.tenant
+        calls: list[Call] = []
+        for i in range(24):
+            req = world.create_request(key=f"c{i}", count=(1, 2, 4)[i % 3],
+                                       pool_id=lease_pool if i % 3 == 0 else world.pool_id,
+                                       start=world.later(1 + i % 4) if i % 2 else None)
+            if i % 3 == 0:
+                req.wait.timeout_ms = 15_000
+            calls.append(Call("create", "", lambda c, t, req=req: c.res("Create", req, timeout=t)))
+        for t in targets[:6]:
+            req = pb.ExtendReservationRequest(tenant_id=tenant, reservation_id=t.id, until=t.during.end + 3_600_000,
+                                              idempotency_key=f"x-{t.id[-6:]}")
+            calls.append(Call("extend", t.id, lambda c, tm, req=req: c.res("Extend", req, timeout=tm)))
+        for t in targets[6:12]:
+            req = pb.ReleaseReservationRequest(tenant_id=tenant, reservation_id=t.id)
+            calls.append(Call("release", t.id, lambda c, tm, req=req: c.res("Release", req, timeout=tm)))
+        for t in targets[12:]:
+            req = pb.CancelReservationRequest(tenant_id=tenant, reservation_id=t.id)
+            calls.append(Call("cancel", t.id, lambda c, tm, req=req: c.res("Cancel", req, timeout=tm)))
+
+        user = Client(endpoint, token)
+        clients.append(user)
+        go = threading.Barrier(len(calls) + 1)
+        answered = threading.Semaphore(0)
+
+        def first(call: Call) -> None:
+            go.wait()
+            if not call.once(user):
+                answered.release()
+
+        threads = [threading.Thread(target=first, args=(call,), daemon=True) for call in calls]
+        for thread in threads:
+            thread.start()
+        go.wait()
+        for _ in range(len(calls) * eighths // 8):  # some answered: the rest are in flight
+            assert answered.acquire(timeout=WAIT)
+        process.kill()
+        for thread in threads:
+            thread.join(WAIT)
+        in_flight = sum(1 for call in calls if not call.answers)
+        assert in_flight, "every call answered before the kill"
+
+        process, endpoint = devstack.controlplane(conninfo, tmp_path / "cp-2.log", env=env)
+        processes.append(process)
+        user, root = Client(endpoint, token), Client(endpoint, root_token)
+        clients += [user, root]
+        deadline = time.monotonic() + 120
+        for call in calls:  # every call again, answered before the kill or not: the same outcome
+            while why := call.once(user):
+                assert time.monotonic() < deadline, f"{call.name} never answered: {call.answers}"
+                if why == "in-flight":  # the killed extend's slot, 60 s of the product's clock later
+                    root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=61_000))
+                else:
+                    time.sleep(0.1)
+
+        by_id: dict[str, pb.Reservation] = {}
+        for call in calls:
+            last = call.answers[-1]
+            if call.name == "create":
+                assert {a.id for a in call.answers} == {last.id}, call.answers  # one reservation per key
+                by_id[last.id] = last
+            elif call.name == "extend":
+                assert not isinstance(last, tuple) and last.reservation.during.end == targets[
+                    [t.id for t in targets].index(call.rid)].during.end + 3_600_000, call.answers
+            elif call.name == "release":
+                assert last.state == "released", call.answers
+            elif isinstance(last, tuple):  # a cancel that committed before the kill: its retry sees it
+                assert last[1] == "INVALID_STATE" and last[2]["state"] == "cancelled", call.answers
+            else:
+                assert last.state == "cancelled", call.answers
+
+        def settled() -> bool:
+            rows = world.sql("SELECT id, state, operation_state FROM reservations WHERE tenant_id = %s"
+                             " AND (state IN ('draft', 'queued') OR operation_state = 'running')", (tenant,))
+            return not rows
+        until(settled, "no draft, queued or running create left", seconds=60)
+        assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (tenant,)) == [
+            (len(targets) + sum(1 for c in calls if c.name == "create"),)]
+        assert world.sql("SELECT count(*) FROM extend_holds") == [(0,)]
+        assert world.sql("SELECT count(*) FROM authz_projection WHERE pending IS NOT NULL") == [(0,)]
+        check_invariants(conninfo, tenant)
+    finally:
+        for client in clients:
+            client.close()
+        for p in processes:
+            p.stop()
