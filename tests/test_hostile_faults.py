@@ -25,6 +25,7 @@ from controlplane.devtools import devstack
 from tests.conftest import clone_database
 from tests.invariants import check_invariants
 from tests.support import Client, World, get, gpus, make_world, refused
+from tests.test_watch import Stream
 
 WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
 
@@ -262,4 +263,134 @@ def test_kill_9_with_creates_extends_releases_and_cancels_in_flight_converges_on
         for client in clients:
             client.close()
         for p in processes:
+            p.stop()
+
+
+# -- kill -9 of the gateway while nodes bind and report -----------------------------------------
+
+GATEWAY_ENV = {"BC_NODE_GRACE_SECONDS": "10", "BC_NODE_SWEEP_SECONDS": "1"}
+
+
+def test_kill_9_of_the_gateway_while_nodes_bind_and_report_loses_and_doubles_nothing(
+        pg_uri: str, tmp_path: pathlib.Path) -> None:
+    """The gateway is killed with -9 while a fleet binds holds and reports them, and started again
+    on the same ports. The nodes reconnect; every hold placed before, during and after the outage
+    becomes active once, no report is stored twice, and the invariants hold."""
+    conninfo = clone_database(pg_uri)
+    root_token = bootstrap.ensure_root(conninfo)
+    processes: list[devstack.Process] = []
+    clients: list[Client] = []
+    try:
+        cp, endpoint = devstack.controlplane(conninfo, tmp_path / "cp.log", env={"BC_CLOCK_CONTROL": "1"})
+        processes.append(cp)
+        gw, session, enrol = devstack.gateway(conninfo, tmp_path / "gw-1.log", tmp_path / "ca.pem", env=GATEWAY_ENV)
+        processes.append(gw)
+        root = Client(endpoint, root_token)
+        clients.append(root)
+        world = make_world(endpoint, root, conninfo, nodes=0, quota=1000)
+        names = [f"gk-{i}" for i in range(4)]
+        devstack.issue_join_tokens(endpoint, root_token, world.pool_id, names, tmp_path / "tokens.json")
+        processes.append(devstack.nodesim(len(names), session, enrol, tmp_path / "sandbox", tmp_path / "tokens.json",
+                                          tmp_path / "ca.pem", tmp_path / "fleet.log", extra=("--heartbeat", "0.5")))
+
+        def connected() -> bool:
+            nodes = root.admin("ListNodes", apb.ListNodesRequest(pool_id=world.pool_id)).items
+            return len([n for n in nodes if n.connectivity == "connected" and n.gpu_count == 8]) == len(names)
+        until(connected, "the fleet to connect", seconds=60)
+
+        def active() -> set[str]:
+            return {rid for (rid,) in world.sql(
+                "SELECT id FROM reservations WHERE tenant_id = %s AND state = 'active'", (world.tenant,))}
+
+        rids = [world.create(count=1 + i % 2).id for i in range(8)]
+        until(lambda: active(), "a first hold to bind", seconds=60)
+        gw.kill()  # binds and reports of the others in flight
+        rids += [world.create(count=1 + i % 2).id for i in range(4)]  # placed while no node is reachable
+        gw, _, _ = devstack.gateway(conninfo, tmp_path / "gw-2.log", tmp_path / "ca.pem", env=GATEWAY_ENV,
+                                    listen=session, enrol_listen=enrol)
+        processes.append(gw)
+        rids += [world.create(count=1 + i % 2).id for i in range(4)]
+        until(lambda: active() >= set(rids), "every hold to be active", seconds=90)
+
+        assert world.sql("SELECT allocation_id, key_id, sequence FROM node_reports WHERE sequence IS NOT NULL"
+                         " GROUP BY 1, 2, 3 HAVING count(*) > 1") == []
+        assert world.sql("SELECT subject FROM events WHERE tenant_id = %s AND type = 'reservation.active'"
+                         " GROUP BY subject HAVING count(*) > 1", (world.tenant,)) == []
+        for rid in rids:
+            r = get(world, rid)
+            assert r.state == "active" and r.binding.attested and r.binding.cdi_devices, r
+        check_invariants(conninfo, world.tenant)
+    finally:
+        for client in clients:
+            client.close()
+        for p in reversed(processes):
+            p.stop()
+
+
+# -- a Watch stream across a restart ------------------------------------------------------------
+
+
+def test_a_watch_resumed_after_a_kill_9_from_its_cursor_misses_and_repeats_nothing(
+        pg_uri: str, tmp_path: pathlib.Path) -> None:
+    """A consumer watches while creates stream in; the control plane is killed with -9 (some
+    creates in flight) and started again, and the consumer resumes from the last id it got: the
+    ids it got, over both streams, are the tenant's events in order, each once."""
+    conninfo = clone_database(pg_uri)
+    root_token = bootstrap.ensure_root(conninfo)
+    processes: list[devstack.Process] = []
+    clients: list[Client] = []
+    try:
+        cp, endpoint = devstack.controlplane(conninfo, tmp_path / "cp-1.log")
+        processes.append(cp)
+        root = Client(endpoint, root_token)
+        clients.append(root)
+        world = make_world(endpoint, root, conninfo, nodes=4, quota=10_000)
+        token = world.user.metadata[0][1].split(" ", 1)[1]
+        seen: list[int] = []
+        stop = threading.Event()
+
+        def creates(client: Client, prefix: str) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    client.res("Create", world.create_request(key=f"{prefix}{i}", start=world.later(1)), timeout=5)
+                except grpc.RpcError:
+                    pass  # killed mid-call: the invariants below say nothing was half-written
+
+        def watch(client: Client, after: int, n: int) -> None:
+            with Stream(client, timeout=60, tenant_id=world.tenant, after_id=after) as stream:
+                seen.extend(e.id for e in stream.take(n, timeout=WAIT))
+
+        user = Client(endpoint, token)
+        clients.append(user)
+        load = [threading.Thread(target=creates, args=(user, f"a{n}-"), daemon=True) for n in range(3)]
+        for t in load:
+            t.start()
+        watch(user, 0, 30)
+        cp.kill()
+        stop.set()
+        for t in load:
+            t.join(WAIT)
+
+        cp, endpoint = devstack.controlplane(conninfo, tmp_path / "cp-2.log")
+        processes.append(cp)
+        user = Client(endpoint, token)
+        clients.append(user)
+        stop.clear()
+        load = [threading.Thread(target=creates, args=(user, f"b{n}-"), daemon=True) for n in range(3)]
+        for t in load:
+            t.start()
+        watch(user, seen[-1], 30)
+        stop.set()
+        for t in load:
+            t.join(WAIT)
+        stored = [i for (i,) in world.sql("SELECT id FROM events WHERE tenant_id = %s AND id <= %s ORDER BY id",
+                                          (world.tenant, seen[-1]))]
+        assert seen == stored
+        check_invariants(conninfo, world.tenant)
+    finally:
+        for client in clients:
+            client.close()
+        for p in reversed(processes):
             p.stop()
