@@ -7,24 +7,26 @@ here was an attack; the ones that broke a promise came with their fix."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.common.status import error_info
 from controlplane.devtools import devstack
-from tests.conftest import clone_database
+from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
-from tests.support import Client, World, get, gpus, make_world, refused
+from tests.support import Client, ServerThread, World, eventually, get, gpus, make_world, refused
 from tests.test_watch import Stream
 
 WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
@@ -46,11 +48,13 @@ def backends(conninfo: str, where: str = "true") -> list[int]:
             f" AND backend_type = 'client backend' AND {where}")]
 
 
-def terminate(conninfo: str, pids: list[int]) -> None:
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+def terminate(conninfo: str, pids: list[int], conn: psycopg.Connection | None = None) -> None:
+    """End these backends (from `conn`, or a connection of our own) and wait until they are gone."""
+    with psycopg.connect(conninfo, autocommit=True) if conn is None else contextlib.nullcontext(conn) as c:
         for pid in pids:
-            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    until(lambda: not set(pids) & set(backends(conninfo)), "the backends to end")
+            c.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        until(lambda: not {pid for (pid,) in c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,))}, "the backends to end")
 
 
 POOLED = "application_name NOT LIKE 'bc-listen:%%'"  # the connection pool's, not a listener's
@@ -394,3 +398,77 @@ def test_a_watch_resumed_after_a_kill_9_from_its_cursor_misses_and_repeats_nothi
             client.close()
         for p in reversed(processes):
             p.stop()
+
+
+# -- the listeners of the capacity index and the pool-lease placer ------------------------------
+
+
+@pytest.fixture
+def own(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, placer_lease_seconds=1.5, create_wait_cap_seconds=20)
+
+
+def listener(conninfo: str, name: str) -> list[int]:
+    return backends(conninfo, f"application_name = 'bc-listen:{name}'")
+
+
+def held_in_index(server: ServerThread, pool_id: str) -> set[tuple[str, int, int]]:
+    capacity = server.app.runtime.capacity
+    server.call(capacity.barrier())
+    pool = capacity.pool(pool_id)
+    assert pool is not None
+    return {(a.id, s, e) for n in pool.nodes.values() for a in n.atoms.values() for s, e in a.intervals}
+
+
+def booked_in_rows(world: World, pool_id: str) -> set[tuple[str, int, int]]:
+    return set(world.sql("SELECT b.atom_id, epoch_ms(lower(b.during)), epoch_ms(upper(b.during)) FROM bookings b"
+                         " JOIN atoms a ON a.id = b.atom_id JOIN nodes n ON n.id = a.node_id WHERE n.pool_id = %s",
+                         (pool_id,)))
+
+
+def test_changes_while_the_index_and_placer_listeners_are_down_reach_them_once_back(
+        own: tuple[ServerThread, Client], pg_uri: str) -> None:
+    """The server ends the capacity index's and the pool-lease placer's LISTEN connections and
+    refuses new connections for a while, as a failover does; meanwhile creates, a release and a
+    queued create commit, their notifications lost. Once connections are let in again, the index
+    holds exactly what the rows hold (rebuilt, not stale), the queued create is placed, and creates
+    on both placers place without a lost race."""
+    server, root = own
+    world = make_world(server.endpoint, root, server.conninfo, nodes=2, quota=1000)
+    lease_pool = root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="lease", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+    for i in range(2):
+        root.admin("RegisterNode", apb.RegisterNodeRequest(pool_id=lease_pool, name=f"l{i}", gpus=gpus(f"l{i}")))
+    start = world.later(2)
+    first = world.create(count=8, start=start)
+    assert world.create(count=1, pool_id=lease_pool, wait=pb.Wait(timeout_ms=20_000)).state == "placed"
+    capacity = server.app.runtime.capacity
+    builds = capacity.builds
+    assert held_in_index(server, world.pool_id) == booked_in_rows(world, world.pool_id)
+
+    dbname = world.sql("SELECT current_database()")[0][0]
+    listeners = listener(world.conninfo, "capacity-index") + listener(world.conninfo, "placer-lease")
+    assert len(listeners) == 2
+    admin = psycopg.connect(pg_uri, autocommit=True)  # from another database: it may not close its own
+    admin.execute(f"ALTER DATABASE {dbname} ALLOW_CONNECTIONS false")
+    try:
+        terminate(world.conninfo, listeners, admin)
+        second = world.create(count=8, start=start)  # the other node: the index hears nothing of it
+        world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=world.tenant, reservation_id=first.id))
+        queued = world.create(count=2, pool_id=lease_pool)
+        assert queued.state == "queued"
+    finally:
+        admin.execute(f"ALTER DATABASE {dbname} ALLOW_CONNECTIONS true")
+        admin.close()
+    until(lambda: capacity.builds > builds, "the index to be rebuilt")
+    assert held_in_index(server, world.pool_id) == booked_in_rows(world, world.pool_id)
+    assert get(world, second.id).state == "placed"
+    placed = eventually(world, queued.id, lambda r: r.operation.state != "running", seconds=WAIT)
+    assert placed.state in ("placed", "binding") and placed.allocations, placed
+    with capture_logs() as logs:
+        again = world.create(count=8, start=start)
+        assert again.state == "placed" and again.allocations[0].node_id != second.allocations[0].node_id
+        assert world.create(count=4, pool_id=lease_pool, wait=pb.Wait(timeout_ms=20_000)).state == "placed"
+    assert not [e for e in logs if e.get("event") == "placement race lost"]  # planned on a fresh index
+    assert held_in_index(server, world.pool_id) == booked_in_rows(world, world.pool_id)
+    check_invariants(world.conninfo, world.tenant)
