@@ -27,6 +27,7 @@ from controlplane.devtools import devstack
 from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, eventually, get, gpus, make_world, refused
+from tests.test_gateway import GatewayThread, Node, gateway, join_token, pool_id  # noqa: F401 - fixtures
 from tests.test_watch import Stream
 
 WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
@@ -472,3 +473,27 @@ def test_changes_while_the_index_and_placer_listeners_are_down_reach_them_once_b
     assert not [e for e in logs if e.get("event") == "placement race lost"]  # planned on a fresh index
     assert held_in_index(server, world.pool_id) == booked_in_rows(world, world.pool_id)
     check_invariants(world.conninfo, world.tenant)
+
+
+# -- the gateway's unary calls ------------------------------------------------------------------
+
+
+def test_an_enrolment_whose_backend_is_ended_mid_call_is_unavailable_and_the_token_still_enrols(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """The server ends the backend of an enrolment while it waits for its join token's row. The
+    node gets UNAVAILABLE (before the fix: INTERNAL), nothing is spent, and the same token then
+    enrols it."""
+    token = join_token(gateway.conninfo, pool_id, "gpu-faulty")
+    node = Node(gateway)
+    answer: dict[str, Any] = {}
+    with psycopg.connect(gateway.conninfo) as holder:
+        holder.execute("SELECT 1 FROM join_tokens WHERE node_name = 'gpu-faulty' FOR UPDATE")
+        thread = threading.Thread(target=lambda: answer.update(refused=refused(node.enrol, token)))
+        thread.start()
+        [blocked] = until(lambda: waiting_on_a_lock(gateway.conninfo), "the enrolment to wait on the token")
+        terminate(gateway.conninfo, [blocked])
+        thread.join(WAIT)
+        holder.rollback()
+    code, reason, details = answer["refused"]
+    assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), details
+    assert node.enrol(token).node_id
