@@ -78,8 +78,9 @@ _TRANSIENT_CLASSES = ("08", "53", "57P", "40001", "40P01")
 RETRY_AFTER_SECONDS = 1
 
 
-def unavailable(exc: BaseException, request_id: str) -> errors.Unavailable | None:
-    """The UNAVAILABLE error for a transient database fault (above), else None."""
+def unavailable(exc: BaseException, **details: Any) -> errors.Unavailable | None:
+    """The UNAVAILABLE error for a transient database fault (above), else None; `details` name the
+    call (its requestId, a session's sessionId)."""
     if isinstance(exc, PoolTimeout):  # no connection to lend in time (the server is away)
         pass
     elif not isinstance(exc, psycopg.OperationalError):
@@ -87,7 +88,7 @@ def unavailable(exc: BaseException, request_id: str) -> errors.Unavailable | Non
     elif exc.sqlstate is not None and not exc.sqlstate.startswith(_TRANSIENT_CLASSES):
         return None
     return errors.Unavailable("the database is unavailable for a moment; retry the call",
-                              requestId=request_id, retryAfterSeconds=RETRY_AFTER_SECONDS)
+                              retryAfterSeconds=RETRY_AFTER_SECONDS, **details)
 
 
 @contextmanager

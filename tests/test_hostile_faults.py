@@ -27,7 +27,7 @@ from controlplane.devtools import devstack
 from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, eventually, get, gpus, make_world, refused
-from tests.test_gateway import GatewayThread, Node, gateway, join_token, pool_id  # noqa: F401 - fixtures
+from tests.test_gateway import GatewayThread, Node, connected, gateway, join_token, pool_id  # noqa: F401 - fixtures
 from tests.test_watch import Stream
 
 WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
@@ -497,3 +497,30 @@ def test_an_enrolment_whose_backend_is_ended_mid_call_is_unavailable_and_the_tok
     code, reason, details = answer["refused"]
     assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), details
     assert node.enrol(token).node_id
+
+
+def test_a_session_whose_desired_state_read_is_ended_mid_call_tells_the_node_no_internals(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """The server ends the backend reading a node's desired state for its session. Before the fix
+    the node got grpc's default for an unhandled exception: UNKNOWN "Unexpected <class
+    'psycopg.errors.AdminShutdown'>: terminating connection due to administrator command". The
+    session now ends UNAVAILABLE (ErrorInfo, no internals), the node's cue to reconnect, and the
+    node's next session gets its desired state."""
+    node, session = connected(gateway, pool_id, "gpu-faulty")
+    with psycopg.connect(gateway.conninfo) as holder:
+        holder.execute("LOCK TABLE allocations IN ACCESS EXCLUSIVE MODE")
+        with psycopg.connect(gateway.conninfo, autocommit=True) as other:
+            other.execute("SELECT bump_desired(%s)", (node.node_id,))
+        [blocked] = until(lambda: waiting_on_a_lock(gateway.conninfo), "the desired state read to wait")
+        terminate(gateway.conninfo, [blocked])
+        ended = session.ended()
+        holder.rollback()
+    assert ended is not None
+    info = error_info(ended)
+    assert (ended.code(), info.reason if info else None) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), ended
+    assert "psycopg" not in ended.details() and "administrator" not in ended.details()
+    again = node.session()
+    try:
+        assert again.recv() is not None  # its desired state, on the new session
+    finally:
+        again.close()
