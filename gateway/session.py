@@ -38,16 +38,16 @@ class SessionEnded(Exception):
         self.code, self.message, self.status = code, message, status
 
 
-def _failure_status(exc: Exception, session_id: str) -> grpc.Status:
+def failure_status(exc: Exception, **ids: str) -> grpc.Status:
     """A session's unexpected failure as the node sees it: UNAVAILABLE for a database fault a new
     session may not meet (logged as a warning), else INTERNAL (logged with its traceback); no
-    internals either way."""
-    transient = db_errors.unavailable(exc, sessionId=session_id)
+    internals either way. `ids` name the session in the details."""
+    transient = db_errors.unavailable(exc, **ids)
     if transient is not None:
         log.warning("session failed on a database fault", error=type(exc).__name__)
         return to_status(transient.code, transient.message, transient.details)
     log.error("session failed", exc_info=exc)
-    return to_status(errors.INTERNAL, "internal error", {"sessionId": session_id})
+    return to_status(errors.INTERNAL, "internal error", ids)
 
 
 class SessionRunner:
@@ -93,7 +93,7 @@ class SessionRunner:
             # Never grpc's default, which tells the node the exception's text (a database
             # message included): UNAVAILABLE for a database fault (the node reconnects), else INTERNAL.
             outcome = f"failed: {type(exc).__name__}"
-            await context.abort_with_status(_failure_status(exc, session.session_id))
+            await context.abort_with_status(failure_status(exc, sessionId=session.session_id))
         finally:
             if reader is not None:
                 reader.cancel()

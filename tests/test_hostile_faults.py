@@ -27,7 +27,7 @@ from controlplane.devtools import devstack
 from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, eventually, get, gpus, make_world, refused
-from tests.test_gateway import GatewayThread, Node, connected, gateway, join_token, pool_id  # noqa: F401 - fixtures
+from tests.test_gateway import GatewayThread, Node, connected, enrolled, gateway, join_token, pool_id  # noqa: F401 - fixtures
 from tests.test_watch import Stream
 
 WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
@@ -522,5 +522,28 @@ def test_a_session_whose_desired_state_read_is_ended_mid_call_tells_the_node_no_
     again = node.session()
     try:
         assert again.recv() is not None  # its desired state, on the new session
+    finally:
+        again.close()
+
+
+def test_a_session_whose_certificate_read_is_ended_mid_call_tells_the_node_no_internals(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """The same while the gateway reads the certificate of a session being opened (before the fix:
+    UNKNOWN with the exception's text); the node's next session is served."""
+    node = enrolled(gateway, pool_id, "gpu-faulty")
+    with psycopg.connect(gateway.conninfo) as holder:
+        holder.execute("LOCK TABLE revocations IN ACCESS EXCLUSIVE MODE")
+        session = node.session()
+        [blocked] = until(lambda: waiting_on_a_lock(gateway.conninfo), "the certificate read to wait")
+        terminate(gateway.conninfo, [blocked])
+        ended = session.ended()
+        holder.rollback()
+    assert ended is not None
+    info = error_info(ended)
+    assert (ended.code(), info.reason if info else None) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), ended
+    assert "psycopg" not in ended.details() and "administrator" not in ended.details()
+    again = node.session()
+    try:
+        assert again.recv() is not None
     finally:
         again.close()
