@@ -547,3 +547,67 @@ def test_a_session_whose_certificate_read_is_ended_mid_call_tells_the_node_no_in
         assert again.recv() is not None
     finally:
         again.close()
+
+
+# -- every connection ended at once, under load -------------------------------------------------
+
+
+def test_every_connection_ended_at_once_under_load_answers_only_unavailable_and_everything_resumes(
+        world: World) -> None:
+    """Creates stream in on four threads and a Watch is open when the server ends every
+    connection of the control plane at once (its pool's and every listener's), twice. A call
+    answers, or UNAVAILABLE and its retry with the same key converges; never INTERNAL. Afterwards
+    the open Watch (or its resumption) gets the events of later creates, a create placed to start
+    now moves to binding (the work queue), and the invariants hold."""
+    codes: list[str] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+    base = world.later(1)
+    ours = world.sql("SELECT pg_backend_pid()")[0][0]  # the test's own connection stays
+
+    def creates(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            req = world.create_request(key=f"f{n}-{i}", start=base + i % 3 * 3_600_000)
+            while True:  # the same request until it has an answer
+                try:
+                    world.user.res("Create", req, timeout=20)
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    info = error_info(exc)
+                    code = info.reason if info else exc.code().name
+                with lock:
+                    codes.append(code)
+                if code != "UNAVAILABLE":
+                    break
+
+    with Stream(world.user, timeout=120, tenant_id=world.tenant) as stream:
+        load = [threading.Thread(target=creates, args=(n,), daemon=True) for n in range(4)]
+        for t in load:
+            t.start()
+        for _ in range(2):
+            until(lambda: codes.count("OK") >= 10, "creates to flow")
+            terminate(world.conninfo, backends(world.conninfo, f"pid <> {ours}"))
+            with lock:
+                codes[:] = [c for c in codes if c != "OK"]
+        until(lambda: codes.count("OK") >= 10, "creates to flow again")
+        stop.set()
+        for t in load:
+            t.join(WAIT)
+        assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+        now = world.create(key="after", count=1)
+        seen: list[Any] = []
+        try:
+            while not any(e.subject == f"reservation/{now.id}" for e in seen):
+                seen += stream.take(1, timeout=WAIT)
+        except grpc.RpcError as exc:  # the stream's own read met the fault: it resumes from its cursor
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            last = seen[-1].id if seen else 0
+            with Stream(world.user, timeout=60, tenant_id=world.tenant, after_id=last) as again:
+                while not any(e.subject == f"reservation/{now.id}" for e in seen):
+                    seen += again.take(1, timeout=WAIT)
+    eventually(world, now.id, lambda r: r.state in ("binding", "active"), seconds=WAIT)
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s AND state = 'draft'",
+                     (world.tenant,)) == [(0,)]
+    check_invariants(world.conninfo, world.tenant)
