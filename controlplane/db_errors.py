@@ -81,11 +81,10 @@ RETRY_AFTER_SECONDS = 1
 def unavailable(exc: BaseException, **details: Any) -> errors.Unavailable | None:
     """The UNAVAILABLE error for a transient database fault (above), else None; `details` name the
     call (its requestId, a session's sessionId)."""
-    if isinstance(exc, PoolTimeout):  # no connection to lend in time (the server is away)
-        pass
-    elif not isinstance(exc, psycopg.OperationalError):
-        return None
-    elif exc.sqlstate is not None and not exc.sqlstate.startswith(_TRANSIENT_CLASSES):
+    transient = isinstance(exc, PoolTimeout) or (  # PoolTimeout: no connection to lend in time
+        isinstance(exc, psycopg.OperationalError)
+        and (exc.sqlstate is None or exc.sqlstate.startswith(_TRANSIENT_CLASSES)))
+    if not transient:
         return None
     return errors.Unavailable("the database is unavailable for a moment; retry the call",
                               retryAfterSeconds=RETRY_AFTER_SECONDS, **details)
