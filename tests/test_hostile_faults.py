@@ -611,3 +611,22 @@ def test_every_connection_ended_at_once_under_load_answers_only_unavailable_and_
     assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s AND state = 'draft'",
                      (world.tenant,)) == [(0,)]
     check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_reconciler_pass_whose_backend_is_ended_mid_handler_is_taken_again(clock_world: World) -> None:
+    """The server ends the backends of the work queue's handlers while they wait for the reservation
+    they move at its start. The item rolls back with it and is handled again: the reservation reaches
+    binding, once, without waiting for the safety poll."""
+    world = clock_world
+    r = world.create(count=1, start=world.later(0.5))
+    with psycopg.connect(world.conninfo) as holder:
+        holder.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (r.id,))
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=31 * 60_000))
+        blocked = until(lambda: waiting_on_a_lock(world.conninfo), "the reconciler to wait on the row")
+        terminate(world.conninfo, blocked)
+        holder.rollback()
+    moved = eventually(world, r.id, lambda x: x.state == "binding", seconds=WAIT)
+    assert moved.state == "binding"
+    assert world.sql("SELECT count(*) FROM events WHERE subject = %s AND type = 'reservation.binding'",
+                     (f"reservation/{r.id}",)) == [(1,)]
+    check_invariants(world.conninfo, world.tenant)
