@@ -136,14 +136,14 @@ class Call:
     """One call with a fixed request (its idempotency key included), made again until it has an
     answer that is not a fault: what a client that retries does."""
 
-    def __init__(self, name: str, rid: str, send: Callable[[Client], Any]) -> None:
+    def __init__(self, name: str, rid: str, send: Callable[[Client, float], Any]) -> None:
         self.name, self.rid, self.send = name, rid, send
         self.answers: list[Any] = []  # every answer or spec error, in order
 
     def once(self, client: Client, timeout: float = 20) -> str:
-        """"" once it has a final answer (a response, or a spec error that is no fault); else why
-        not: "fault" (the server was away), "in-flight" (a killed extend's slot, taken over once
-        60 s old)."""
+        """Call it once: "" once it has a final answer (a response, or a spec error that is no
+        fault); else why not: "fault" (the server was away), "in-flight" (a killed extend's slot,
+        taken over once 60 s old)."""
         try:
             self.answers.append(self.send(client, timeout))
             return ""
