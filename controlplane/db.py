@@ -126,11 +126,15 @@ def migrate(conninfo: str) -> list[str]:
 
 
 async def open_pool(conninfo: str, *, size: int = 16) -> AsyncConnectionPool:
+    """The pool checks a connection before lending it (one empty query): one the server ended
+    while it sat idle (a failover, an operator, an idle timeout) is replaced, not lent to a call
+    that would fail on it."""
     pool = AsyncConnectionPool(
         conninfo,
         min_size=min(2, size),
         max_size=size,
         kwargs={"row_factory": dict_row, "autocommit": False},
+        check=AsyncConnectionPool.check_connection,
         open=False,
     )
     await pool.open(wait=True, timeout=30)

@@ -18,6 +18,7 @@ CONFLICT = "CONFLICT"
 INVALID_STATE = "INVALID_STATE"
 QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
 CAPACITY_UNAVAILABLE = "CAPACITY_UNAVAILABLE"
+UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 
 
@@ -73,3 +74,10 @@ class QuotaExceeded(DomainError):
 
 class CapacityUnavailable(DomainError):
     code = CAPACITY_UNAVAILABLE
+
+
+class Unavailable(DomainError):
+    """A fault a retry may cure (the database connection was lost mid-call): nothing was
+    committed that a retry of the same call would not converge with."""
+
+    code = UNAVAILABLE

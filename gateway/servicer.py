@@ -18,7 +18,7 @@ from controlplane.pki import enrolment, store
 from controlplane.pki.config import PkiSettings
 from gateway import tls
 from gateway.refusals import Refusals
-from gateway.session import SessionRunner
+from gateway.session import SessionRunner, failure_status
 from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
@@ -75,6 +75,9 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
             except errors.DomainError as exc:
                 log.info("session refused", code=exc.code, reason=exc.message)
                 await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+                return
+            except Exception as exc:  # a database fault while identifying it: no internals to the node
+                await context.abort_with_status(failure_status(exc))
                 return
             self.sessions.liveness.identified(arrival, peer.node_id)
             await self.sessions.run(peer, request_iterator, context, arrival)

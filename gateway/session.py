@@ -16,7 +16,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
-from controlplane import db, errors
+from controlplane import db, db_errors, errors
 from controlplane.common.status import to_status
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity, desired, inventory, reports, sessions
@@ -36,6 +36,18 @@ class SessionEnded(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, status: grpc.Status | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.status = code, message, status
+
+
+def failure_status(exc: Exception, **ids: str) -> grpc.Status:
+    """A session's unexpected failure as the node sees it: UNAVAILABLE for a database fault a new
+    session may not meet (logged as a warning), else INTERNAL (logged with its traceback); no
+    internals either way. `ids` name the session in the details."""
+    transient = db_errors.unavailable(exc, **ids)
+    if transient is not None:
+        log.warning("session failed on a database fault", error=type(exc).__name__)
+        return to_status(transient.code, transient.message, transient.details)
+    log.error("session failed", exc_info=exc)
+    return to_status(errors.INTERNAL, "internal error", ids)
 
 
 class SessionRunner:
@@ -75,9 +87,13 @@ class SessionRunner:
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
-        except Exception as exc:
-            outcome = f"failed: {type(exc).__name__}"
+        except grpc.aio.AbortError:
             raise
+        except Exception as exc:
+            # Never grpc's default, which tells the node the exception's text (a database
+            # message included): UNAVAILABLE for a database fault (the node reconnects), else INTERNAL.
+            outcome = f"failed: {type(exc).__name__}"
+            await context.abort_with_status(failure_status(exc, sessionId=session.session_id))
         finally:
             if reader is not None:
                 reader.cancel()
@@ -111,8 +127,7 @@ class SessionRunner:
                     status = to_status(failed.code, failed.message, failed.details)
                     raise SessionEnded(status.code, failed.message, status)
                 if failed is not None:
-                    log.error("session reader failed", exc_info=failed)
-                    raise SessionEnded(grpc.StatusCode.INTERNAL, "internal error")
+                    raise failed  # its status: see run
                 return
             if CHECK in kinds:
                 await self._check(session)

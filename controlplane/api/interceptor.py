@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import auth, errors, tokens
+from controlplane import auth, db_errors, errors, tokens
 from controlplane.common import inputs
 from controlplane.common.names import TENANT_ID
 from controlplane.common.status import to_status
@@ -133,10 +133,8 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except grpc.aio.AbortError:
                 raise
-            except Exception:
-                log.exception("rpc failed")
-                status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
-                _log_rpc(errors.INTERNAL, started, self._metrics)
+            except Exception as exc:
+                status = _failed(exc, started, self._metrics)
             else:
                 _log_rpc("OK", started, self._metrics)
                 return response
@@ -160,16 +158,27 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except grpc.aio.AbortError:
                 raise
-            except Exception:
-                log.exception("rpc failed")
-                status = to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
-                _log_rpc(errors.INTERNAL, started, self._metrics)
+            except Exception as exc:
+                status = _failed(exc, started, self._metrics)
             else:
                 _log_rpc("OK", started, self._metrics)
                 return
             await context.abort_with_status(status)
 
         return handle
+
+
+def _failed(exc: Exception, started: float, metrics: RpcMetrics) -> grpc.Status:
+    """The status of an unexpected failure: UNAVAILABLE for a database fault a retry may cure,
+    else INTERNAL (a bug), logged with its traceback; neither tells the caller any internals."""
+    transient = db_errors.unavailable(exc, requestId=_request_id())
+    if transient is not None:
+        log.warning("rpc failed on a database fault", error=type(exc).__name__, sqlstate=getattr(exc, "sqlstate", None))
+        _log_rpc(transient.code, started, metrics)
+        return to_status(transient.code, transient.message, transient.details)
+    log.exception("rpc failed")
+    _log_rpc(errors.INTERNAL, started, metrics)
+    return to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
 
 
 def _refused(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
