@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import select
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -126,19 +127,36 @@ def migrate(conninfo: str) -> list[str]:
 
 
 async def open_pool(conninfo: str, *, size: int = 16) -> AsyncConnectionPool:
-    """The pool checks a connection before lending it (one empty query): one the server ended
-    while it sat idle (a failover, an operator, an idle timeout) is replaced, not lent to a call
-    that would fail on it."""
+    """The pool checks a connection before lending it (`check_lent`): one the server ended while it
+    sat idle (a failover, an operator, an idle timeout) is replaced, not lent to a call that would
+    fail on it."""
     pool = AsyncConnectionPool(
         conninfo,
         min_size=min(2, size),
         max_size=size,
         kwargs={"row_factory": dict_row, "autocommit": False},
-        check=AsyncConnectionPool.check_connection,
+        check=check_lent,
         open=False,
     )
     await pool.open(wait=True, timeout=30)
     return pool
+
+
+async def check_lent(conn: psycopg.AsyncConnection) -> None:
+    """Raise if `conn`, idle in the pool, is dead. A live idle connection has nothing to read; one
+    the server ended has its last words (a FATAL message) and the end of the stream waiting on its
+    socket. So one poll of the socket, no round trip, is enough for a live connection; a readable
+    (or already broken) one gets the pool's own check, an empty query, which fails on a dead one
+    and reads away anything a live one was sent. A round trip before every statement would cost a
+    create several (each call lends a connection one to four times)."""
+    if conn.closed or conn.pgconn.status != psycopg.pq.ConnStatus.OK or _readable(conn.pgconn.socket):
+        await AsyncConnectionPool.check_connection(conn)
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 # Transient failures a transaction may simply run again.

@@ -49,3 +49,32 @@ def test_any_other_error_is_raised_at_once(database: str, run) -> None:
 def test_the_last_attempt_raises(database: str) -> None:
     with pytest.raises(psycopg.errors.DeadlockDetected):
         attempts_until_done(database, db.run_autocommit, fail_times=5, code="40P01")
+
+
+def test_the_pool_checks_a_live_connection_without_a_round_trip_and_a_dead_one_with_one(
+    database: str, tmp_path
+) -> None:
+    """Before lending a connection the pool calls db.check_lent: a live idle connection is judged
+    by one poll of its socket (nothing goes to the server: libpq's protocol trace stays empty),
+    and one whose backend the server ended is found dead (the check raises, so the pool replaces
+    it) after its empty query."""
+
+    async def scenario() -> None:
+        conn = await psycopg.AsyncConnection.connect(database, autocommit=True)
+        trace = tmp_path / "trace"
+        try:
+            with open(trace, "w") as out:
+                conn.pgconn.trace(out.fileno())
+                for _ in range(3):
+                    await db.check_lent(conn)
+                conn.pgconn.untrace()
+            assert trace.read_text() == "", "a live connection's check went to the server"
+            pid = conn.info.backend_pid
+            with psycopg.connect(database, autocommit=True) as other:
+                other.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+            with pytest.raises(psycopg.OperationalError):
+                await db.check_lent(conn)
+        finally:
+            await conn.close()
+
+    asyncio.run(scenario())
