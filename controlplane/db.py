@@ -17,7 +17,9 @@ from typing import Any, TypeVar
 import psycopg
 import structlog
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from controlplane import errors
 
 log = structlog.get_logger(__name__)
 
@@ -202,6 +204,27 @@ async def run_autocommit(
                     await conn.set_autocommit(False)
 
     return await _retrying(once, attempts, "statement retried")
+
+
+# Faults a retry may cure: the connection was lost (no SQLSTATE: the socket closed; class 08: a
+# connection exception; 57P01-57P03: the server ended the backend, crashed or is starting), the
+# server had no connection slot (class 53), or a deadlock or serialization failure outlived
+# _retrying's attempts. The transaction rolled back (or, lost at its commit, did what a retry
+# of the same call converges with), so the caller is told to retry: UNAVAILABLE, not INTERNAL.
+_TRANSIENT_CLASSES = ("08", "53", "57P", "40001", "40P01")
+RETRY_AFTER_SECONDS = 1
+
+
+def unavailable(exc: BaseException, **details: Any) -> errors.Unavailable | None:
+    """The UNAVAILABLE error for a transient database fault (above), else None; `details` name the
+    call (its requestId, a session's sessionId)."""
+    transient = isinstance(exc, PoolTimeout) or (  # PoolTimeout: no connection to lend in time
+        isinstance(exc, psycopg.OperationalError)
+        and (exc.sqlstate is None or exc.sqlstate.startswith(_TRANSIENT_CLASSES)))
+    if not transient:
+        return None
+    return errors.Unavailable("the database is unavailable for a moment; retry the call",
+                              retryAfterSeconds=RETRY_AFTER_SECONDS, **details)
 
 
 async def _retrying(once: Callable[[], Awaitable[T]], attempts: int, what: str) -> T:

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg_pool import PoolTimeout
 
 from controlplane import errors
 
@@ -67,27 +66,6 @@ def translate(exc: psycopg.Error, **values: Any) -> errors.DomainError | None:
     if mapping is None:
         return None
     return mapping.error(mapping.message, **{mapping.field: values.get(mapping.field)})
-
-
-# Faults a retry may cure: the connection was lost (no SQLSTATE: the socket closed; class 08: a
-# connection exception; 57P01-57P03: the server ended the backend, crashed or is starting), the
-# server had no connection slot (class 53), or a deadlock or serialization failure outlived
-# db._retrying's attempts. The transaction rolled back (or, lost at its commit, did what a retry
-# of the same call converges with), so the caller is told to retry: UNAVAILABLE, not INTERNAL.
-_TRANSIENT_CLASSES = ("08", "53", "57P", "40001", "40P01")
-RETRY_AFTER_SECONDS = 1
-
-
-def unavailable(exc: BaseException, **details: Any) -> errors.Unavailable | None:
-    """The UNAVAILABLE error for a transient database fault (above), else None; `details` name the
-    call (its requestId, a session's sessionId)."""
-    transient = isinstance(exc, PoolTimeout) or (  # PoolTimeout: no connection to lend in time
-        isinstance(exc, psycopg.OperationalError)
-        and (exc.sqlstate is None or exc.sqlstate.startswith(_TRANSIENT_CLASSES)))
-    if not transient:
-        return None
-    return errors.Unavailable("the database is unavailable for a moment; retry the call",
-                              retryAfterSeconds=RETRY_AFTER_SECONDS, **details)
 
 
 @contextmanager

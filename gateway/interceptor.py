@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import structlog
 
-from controlplane import db_errors, errors
+from controlplane import db, errors
 from controlplane.common.status import to_status
 from controlplane.metrics import RpcMetrics
 from controlplane.nodes import wire
@@ -78,7 +78,7 @@ def _wrap(method: str, request_id: str, behavior: Any, deserializer: Any, metric
             _log(exc.code, started, metrics)
             await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
         except Exception as exc:
-            transient = db_errors.unavailable(exc, requestId=request_id)  # a database fault: the node retries
+            transient = db.unavailable(exc, requestId=request_id)  # a database fault: the node retries
             if transient is not None:
                 log.warning("rpc failed on a database fault", error=type(exc).__name__)
                 _log(transient.code, started, metrics)

@@ -16,7 +16,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
-from controlplane import db, db_errors, errors
+from controlplane import db, errors
 from controlplane.common.status import to_status
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity, desired, inventory, reports, sessions
@@ -42,7 +42,7 @@ def failure_status(exc: Exception, **ids: str) -> grpc.Status:
     """A session's unexpected failure as the node sees it: UNAVAILABLE for a database fault a new
     session may not meet (logged as a warning), else INTERNAL (logged with its traceback); no
     internals either way. `ids` name the session in the details."""
-    transient = db_errors.unavailable(exc, **ids)
+    transient = db.unavailable(exc, **ids)
     if transient is not None:
         log.warning("session failed on a database fault", error=type(exc).__name__)
         return to_status(transient.code, transient.message, transient.details)

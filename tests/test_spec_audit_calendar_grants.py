@@ -312,11 +312,11 @@ def test_a_renewal_keeps_billing_its_instance_inside_a_grant_and_the_rest_go_to_
     a, b = v.instance(), v.instance()
     assert {a.grant_id, b.grant_id} == {first.id}
     cut = start + HOUR + 30 * MIN
+    after = cut - cut % HOUR + HOUR  # the first whole hour after the cut
     v.advance(HOUR + 30 * MIN)
     until(lambda: v.get_grant(renewal.id).state == "active")
-    v.advance(HOUR + 30 * MIN)  # the hour after the cut has ended
+    v.advance(after + HOUR - v.now())  # until that hour has ended (1 to 2 hours, by the minute the test began)
     until(lambda: any(h >= cut for m, h, _ in instance_ledger(v, b.id) if m == "vm.reserved.instance.hours"))
-    after = cut - cut % HOUR + HOUR  # the first whole hour after the cut
     until(lambda: any(h == after for _, h, _ in instance_ledger(v, a.id)))
     rows_a, rows_b = instance_ledger(v, a.id), instance_ledger(v, b.id)
     # The oldest instance goes on inside the renewal: informational usage only, never billed.

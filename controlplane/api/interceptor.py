@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import auth, db_errors, errors, tokens
+from controlplane import auth, db, errors, tokens
 from controlplane.common import inputs
 from controlplane.common.names import TENANT_ID
 from controlplane.common.status import to_status
@@ -171,7 +171,7 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
 def _failed(exc: Exception, started: float, metrics: RpcMetrics) -> grpc.Status:
     """The status of an unexpected failure: UNAVAILABLE for a database fault a retry may cure,
     else INTERNAL (a bug), logged with its traceback; neither tells the caller any internals."""
-    transient = db_errors.unavailable(exc, requestId=_request_id())
+    transient = db.unavailable(exc, requestId=_request_id())
     if transient is not None:
         log.warning("rpc failed on a database fault", error=type(exc).__name__, sqlstate=getattr(exc, "sqlstate", None))
         _log_rpc(transient.code, started, metrics)
