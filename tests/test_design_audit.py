@@ -1,0 +1,85 @@
+"""DESIGN.md's promises that no other test held: tokens stored as their SHA-256 only (sections 7
+and 17), the clock that only moves forward and is the same in every process (section 4), and
+events that carry their tenant, increasing ids, the product clock's time and the catalog's data
+(sections 13 and 18). Against the real control plane, its database and its Watch stream."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+from google.protobuf.json_format import MessageToDict
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.config import Settings
+from tests.conftest import module_stack
+from tests.support import Client, ServerThread, World, clock_now, invalid
+from tests.test_watch import Stream
+
+DAY_MS = 86_400_000
+HOUR = 3_600_000
+
+
+@pytest.fixture(scope="module")
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, clock_control=True)
+
+
+def test_a_token_is_stored_as_its_sha256_and_its_secret_nowhere(world: World) -> None:
+    """DESIGN 7/17: "Tokens are random secrets stored hashed"; "tokens stored as SHA-256, never in
+    clear"."""
+    token = world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=world.user_id))
+    [(stored_hash, row)] = world.sql("SELECT token_hash, row_to_json(t)::text FROM api_tokens t WHERE id = %s",
+                                     (token.id,))
+    assert bytes(stored_hash) == hashlib.sha256(token.secret.encode()).digest()
+    assert token.secret not in row and token.secret[len(token.prefix):] not in row
+    # The secret authenticates through its hash.
+    me = Client(world.endpoint, token.secret)
+    assert me.res("List", pb.ListReservationsRequest(tenant_id=world.tenant)) is not None
+    me.close()
+
+
+def test_the_clock_only_moves_forward(world: World) -> None:
+    """DESIGN 4: "an admin RPC moves the offset forward"."""
+    before = world.root.admin("GetClock", apb.GetClockRequest()).offset_ms
+    for by in (0, -1, -DAY_MS):
+        invalid("byMs", world.root.admin, "AdvanceClock", apb.AdvanceClockRequest(by_ms=by))
+    assert world.root.admin("GetClock", apb.GetClockRequest()).offset_ms == before
+    moved = world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR))
+    assert moved.offset_ms == before + HOUR
+
+
+def test_a_clock_moved_through_one_process_is_every_processs_and_stamps_its_events(world: World) -> None:
+    """DESIGN 4: "All lifecycle time is the database's ... Replicas' clocks may disagree; the
+    database's does not" and the offset moves "across processes"; DESIGN 13/18: events carry
+    tenantId, a monotonically increasing id, time, and reservation.placed nodeIds, start, end."""
+    other = ServerThread(world.conninfo, Settings(database_url=world.conninfo), workers=False)
+    try:
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=3 * DAY_MS))
+        moved = clock_now(world)
+        token = world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=world.user_id)).secret
+        there = Client(other.endpoint, token)
+        root_there = Client(other.endpoint, world.root.metadata[0][1].removeprefix("Bearer "))
+        seen = root_there.admin("GetClock", apb.GetClockRequest())
+        assert seen.offset_ms >= 3 * DAY_MS and seen.now >= moved
+        # A create through the process that never moved the clock books from the moved "now".
+        created = [there.res("Create", world.create_request(key=f"k{i}", count=1, duration="1h"))
+                   for i in range(2)]
+        assert all(r.state == "placed" and r.during.start >= moved for r in created)
+        with Stream(there, tenant_id=world.tenant, after_id=0, types=["reservation.placed"]) as stream:
+            events = stream.take(2)
+        assert [e.id for e in events] == sorted({e.id for e in events})  # increasing, no repeat
+        assert all(e.tenant_id == world.tenant and e.type == "reservation.placed" for e in events)
+        for event, r in zip(events, created):
+            assert event.subject == f"reservation/{r.id}"
+            assert moved <= event.time <= clock_now(world), (event.time, moved)
+            data = MessageToDict(event.data)
+            nodes = {a.node_id for a in r.allocations}
+            assert (sorted(data["nodeIds"]), int(data["start"]), int(data["end"])) == (
+                sorted(nodes), r.during.start, r.during.end), data
+        there.close()
+        root_there.close()
+    finally:
+        other.stop()
