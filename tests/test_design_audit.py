@@ -14,8 +14,12 @@ from google.protobuf.json_format import MessageToDict
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.config import Settings
+from controlplane.pki import attest
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, clock_now, invalid
+from tests.support import Client, ServerThread, World, clock_now, eventually, get, invalid, make_world
+from tests.test_evidence import Node, assignment, bound, rejections
+from tests.test_gateway import GatewayThread, Session, hello, join_token
+from tests.test_gateway import eventually as until
 from tests.test_watch import Stream
 
 DAY_MS = 86_400_000
@@ -83,3 +87,56 @@ def test_a_clock_moved_through_one_process_is_every_processs_and_stamps_its_even
         root_there.close()
     finally:
         other.stop()
+
+
+@pytest.fixture
+def fleet(pg_uri: str) -> Iterator[tuple[World, GatewayThread]]:
+    """A control plane (no clock control) and a real gateway on a database of this test's own."""
+    control_plane = module_stack(pg_uri)
+    server, root = next(control_plane)
+    gateway = GatewayThread(server.conninfo)
+    try:
+        yield make_world(server.endpoint, root, server.conninfo, nodes=0), gateway
+    finally:
+        gateway.stop()
+        next(control_plane, None)
+
+
+def _in_session(world: World, gateway: GatewayThread, name: str) -> tuple[Node, Session]:
+    node = Node(gateway)
+    node.enrol(join_token(world.conninfo, world.pool_id, name))
+    session = node.session()
+    session.send(hello(gpus=1, uuid=f"GPU-{node.node_id}"))
+    until(lambda: world.sql("SELECT connectivity = 'connected' FROM nodes WHERE id = %s", (node.node_id,))[0][0],
+          what="hello")
+    return node, session
+
+
+def test_a_foreign_nodes_report_stored_behind_the_gateways_back_never_binds(
+        fleet: tuple[World, GatewayThread]) -> None:
+    """DESIGN 12: "The reservation worker accepts a report only when the spec's three checks pass;
+    each rejection emits reservation.binding-rejected" (signed by the node holding the allocation),
+    whoever stored it: a genuine report of another node about this allocation never counts."""
+    world, gateway = fleet
+    a, b = _in_session(world, gateway, "gpu-a"), _in_session(world, gateway, "gpu-b")
+    r = world.create(count=1, duration="8h")
+    [alloc] = get(world, r.id).allocations
+    (owner, owner_session), (foreign, _) = (a, b) if alloc.node_id == a[0].node_id else (b, a)
+    given = assignment(owner_session)
+    assert given.allocation_id == alloc.id
+    # The other node signs, with its own genuine key, that it bound this allocation's devices; a
+    # compromised gateway stores it as that node's report.
+    message = foreign.signed(bound(foreign, given))
+    world.sql("INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)"
+              " VALUES (%s, %s, 'bound', %s, %s, %s)",
+              (foreign.node_id, alloc.id, message.report.body, message.report.key_id, message.report.signature))
+    world.sql("SELECT wake_reservation(%s)", (r.id,))
+    eventually(world, r.id, lambda x: rejections(world, r.id) == [attest.OTHER_NODE])
+    seen = get(world, r.id)
+    assert seen.state == "binding" and [x.state for x in seen.allocations] == ["binding"]
+    assert world.sql("SELECT bound_report IS NULL FROM allocations WHERE id = %s", (alloc.id,)) == [(True,)]
+    # The owner's own report still binds it.
+    owner_session.send(owner.signed(bound(owner, given)))
+    eventually(world, r.id, lambda x: x.state == "active")
+    a[1].close()
+    b[1].close()
