@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
+import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
 
 from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.config import Settings
 from controlplane.pki import attest
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, clock_now, eventually, get, invalid, make_world
+from tests.support import Client, ServerThread, World, clock_now, eventually, get, invalid, make_world, refused
 from tests.test_evidence import Node, assignment, bound, rejections
 from tests.test_gateway import GatewayThread, Session, hello, join_token
 from tests.test_gateway import eventually as until
@@ -140,3 +143,30 @@ def test_a_foreign_nodes_report_stored_behind_the_gateways_back_never_binds(
     eventually(world, r.id, lambda x: x.state == "active")
     a[1].close()
     b[1].close()
+
+
+def _with_unknown_field(message: bytes, number: int = 99) -> bytes:
+    tag = (number << 3) | 0  # a varint field no message of the API declares
+    return message + bytes([tag & 0x7F | 0x80, tag >> 7]) + b"\x01"
+
+
+@pytest.mark.parametrize("method, request_", [
+    ("/bettercompute.v1.Events/Watch", lambda w: epb.WatchRequest(tenant_id=w.tenant, after_id=0)),
+    ("/bettercompute.v1.Webhooks/List", lambda w: epb.ListWebhooksRequest(tenant_id=w.tenant)),
+    ("/bettercompute.v1.Reservations/Get", lambda w: pb.GetReservationRequest(
+        tenant_id=w.tenant, reservation_id="rsv_" + "0" * 52)),
+    ("/bettercompute.v1.Admin/GetClock", lambda w: apb.GetClockRequest()),
+])
+def test_an_unknown_field_is_invalid_input_on_every_kind_of_call(world: World, method: str, request_: Any) -> None:
+    """DESIGN 6: INVALID_INPUT for an "unknown field (unknown protobuf fields are detected, not
+    silently dropped)", on a server stream as on unary calls, whatever the service."""
+    payload = _with_unknown_field(request_(world).SerializeToString())
+    client = world.root if "/Admin/" in method else world.user
+    if method.endswith("/Watch"):
+        call = client.channel.unary_stream(method)
+        attempt = lambda: next(iter(call(payload, metadata=client.metadata, timeout=30)))  # noqa: E731
+    else:
+        call = client.channel.unary_unary(method)
+        attempt = lambda: call(payload, metadata=client.metadata, timeout=30)  # noqa: E731
+    code, reason, details = refused(attempt)
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "#99")
