@@ -6,17 +6,24 @@ events that carry their tenant, increasing ids, the product clock's time and the
 from __future__ import annotations
 
 import hashlib
+import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane import bootstrap
 from controlplane.config import Settings
+from controlplane.devtools import devstack
 from controlplane.pki import attest
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, clock_now, eventually, get, invalid, make_world, refused
@@ -24,6 +31,7 @@ from tests.test_evidence import Node, assignment, bound, rejections
 from tests.test_gateway import GatewayThread, Session, hello, join_token
 from tests.test_gateway import eventually as until
 from tests.test_watch import Stream
+from tests.test_webhooks import LOOPBACK, SECRET, create_hook, reserve
 
 DAY_MS = 86_400_000
 HOUR = 3_600_000
@@ -170,3 +178,79 @@ def test_an_unknown_field_is_invalid_input_on_every_kind_of_call(world: World, m
         attempt = lambda: call(payload, metadata=client.metadata, timeout=30)  # noqa: E731
     code, reason, details = refused(attempt)
     assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "#99")
+
+
+class HangingFirst:
+    """An HTTP receiver on 127.0.0.1 that verifies each request with the Standard Webhooks library;
+    the first request is left unanswered until `release`, every later one answered 200."""
+
+    def __init__(self) -> None:
+        self.verifier = Webhook(SECRET)
+        self.hits: list[tuple[dict[str, str], dict[str, Any], bool]] = []
+        self.first, self.release, self.lock = threading.Event(), threading.Event(), threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                try:
+                    signed = outer.verifier.verify(body, headers) == json.loads(body)
+                except WebhookVerificationError:
+                    signed = False
+                with outer.lock:
+                    outer.hits.append((headers, json.loads(body), signed))
+                    first = len(outer.hits) == 1
+                if first:
+                    outer.first.set()
+                    outer.release.wait(60)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_delivery_whose_process_died_mid_attempt_is_delivered_by_another(database: str, tmp_path: Path) -> None:
+    """DESIGN 13: "Webhooks deliver each event at least once ... a receiver can verify and
+    de-duplicate by event id"; DESIGN 2: "Killing any process at any moment loses nothing". A
+    replica killed (SIGKILL) while its attempt waits on the receiver leaves the delivery to the next
+    replica once the attempt's lease has run out; both requests are signed with the same id."""
+    api = ServerThread(database, Settings(database_url=database, webhook_allow=LOOPBACK), workers=False)
+    root = Client(api.endpoint, bootstrap.ensure_root(database))
+    receiver = HangingFirst()
+    env = {"BC_WEBHOOK_ALLOW": "127.0.0.1/32", "BC_WEBHOOK_ATTEMPT_SECONDS": "2"}
+    replicas = []
+    try:
+        world = make_world(api.endpoint, root, database, nodes=1)
+        create_hook(world, receiver.url)
+        replicas.append(devstack.controlplane(database, tmp_path / "a.log", env=env)[0])
+        reserve(world)
+        assert receiver.first.wait(30), "the first replica never attempted the delivery"
+        replicas[0].kill()
+        replicas.append(devstack.controlplane(database, tmp_path / "b.log", env=env)[0])
+        [(state, attempts, event_id)] = until(lambda: world.sql(
+            "SELECT state, attempts, event_id FROM webhook_deliveries WHERE state = 'delivered'"), what="delivered")
+        assert attempts == 2
+        with receiver.lock:
+            hits = list(receiver.hits)
+        assert len(hits) == 2 and all(signed for _, _, signed in hits)
+        assert [h["webhook-id"] for h, _, _ in hits] == [str(event_id)] * 2
+        assert hits[0][1] == hits[1][1]  # the same event, to de-duplicate by its id
+        world.close()
+    finally:
+        for replica in replicas:
+            replica.stop()
+        receiver.close()
+        root.close()
+        api.stop()
