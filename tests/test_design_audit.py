@@ -24,11 +24,15 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.config import Settings
 from controlplane.devtools import devstack
-from controlplane.pki import attest
+from controlplane.common.status import error_info
+from controlplane.pki import admin, attest
+from controlplane.pki.config import PkiSettings
+from gateway.config import GatewaySettings
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, clock_now, eventually, get, invalid, make_world, refused
 from tests.test_evidence import Node, assignment, bound, rejections
-from tests.test_gateway import GatewayThread, Session, hello, join_token
+from tests.test_pki import seed_pool
+from tests.test_gateway import GatewayThread, Session, arun, connected, enrolled, hello, join_token
 from tests.test_gateway import eventually as until
 from tests.test_watch import Stream
 from tests.test_webhooks import LOOPBACK, SECRET, create_hook, reserve
@@ -254,3 +258,40 @@ def test_a_delivery_whose_process_died_mid_attempt_is_delivered_by_another(datab
         receiver.close()
         root.close()
         api.stop()
+
+
+def _ended_with(session: Session) -> tuple[grpc.StatusCode, str, str]:
+    ended = session.ended()
+    assert ended is not None, "the session did not end"
+    info = error_info(ended)
+    assert info is not None, f"no ErrorInfo on {ended.code()} {ended.details()!r}"
+    return ended.code(), info.reason, ended.details()
+
+
+def test_a_session_the_gateway_ends_says_why_with_error_info(database: str) -> None:
+    """DESIGN 6: "Every failure is a gRPC status whose details carry a google.rpc.ErrorInfo with
+    reason set to the spec's code", with CONFLICT as ABORTED and UNAUTHENTICATED for a bad
+    credential: a node session ended by a newer one, by its certificate's revocation or by its
+    expiry says so in ErrorInfo, as a session refused at its start does."""
+    pool_id = seed_pool(database)
+    gateway = GatewayThread(database)
+    short = GatewayThread(database, GatewaySettings(pki=PkiSettings(node_cert_hours=10 / 3600)))
+    try:
+        node, first = connected(gateway, pool_id, "gpu-01")
+        second = node.session()
+        assert second.recv() is not None
+        assert _ended_with(first)[:2] == (grpc.StatusCode.ABORTED, "CONFLICT")
+
+        arun(database, lambda pool: admin.revoke_certificates(pool, node.node_id, "", "stolen"))
+        code, reason, message = _ended_with(second)
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED") and "revoked" in message
+        assert _ended_with(node.session())[:2] == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+
+        brief = enrolled(short, pool_id, "gpu-02")
+        session = brief.session()
+        session.recv("renew_hint")
+        code, reason, message = _ended_with(session)
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED") and "expired" in message
+    finally:
+        short.stop()
+        gateway.stop()
