@@ -295,3 +295,25 @@ def test_a_session_the_gateway_ends_says_why_with_error_info(database: str) -> N
     finally:
         short.stop()
         gateway.stop()
+
+
+def test_a_clock_jump_through_the_api_wakes_the_workers_of_another_process(database: str) -> None:
+    """DESIGN 4: "an admin RPC moves the offset forward, so a test can jump to ... and watch the
+    workers react, across processes": the API process (no workers) moves the clock past a placed
+    reservation's start, and the worker process (which never moved it) starts the binding."""
+    api = ServerThread(database, Settings(database_url=database, clock_control=True), workers=False)
+    worker = ServerThread(database, Settings(database_url=database), workers=True)
+    root = Client(api.endpoint, bootstrap.ensure_root(database))
+    try:
+        world = make_world(api.endpoint, root, database)
+        start = world.later(2)
+        r = world.create(start=start, duration="1h")
+        assert r.state == "placed"
+        root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=2 * HOUR))
+        seen = eventually(world, r.id, lambda x: x.state == "binding")
+        assert seen.during.start == start
+        world.close()
+    finally:
+        root.close()
+        worker.stop()
+        api.stop()
