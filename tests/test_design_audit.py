@@ -317,3 +317,24 @@ def test_a_clock_jump_through_the_api_wakes_the_workers_of_another_process(datab
         root.close()
         worker.stop()
         api.stop()
+
+
+def test_a_reservation_that_failed_says_why_in_its_event(world: World) -> None:
+    """DESIGN 18: "reservation.cancelled, .failed, .expired, .awaiting-confirmation | reason", and
+    "Data always carries state and poolId": three binding timeouts fail it, and its event says so."""
+    world.add_node()  # three nodes: placed again twice, each time avoiding the node that failed
+    r = world.create(count=8, duration="8h")
+    for attempt in range(1, 4):
+        current = eventually(world, r.id, lambda x: x.state in ("binding", "failed"))
+        if current.state == "failed":
+            break
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=5 * 60_000 + 1000))
+        eventually(world, r.id, lambda x, n=attempt: x.state == "failed" or world.sql(  # type: ignore[misc]
+            "SELECT bind_failures FROM reservations WHERE id = %s", (r.id,))[0][0] >= n)
+    eventually(world, r.id, lambda x: x.state == "failed")
+    with Stream(world.user, tenant_id=world.tenant, after_id=0, subject=f"reservation/{r.id}",
+                types=["reservation.failed"]) as stream:
+        [failed] = stream.take(1)
+    data = MessageToDict(failed.data)
+    assert (data["state"], data["poolId"]) == ("failed", world.pool_id)
+    assert isinstance(data.get("reason"), str) and data["reason"], data
