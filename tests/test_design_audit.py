@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography import x509
 from google.protobuf.json_format import MessageToDict
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
@@ -25,13 +26,13 @@ from controlplane import bootstrap
 from controlplane.config import Settings
 from controlplane.devtools import devstack
 from controlplane.common.status import error_info
-from controlplane.pki import admin, attest
+from controlplane.pki import admin, attest, certs
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, clock_now, eventually, get, invalid, make_world, refused
 from tests.test_evidence import Node, assignment, bound, rejections
-from tests.test_pki import seed_pool
+from tests.test_pki import seed_pool, sql
 from tests.test_gateway import GatewayThread, Session, arun, connected, enrolled, hello, join_token
 from tests.test_gateway import eventually as until
 from tests.test_watch import Stream
@@ -338,3 +339,26 @@ def test_a_reservation_that_failed_says_why_in_its_event(world: World) -> None:
     data = MessageToDict(failed.data)
     assert (data["state"], data["poolId"]) == ("failed", world.pool_id)
     assert isinstance(data.get("reason"), str) and data["reason"], data
+
+
+def test_revoking_the_sessions_own_certificate_by_serial_ends_it_and_only_it(database: str) -> None:
+    """DESIGN 12: "revocation is a table the check reads": revoking the one TLS certificate an open
+    session runs on (by its serial, not the node) ends that session at once, UNAUTHENTICATED; the
+    node's other certificates and the node itself stay good (another node's session is untouched)."""
+    pool_id = seed_pool(database)
+    gateway = GatewayThread(database)
+    try:
+        node, session = connected(gateway, pool_id, "gpu-01")
+        other, other_session = connected(gateway, pool_id, "gpu-02", uuid="GPU-OTHER")
+        serial = certs.serial_hex(x509.load_pem_x509_certificate(node.cert_pem))
+        assert arun(database, lambda pool: admin.revoke_certificates(pool, "", serial, "key lost")) == [serial]
+        code, reason, message = _ended_with(session)
+        assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED") and "revoked" in message
+        assert sql(database, "SELECT revoked_at IS NULL AS good FROM nodes WHERE id = %s", (node.node_id,)) == [{"good": True}]
+        signing = certs.serial_hex(x509.load_pem_x509_certificate(node.signing_pem))
+        assert sql(database, "SELECT count(*) AS n FROM revocations WHERE serial = %s", (signing,)) == [{"n": 0}]
+        sql(database, "SELECT bump_desired(%s)", (other.node_id,))
+        assert other_session.recv("desired_state") is not None  # the other node's session lives on
+        other_session.close()
+    finally:
+        gateway.stop()
