@@ -38,6 +38,12 @@ class SessionEnded(Exception):
         self.code, self.message, self.status = code, message, status
 
 
+def _ended(error: errors.DomainError) -> SessionEnded:
+    """The end of a session the gateway decided, with its spec code in ErrorInfo."""
+    status = to_status(error.code, error.message, error.details)
+    return SessionEnded(status.code, error.message, status)
+
+
 def failure_status(exc: Exception, **ids: str) -> grpc.Status:
     """A session's unexpected failure as the node sees it: UNAVAILABLE for a database fault a new
     session may not meet (logged as a warning), else INTERNAL (logged with its traceback); no
@@ -214,11 +220,11 @@ class SessionRunner:
             newest = await sessions.current(conn, session.node_id)
             cert = await store.certificate_by_key_id(conn, session.peer.key_id)
         if newest != session.session_id:
-            raise SessionEnded(grpc.StatusCode.ABORTED, "a newer session of this node took over")
+            raise _ended(errors.Conflict("a newer session of this node took over", sessionId=session.session_id))
         if cert is None or cert["revoked_at"] is not None:
-            raise SessionEnded(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")
+            raise _ended(errors.Unauthenticated("certificate revoked", sessionId=session.session_id))
         if cert["now"] >= cert["not_after"]:
-            raise SessionEnded(grpc.StatusCode.UNAUTHENTICATED, "certificate expired")
+            raise _ended(errors.Unauthenticated("certificate expired", sessionId=session.session_id))
 
     def _timers(self, session: NodeSession) -> list[asyncio.TimerHandle]:
         """A renewal hint between half and 60 % of the certificate's life (spread, so a fleet
