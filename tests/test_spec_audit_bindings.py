@@ -1,0 +1,177 @@
+"""Promises of the reservations page's "Bindings", "Host resources" and "Attested bindings"
+sections that no other test held the product to, each driven through the real API: the third
+AllocationFailed report failing a reservation, the devices.limits label on a pending
+reservation's retry and on a booking repair, a preview booking the pool's per-GPU share under
+the same label rule, and the share of an MPS slot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from structlog.testing import capture_logs
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from tests.conftest import module_stack
+from tests.invariants import check_invariants
+from tests.promise_support import SigningNodes, poll
+from tests.support import Client, ServerThread, World, clock_now, eventually, get
+from tests.test_capacity_preview import preview
+from tests.test_host_resources import LIMITS_LABEL, host_bookings, host_node, host_world, resources
+
+MIN = 60_000
+HOUR = 3_600_000
+
+
+@pytest.fixture
+def server(stack: tuple[ServerThread, Client]) -> ServerThread:
+    return stack[0]
+
+
+def event_types(world: World, rid: str) -> list[str]:
+    return [t for (t,) in world.sql("SELECT type FROM events WHERE subject = %s ORDER BY id",
+                                    (f"reservation/{rid}",))]
+
+
+def operator_label(world: World, server: ServerThread, node_id: str) -> None:
+    """The capability label set by an operator, not by the node's daemon."""
+    world.sql("UPDATE nodes SET labels = labels || jsonb_build_object(%s::text, "
+              "jsonb_build_object('value', 'true', 'source', 'operator')) WHERE id = %s", (LIMITS_LABEL, node_id))
+    server.call(server.app.runtime.capacity.barrier())
+
+
+def retried(world: World) -> None:
+    """Wake the pool's pending retry as freed capacity does, and wait until it has tried them."""
+    with capture_logs() as logs:
+        world.sql("SELECT pg_notify('bc_pool_freed', %s)", (world.pool_id,))
+        poll(lambda: [e for e in list(logs) if e.get("event") == "pending retried"
+                      and e.get("pool_id") == world.pool_id], what="the pending retry")
+
+
+# "no report within 5 minutes, or an AllocationFailed report: the bookings are released and the
+# reservation is placed again, at most twice; the third failure fails it" (the timeout half is
+# tests/test_time.py's; one AllocationFailed is tests/test_e2e.py's).
+
+def test_the_third_allocation_failed_report_fails_the_reservation(world: World) -> None:
+    world.add_node()  # three nodes: room to place again twice
+    nodes = SigningNodes(world)
+    r = world.create(count=8, duration="2h")
+    tried: list[str] = []
+    for _ in range(3):
+        current = eventually(world, r.id, lambda x: any(a.state == "binding" and a.id not in tried
+                                                        for a in x.allocations))
+        [alloc] = [a for a in current.allocations if a.state == "binding" and a.id not in tried]
+        tried.append(alloc.id)
+        assert nodes.report(alloc.node_id, alloc.id, kind="failed") == "stored"
+    final = eventually(world, r.id, lambda x: x.state == "failed")
+    assert world.sql("SELECT bind_failures FROM reservations WHERE id = %s", (r.id,))[0][0] == 3
+    types = event_types(world, r.id)
+    assert types.count("reservation.placed") == 3 and types[-1] == "reservation.failed", types
+    assert final.state == "failed" and not final.HasField("binding")
+    # The bookings are released and the quota refunded.
+    assert world.sql("SELECT count(*) FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
+                     " WHERE a.reservation_id = %s AND upper(b.during) > compute_now()", (r.id,))[0][0] == 0
+    assert world.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL",
+                     (r.id,))[0][0] == 0
+    check_invariants(world.conninfo, world.tenant)
+
+
+# "a reservation that books any host resource (..., including the per-GPU share) places only on
+# nodes with the system label bc.dev/cap.devices.limits ... An operator label of the same name does
+# not count ... The requirement applies to create, to re-placing a pending reservation, ..."
+
+def test_a_pending_reservation_is_placed_again_only_on_a_node_whose_daemon_enforces_limits(
+        world: World, server: ServerThread) -> None:
+    capable = host_world(world, server)[0]
+    operator_only = host_node(world, server, label=False)
+    operator_label(world, server, operator_only.id)
+    blocker = world.create(count=8)
+    assert blocker.state == "placed" and blocker.allocations[0].node_id == capable.id
+    waiting = world.create(count=1)  # books the share: only the capable node may take it, and it is full
+    assert waiting.state == "pending"
+    # The pool's pending reservations are retried with the operator-labelled node free: it stays pending.
+    retried(world)
+    assert get(world, waiting.id).state == "pending"
+    # Freed capacity on the capable node: the retry places it there.
+    world.user.res("Release", pb.ReleaseReservationRequest(
+        tenant_id=world.tenant, reservation_id=blocker.id))
+    placed = eventually(world, waiting.id, lambda x: x.state in ("placed", "binding"))  # no start: binds at once
+    assert placed.allocations[-1].node_id == capable.id
+    assert host_bookings(world, waiting.id) == {"vcpu": 8, "memoryGiB": 64}
+    check_invariants(world.conninfo, world.tenant)
+
+
+# "... to repairing a booking ...": BookingRepair never moves host resources to a node whose
+# daemon does not enforce them.
+
+@pytest.fixture
+def clock(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, clock_control=True)
+
+
+def test_booking_repair_moves_host_resources_only_to_a_node_whose_daemon_enforces_limits(
+        clock: tuple[ServerThread, Client]) -> None:
+    from tests.support import make_world
+
+    server, root = clock
+    world = make_world(server.endpoint, root, server.conninfo)
+    try:
+        first = host_world(world, server)[0]
+        start = clock_now(world) + HOUR
+        r = world.create(count=1, start=start, duration="1h")
+        assert r.state == "placed" and r.allocations[0].node_id == first.id
+        operator_only = host_node(world, server, label=False)
+        operator_label(world, server, operator_only.id)
+        world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=first.id, state="cordoned"))
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=45 * MIN + 1000))
+        failed = eventually(world, r.id, lambda x: x.state == "pending")
+        assert [c.reason for c in failed.conditions] == ["BookingRepairFailed"], failed.conditions
+        assert world.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s AND node_id = %s",
+                         (r.id, operator_only.id))[0][0] == 0
+        # Not vacuous: a node whose daemon enforces limits takes it.
+        capable = host_node(world, server)
+        retried(world)
+        placed = eventually(world, r.id, lambda x: x.state == "placed")
+        assert placed.allocations[-1].node_id == capable.id
+    finally:
+        world.close()
+
+
+# "capacity.preview books the same host resources as reservations.create would, the request's or
+# the pool's per-GPU share, so a preview that fits is a create that fits", and "The requirement
+# applies ... to capacity.preview (a node without the label is rejected with filter labels, needs
+# label bc.dev/cap.devices.limits=*)": an operator label does not count there either.
+
+def test_a_preview_books_the_pools_share_and_only_on_a_node_whose_daemon_enforces_limits(
+        world: World, server: ServerThread) -> None:
+    only = host_world(world, server, label=False)[0]
+    operator_label(world, server, only.id)
+    out = preview(world, count=3)  # no resources: the share, 8 vCPUs and 64 GiB per GPU
+    assert not out.fits
+    assert (out.resources.vcpu, out.resources.memory_gib) == (24, 192)
+    assert [(f.filter, f.nodes, f.reason) for f in out.filters if f.filter != "state"] == [
+        ("labels", 1, f"needs label {LIMITS_LABEL}=*")]  # the world's plain nodes are cordoned
+    assert world.create(count=3).state == "pending"  # the create agrees
+    capable = host_node(world, server)
+    out = preview(world, count=3)
+    assert out.fits and [m.node_id for m in out.members] == [capable.id]
+    assert (out.resources.vcpu, out.resources.memory_gib) == (24, 192)
+    placed = world.create(count=3)
+    assert placed.state == "placed" and placed.allocations[0].node_id == capable.id
+    assert host_bookings(world, placed.id) == {"vcpu": 24, "memoryGiB": 192}
+
+
+# "a time-slice or MPS slot 1/policy.sharing.replicas (default 4, or 10 for mps)": an MPS slot
+# carries a tenth of a GPU's share (a time-slice slot's quarter is tests/test_hostile_share.py's).
+
+def test_an_mps_slot_carries_a_tenth_of_a_gpus_share(world: World, server: ServerThread) -> None:
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="mps", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="mps")))).id
+    host_node(world, server, vcpu=162, memory=640)  # 20 vCPUs and 80 GiB per GPU
+    one = world.create(device_class="gpu.slot", count=1, start=world.later(30))
+    assert (one.host_share.vcpu, one.host_share.memory_gib) == (2, 8)
+    five = world.create(device_class="gpu.slot", count=5, start=world.later(30))
+    assert (five.host_share.vcpu, five.host_share.memory_gib) == (10, 40)
+    assert host_bookings(world, five.id) == {"vcpu": 10, "memoryGiB": 40}
