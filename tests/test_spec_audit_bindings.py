@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from structlog.testing import capture_logs
 
@@ -175,3 +176,98 @@ def test_an_mps_slot_carries_a_tenth_of_a_gpus_share(world: World, server: Serve
     five = world.create(device_class="gpu.slot", count=5, start=world.later(30))
     assert (five.host_share.vcpu, five.host_share.memory_gib) == (10, 40)
     assert host_bookings(world, five.id) == {"vcpu": 10, "memoryGiB": 40}
+
+
+# "The gateway accepts a report only about an allocation placed on the reporting node's own
+# session; a report naming another node's allocation is ignored like an unknown one."
+
+def test_a_signed_report_about_another_nodes_allocation_is_ignored_like_an_unknown_one(world: World) -> None:
+    nodes = SigningNodes(world)
+    r = world.create(count=1, duration="2h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0]
+    other = next(n.id for n in world.nodes if n.id != alloc.node_id)
+    devices = [f"bcd.dev/gpu={d}" for d in alloc.device_ids]
+    unknown = nodes.report(other, "alloc_06h0000000000000000000000", cdi_devices=devices)
+    assert nodes.report(other, alloc.id, cdi_devices=devices) == unknown == "ignored"
+    assert world.sql("SELECT count(*) FROM node_reports WHERE allocation_id = %s", (alloc.id,)) == [(0,)]
+    assert get(world, r.id).state == "binding"
+    # The allocation's own node is heard: the same report from it binds.
+    assert nodes.report(alloc.node_id, alloc.id, cdi_devices=devices) == "stored"
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    assert active.binding.node_id == alloc.node_id and active.binding.attested
+
+
+# "otherwise the smallest share any GPU host of the pool can give (allocatable × ratio ÷ physical
+# GPUs, counting every physical GPU whether bookable or not)".
+
+def test_the_share_divides_by_every_physical_gpu_healthy_or_not(world: World, server: ServerThread) -> None:
+    node = host_world(world, server, vcpu=66, memory=512)[0]  # (66 - 2 reserved) / 8 = 8 vCPUs, 64 GiB per GPU
+    sick = world.sql("SELECT device_uuid FROM atoms WHERE node_id = %s AND kind = 'gpu' ORDER BY device_uuid"
+                     " LIMIT 1", (node.id,))[0][0]
+    world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=sick, health="unhealthy"))
+    server.call(server.app.runtime.capacity.barrier())
+    assert world.sql("SELECT count(*) FROM atoms WHERE node_id = %s AND kind = 'gpu' AND health = 'healthy'",
+                     (node.id,)) == [(7,)]
+    r = world.create(count=1)
+    assert r.state == "placed" and r.allocations[0].device_ids[0] != sick
+    assert (r.host_share.vcpu, r.host_share.memory_gib) == (8, 64)  # not 64/7 and 512/7
+
+
+# "a MIG instance is 1/7 of a GPU, ... so MIG and slot work also carries, and is limited to, its
+# share of the host": the host's rows come from its applied inventory, as on a real node.
+
+def test_a_mig_instance_carries_a_seventh_of_a_gpus_share(world: World, server: ServerThread) -> None:
+    from bettercompute.node.v1 import node_pb2
+    from controlplane.nodes import inventory
+    from tests.support import gpus
+    from tests.test_pki import arun
+
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="mig", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="mig")))).id
+    node = world.add_node(gpus("mig-host", count=2), name="mig-host", system_labels={LIMITS_LABEL: "true"})
+    first, second = (g.uuid for g in gpus("mig-host", count=2))
+    inv = node_pb2.Inventory(generation=2, vcpus=30, memory_bytes=140 << 30, gpus=[
+        node_pb2.Gpu(uuid=u, model="H100-SXM5-80GB", memory_mib=81559, numa_node=0, mig_mode=True,
+                     mig_instances=[node_pb2.MigInstance(index=k, profile="1g.10gb") for k in range(7, 14)])
+        for u in (first, second)])
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv))
+    rows = poll(lambda: dict(world.sql("SELECT resource, allocatable FROM host_resources WHERE node_id = %s",
+                                       (node.id,))), what="the host's rows from its inventory")
+    server.call(server.app.runtime.capacity.barrier())
+    per_gpu_vcpu = (int(rows["vcpu"]) - 2) / 2  # the host reserve is never booked
+    per_gpu_memory = int(rows["memoryGiB"]) / 2
+    assert per_gpu_vcpu >= 7 and per_gpu_memory >= 7, rows  # a share a seventh of which is not zero
+    one = world.create(device_class="gpu.mig", count=1)
+    assert one.state == "placed", one.conditions
+    assert (one.host_share.vcpu, one.host_share.memory_gib) == (int(per_gpu_vcpu / 7), int(per_gpu_memory / 7))
+    three = world.create(device_class="gpu.mig", count=3)
+    assert (three.host_share.vcpu, three.host_share.memory_gib) == (
+        int(per_gpu_vcpu * 3 / 7), int(per_gpu_memory * 3 / 7))
+    assert host_bookings(world, three.id) == {"vcpu": three.host_share.vcpu, "memoryGiB": three.host_share.memory_gib}
+
+
+# "Anything booked above it is charged to the tenant's vcpu and memoryGiB quota (1 GiB huge pages
+# count as memory), and a missing quota row grants 0, so the excess is QUOTA_EXCEEDED": huge pages
+# alone are refused on memoryGiB.
+
+def test_huge_pages_without_a_memory_quota_are_quota_exceeded_on_memory(world: World, server: ServerThread) -> None:
+    from tests.support import rpc_error
+
+    host_world(world, server)
+    with pytest.raises(grpc.RpcError) as exc:
+        world.create(count=1, resources=resources(hugepages_1gi=2))
+    code, reason, details = rpc_error(exc)
+    assert (code, reason, details["resource"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED", "memoryGiB")
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s AND state NOT IN ('draft')",
+                     (world.tenant,)) == [(0,)]
+    world.quota(2, "memoryGiB")
+    placed = world.create(count=1, resources=resources(hugepages_1gi=2))
+    assert placed.state == "placed"
+    assert host_bookings(world, placed.id) == {"vcpu": 8, "memoryGiB": 64, "hugepages1Gi": 2}
+
+
+def test_huge_pages_beyond_the_limit_are_invalid_input_naming_them(world: World) -> None:
+    from tests.support import invalid
+
+    invalid("resources.hugepages1Gi", world.create, resources=resources(hugepages_1gi=65537))
