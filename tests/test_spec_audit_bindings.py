@@ -19,6 +19,7 @@ from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, poll
 from tests.support import Client, ServerThread, World, clock_now, eventually, get
 from tests.test_capacity_preview import preview
+from tests.test_gateway import cp, gateway  # noqa: F401 (fixtures)
 from tests.test_host_resources import LIMITS_LABEL, host_bookings, host_node, host_world, resources
 
 MIN = 60_000
@@ -271,3 +272,40 @@ def test_huge_pages_beyond_the_limit_are_invalid_input_naming_them(world: World)
     from tests.support import invalid
 
     invalid("resources.hugepages1Gi", world.create, resources=resources(hugepages_1gi=65537))
+
+
+# "A plain GPU hold that books no host resources ... needs no capability, so it still places on
+# older daemons within the N-2 skew window, as does a node binding", and "capacity.preview books the
+# same host resources as reservations.create would, ...; a node binding books none". A machine
+# whose daemon leases whole machines but does not enforce limits, with host rows from its inventory.
+
+def test_a_node_lease_books_no_host_resources_and_needs_no_limits_capability(gateway, cp) -> None:  # noqa: F811
+    from tests.test_capacity_preview import preview
+    from tests.test_gateway import connected, node_row
+    from tests.test_node_profiles import register
+
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="metal", region="eu-1", policy=apb.PoolPolicy(tenant_root=True))).id
+    node, session = connected(gateway, owner.pool_id, "m1", gpus=4, caps=("binding.node",))
+    try:
+        assert LIMITS_LABEL not in node_row(gateway.conninfo, node.node_id)["labels"]
+        poll(lambda: owner.sql("SELECT count(*) FROM host_resources WHERE node_id = %s", (node.node_id,))[0][0],
+             what="the host's rows from its inventory")
+        cp.server.call(cp.server.app.runtime.capacity.barrier())
+        # A hold of this pool books the per-GPU share, so it needs the capability this daemon lacks.
+        hold = owner.create(count=1, start=owner.later(48))
+        assert hold.state == "pending" and hold.host_share.vcpu > 0, hold
+        profile = register(owner.root, 1)
+        lease_kw = dict(count=4, binding="node", node=pb.NodeLease(profile_id=profile), start=owner.later(24),
+                        duration="8h")
+        out = preview(owner, **lease_kw)
+        assert out.fits and [m.node_id for m in out.members] == [node.node_id], out
+        assert (out.resources.vcpu, out.resources.memory_gib, out.resources.hugepages_1gi) == (0, 0, 0)
+        lease = owner.create(**lease_kw)
+        assert lease.state == "placed" and lease.allocations[0].node_id == node.node_id
+        assert host_bookings(owner, lease.id) == {}
+        assert owner.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND resource IN"
+                         " ('vcpu', 'memoryGiB') AND refunded_at IS NULL", (lease.id,)) == [(0,)]
+    finally:
+        session.close()
