@@ -309,3 +309,119 @@ def test_a_node_lease_books_no_host_resources_and_needs_no_limits_capability(gat
                          " ('vcpu', 'memoryGiB') AND refunded_at IS NULL", (lease.id,)) == [(0,)]
     finally:
         session.close()
+
+
+# "The pki check accepts a report only when: ... the certificate's role runs workloads (node or
+# node-tenant by default; roles changes it)", and "each rejection publishes
+# reservation.binding-rejected with allocationId, nodeId and reason".
+
+def test_a_report_by_a_role_the_setting_leaves_out_never_binds_and_is_rejected(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    nodes = SigningNodes(world)  # its nodes enrol with the role "node"
+    r = world.create(count=1, duration="2h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0]
+    devices = [f"bcd.dev/gpu={d}" for d in alloc.device_ids]
+    monkeypatch.setenv("BC_ATTEST_ROLES", "node-tenant")
+    assert nodes.report(alloc.node_id, alloc.id, cdi_devices=devices) == "stored"
+    [data] = poll(lambda: [d for (d,) in world.sql(
+        "SELECT data FROM events WHERE subject = %s AND type = 'reservation.binding-rejected'",
+        (f"reservation/{r.id}",))], what="binding-rejected")
+    assert (data["allocationId"], data["nodeId"], data["reason"]) == (
+        alloc.id, alloc.node_id, "role does not run workloads")
+    assert get(world, r.id).state == "binding"
+    # The default roles include "node": the node's next report binds.
+    monkeypatch.delenv("BC_ATTEST_ROLES")
+    assert nodes.report(alloc.node_id, alloc.id, cdi_devices=devices) == "stored"
+    assert eventually(world, r.id, lambda x: x.state == "active").binding.attested
+
+
+# The devices.limits rule for a gang: "resources ... per node (per gang member for a gang)", so
+# every member that books host resources needs a node whose daemon enforces them.
+
+def test_every_gang_member_booking_host_resources_needs_a_node_whose_daemon_enforces_limits(
+        world: World, server: ServerThread) -> None:
+    capable = {n.id for n in host_world(world, server, nodes=2)}
+    operator_only = host_node(world, server, label=False)
+    operator_label(world, server, operator_only.id)
+    three = world.create(count=1, gang=pb.Gang(size=3), start=world.later(2))
+    assert three.state == "pending" and not three.allocations, three
+    two = world.create(count=1, gang=pb.Gang(size=2), start=world.later(2))
+    assert two.state == "placed" and {a.node_id for a in two.allocations} == capable
+    per_member = world.sql("SELECT a.node_id, h.resource, h.amount FROM host_bookings h JOIN allocations a"
+                           " ON a.id = h.allocation_id WHERE a.reservation_id = %s", (two.id,))
+    assert sorted((n, r, int(v)) for n, r, v in per_member) == sorted(
+        (n, r, v) for n in capable for r, v in (("vcpu", 8), ("memoryGiB", 64)))  # the share on each member
+    check_invariants(world.conninfo, world.tenant)
+
+
+# The same rule for the lease placer's batches (a lease pool places queued creates in batches).
+
+@pytest.fixture(scope="module")
+def lease_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, default_placer="lease")
+
+
+def test_a_lease_pools_batch_places_host_resources_only_on_a_node_whose_daemon_enforces_limits(
+        lease_stack: tuple[ServerThread, Client]) -> None:
+    from tests.support import make_world
+
+    server, root = lease_stack
+    world = make_world(server.endpoint, root, server.conninfo)
+    try:
+        world.wait_ms = 20_000
+        operator_only = host_world(world, server, label=False)[0]
+        operator_label(world, server, operator_only.id)
+        waiting = world.create(count=1, start=world.later(2))
+        assert eventually(world, waiting.id, lambda x: x.state != "queued", seconds=20).state == "pending"
+        capable = host_node(world, server)
+        retried(world)
+        placed = eventually(world, waiting.id, lambda x: x.state == "placed", seconds=20)
+        assert placed.allocations[0].node_id == capable.id
+    finally:
+        world.close()
+
+
+# kubernetes "places only on nodes whose bcd advertises the binding.kubernetes capability", and a
+# reservation that books host resources (here the per-GPU share) "places only on nodes with the
+# system label bc.dev/cap.devices.limits": a kubernetes binding of such a pool needs both.
+
+def test_a_kubernetes_binding_that_books_host_resources_needs_the_limits_capability_too(gateway, cp) -> None:  # noqa: F811
+    from tests.test_gateway import connected
+
+    owner = cp.world
+    owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=owner.tenant, name="k8s", region="eu-1", policy=apb.PoolPolicy(kubernetes=True))).id
+    kube_only, s1 = connected(gateway, owner.pool_id, "k1", gpus=4, caps=("binding.kubernetes",), uuid="GK")
+    both, s2 = connected(gateway, owner.pool_id, "k2", gpus=4, caps=("binding.kubernetes", "devices.limits"),
+                         uuid="GB")
+    try:
+        poll(lambda: owner.sql("SELECT count(DISTINCT node_id) FROM host_resources WHERE node_id IN (%s, %s)",
+                               (kube_only.node_id, both.node_id))[0][0] == 2, what="the hosts' rows")
+        cp.server.call(cp.server.app.runtime.capacity.barrier())
+        start = owner.later(24)
+        first = owner.create(count=4, binding="kubernetes", start=start)
+        assert first.state == "placed" and first.allocations[0].node_id == both.node_id
+        assert first.host_share.vcpu > 0
+        second = owner.create(count=4, binding="kubernetes", start=start)
+        assert second.state == "pending", second.allocations  # the free node's daemon does not enforce limits
+    finally:
+        s1.close()
+        s2.close()
+
+
+# "It is resolved once, when the draft is written, and stored in the request": a pending
+# reservation placed later, after a host with a smaller share joined, books the share it was
+# created with.
+
+def test_the_share_resolved_at_the_draft_is_what_a_later_placement_books(world: World, server: ServerThread) -> None:
+    host_world(world, server, vcpu=66, memory=512, label=False)  # 8 vCPUs, 64 GiB per GPU; no enforcing daemon
+    r = world.create(count=2)
+    assert r.state == "pending" and r.host_share == resources(vcpu=16, memory_gib=128)
+    smaller = host_node(world, server, vcpu=34, memory=256)  # 4 vCPUs, 32 GiB per GPU: the pool's share shrinks
+    assert world.create(count=2, start=world.later(48)).host_share == resources(vcpu=8, memory_gib=64)
+    retried(world)
+    placed = eventually(world, r.id, lambda x: x.state in ("placed", "binding"))
+    assert placed.allocations[-1].node_id == smaller.id
+    assert placed.host_share == resources(vcpu=16, memory_gib=128)
+    assert placed.request.resources == resources(vcpu=16, memory_gib=128, hugepages_1gi=0)
+    assert host_bookings(world, r.id) == {"vcpu": 16, "memoryGiB": 128}
