@@ -425,3 +425,31 @@ def test_the_share_resolved_at_the_draft_is_what_a_later_placement_books(world: 
     assert placed.host_share == resources(vcpu=16, memory_gib=128)
     assert placed.request.resources == resources(vcpu=16, memory_gib=128, hugepages_1gi=0)
     assert host_bookings(world, r.id) == {"vcpu": 16, "memoryGiB": 128}
+
+
+# "capacity.preview books the same host resources as reservations.create would, the request's or
+# the pool's per-GPU share": resources below the share are raised to it in a preview as in a create.
+
+def test_a_preview_raises_resources_below_the_share_to_it_like_a_create(world: World, server: ServerThread) -> None:
+    host_world(world, server)  # 8 vCPUs, 64 GiB per GPU
+    for asked in (resources(vcpu=1, memory_gib=1), resources(), resources(vcpu=20, hugepages_1gi=0)):
+        out = preview(world, count=2, resources=asked)
+        created = world.create(count=2, resources=asked, start=world.later(48)) if asked.vcpu <= 16 else None
+        expected = (max(asked.vcpu, 16), max(asked.memory_gib, 128))
+        assert out.fits and (out.resources.vcpu, out.resources.memory_gib) == expected, (asked, out.resources)
+        if created is not None:
+            assert (created.request.resources.vcpu, created.request.resources.memory_gib) == expected
+
+
+# "It is empty for a hold without limits and for a kubernetes binding" (binding.cgroupParent): a
+# hold that books no host resources shows none, even when its node names the allocation's slice.
+
+def test_a_hold_without_limits_shows_no_cgroup_parent_even_when_the_node_names_one(world: World) -> None:
+    nodes = SigningNodes(world)
+    r = world.create(count=1, duration="2h")  # the world's nodes have no host rows: no limits
+    assert r.request.resources == resources(vcpu=0, memory_gib=0, hugepages_1gi=0)
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0]
+    assert nodes.report(alloc.node_id, alloc.id, cdi_devices=[f"bcd.dev/gpu={d}" for d in alloc.device_ids],
+                        cgroup_parent=f"bcd-alloc-{alloc.id}.slice") == "stored"
+    active = eventually(world, r.id, lambda x: x.state == "active")
+    assert active.binding.attested and active.binding.cgroup_parent == ""
