@@ -1,11 +1,16 @@
 """Promises of the reservations page's "Bindings", "Host resources" and "Attested bindings"
-sections that no other test held the product to, each driven through the real API: the third
-AllocationFailed report failing a reservation, the devices.limits label on a pending
-reservation's retry and on a booking repair, a preview booking the pool's per-GPU share under
-the same label rule, and the share of an MPS slot."""
+sections that no other test held the product to, each driven through the real API (and a real
+gateway where a node's daemon says what it can do): the third AllocationFailed report failing a
+reservation, a report about another node's allocation ignored, the devices.limits label on a
+pending retry, a booking repair, a preview, a gang, a lease pool's batch and a kubernetes binding,
+the share (every physical GPU, a MIG instance's seventh, an MPS slot's tenth, resolved at the draft,
+raised to in a preview), huge pages on the memory quota, a node lease booking no host resources,
+no cgroup parent for a hold without limits, and reports that fail the check (a role left out, an
+unsigned AllocationFailed) never counting."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -453,3 +458,57 @@ def test_a_hold_without_limits_shows_no_cgroup_parent_even_when_the_node_names_o
                         cgroup_parent=f"bcd-alloc-{alloc.id}.slice") == "stored"
     active = eventually(world, r.id, lambda x: x.state == "active")
     assert active.binding.attested and active.binding.cgroup_parent == ""
+
+
+def test_booking_repair_moves_the_host_resources_with_the_devices(clock: tuple[ServerThread, Client]) -> None:
+    from tests.support import make_world
+
+    server, root = clock
+    world = make_world(server.endpoint, root, server.conninfo)
+    try:
+        first = host_world(world, server)[0]
+        world.quota(100, "vcpu")
+        start = clock_now(world) + HOUR
+        r = world.create(count=1, start=start, duration="1h", resources=resources(vcpu=20))
+        assert r.state == "placed" and r.allocations[0].node_id == first.id
+        second = host_node(world, server)
+        world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=first.id, state="cordoned"))
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=45 * MIN + 1000))
+        repaired = eventually(world, r.id, lambda x: "reservation.repaired" in event_types(world, r.id))
+        assert repaired.state == "placed" and [a.node_id for a in repaired.allocations if a.state == "placed"] == [
+            second.id]
+        booked = world.sql("SELECT a.node_id, h.resource, h.amount, epoch_ms(lower(h.during)), epoch_ms(upper(h.during))"
+                           " FROM host_bookings h JOIN allocations a ON a.id = h.allocation_id"
+                           " WHERE a.reservation_id = %s AND a.state = 'placed' ORDER BY 2", (r.id,))
+        assert [(n, res, int(v), lo, hi) for n, res, v, lo, hi in booked] == [
+            (second.id, "memoryGiB", 64, start, start + HOUR), (second.id, "vcpu", 20, start, start + HOUR)]
+        assert world.sql("SELECT count(*) FROM host_bookings WHERE node_id = %s", (first.id,)) == [(0,)]
+        # The quota charge is kept as it was: 12 vCPUs above the share.
+        assert dict(world.sql("SELECT resource, amount FROM quota_charges WHERE reservation_id = %s"
+                              " AND refunded_at IS NULL AND resource = 'vcpu'", (r.id,))) == {"vcpu": 12}
+    finally:
+        world.close()
+
+
+# "A report that fails the check never counts": an AllocationFailed the node never signed (a
+# compromised gateway's word) neither places the reservation again nor counts as a failure.
+
+def test_an_unsigned_allocation_failed_never_counts(world: World) -> None:
+    from bettercompute.node.v1 import node_pb2
+
+    nodes = SigningNodes(world)
+    r = world.create(count=1, duration="2h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0]
+    body = node_pb2.Report(node_id=alloc.node_id, sequence=1, time=int(time.time() * 1000))
+    body.failed.CopyFrom(node_pb2.AllocationFailed(allocation_id=alloc.id, reason="device-missing"))
+    world.sql("INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)"
+              " VALUES (%s, %s, 'failed', %s, '', '')", (alloc.node_id, alloc.id, body.SerializeToString()))
+    world.sql("SELECT wake_reservation(%s)", (r.id,))
+    [data] = poll(lambda: [d for (d,) in world.sql(
+        "SELECT data FROM events WHERE subject = %s AND type = 'reservation.binding-rejected'",
+        (f"reservation/{r.id}",))], what="binding-rejected")
+    assert (data["allocationId"], data["nodeId"], data["reason"]) == (alloc.id, alloc.node_id, "unsigned report")
+    current = get(world, r.id)
+    assert current.state == "binding" and [(a.id, a.state) for a in current.allocations] == [(alloc.id, "binding")]
+    assert world.sql("SELECT bind_failures FROM reservations WHERE id = %s", (r.id,)) == [(0,)]
+    assert nodes.activate(r.id).allocations[0].id == alloc.id
