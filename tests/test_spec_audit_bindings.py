@@ -17,15 +17,20 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from bettercompute.node.v1 import node_pb2
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.nodes import inventory
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import SigningNodes, poll
-from tests.support import Client, ServerThread, World, clock_now, eventually, get
+from tests.support import (PERMISSIVE, Client, ServerThread, World, clock_now, eventually, get, gpus, invalid,
+                           make_world, refused, rpc_error)
 from tests.test_capacity_preview import preview
-from tests.test_gateway import cp, gateway  # noqa: F401 (fixtures)
+from tests.test_gateway import connected, cp, gateway, node_row  # noqa: F401 (fixtures)
 from tests.test_host_resources import LIMITS_LABEL, host_bookings, host_node, host_world, resources
+from tests.test_node_profiles import register
+from tests.test_pki import arun
 
 MIN = 60_000
 HOUR = 3_600_000
@@ -119,8 +124,6 @@ def clock(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 
 def test_booking_repair_moves_host_resources_only_to_a_node_whose_daemon_enforces_limits(
         clock: tuple[ServerThread, Client]) -> None:
-    from tests.support import make_world
-
     server, root = clock
     world = make_world(server.endpoint, root, server.conninfo)
     try:
@@ -223,10 +226,6 @@ def test_the_share_divides_by_every_physical_gpu_healthy_or_not(world: World, se
 # share of the host": the host's rows come from its applied inventory, as on a real node.
 
 def test_a_mig_instance_carries_a_seventh_of_a_gpus_share(world: World, server: ServerThread) -> None:
-    from bettercompute.node.v1 import node_pb2
-    from controlplane.nodes import inventory
-    from tests.support import gpus
-    from tests.test_pki import arun
 
     world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
         owner_tenant_id=world.tenant, name="mig", region="eu-1",
@@ -258,8 +257,6 @@ def test_a_mig_instance_carries_a_seventh_of_a_gpus_share(world: World, server: 
 # alone are refused on memoryGiB.
 
 def test_huge_pages_without_a_memory_quota_are_quota_exceeded_on_memory(world: World, server: ServerThread) -> None:
-    from tests.support import rpc_error
-
     host_world(world, server)
     with pytest.raises(grpc.RpcError) as exc:
         world.create(count=1, resources=resources(hugepages_1gi=2))
@@ -274,8 +271,6 @@ def test_huge_pages_without_a_memory_quota_are_quota_exceeded_on_memory(world: W
 
 
 def test_huge_pages_beyond_the_limit_are_invalid_input_naming_them(world: World) -> None:
-    from tests.support import invalid
-
     invalid("resources.hugepages1Gi", world.create, resources=resources(hugepages_1gi=65537))
 
 
@@ -285,9 +280,6 @@ def test_huge_pages_beyond_the_limit_are_invalid_input_naming_them(world: World)
 # whose daemon leases whole machines but does not enforce limits, with host rows from its inventory.
 
 def test_a_node_lease_books_no_host_resources_and_needs_no_limits_capability(gateway, cp) -> None:  # noqa: F811
-    from tests.test_capacity_preview import preview
-    from tests.test_gateway import connected, node_row
-    from tests.test_node_profiles import register
 
     owner = cp.world
     owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
@@ -368,8 +360,6 @@ def lease_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 
 def test_a_lease_pools_batch_places_host_resources_only_on_a_node_whose_daemon_enforces_limits(
         lease_stack: tuple[ServerThread, Client]) -> None:
-    from tests.support import make_world
-
     server, root = lease_stack
     world = make_world(server.endpoint, root, server.conninfo)
     try:
@@ -391,7 +381,6 @@ def test_a_lease_pools_batch_places_host_resources_only_on_a_node_whose_daemon_e
 # system label bc.dev/cap.devices.limits": a kubernetes binding of such a pool needs both.
 
 def test_a_kubernetes_binding_that_books_host_resources_needs_the_limits_capability_too(gateway, cp) -> None:  # noqa: F811
-    from tests.test_gateway import connected
 
     owner = cp.world
     owner.pool_id = owner.root.admin("CreatePool", apb.CreatePoolRequest(
@@ -461,8 +450,6 @@ def test_a_hold_without_limits_shows_no_cgroup_parent_even_when_the_node_names_o
 
 
 def test_booking_repair_moves_the_host_resources_with_the_devices(clock: tuple[ServerThread, Client]) -> None:
-    from tests.support import make_world
-
     server, root = clock
     world = make_world(server.endpoint, root, server.conninfo)
     try:
@@ -494,7 +481,6 @@ def test_booking_repair_moves_the_host_resources_with_the_devices(clock: tuple[S
 # compromised gateway's word) neither places the reservation again nor counts as a failure.
 
 def test_an_unsigned_allocation_failed_never_counts(world: World) -> None:
-    from bettercompute.node.v1 import node_pb2
 
     nodes = SigningNodes(world)
     r = world.create(count=1, duration="2h")
@@ -512,3 +498,25 @@ def test_an_unsigned_allocation_failed_never_counts(world: World) -> None:
     assert current.state == "binding" and [(a.id, a.state) for a in current.allocations] == [(alloc.id, "binding")]
     assert world.sql("SELECT bind_failures FROM reservations WHERE id = %s", (r.id,)) == [(0,)]
     assert nodes.activate(r.id).allocations[0].id == alloc.id
+
+
+# "IAM sees vcpu and memoryGiB (summed over a gang) as attributes of the reservation", also when
+# it decides on the reservation's extension (extend "is admitted like a create").
+
+def test_iam_sees_vcpu_and_memory_when_it_decides_an_extend(world: World, server: ServerThread) -> None:
+    host_world(world, server)
+    world.quota(1000, "vcpu")
+    world.quota(1000, "memoryGiB")
+    world.policy("permit(principal, action, resource) when { resource.vcpu <= 20 && resource.memoryGiB <= 200 };")
+    try:
+        r = world.create(count=1, resources=resources(vcpu=20, memory_gib=100), start=world.later(2))
+        assert r.state == "placed"
+        out = world.user.res("Extend", pb.ExtendReservationRequest(
+            tenant_id=world.tenant, reservation_id=r.id, by="1h", idempotency_key="more"))
+        assert out.extended and out.reservation.during.end == r.during.end + HOUR
+        world.policy("permit(principal, action, resource) when { resource.vcpu < 20 };")
+        code, reason, _ = refused(world.user.res, "Extend", pb.ExtendReservationRequest(
+            tenant_id=world.tenant, reservation_id=r.id, by="1h", idempotency_key="again"))
+        assert reason == "ACCESS_DENIED"
+    finally:
+        world.policy(PERMISSIVE)
