@@ -520,3 +520,35 @@ def test_iam_sees_vcpu_and_memory_when_it_decides_an_extend(world: World, server
         assert reason == "ACCESS_DENIED"
     finally:
         world.policy(PERMISSIVE)
+
+
+# "At the start the reservation moves to binding and the node's desired state gains a devices
+# assignment per allocation (allocationId, deviceIds, and until, the booking's end)", and "the
+# booked resources become the assignment's limits: cpu_millis from vcpu, memory_bytes from
+# memoryGiB, hugepages_1gi".
+
+def test_at_the_start_the_nodes_desired_state_gains_the_assignment_with_its_limits(
+        clock: tuple[ServerThread, Client]) -> None:
+    from tests.promise_support import desired_state
+
+    server, root = clock
+    world = make_world(server.endpoint, root, server.conninfo)
+    try:
+        node = host_world(world, server)[0]
+        world.quota(100, "vcpu")
+        world.quota(100, "memoryGiB")
+        start = clock_now(world) + HOUR
+        r = world.create(count=2, start=start, duration="2h", resources=resources(vcpu=20, hugepages_1gi=3))
+        assert r.state == "placed"
+        alloc = r.allocations[0]
+        assert alloc.id not in [a.allocation_id for a in desired_state(world, node.id).assignments]
+        world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=HOUR))
+        binding = eventually(world, r.id, lambda x: x.state == "binding")
+        assert "reservation.binding" in event_types(world, r.id)
+        [assignment] = [a for a in desired_state(world, node.id).assignments if a.allocation_id == alloc.id]
+        assert sorted(assignment.device_ids) == sorted(binding.allocations[0].device_ids)
+        assert assignment.until == start + 2 * HOUR and assignment.binding == node_pb2.BINDING_HOLD
+        limits = assignment.limits
+        assert (limits.cpu_millis, limits.memory_bytes, limits.hugepages_1gi) == (20_000, 128 << 30, 3)
+    finally:
+        world.close()
