@@ -27,6 +27,7 @@ from tests.promise_support import SigningNodes, poll
 from tests.support import (PERMISSIVE, Client, ServerThread, World, clock_now, eventually, get, gpus, invalid,
                            make_world, refused, rpc_error)
 from tests.test_capacity_preview import preview
+from tests.test_cli import cli  # noqa: F401 (fixture)
 from tests.test_gateway import connected, cp, gateway, node_row  # noqa: F401 (fixtures)
 from tests.test_host_resources import LIMITS_LABEL, host_bookings, host_node, host_world, resources
 from tests.test_node_profiles import register
@@ -552,3 +553,18 @@ def test_at_the_start_the_nodes_desired_state_gains_the_assignment_with_its_limi
         assert (limits.cpu_millis, limits.memory_bytes, limits.hugepages_1gi) == (20_000, 128 << 30, 3)
     finally:
         world.close()
+
+
+# "better-compute reserve and better-compute capacity --preview take --cpus (0 to 4096) and
+# --memory (GiB, 0 to 65,536), sent as resources" (reserve's flags: tests/test_host_resources.py).
+
+def test_capacity_preview_takes_cpus_and_memory_within_their_ranges(cli, world: World, server: ServerThread) -> None:  # noqa: F811
+    host_world(world, server)  # 8 vCPUs and 64 GiB per GPU
+    out = cli("capacity", "--preview", "--gpus", "2", "--cpus", "20", "--memory", "200").json
+    assert out["fits"] and (out["resources"]["vcpu"], out["resources"]["memoryGiB"]) == (20, 200)
+    out = cli("capacity", "--preview", "--gpus", "2", "--memory", "0").json  # the share for the rest
+    assert out["fits"] and (out["resources"]["vcpu"], out["resources"]["memoryGiB"]) == (16, 128)
+    for flag, value in (("--cpus", "4097"), ("--memory", "65537"), ("--cpus", "-1"), ("--memory", "lots")):
+        run = cli("capacity", "--preview", "--gpus", "1", flag, value)
+        assert run.code == 2 and flag in run.err, (flag, value, run)
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (world.tenant,)) == [(0,)]
