@@ -568,3 +568,54 @@ def test_capacity_preview_takes_cpus_and_memory_within_their_ranges(cli, world: 
         run = cli("capacity", "--preview", "--gpus", "1", flag, value)
         assert run.code == 2 and flag in run.err, (flag, value, run)
     assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (world.tenant,)) == [(0,)]
+
+
+# The same host-resource rules with the capacity index off (BC_PLACEMENT_INDEX=off): the SQL
+# shortlist, the SQL share and the preview's diagnostics serve them too.
+
+@pytest.fixture(scope="module")
+def sql_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from module_stack(pg_uri, placement_index=False)
+
+
+def sql_host_node(world: World, *, vcpu: int, memory: int, label: str | None) -> apb.Node:
+    name = f"s{len(world.nodes):03d}-{world.tenant[-6:]}"
+    node = world.add_node(gpus(name, 8), name=name)
+    world.sql("INSERT INTO host_resources (node_id, resource, allocatable) VALUES"
+              " (%(n)s, 'vcpu', %(v)s), (%(n)s, 'memoryGiB', %(m)s)", {"n": node.id, "v": vcpu, "m": memory})
+    if label is not None:
+        world.sql("UPDATE nodes SET labels = labels || jsonb_build_object(%s::text, "
+                  "jsonb_build_object('value', 'true', 'source', %s::text)) WHERE id = %s", (LIMITS_LABEL, label, node.id))
+    return node
+
+
+def test_without_the_capacity_index_the_share_and_the_limits_label_hold_too(
+        sql_stack: tuple[ServerThread, Client]) -> None:
+    server, root = sql_stack
+    assert server.app.runtime.capacity is None
+    world = make_world(server.endpoint, root, server.conninfo)
+    try:
+        for plain in world.nodes:
+            world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=plain.id, state="cordoned"))
+        operator_only = sql_host_node(world, vcpu=66, memory=512, label="operator")
+        sick = world.sql("SELECT device_uuid FROM atoms WHERE node_id = %s AND kind = 'gpu' ORDER BY 1 LIMIT 1",
+                         (operator_only.id,))[0][0]
+        world.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=operator_only.id, device_uuid=sick,
+                                                                 health="unhealthy"))
+        waiting = world.create(count=3)
+        assert waiting.state == "pending" and waiting.host_share == resources(vcpu=24, memory_gib=192)
+        out = preview(world, count=3)
+        assert not out.fits and (out.resources.vcpu, out.resources.memory_gib) == (24, 192)
+        assert [(f.filter, f.nodes, f.reason) for f in out.filters if f.filter != "state"] == [
+            ("labels", 1, f"needs label {LIMITS_LABEL}=*")]
+        capable = sql_host_node(world, vcpu=66, memory=512, label="system")
+        out = preview(world, count=3)
+        assert out.fits and [m.node_id for m in out.members] == [capable.id]
+        placed = world.create(count=3)
+        assert placed.state == "placed" and placed.allocations[0].node_id == capable.id
+        assert host_bookings(world, placed.id) == {"vcpu": 24, "memoryGiB": 192}
+        retried(world)
+        moved = eventually(world, waiting.id, lambda x: x.state != "pending")
+        assert moved.allocations[-1].node_id == capable.id
+    finally:
+        world.close()
