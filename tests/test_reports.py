@@ -119,9 +119,18 @@ def test_released_by_the_node_is_binding_lost_until_bound_again(world: World, no
 
 @pytest.mark.parametrize("own", [True, False])
 def test_a_cgroup_parent_counts_only_when_it_is_the_allocations_own_slice(
-    world: World, node: Enrolled, own: bool
+    world: World, node: Enrolled, own: bool, clock_stack: tuple[ServerThread, Client]
 ) -> None:
+    # A hold with limits (it books the host's per-GPU share, on a daemon that enforces them): only
+    # such a hold has a slice.
+    world.sql("INSERT INTO host_resources (node_id, resource, allocatable) VALUES"
+              " (%(n)s, 'vcpu', 66), (%(n)s, 'memoryGiB', 512)", {"n": node.node_id})
+    world.sql("UPDATE nodes SET labels = labels || jsonb_build_object('bc.dev/cap.devices.limits',"
+              " jsonb_build_object('value', 'true', 'source', 'system')) WHERE id = %s", (node.node_id,))
+    server = clock_stack[0]
+    server.call(server.app.runtime.capacity.barrier())
     r = world.create(count=1, duration="8h")
+    assert r.request.resources.vcpu == 8
     alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
     other = world.create(count=1, duration="8h").allocations[0].id
     parent = f"bcd-alloc-{alloc if own else other}.slice"

@@ -112,10 +112,12 @@ async def _replayed(conn: AsyncConnection, rep: dict[str, Any], report: node_pb2
 def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime, row: dict[str, Any]) -> dict[str, Any]:
     """The binding as the node signed it. A cgroup parent counts only when it is exactly this
     allocation's slice, so a node cannot point a reservation at another allocation's slice; a
-    kubernetes binding has none (its pods live in the kubelet's cgroups)."""
+    kubernetes binding has none (its pods live in the kubelet's cgroups), nor has a hold without
+    limits (it books no host resources, so bcd makes it no slice)."""
     own_slice = f"bcd-alloc-{rep['allocation_id']}.slice"
     kubernetes = row["request"].get("binding") == "kubernetes"
-    keep_slice = report.bound.cgroup_parent == own_slice and not kubernetes
+    limited = any((row["request"].get("resources") or {}).values())
+    keep_slice = report.bound.cgroup_parent == own_slice and limited and not kubernetes
     return {
         "cdiDevices": list(report.bound.cdi_devices),
         "envFile": report.bound.env_file,
