@@ -5,9 +5,50 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+from collections.abc import Iterator
 
-from tests.support import World
+import pytest
+
+from bettercompute.v1 import admin_pb2 as apb
+from k8s.deviceplugin.v1beta1 import api_pb2 as dp
+from nodesim.deviceplugin import PLUGIN_DIR
+from tests.support import World, make_world
 from tests.test_cli import ANSI, _env, cli, connection_flags, on_a_terminal  # noqa: F401  (cli: fixture)
+from tests.test_e2e import Fleet, Stack, stack  # noqa: F401  (stack: fixture)
+from tests.test_kubernetes_binding import Kubelet, registrations
+
+
+@pytest.fixture
+def world(stack: Stack) -> Iterator[World]:  # noqa: F811
+    """A tenant with a pool of two 8-GPU nodes (registered, no daemon) on the real processes."""
+    w = make_world(stack.endpoint, stack.root, stack.conninfo, nodes=2)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def kube_world(stack: Stack) -> Iterator[World]:  # noqa: F811
+    """A tenant whose own pool has policy.kubernetes and no nodes until a fleet joins it."""
+    w = make_world(stack.endpoint, stack.root, stack.conninfo, nodes=0)
+    w.pool_id = stack.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=w.tenant, name="k8s", region="eu-1",
+        policy=apb.PoolPolicy(kubernetes=True, per_gpu=apb.PerGpuShare(vcpu=0, memory_gib=0)))).id
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def relative_fleet(stack: Stack, kube_world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:  # noqa: F811
+    """One nodesim node whose --sandbox is a path relative to the working directory and below it,
+    as make dev's `.dev/sandbox` (nodesim inherits the working directory)."""
+    fleet = Fleet(stack, kube_world, 1)
+    monkeypatch.chdir(fleet.sandbox.parent)
+    fleet.sandbox = pathlib.Path(fleet.sandbox.name)
+    try:
+        fleet.start("--kubelet-retry", "0.2")
+        yield fleet
+    finally:
+        fleet.stop()
 
 
 def test_list_on_an_80_column_terminal_keeps_state_gpus_and_window(cli, world: World,  # noqa: F811
@@ -30,3 +71,25 @@ def test_list_on_an_80_column_terminal_keeps_state_gpus_and_window(cli, world: W
     assert middle == ["placed", "4", *start[:16].split("T"), "UTC", "8h"]
     assert shown_id.endswith("…") and placed["id"].startswith(shown_id.removesuffix("…"))
     assert world.pool_id.startswith(shown_pool.removesuffix("…"))
+
+
+def test_a_node_whose_sandbox_is_a_relative_path_serves_its_device_plugins(relative_fleet: Fleet) -> None:
+    """README, "Kubernetes workers": each simulated node serves the kubelet device plugin API in
+    `<sandbox>/<node>/var/lib/kubelet/device-plugins/` and registers with the kubelet there. make
+    dev runs nodesim with `--sandbox .dev/sandbox`, a relative path, and the plugin's socket address
+    `unix://.dev/sandbox/...` is read by gRPC as the absolute `//.dev/sandbox/...`: binding it
+    failed, so no plugin ever registered."""
+    fleet = relative_fleet
+    assert not fleet.sandbox.is_absolute()
+    kubelet = Kubelet(fleet.sandbox.absolute() / fleet.names[0] / PLUGIN_DIR)
+    channel = path = None
+    try:
+        registered = registrations(kubelet)["bcd.dev/gpu"]
+        channel, stub, path = kubelet.plugin(registered.endpoint)
+        assert stub.GetDevicePluginOptions(dp.Empty(), timeout=10).get_preferred_allocation_available
+    finally:
+        if channel is not None:
+            channel.close()
+        if path is not None:
+            path.close()
+        kubelet.stop()
