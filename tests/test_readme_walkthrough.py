@@ -14,6 +14,8 @@ from k8s.deviceplugin.v1beta1 import api_pb2 as dp
 from nodesim.deviceplugin import PLUGIN_DIR
 from tests.support import World, make_world
 from tests.test_cli import ANSI, _env, cli, connection_flags, on_a_terminal  # noqa: F401  (cli: fixture)
+from tests.test_dev import cli as dev_cli
+from tests.test_dev import running_dev, scratch_dir
 from tests.test_e2e import Fleet, Stack, stack  # noqa: F401  (stack: fixture)
 from tests.test_kubernetes_binding import Kubelet, registrations
 
@@ -93,3 +95,31 @@ def test_a_node_whose_sandbox_is_a_relative_path_serves_its_device_plugins(relat
         if path is not None:
             path.close()
         kubelet.stop()
+
+
+def test_dev_runs_again_after_a_node_was_revoked_and_readmitted() -> None:
+    """README: `nodes revoke` (a revoked node cannot enrol again until readmitted), `nodes readmit`,
+    and "Run it again and it reuses .dev: the pool, the nodes' certificates and the reservations
+    are kept". dev gave join tokens only to nodes without a valid certificate file, so a readmitted
+    node kept its revoked certificate, had no token, never connected, and the second run gave up
+    ("only 7 of 8 nodes connected"). It now re-provisions such a node a token (its
+    `<sandbox>/<node>/join-token`), and the node enrols with new certificates."""
+    with scratch_dir() as scratch:
+        data_dir = scratch / "dev"
+        node_id_file = data_dir / "sandbox" / "sim-007" / "var" / "lib" / "bcd" / "node-id"
+        with running_dev(data_dir, "first") as dev:
+            node_id = node_id_file.read_text().strip()
+            code, revoked, err = dev_cli(dev, "nodes", "revoke", node_id, "--reason", "walkthrough")
+            assert code == 0 and revoked["serials"], err
+            code, readmitted, err = dev_cli(dev, "nodes", "readmit", node_id)
+            assert code == 0 and readmitted["readmitted"], err
+            assert dev.stop() == 0, dev.log()
+
+        with running_dev(data_dir, "second") as dev:  # ready: every node connected
+            assert "join tokens re-provisioned to revoked nodes" in dev.log()
+            code, certificates, err = dev_cli(dev, "nodes", "certificates", node_id)
+            assert code == 0, err
+            live = [c for c in certificates["items"] if not c.get("revoked")]
+            assert sorted(c["usage"] for c in live) == ["signing", "tls"]
+            assert node_id_file.read_text().strip() == node_id
+            assert dev.stop() == 0, dev.log()

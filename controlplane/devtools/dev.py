@@ -8,7 +8,8 @@ processes; the nodes enrol with one-time join tokens and write their CDI specs, 
 cgroup slices under `<data dir>/sandbox`. It writes `<data dir>/connection.json` for the client
 CLI, prints how to use it and serves until Ctrl-C or SIGTERM, stopping every process it started.
 A second run reuses the data: the pool and the nodes' certificates are kept, join tokens are
-issued only to nodes without a valid certificate, and the root and alice tokens (kept in
+issued only to nodes without a valid certificate (a node whose certificates were revoked, then
+readmitted, gets one in its `join-token` file), and the root and alice tokens (kept in
 `<data dir>/tokens.json`, readable by the owner only) are reused until they are revoked, gone or
 about to expire.
 """
@@ -365,6 +366,11 @@ class Fleet:
         names = [node_name(i) for i in range(count)]
         ca_pem = ca.read_bytes()
         enrolled = {name for name in names if devstack.has_valid_certificate(self.sandbox / name, ca_pem)}
+        revoked = devstack.revoked_nodes(endpoint, root_token, {name: self.sandbox / name for name in enrolled})
+        if revoked:  # revoked, then readmitted (or wiped after a lease): re-provisioned a token
+            devstack.reprovision_join_tokens(endpoint, root_token, pool_id,
+                                             {name: self.sandbox / name for name in sorted(revoked)})
+            log.info("join tokens re-provisioned to revoked nodes", nodes=sorted(revoked))
         issued = devstack.issue_join_tokens(endpoint, root_token, pool_id, names, join_tokens,
                                             enrolled=enrolled)
         log.info("join tokens issued", issued=issued, certified=len(enrolled))
