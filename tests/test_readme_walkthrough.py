@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +19,7 @@ from nodesim.deviceplugin import PLUGIN_DIR
 from tests.support import World, make_world
 from tests.test_cli import ANSI, _env, cli, connection_flags, on_a_terminal  # noqa: F401  (cli: fixture)
 from tests.test_dev import cli as dev_cli
-from tests.test_dev import running_dev, scratch_dir
+from tests.test_dev import REPO, START_TIMEOUT_S, STOP_TIMEOUT_S, _alive, _dev_env, running_dev, scratch_dir
 from tests.test_e2e import Fleet, Stack, stack  # noqa: F401  (stack: fixture)
 from tests.test_kubernetes_binding import Kubelet, registrations
 
@@ -123,3 +127,44 @@ def test_dev_runs_again_after_a_node_was_revoked_and_readmitted() -> None:
             assert sorted(c["usage"] for c in live) == ["signing", "tls"]
             assert node_id_file.read_text().strip() == node_id
             assert dev.stop() == 0, dev.log()
+
+
+def test_ctrl_c_while_dev_waits_for_its_fleet_stops_it_at_once() -> None:
+    """README: dev "runs until Ctrl-C (or SIGTERM), which stops the fleet, the gateway, the control
+    plane and the database". While it waited for its nodes to connect (up to 90 s), Ctrl-C was
+    noted and ignored until the wait ended. A node revoked and not readmitted never connects, so
+    the second run waits; Ctrl-C now stops it during that wait, every process with it."""
+    with scratch_dir() as scratch:
+        data_dir = scratch / "dev"
+        with running_dev(data_dir, "first") as dev:
+            node_id = (data_dir / "sandbox" / "sim-001" / "var" / "lib" / "bcd" / "node-id").read_text().strip()
+            code, _, err = dev_cli(dev, "nodes", "revoke", node_id, "--reason", "walkthrough")
+            assert code == 0, err
+            assert dev.stop() == 0, dev.log()
+
+        log_path = scratch / "dev-waiting.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "dev", "--listen", "127.0.0.1:0"],
+                                       cwd=REPO, env=_dev_env(data_dir), stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while "nodesim running" not in log_path.read_text(errors="replace"):  # now it waits for them
+                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text(errors="replace")
+                time.sleep(0.1)
+            postmaster = int((data_dir / "pgdata" / "postmaster.pid").read_text().split()[0])
+            process.send_signal(signal.SIGINT)
+            try:
+                code = process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail("dev did not stop on Ctrl-C while it waited for its fleet\n"
+                            + log_path.read_text(errors="replace"))
+            text = log_path.read_text(errors="replace")
+            assert code == 130, text
+            assert "dev interrupted during start-up" in text and "fleet connected" not in text
+            assert not _alive(postmaster), "the embedded PostgreSQL outlived dev"
+            assert not (data_dir / "connection.json").exists()
+        finally:
+            if process.poll() is None:  # let it stop its own processes, however late
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=180)

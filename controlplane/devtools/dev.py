@@ -25,7 +25,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +227,9 @@ async def _serve(
             devstack.write_private(connection_path.with_name(TOKENS_FILE),
                                    json.dumps({"root": demo.root_token, USER: demo.token}, indent=2) + "\n")
             await asyncio.to_thread(fleet.start, endpoint, root_token, demo.pool_id, sim)
-            await _wait_connected(channel, root_token, demo.pool_id, sim)
+            if not await _wait_connected(channel, root_token, demo.pool_id, sim, stop):
+                log.info("dev interrupted during start-up")
+                return 130
             account_id = await seed_provider(channel, root_token, demo.pool_id, fleet.provider)
         demo = Demo(**{**demo.__dict__, "gateway_endpoint": fleet.session, "sandbox": str(fleet.sandbox.resolve()),
                        "provider_account_id": account_id})
@@ -383,7 +385,9 @@ class Fleet:
             process.stop()
 
 
-async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, count: int) -> None:
+async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, count: int,
+                          stop: asyncio.Event) -> bool:
+    """Whether the fleet connected; False as soon as Ctrl-C or SIGTERM asks to stop meanwhile."""
     admin = admin_pb2_grpc.AdminStub(channel)
     auth = (("authorization", f"Bearer {root_token}"),)
     deadline = asyncio.get_running_loop().time() + FLEET_TIMEOUT_S
@@ -393,10 +397,12 @@ async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: s
         connected = sum(1 for n in nodes if n.connectivity == "connected" and n.gpu_count > 0)
         if connected >= count:
             log.info("fleet connected", nodes=connected)
-            return
+            return True
         if asyncio.get_running_loop().time() > deadline:
             raise RuntimeError(f"only {connected} of {count} nodes connected in {FLEET_TIMEOUT_S} s")
-        await asyncio.sleep(0.5)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+            return False
 
 
 def node_name(index: int) -> str:
