@@ -58,7 +58,8 @@ class UnixPath:
     otherwise the same file through an open descriptor of its directory (/proc/self/fd/N/name)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        # Absolute: gRPC reads "unix://" + a relative path (".dev/sandbox/...") as "//.dev/sandbox/...".
+        self.path = path.absolute()
         self._dir_fd: int | None = None
 
     def address(self) -> str:

@@ -224,8 +224,9 @@ def _duration_ms(text: str) -> int:
 
 def reservation_list(page: pb.ListReservationsResponse) -> Table:
     table = Table(box=None, header_style="bold", caption=f"next page: --cursor {page.next_cursor}" if page.next_cursor else None)
+    # On a narrow terminal the ids give way (cut with an ellipsis), never the state, size or window.
     for column in ("ID", "STATE", "GPUS", "START", "DURATION", "POOL"):
-        table.add_column(column, no_wrap=True)
+        table.add_column(column, no_wrap=column not in ("ID", "POOL"), overflow="ellipsis")
     for r in page.items:
         gpus = str(sum(d.count for d in r.request.devices))
         start = fmt_time(r.during.start) if r.during.start else "-"

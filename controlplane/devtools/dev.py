@@ -8,7 +8,8 @@ processes; the nodes enrol with one-time join tokens and write their CDI specs, 
 cgroup slices under `<data dir>/sandbox`. It writes `<data dir>/connection.json` for the client
 CLI, prints how to use it and serves until Ctrl-C or SIGTERM, stopping every process it started.
 A second run reuses the data: the pool and the nodes' certificates are kept, join tokens are
-issued only to nodes without a valid certificate, and the root and alice tokens (kept in
+issued only to nodes without a valid certificate (a node whose certificates were revoked, then
+readmitted, gets one in its `join-token` file), and the root and alice tokens (kept in
 `<data dir>/tokens.json`, readable by the owner only) are reused until they are revoked, gone or
 about to expire.
 """
@@ -24,7 +25,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +227,9 @@ async def _serve(
             devstack.write_private(connection_path.with_name(TOKENS_FILE),
                                    json.dumps({"root": demo.root_token, USER: demo.token}, indent=2) + "\n")
             await asyncio.to_thread(fleet.start, endpoint, root_token, demo.pool_id, sim)
-            await _wait_connected(channel, root_token, demo.pool_id, sim)
+            if not await _wait_connected(channel, root_token, demo.pool_id, sim, stop):
+                log.info("dev interrupted during start-up")
+                return 130
             account_id = await seed_provider(channel, root_token, demo.pool_id, fleet.provider)
         demo = Demo(**{**demo.__dict__, "gateway_endpoint": fleet.session, "sandbox": str(fleet.sandbox.resolve()),
                        "provider_account_id": account_id})
@@ -365,6 +368,11 @@ class Fleet:
         names = [node_name(i) for i in range(count)]
         ca_pem = ca.read_bytes()
         enrolled = {name for name in names if devstack.has_valid_certificate(self.sandbox / name, ca_pem)}
+        revoked = devstack.revoked_nodes(endpoint, root_token, {name: self.sandbox / name for name in enrolled})
+        if revoked:  # revoked, then readmitted (or wiped after a lease): re-provisioned a token
+            devstack.reprovision_join_tokens(endpoint, root_token, pool_id,
+                                             {name: self.sandbox / name for name in sorted(revoked)})
+            log.info("join tokens re-provisioned to revoked nodes", nodes=sorted(revoked))
         issued = devstack.issue_join_tokens(endpoint, root_token, pool_id, names, join_tokens,
                                             enrolled=enrolled)
         log.info("join tokens issued", issued=issued, certified=len(enrolled))
@@ -377,7 +385,9 @@ class Fleet:
             process.stop()
 
 
-async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, count: int) -> None:
+async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, count: int,
+                          stop: asyncio.Event) -> bool:
+    """Whether the fleet connected; False as soon as Ctrl-C or SIGTERM asks to stop meanwhile."""
     admin = admin_pb2_grpc.AdminStub(channel)
     auth = (("authorization", f"Bearer {root_token}"),)
     deadline = asyncio.get_running_loop().time() + FLEET_TIMEOUT_S
@@ -387,10 +397,12 @@ async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: s
         connected = sum(1 for n in nodes if n.connectivity == "connected" and n.gpu_count > 0)
         if connected >= count:
             log.info("fleet connected", nodes=connected)
-            return
+            return True
         if asyncio.get_running_loop().time() > deadline:
             raise RuntimeError(f"only {connected} of {count} nodes connected in {FLEET_TIMEOUT_S} s")
-        await asyncio.sleep(0.5)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+            return False
 
 
 def node_name(index: int) -> str:

@@ -164,6 +164,46 @@ def has_valid_certificate(node_root: pathlib.Path, ca_pem: bytes, *, margin_s: f
     return True
 
 
+def revoked_nodes(endpoint: str, root_token: str, node_roots: dict[str, pathlib.Path]) -> set[str]:
+    """The names among `node_roots` whose stored certificates the control plane has revoked (or
+    does not know): a node revoked, then readmitted, or wiped after a lease, needs a join token
+    re-provisioned to the machine however valid its files look (see `reprovision_join_tokens`)."""
+    revoked: set[str] = set()
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeAdminStub(channel)
+        metadata = (("authorization", f"Bearer {root_token}"),)
+        for name, root in node_roots.items():
+            directory = root / "var" / "lib" / "bcd"
+            node_id = (directory / "node-id").read_text().strip()
+            serials = {x509.load_pem_x509_certificate((directory / f).read_bytes()).serial_number
+                       for f in ("node.crt", "tls.crt")}
+            try:
+                known = stub.ListNodeCertificates(nodes_pb2.ListNodeCertificatesRequest(node_id=node_id),
+                                                  metadata=metadata, timeout=30).items
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                known = []
+            good = {int(c.serial, 16) for c in known if not c.revoked}
+            if not serials <= good:
+                revoked.add(name)
+    return revoked
+
+
+def reprovision_join_tokens(endpoint: str, root_token: str, pool_id: str, node_roots: dict[str, pathlib.Path],
+                            *, ttl_seconds: int = 3600) -> None:
+    """A one-time join token for each node, written to `<node root>/join-token`: where nodesim
+    reads the token an out-of-band re-provisioning gives a machine whose certificates were revoked."""
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = nodes_pb2_grpc.NodeAdminStub(channel)
+        metadata = (("authorization", f"Bearer {root_token}"),)
+        for name, root in node_roots.items():
+            secret = stub.CreateJoinToken(nodes_pb2.CreateJoinTokenRequest(
+                pool_id=pool_id, node_name=name, role="node", ttl_seconds=ttl_seconds),
+                metadata=metadata, timeout=30).secret
+            write_private(root / "join-token", secret)
+
+
 def nodesim(count: int, session: str, enrol: str, sandbox: pathlib.Path, tokens_path: pathlib.Path,
             ca_path: pathlib.Path, log_path: pathlib.Path, *, extra: Sequence[str] = ()) -> Process:
     return Process(
