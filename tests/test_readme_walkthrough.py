@@ -4,6 +4,7 @@ real control plane. Each test pins a promise of the README that the walkthrough 
 from __future__ import annotations
 
 import datetime
+import os
 import pathlib
 import signal
 import subprocess
@@ -168,3 +169,20 @@ def test_ctrl_c_while_dev_waits_for_its_fleet_stops_it_at_once() -> None:
             if process.poll() is None:  # let it stop its own processes, however late
                 process.send_signal(signal.SIGINT)
                 process.wait(timeout=180)
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(world: World, tmp_path: pathlib.Path) -> None:
+    """`better-compute list --json | head`: when standard output's reader is gone the CLI stops as a
+    tool killed by SIGPIPE does (exit 141), with no BrokenPipeError traceback on standard error."""
+    for _ in range(3):
+        world.create(count=1, start=world.later())
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the CLI writes anything
+    try:
+        done = subprocess.run([sys.executable, "-m", "controlplane.cli", *connection_flags(world), "list", "--json"],
+                              cwd=REPO, env=_env(tmp_path), stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -50,4 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     return 0
+
+
+def _reader_gone() -> int:
+    """Standard output's reader went away (`list --json | head`): stop quietly, as a tool killed by
+    SIGPIPE does (exit 141), with what is left unflushed sent nowhere instead of a traceback at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13
