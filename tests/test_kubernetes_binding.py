@@ -43,12 +43,18 @@ def world(stack: Stack) -> Iterator[World]:  # noqa: F811
     """A tenant whose own pool has policy.kubernetes (and no nodes until a fleet joins it). Its GPUs
     carry no host share (perGpu 0), so a plain hold books no host resources and may place on an
     older daemon (spec "Host resources")."""
+    w = kubernetes_world(stack)
+    yield w
+    w.close()
+
+
+def kubernetes_world(stack: Stack) -> World:
+    """A new tenant with its own pool of policy.kubernetes, perGpu 0, and no nodes."""
     w = make_world(stack.endpoint, stack.root, stack.conninfo, nodes=0)
     w.pool_id = stack.root.admin("CreatePool", apb.CreatePoolRequest(
         owner_tenant_id=w.tenant, name="k8s", region="eu-1",
         policy=apb.PoolPolicy(kubernetes=True, per_gpu=apb.PerGpuShare(vcpu=0, memory_gib=0)))).id
-    yield w
-    w.close()
+    return w
 
 
 def kubernetes(world: World, count: int = 1, **kw) -> pb.Reservation:

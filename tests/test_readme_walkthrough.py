@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from bettercompute.v1 import admin_pb2 as apb
 from k8s.deviceplugin.v1beta1 import api_pb2 as dp
 from nodesim.deviceplugin import PLUGIN_DIR
 from tests.support import World, make_world
@@ -22,7 +21,7 @@ from tests.test_cli import ANSI, _env, cli, connection_flags, on_a_terminal  # n
 from tests.test_dev import cli as dev_cli
 from tests.test_dev import REPO, START_TIMEOUT_S, STOP_TIMEOUT_S, _alive, _dev_env, running_dev, scratch_dir
 from tests.test_e2e import Fleet, Stack, stack  # noqa: F401  (stack: fixture)
-from tests.test_kubernetes_binding import Kubelet, registrations
+from tests.test_kubernetes_binding import Kubelet, kubernetes_world, registrations
 
 
 @pytest.fixture
@@ -36,10 +35,7 @@ def world(stack: Stack) -> Iterator[World]:  # noqa: F811
 @pytest.fixture
 def kube_world(stack: Stack) -> Iterator[World]:  # noqa: F811
     """A tenant whose own pool has policy.kubernetes and no nodes until a fleet joins it."""
-    w = make_world(stack.endpoint, stack.root, stack.conninfo, nodes=0)
-    w.pool_id = stack.root.admin("CreatePool", apb.CreatePoolRequest(
-        owner_tenant_id=w.tenant, name="k8s", region="eu-1",
-        policy=apb.PoolPolicy(kubernetes=True, per_gpu=apb.PerGpuShare(vcpu=0, memory_gib=0)))).id
+    w = kubernetes_world(stack)
     yield w
     w.close()
 
