@@ -12,6 +12,7 @@ import pathlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -74,6 +75,21 @@ def test_pooled_connections_the_server_ended_while_idle_fail_no_call(world: Worl
     for _ in range(20):
         assert get(world, placed.id).id == placed.id
     assert world.create(count=1).state == "placed"
+    check_invariants(world.conninfo, world.tenant)
+
+
+def test_a_whole_pool_of_dead_connections_fails_no_call(world: World) -> None:
+    """Every connection of a pool grown by concurrent calls ended at once (a failover). psycopg's
+    pool backs off before each next try after a failed check, twice as long each time: with one
+    dead connection after another a call waited 1 + 2 + 4 + 8 + 16 s and ran out of time. The first
+    dead one now has every idle connection checked at once, so the call's next try gets a live one."""
+    placed = world.create(count=1)
+    with ThreadPoolExecutor(max_workers=32) as workers:
+        until(lambda: list(workers.map(lambda _: get(world, placed.id), range(64)))
+              and len(backends(world.conninfo, POOLED)) >= 8, "the pool to grow to 8 connections or more")
+    terminate(world.conninfo, backends(world.conninfo, POOLED))
+    for _ in range(5):
+        assert get(world, placed.id).id == placed.id
     check_invariants(world.conninfo, world.tenant)
 
 
@@ -499,6 +515,20 @@ def test_an_enrolment_whose_backend_is_ended_mid_call_is_unavailable_and_the_tok
     assert node.enrol(token).node_id
 
 
+def assert_unavailable_then_served(ended: grpc.RpcError | None, node: Any) -> None:
+    """The session ended UNAVAILABLE (ErrorInfo, no internals in its message), and the node's next
+    session gets its desired state."""
+    assert ended is not None
+    info = error_info(ended)
+    assert (ended.code(), info.reason if info else None) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), ended
+    assert "psycopg" not in ended.details() and "administrator" not in ended.details()
+    again = node.session()
+    try:
+        assert again.recv() is not None
+    finally:
+        again.close()
+
+
 def test_a_session_whose_desired_state_read_is_ended_mid_call_tells_the_node_no_internals(
         gateway: GatewayThread, pool_id: str) -> None:
     """The server ends the backend reading a node's desired state for its session. Before the fix
@@ -515,15 +545,7 @@ def test_a_session_whose_desired_state_read_is_ended_mid_call_tells_the_node_no_
         terminate(gateway.conninfo, [blocked])
         ended = session.ended()
         holder.rollback()
-    assert ended is not None
-    info = error_info(ended)
-    assert (ended.code(), info.reason if info else None) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), ended
-    assert "psycopg" not in ended.details() and "administrator" not in ended.details()
-    again = node.session()
-    try:
-        assert again.recv() is not None  # its desired state, on the new session
-    finally:
-        again.close()
+    assert_unavailable_then_served(ended, node)
 
 
 def test_a_session_whose_certificate_read_is_ended_mid_call_tells_the_node_no_internals(
@@ -538,15 +560,7 @@ def test_a_session_whose_certificate_read_is_ended_mid_call_tells_the_node_no_in
         terminate(gateway.conninfo, [blocked])
         ended = session.ended()
         holder.rollback()
-    assert ended is not None
-    info = error_info(ended)
-    assert (ended.code(), info.reason if info else None) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"), ended
-    assert "psycopg" not in ended.details() and "administrator" not in ended.details()
-    again = node.session()
-    try:
-        assert again.recv() is not None
-    finally:
-        again.close()
+    assert_unavailable_then_served(ended, node)
 
 
 # -- every connection ended at once, under load -------------------------------------------------
