@@ -130,8 +130,7 @@ class SessionRunner:
                 failed = None if reader.cancelled() else reader.exception()
                 if isinstance(failed, errors.DomainError):  # the node sent what it may not: say what
                     log.info("session refused a message", code=failed.code, reason=failed.message)
-                    status = to_status(failed.code, failed.message, failed.details)
-                    raise SessionEnded(status.code, failed.message, status)
+                    raise _ended(failed)
                 if failed is not None:
                     raise failed  # its status: see run
                 return
