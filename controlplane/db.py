@@ -132,12 +132,30 @@ async def open_pool(conninfo: str, *, size: int = 16) -> AsyncConnectionPool:
     """The pool checks a connection before lending it (`check_lent`): one the server ended while it
     sat idle (a failover, an operator, an idle timeout) is replaced, not lent to a call that would
     fail on it."""
+    purge: asyncio.Task[None] | None = None
+
+    async def check(conn: psycopg.AsyncConnection) -> None:
+        """check_lent; when it finds a dead connection, the rest of the pool is likely dead too (a
+        failover, a restart): every idle connection is checked at once in the background (the
+        pool's own `check`, which replaces the dead ones), while the waiting call backs off for
+        about a second before its next try. Without it each dead connection cost the call a
+        back-off twice as long as the one before (1, 2, 4, 8 s ...), and a pool of 16 dead
+        connections outlasted its 30 s."""
+        nonlocal purge
+        try:
+            await check_lent(conn)
+        except Exception:
+            if purge is None or purge.done():
+                log.warning("a pooled database connection was dead: checking every idle one")
+                purge = asyncio.get_running_loop().create_task(pool.check())
+            raise
+
     pool = AsyncConnectionPool(
         conninfo,
         min_size=min(2, size),
         max_size=size,
         kwargs={"row_factory": dict_row, "autocommit": False},
-        check=lambda conn: _check_or_purge(pool, conn),
+        check=check,
         open=False,
     )
     await pool.open(wait=True, timeout=30)
@@ -153,25 +171,6 @@ async def check_lent(conn: psycopg.AsyncConnection) -> None:
     create several (each call lends a connection one to four times)."""
     if conn.closed or conn.pgconn.status != psycopg.pq.ConnStatus.OK or _readable(conn.pgconn.socket):
         await AsyncConnectionPool.check_connection(conn)
-
-
-_PURGES: dict[int, asyncio.Task[None]] = {}
-
-
-async def _check_or_purge(pool: AsyncConnectionPool, conn: psycopg.AsyncConnection) -> None:
-    """check_lent; when it finds a dead connection, the rest of the pool is likely dead too (a
-    failover, a restart): every idle connection is checked at once in the background (the pool's
-    own `check`, which replaces the dead ones), while the waiting call backs off for about a second
-    before its next try. Without it each dead connection cost the call a back-off twice as long as
-    the one before (1, 2, 4, 8 s ...), and a pool of 16 dead connections outlasted its 30 s."""
-    try:
-        await check_lent(conn)
-    except Exception:
-        running = _PURGES.get(id(pool))
-        if running is None or running.done():
-            log.warning("a pooled database connection was dead: checking every idle one")
-            _PURGES[id(pool)] = asyncio.get_running_loop().create_task(pool.check())
-        raise
 
 
 def _readable(fd: int) -> bool:
