@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import structlog
 
-from controlplane import db, errors
-from controlplane.common.status import to_status
+from controlplane import errors
+from controlplane.common.status import failure, to_status
 from controlplane.metrics import RpcMetrics
 from controlplane.nodes import wire
 
@@ -78,14 +78,9 @@ def _wrap(method: str, request_id: str, behavior: Any, deserializer: Any, metric
             _log(exc.code, started, metrics)
             await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
         except Exception as exc:
-            transient = db.unavailable(exc, requestId=request_id)  # a database fault: the node retries
-            if transient is not None:
-                log.warning("rpc failed on a database fault", error=type(exc).__name__)
-                _log(transient.code, started, metrics)
-                await context.abort_with_status(to_status(transient.code, transient.message, transient.details))
-            log.exception("rpc failed")
-            _log(errors.INTERNAL, started, metrics)
-            await context.abort_with_status(to_status(errors.INTERNAL, "internal error", {"requestId": request_id}))
+            code, status = failure(exc, "rpc", requestId=request_id)  # UNAVAILABLE: the node retries
+            _log(code, started, metrics)
+            await context.abort_with_status(status)
         else:
             _log("OK", started, metrics)
             return response

@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
 from controlplane import db, errors
-from controlplane.common.status import to_status
+from controlplane.common.status import failure, to_status
 from controlplane.ids import new_id
 from controlplane.nodes import connectivity, desired, inventory, reports, sessions
 from controlplane.pki import store
@@ -45,15 +45,9 @@ def _ended(error: errors.DomainError) -> SessionEnded:
 
 
 def failure_status(exc: Exception, **ids: str) -> grpc.Status:
-    """A session's unexpected failure as the node sees it: UNAVAILABLE for a database fault a new
-    session may not meet (logged as a warning), else INTERNAL (logged with its traceback); no
-    internals either way. `ids` name the session in the details."""
-    transient = db.unavailable(exc, **ids)
-    if transient is not None:
-        log.warning("session failed on a database fault", error=type(exc).__name__)
-        return to_status(transient.code, transient.message, transient.details)
-    log.error("session failed", exc_info=exc)
-    return to_status(errors.INTERNAL, "internal error", ids)
+    """A session's unexpected failure as the node sees it (status.failure: UNAVAILABLE for a
+    database fault a new session may not meet, else INTERNAL); `ids` name the session."""
+    return failure(exc, "session", **ids)[1]
 
 
 class SessionRunner:

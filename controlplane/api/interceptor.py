@@ -17,10 +17,10 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import auth, db, errors, tokens
+from controlplane import auth, errors, tokens
 from controlplane.common import inputs
 from controlplane.common.names import TENANT_ID
-from controlplane.common.status import to_status
+from controlplane.common.status import failure, to_status
 from controlplane.config import Settings
 from controlplane.metrics import RpcMetrics
 
@@ -169,16 +169,10 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _failed(exc: Exception, started: float, metrics: RpcMetrics) -> grpc.Status:
-    """The status of an unexpected failure: UNAVAILABLE for a database fault a retry may cure,
-    else INTERNAL (a bug), logged with its traceback; neither tells the caller any internals."""
-    transient = db.unavailable(exc, requestId=_request_id())
-    if transient is not None:
-        log.warning("rpc failed on a database fault", error=type(exc).__name__, sqlstate=getattr(exc, "sqlstate", None))
-        _log_rpc(transient.code, started, metrics)
-        return to_status(transient.code, transient.message, transient.details)
-    log.exception("rpc failed")
-    _log_rpc(errors.INTERNAL, started, metrics)
-    return to_status(errors.INTERNAL, "internal error", {"requestId": _request_id()})
+    """The status of an unexpected failure (status.failure), with the RPC's log line."""
+    code, status = failure(exc, "rpc", requestId=_request_id())
+    _log_rpc(code, started, metrics)
+    return status
 
 
 def _refused(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 
 import grpc
+import structlog
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from controlplane import errors
+from controlplane import db, errors
+
+log = structlog.get_logger(__name__)
 
 DOMAIN = "bettercompute.dev"
 
@@ -43,6 +46,21 @@ def to_status(code: str, message: str, details: dict[str, object]) -> grpc.Statu
     return rpc_status.to_status(
         status_pb2.Status(code=_GRPC_CODE[code], message=message, details=[packed])
     )
+
+
+def failure(exc: Exception, what: str, **details: str) -> tuple[str, grpc.Status]:
+    """An unexpected failure as the caller sees it, for every server (the API's calls, the
+    gateway's unary calls and node sessions): UNAVAILABLE for a database fault a retry may cure
+    (logged as a warning), else INTERNAL (a bug, logged with its traceback). Neither tells the
+    caller any internals; `details` name the call (requestId, sessionId). `what` names it in the
+    log line ("rpc", "session"). Returns the spec code and the status."""
+    transient = db.unavailable(exc, **details)
+    if transient is not None:
+        log.warning(f"{what} failed on a database fault", error=type(exc).__name__,
+                    sqlstate=getattr(exc, "sqlstate", None))
+        return transient.code, to_status(transient.code, transient.message, transient.details)
+    log.error(f"{what} failed", exc_info=exc)
+    return errors.INTERNAL, to_status(errors.INTERNAL, "internal error", details)
 
 
 def grpc_code_name(code: str) -> str:
