@@ -120,6 +120,7 @@ class SimNode:
         self._failures_logged = False
         self._connecting: asyncio.Task[None] | None = None
         self._revoked = False  # the gateway said the certificate was revoked
+        self._enrolling: tuple[str, KeyPair] | None = None  # a token and the keys sent with it, unanswered
 
     @property
     def node_id(self) -> str:
@@ -209,10 +210,15 @@ class SimNode:
         if token is None:
             raise NodeError("not enrolled (or certificate expired) and no join token")
         self.state = "enrolling"
-        keys = KeyPair.generate()
+        # The keys of an enrolment whose answer never came are sent again with the same token: the
+        # gateway answers such a retry with the certificates it issued them (the token is spent).
+        if self._enrolling is None or self._enrolling[0] != token:
+            self._enrolling = (token, KeyPair.generate())
+        keys = self._enrolling[1]
         request = pb.EnrolRequest(join_token=token, csr_pem=keys.csr_bundle(self.name))
         async with self.shared.enrol_slots:
             response = await self.shared.enrol.Enrol(request, timeout=RPC_TIMEOUT)
+        self._enrolling = None
         identity = keys.certify(response.node_id, response.certificate_pem, response.ca_certificate_pem)
         self.store.save(identity)
         self.identity = identity

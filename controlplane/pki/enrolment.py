@@ -72,7 +72,8 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
     reused when the same name enrols again: then every certificate it held before is revoked (one
     name, one live identity). A node an operator revoked is refused until it is readmitted; the
     token is then not spent. The role is the token's, except on a machine a tenant leases
-    (node-tenant, as a renewal would give)."""
+    (node-tenant, as a renewal would give). A retry with the spent token and the same CSRs, while
+    the token is unexpired, answers the certificates again (a node that lost the answer)."""
     if not join_token:
         raise errors.Unauthenticated("a join token is required")
     csr = certs.parse_csr_bundle(csr_pem)  # a bad CSR does not spend the token
@@ -81,7 +82,11 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
     async def work(conn: AsyncConnection) -> Issued:
         claim = await store.claim_join_token(conn, hashed)
         if claim is None:
-            raise errors.Unauthenticated("invalid, used or expired join token")
+            again = await _answered_again(conn, hashed, csr)
+            if again is None:
+                raise errors.Unauthenticated("invalid, used or expired join token")
+            log.info("enrolment answered again", node_id=again.node_id)
+            return again
         node = await registry.for_enrolment(conn, claim["pool_id"], claim["node_name"])
         node_id = node["id"]
         if node["revoked_at"] is not None:
@@ -98,6 +103,22 @@ async def enrol(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings,
         return await _issue(conn, ca, settings, csr, node_id, role)
 
     return await db.run_in_transaction(pool, work)
+
+
+async def _answered_again(conn: AsyncConnection, hashed: bytes, csr: certs.CsrBundle) -> Issued | None:
+    """A retry of an enrolment whose answer was lost: the token is spent, but by these very keys
+    (the CSRs prove the caller holds them), so the node gets the certificates it was issued, as
+    long as the token has not expired and they are live. Nothing is issued or spent again; other
+    keys with the same token stay refused."""
+    rows = await store.enrolled_with(conn, hashed, [certs.spki(csr.signing), certs.spki(csr.tls)])
+    newest = {}
+    for row in rows:  # newest first per usage
+        newest.setdefault(row["usage"], row)
+    if set(newest) != {certs.SIGNING, certs.TLS}:
+        return None
+    signing, tls = newest[certs.SIGNING], newest[certs.TLS]
+    pems = [certs.pem(x509.load_der_x509_certificate(bytes(r["certificate"]))) for r in (signing, tls)]
+    return Issued(tls["node_id"], tls["role"], b"".join(pems), _ms(min(signing["not_after"], tls["not_after"])))
 
 
 async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,

@@ -91,6 +91,25 @@ async def void_join_tokens(conn: AsyncConnection, pool_id: str, node_name: str) 
                        (pool_id, node_name))
 
 
+_ANSWERED_AGAIN = """
+SELECT c.node_id, c.usage, c.role, c.certificate, c.not_after
+FROM join_tokens j
+JOIN nodes n ON n.id = j.node_id AND n.revoked_at IS NULL
+JOIN node_certs c ON c.node_id = j.node_id
+WHERE j.token_hash = %(token_hash)s AND j.used_at IS NOT NULL AND j.expires_at > now()
+  AND c.public_key = ANY(%(keys)s) AND c.usage IN ('signing', 'tls') AND c.not_after > now()
+  AND NOT EXISTS (SELECT 1 FROM revocations r WHERE r.serial = c.serial)
+ORDER BY c.usage, c.not_before DESC
+"""
+
+
+async def enrolled_with(conn: AsyncConnection, token_hash: bytes, keys: list[bytes]) -> list[dict[str, Any]]:
+    """The live certificates a spent, unexpired join token's enrolment issued for these public
+    keys (SubjectPublicKeyInfo DER), newest first per usage: what a node that lost the answer
+    gets again when it retries with the same token and the same CSRs."""
+    return await (await conn.execute(_ANSWERED_AGAIN, {"token_hash": token_hash, "keys": keys})).fetchall()
+
+
 async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: str) -> None:
     await conn.execute("UPDATE join_tokens SET used_at = now(), node_id = %s WHERE token_hash = %s",
                        (node_id, token_hash))
