@@ -155,6 +155,31 @@ async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any
         return await db.run_in_transaction(rt.pool, work)
 
 
+async def withdraw_pool_offer(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any]:
+    """Take the offer of `pool_id` back from `tenant_id`: the tenant no longer sees the pool, so
+    it creates, previews and extends nothing more there; its reservations made before run their
+    course. Refused for the pool's owner and while the tenant holds a live grant on the pool."""
+    match("poolId", pool_id, POOL_ID)
+    match("tenantId", tenant_id, TENANT_ID)
+
+    async def work(conn: AsyncConnection) -> dict[str, Any]:
+        pool = await (await conn.execute(q.POOL_FOR_OFFERS, {"pool_id": pool_id})).fetchone()
+        if pool is None:
+            raise errors.NotFound("no such pool", poolId=pool_id)
+        if await (await conn.execute(q.TENANT_EXISTS, {"tenant_id": tenant_id})).fetchone() is None:
+            raise errors.NotFound("no such tenant", tenantId=tenant_id)
+        if pool["owner_tenant_id"] == tenant_id:
+            raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool_id)
+        grant = await (await conn.execute(q.LIVE_GRANT_ON_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
+        if grant is not None:
+            raise errors.InvalidState("the tenant holds a live reservation grant on this pool: end it first",
+                                      grantId=grant["id"], poolId=pool_id, tenantId=tenant_id)
+        await conn.execute(q.DELETE_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
+        return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
+
+    return await db.run_in_transaction(rt.pool, work)
+
+
 async def list_pools(rt: Runtime, owner: str | None) -> list[dict[str, Any]]:
     async with db.read_only(rt.pool) as conn:
         return await (await conn.execute(q.POOLS, {"id": None, "owner": owner or None})).fetchall()

@@ -28,6 +28,15 @@ VALUES (%(id)s, %(owner)s, %(name)s, %(region)s, %(policy)s)
 INSERT_OFFER = """
 INSERT INTO pool_offers (pool_id, tenant_id) VALUES (%(pool_id)s, %(tenant_id)s) ON CONFLICT DO NOTHING
 """
+DELETE_OFFER = "DELETE FROM pool_offers WHERE pool_id = %(pool_id)s AND tenant_id = %(tenant_id)s"
+POOL_FOR_OFFERS = "SELECT id, owner_tenant_id FROM pools WHERE id = %(pool_id)s FOR SHARE"
+TENANT_EXISTS = "SELECT 1 FROM tenants WHERE id = %(tenant_id)s"
+# A grant commits slots of the pool to its tenant for its term: the offer stays while one is live.
+LIVE_GRANT_ON_POOL = """
+SELECT id FROM reservation_grants
+WHERE pool_id = %(pool_id)s AND tenant_id = %(tenant_id)s AND state IN ('scheduled', 'active')
+ORDER BY id LIMIT 1
+"""
 POOLS = """
 SELECT p.*, coalesce(array_agg(o.tenant_id ORDER BY o.tenant_id) FILTER (WHERE o.tenant_id IS NOT NULL),
                      '{}') AS offered_to

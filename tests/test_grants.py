@@ -502,3 +502,22 @@ def test_binding_to_another_pool_refuses_while_a_grant_is_live(v: Vps) -> None:
     assert rpc_error(exc)[1:] == ("INVALID_STATE", {"reservationId": v.reservation, "grantIds": f'["{g.id}"]'})
     v.end(g.id)
     assert v.root("accounts", "BindReservation", rebind).pool_id == other
+
+
+def test_a_live_grant_keeps_its_pool_offered_to_the_grantee(v: Vps) -> None:
+    """Admin.WithdrawPoolOffer is refused while the tenant holds a live grant on the pool (the
+    grant was made because the pool was offered); once the grant ended, the offer can go."""
+    world = v.world
+    world.root.admin("CreateTenant", apb.CreateTenantRequest(id="guest", name="guest"))
+    world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id="guest"))
+    grant = v.grant(tenant="guest")
+    withdraw = apb.WithdrawPoolOfferRequest(pool_id=world.pool_id, tenant_id="guest")
+    with pytest.raises(grpc.RpcError) as exc:
+        world.root.admin("WithdrawPoolOffer", withdraw)
+    code, reason, details = rpc_error(exc)
+    assert (code, reason, details["grantId"], details["tenantId"]) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE", grant.id, "guest")
+    [pool] = [p for p in world.root.admin("ListPools", apb.ListPoolsRequest()).items if p.id == world.pool_id]
+    assert "guest" in pool.offered_to
+    v.end(grant.id)
+    assert "guest" not in world.root.admin("WithdrawPoolOffer", withdraw).offered_to

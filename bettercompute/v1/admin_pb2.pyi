@@ -612,6 +612,28 @@ class OfferPoolRequest(_message.Message):
 Global___OfferPoolRequest: _TypeAlias = OfferPoolRequest  # noqa: Y015
 
 @_typing.final
+class WithdrawPoolOfferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    pool_id: _builtins.str
+    tenant_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool_id: _builtins.str = ...,
+        tenant_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_id", b"pool_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawPoolOfferRequest: _TypeAlias = WithdrawPoolOfferRequest  # noqa: Y015
+
+@_typing.final
 class Gpu(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

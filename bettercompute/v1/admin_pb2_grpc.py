@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.OfferPoolRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Pool.FromString,
                 _registered_method=True)
+        self.WithdrawPoolOffer = channel.unary_unary(
+                '/bettercompute.v1.Admin/WithdrawPoolOffer',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.WithdrawPoolOfferRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.Pool.FromString,
+                _registered_method=True)
         self.ListPools = channel.unary_unary(
                 '/bettercompute.v1.Admin/ListPools',
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.ListPoolsRequest.SerializeToString,
@@ -198,6 +203,15 @@ class AdminServicer:
 
     def OfferPool(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WithdrawPoolOffer(self, request, context):
+        """Takes a pool's offer back from a tenant: from the commit on, the tenant can no longer see the
+        pool (create, preview, timeline, rollup: NOT_FOUND) nor extend a reservation on it
+        (INVALID_STATE); what it requested before runs its course. Withdrawing again changes nothing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -348,6 +362,11 @@ def add_AdminServicer_to_server(servicer, server):
             'OfferPool': grpc.unary_unary_rpc_method_handler(
                     servicer.OfferPool,
                     request_deserializer=bettercompute_dot_v1_dot_admin__pb2.OfferPoolRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.Pool.SerializeToString,
+            ),
+            'WithdrawPoolOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.WithdrawPoolOffer,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.WithdrawPoolOfferRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_admin__pb2.Pool.SerializeToString,
             ),
             'ListPools': grpc.unary_unary_rpc_method_handler(
@@ -619,6 +638,33 @@ class Admin:
             target,
             '/bettercompute.v1.Admin/OfferPool',
             bettercompute_dot_v1_dot_admin__pb2.OfferPoolRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.Pool.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WithdrawPoolOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/WithdrawPoolOffer',
+            bettercompute_dot_v1_dot_admin__pb2.WithdrawPoolOfferRequest.SerializeToString,
             bettercompute_dot_v1_dot_admin__pb2.Pool.FromString,
             options,
             channel_credentials,

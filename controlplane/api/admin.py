@@ -64,6 +64,10 @@ class AdminServicer(rpc.AdminServicer):
         _root()
         return convert.pool(await admin.offer_pool(self.rt, request.pool_id, request.tenant_id))
 
+    async def WithdrawPoolOffer(self, request: pb.WithdrawPoolOfferRequest, context: Ctx) -> pb.Pool:
+        _root()
+        return convert.pool(await admin.withdraw_pool_offer(self.rt, request.pool_id, request.tenant_id))
+
     async def ListPools(self, request: pb.ListPoolsRequest, context: Ctx) -> pb.ListPoolsResponse:
         _root()
         return pb.ListPoolsResponse(

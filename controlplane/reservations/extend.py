@@ -103,6 +103,10 @@ async def _stage(
                                   maxUntil=latest, reservationId=rid)
     if new_end <= row["during_end"]:
         return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
+    offered = {"pool_id": row["pool_id"], "tenant_id": tenant_id}
+    if await (await conn.execute(queries.POOL_OFFERED, offered)).fetchone() is None:
+        raise errors.InvalidState("the pool is no longer offered to this tenant: the reservation cannot be extended",
+                                  reason="pool-withdrawn", poolId=row["pool_id"], reservationId=rid)
     hold = new_id("hold")
     taken = await (await conn.execute(queries.TAKE_EXTEND_HOLD, {"id": rid, "hold": hold, "ttl": HOLD_TTL_S})).fetchone()
     if taken is None:

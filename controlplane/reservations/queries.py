@@ -59,6 +59,13 @@ a AS (
 SELECT * FROM d
 """
 
+# Whether the tenant still sees the pool (its owner, or offered to it): an extend books more time on it.
+POOL_OFFERED = """
+SELECT 1 FROM pools p
+WHERE p.id = %(pool_id)s
+  AND (p.owner_tenant_id = %(tenant_id)s
+       OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
+"""
 VISIBLE_POOL = """
 SELECT p.id, p.region, p.policy, p.owner_tenant_id,
        (SELECT min(a.model) FROM atoms a JOIN nodes n ON n.id = a.node_id
