@@ -28,6 +28,8 @@ from controlplane.runtime import Runtime
 PREEMPTING = "Preempting"
 
 POOL_POLICY = "SELECT policy FROM pools WHERE id = %(pool_id)s"
+# compute_now() at this statement rather than at the transaction's start.
+NOW_UNDER_LOCK = "SELECT epoch_ms(clock_timestamp() + offset_ms * interval '1 millisecond') AS now_ms FROM clock"
 # The pending worker places inline, where preemption is: woken when the pool has spot work to take.
 WAKE_IF_SPOT = """
 SELECT pg_notify('bc_pool_freed', %(pool_id)s)
@@ -64,6 +66,9 @@ async def place(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: pl
     if is_spot(request) or is_node_lease(request):
         return None
     policy = (await (await conn.execute(POOL_POLICY, {"pool_id": row["pool_id"]})).fetchone())["policy"]
+    # The notice counts from now, under the pool lock: `now_ms` (and compute_now(), the
+    # transaction's start) may be from before a wait for that lock, which would eat into it.
+    now_ms = max(now_ms, (await (await conn.execute(NOW_UNDER_LOCK)).fetchone())["now_ms"])
     members = gang.Gang.of(request)
     choice = await preempt.plan(conn, ask, members, rt.settings, now_ms=now_ms, notice=preempt.notice_ms(policy))
     if choice is None:

@@ -1,0 +1,113 @@
+"""A hostile or careless tenant against spot reservations and preemption, through the real API
+(real servers on loopback, real TLS, the embedded PostgreSQL): a victim always gets the pool's
+whole notice, counted from when it is given; spot never outranks a regular reservation; a
+preemptor that goes away before the notice's end gives its victims their time back; nothing is
+ever booked twice."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.common.locks import pool_lock_key
+from tests.invariants import check_invariants
+from tests.support import ServerThread, World, clock_now, get, gpus, make_world
+
+NOTICE_S = 2
+HOUR = 3_600_000
+
+
+def spot_world(server: ServerThread, root, notice_s: int = NOTICE_S) -> World:
+    w = make_world(server.endpoint, root, server.conninfo, nodes=0, quota=256)
+    w.sql("UPDATE pools SET policy = policy || %s::jsonb WHERE id = %s",
+          ('{"spot": {"noticeSeconds": %d}}' % notice_s, w.pool_id))
+    w.server = server
+    return w
+
+
+@pytest.fixture
+def bare(stack) -> Iterator[World]:
+    server, root = stack
+    w = spot_world(server, root)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def clocked(clock_stack) -> Iterator[World]:
+    """A pool of its own control plane whose clock the test moves."""
+    server, root = clock_stack
+    w = spot_world(server, root)
+    yield w
+    w.close()
+
+
+def mk(world: World, **kw) -> pb.Reservation:
+    """Create, then wait until the capacity index heard of it (the next create plans on it)."""
+    r = world.create(**kw)
+    world.server.call(world.server.app.runtime.capacity.barrier())
+    return r
+
+
+def node(world: World) -> str:
+    return world.add_node(gpus(f"h{len(world.nodes)}-{world.tenant}", 8)).id
+
+
+def events_of(world: World, rid: str, type_: str) -> list[dict]:
+    return [d for (d,) in world.sql("SELECT data FROM events WHERE subject = %s AND type = %s ORDER BY id",
+                                    (f"reservation/{rid}", type_))]
+
+
+def advance(world: World, ms: int) -> None:
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=ms))
+
+
+@contextlib.contextmanager
+def pool_locked(world: World) -> Iterator[None]:
+    """The test holds the pool's advisory lock: a transaction 2 that takes it waits."""
+    with psycopg.connect(world.conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
+        try:
+            yield
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
+
+
+def waiting_for_a_lock(world: World) -> None:
+    """Until a session of the world's database waits for a lock (the create's transaction 2)."""
+    deadline = time.monotonic() + 15
+    while not world.sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND datname = current_database()")[0][0]:
+        assert time.monotonic() < deadline, "the create never queued behind the pool lock"
+        time.sleep(0.02)
+
+
+# -- The notice --------------------------------------------------------------------------------
+
+
+def test_a_victim_gets_the_whole_notice_even_when_the_preemptor_waited_for_the_pool_lock(clocked: World) -> None:
+    """The preemptor's transaction 2 waited for the pool lock while the clock moved on: the
+    notice is counted from when it is given, not from the create's first transaction (it was
+    already over when the victim heard of it)."""
+    w = clocked
+    node(w)
+    spot = mk(w, count=8, spot=True, duration="8h")
+    with ThreadPoolExecutor(1) as pool, pool_locked(w):
+        pending = pool.submit(w.create, count=8, duration="1h")
+        waiting_for_a_lock(w)
+        advance(w, 120_000)  # within the spot's bind timeout: it stays booked
+        given_from = clock_now(w)
+    r = pending.result(timeout=30)
+    assert r.state == "placed"
+    (notice,) = events_of(w, spot.id, "reservation.preempting")
+    assert notice["noticeUntil"] == r.during.start
+    assert r.during.start >= given_from + NOTICE_S * 1000, (r.during.start, given_from)
+    assert get(w, spot.id).during.end == r.during.start
+    check_invariants(w.conninfo, w.tenant)
