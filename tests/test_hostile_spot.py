@@ -111,3 +111,93 @@ def test_a_victim_gets_the_whole_notice_even_when_the_preemptor_waited_for_the_p
     assert r.during.start >= given_from + NOTICE_S * 1000, (r.during.start, given_from)
     assert get(w, spot.id).during.end == r.during.start
     check_invariants(w.conninfo, w.tenant)
+
+
+# -- A preemptor that goes away before the notice's end ------------------------------------------
+
+
+@pytest.fixture
+def long_notice(stack) -> Iterator[World]:
+    """A pool whose notice (5 minutes) leaves the test time to act within it."""
+    server, root = stack
+    w = spot_world(server, root, notice_s=300)
+    yield w
+    w.close()
+
+
+def booking_ends(world: World, rid: str) -> set[int]:
+    return {e for (e,) in world.sql(
+        "SELECT epoch_ms(upper(b.during)) FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
+        " WHERE a.reservation_id = %s AND a.state IN ('placed', 'binding', 'bound')", (rid,))}
+
+
+def end_it(world: World, how: str, rid: str) -> None:
+    method = {"cancel": "Cancel", "release": "Release"}[how]
+    request = {"cancel": pb.CancelReservationRequest, "release": pb.ReleaseReservationRequest}[how]
+    world.user.res(method, request(tenant_id=world.tenant, reservation_id=rid))
+
+
+@pytest.mark.parametrize("how", ["cancel", "release"])
+@pytest.mark.parametrize("calendar", [False, True])
+def test_a_preemptor_that_goes_away_during_the_notice_gives_the_victim_its_time_back(
+        long_notice: World, how: str, calendar: bool) -> None:
+    """A tenant books regular GPUs over a spot reservation and withdraws at once: nobody needs
+    the spot's devices any more, so it keeps them to its own end (it used to be released at the
+    notice's end all the same, for nothing)."""
+    w = long_notice
+    node(w)
+    spot = mk(w, count=8, spot=True, duration="8h")
+    end = spot.during.end
+    kw = {"start": w.later(hours=2)} if calendar else {}
+    r = mk(w, count=8, duration="1h", **kw)
+    assert r.state == "placed" and get(w, spot.id).during.end == r.during.start
+    end_it(w, how, r.id)
+    back = get(w, spot.id)
+    assert back.during.end == end and back.state in ("placed", "binding", "active")
+    assert not [c for c in back.conditions if c.type == "Preempting"]
+    assert booking_ends(w, spot.id) == {end}
+    (extended,) = events_of(w, spot.id, "reservation.extended")
+    assert (extended["from"], extended["to"]) == (r.during.start, end)
+    assert w.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL"
+                 " AND resource = 'gpu'", (spot.id,))[0][0] == 1  # still charged, once
+    # Its devices are its own again: a regular request needs to preempt it anew.
+    again = mk(w, count=8, duration="1h")
+    assert again.state == "placed" and get(w, spot.id).during.end == again.during.start
+    check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_victim_of_two_preemptors_gets_back_what_each_took_as_each_goes_away(long_notice: World) -> None:
+    """A calendar preemptor cuts the spot at its start, a second one earlier: withdrawing the
+    second leaves the spot under the first's notice; withdrawing the first too, it keeps all."""
+    w = long_notice
+    node(w)
+    spot = mk(w, count=8, spot=True, duration="8h")
+    end = spot.during.end
+    first = mk(w, count=8, duration="1h", start=w.later(hours=2))
+    second = mk(w, count=8, duration="1h")
+    assert get(w, spot.id).during.end == second.during.start
+    end_it(w, "cancel", second.id)
+    under_first = get(w, spot.id)
+    assert under_first.during.end == first.during.start and booking_ends(w, spot.id) == {first.during.start}
+    (held,) = [c for c in under_first.conditions if c.type == "Preempting"]
+    assert first.id in held.message
+    end_it(w, "cancel", first.id)
+    assert get(w, spot.id).during.end == end and booking_ends(w, spot.id) == {end}
+    assert not [c for c in get(w, spot.id).conditions if c.type == "Preempting"]
+    check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_preemptor_withdrawn_with_the_first_of_two_still_there_leaves_the_second_notice(long_notice: World) -> None:
+    """The reverse order: the earlier preemptor (the calendar one, cut later) goes first; the spot
+    stays under the second's notice, and once that one goes too it keeps its whole window."""
+    w = long_notice
+    node(w)
+    spot = mk(w, count=8, spot=True, duration="8h")
+    end = spot.during.end
+    first = mk(w, count=8, duration="1h", start=w.later(hours=2))
+    second = mk(w, count=8, duration="1h")
+    end_it(w, "cancel", first.id)
+    assert get(w, spot.id).during.end == second.during.start  # the second still needs it
+    end_it(w, "cancel", second.id)
+    assert get(w, spot.id).during.end == end and booking_ends(w, spot.id) == {end}
+    check_invariants(w.conninfo, w.tenant)
