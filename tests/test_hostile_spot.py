@@ -201,3 +201,41 @@ def test_a_preemptor_withdrawn_with_the_first_of_two_still_there_leaves_the_seco
     end_it(w, "cancel", second.id)
     assert get(w, spot.id).during.end == end and booking_ends(w, spot.id) == {end}
     check_invariants(w.conninfo, w.tenant)
+
+
+# -- Spot booked so as never to be preempted ------------------------------------------------------
+
+
+def test_a_spot_booking_that_starts_after_the_notice_does_not_hold_off_a_regular_one(bare: World) -> None:
+    """A spot tenant books its window to start just past now plus the notice: it had not begun at
+    the cut, so it was never a candidate, and the regular request waited pending behind spot work
+    (a chain of such bookings held it off for as long as the chain lasted). It is preempted whole
+    now: it never ran, and it learns at least a notice before its start."""
+    w = bare
+    node(w)
+    soon = w.later(hours=0) + NOTICE_S * 1000 + 60_000
+    chain = [mk(w, count=8, spot=True, start=soon + i * HOUR, duration="1h") for i in range(3)]
+    assert all(s.state == "placed" for s in chain)
+    r = mk(w, count=8, duration="2h")
+    assert r.state == "placed", r.conditions
+    taken = [s for s in chain if s.during.start < r.during.end]
+    assert [s.id for s in taken] == [s.id for s in chain[:2]]
+    for s in taken:
+        gone = get(w, s.id)
+        assert gone.state == "released" and gone.during == s.during  # a window never begun keeps its bounds
+        assert [d["reason"] for d in events_of(w, s.id, "reservation.released")] == ["preempted"]
+        assert [d["by"] for d in events_of(w, s.id, "reservation.preempting")] == [r.id]
+        assert [d["by"] for d in events_of(w, s.id, "reservation.preempted")] == [r.id]
+        assert not booking_ends(w, s.id)
+        assert not w.sql("SELECT 1 FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL", (s.id,))
+    assert get(w, chain[2].id).state == "placed" and get(w, chain[2].id).during == chain[2].during
+    check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_calendar_reservation_is_not_held_off_by_spot_starting_inside_its_window(bare: World) -> None:
+    w = bare
+    node(w)
+    spot = mk(w, count=8, spot=True, start=w.later(hours=2), duration="8h")
+    r = mk(w, count=8, start=w.later(hours=1), duration="2h")
+    assert r.state == "placed" and get(w, spot.id).state == "released"
+    check_invariants(w.conninfo, w.tenant)

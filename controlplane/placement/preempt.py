@@ -6,8 +6,9 @@ that is later, so a calendar reservation only takes the part of a spot booking t
 window), and it is placed on the atoms the fewest spot reservations free:
 
 1. The spot bookings overlapping [cut, end) are read under the pool lock, with the reservation
-   each belongs to (only spot reservations that began before the cut: their bookings are truncated
-   there). None: nothing to preempt, and the pool is not read.
+   each belongs to (those begun before the cut are truncated there; one that begins at or after
+   the cut loses all its bookings and is released at once). None: nothing to preempt, and the
+   pool is not read.
 2. The pool is read from rows in this transaction (as gang.plan does when the index finds no room)
    and each node is planned with the normal filters and atom pick as if some of its spot
    reservations were gone: sets of no victim first, then one, then two (at most
@@ -46,7 +47,8 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_NOTICE_S = 30
 
-# Spot bookings overlapping the preemptor's window, of live spot reservations begun before the cut.
+# Spot bookings overlapping the preemptor's window, of live spot reservations (begun before the cut
+# or not: a spot booking that begins later is preempted whole, or spot could hold off regular work).
 SPOT_BOOKINGS = """
 SELECT r.id AS reservation_id, a.node_id, b.atom_id,
        epoch_ms(lower(b.during)) AS start_ms, coalesce(epoch_ms(upper(b.during)), 9223372036854775807) AS end_ms
@@ -54,7 +56,6 @@ FROM reservations r
 JOIN allocations a ON a.reservation_id = r.id AND a.state IN ('placed', 'binding', 'bound')
 JOIN bookings b ON b.allocation_id = a.id
 WHERE r.pool_id = %(pool_id)s AND r.state IN ('placed', 'binding', 'active') AND r.request @> '{"spot": true}'
-  AND lower(r.during) < from_epoch_ms(%(cut)s)
   AND b.during && tstzrange(from_epoch_ms(%(cut)s), from_epoch_ms(%(end)s), '[)')
 """
 

@@ -27,7 +27,7 @@ from controlplane.metal import is_node_lease
 from controlplane.nodes import desired
 from controlplane.placement import gang, placer, preempt
 from controlplane.reservations import queries, schedule, states
-from controlplane.reservations.transitions import condition, set_conditions
+from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -44,7 +44,8 @@ WHERE EXISTS (SELECT 1 FROM reservations WHERE pool_id = %(pool_id)s AND state I
               AND request @> '{"spot": true}')
 """
 LOCK_VICTIMS = """
-SELECT id, tenant_id, pool_id, state, conditions, epoch_ms(upper(during)) AS during_end FROM reservations
+SELECT id, tenant_id, pool_id, state, operation_state, request, conditions,
+       epoch_ms(lower(during)) AS during_start, epoch_ms(upper(during)) AS during_end FROM reservations
 WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE
 """
 RECORD_NOTICE = """
@@ -118,8 +119,24 @@ async def place(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: pl
         return None
     for victim in victims:
         by = row["id"] if victim["tenant_id"] == row["tenant_id"] else ""
-        await notify(conn, victim, by, choice.cut_ms, now_ms, preemptor=row["id"])
+        if victim["during_start"] >= choice.cut_ms:  # not begun by the cut: nothing of it is left
+            await take_whole(conn, victim, by, now_ms)
+        else:
+            await notify(conn, victim, by, choice.cut_ms, now_ms, preemptor=row["id"])
     return Preempted(choice.ask, node_ids, [v["id"] for v in victims])
+
+
+async def take_whole(conn: AsyncConnection, victim: dict[str, Any], by: str, now_ms: int) -> None:
+    """A victim that would begin at or after the cut (its bookings are gone): released now with
+    reason `preempted`, its quota refunded. It never ran, and it hears of it at least a notice
+    before its start (its start is at or after the cut, now plus the notice at the earliest)."""
+    from controlplane.reservations import lifecycle  # it imports this module
+
+    await lifecycle.free_capacity(conn, victim)
+    await events.emit_reservation(conn, victim, "reservation.preempting", by=by, noticeUntil=now_ms)
+    await move(conn, victim, states.RELEASED, operation_state=victim["operation_state"], end_reason="preempted")
+    await events.emit_reservation(conn, victim, "reservation.released", reason="preempted")
+    await events.emit_reservation(conn, victim, "reservation.preempted", by=by, noticeUntil=now_ms)
 
 
 def held_condition(by: str, cut_ms: int, now_ms: int) -> dict[str, Any]:
