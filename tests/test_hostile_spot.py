@@ -239,3 +239,30 @@ def test_a_calendar_reservation_is_not_held_off_by_spot_starting_inside_its_wind
     r = mk(w, count=8, start=w.later(hours=1), duration="2h")
     assert r.state == "placed" and get(w, spot.id).state == "released"
     check_invariants(w.conninfo, w.tenant)
+
+
+# -- Taking more than the shortfall -------------------------------------------------------------
+
+FABRIC = "fabric.domain"
+
+
+def fabric_node(world: World, fabric: str) -> str:
+    return world.add_node(gpus(f"h{len(world.nodes)}-{world.tenant}", 8), system_labels={FABRIC: fabric}).id
+
+
+def test_one_allocation_does_not_take_a_spot_gang_when_a_smaller_spot_frees_as_much(bare: World) -> None:
+    """A spot gang over two nodes and a single spot on a third are one victim each; taking the
+    gang ends sixteen GPUs of spot work for the eight the regular request needs."""
+    w = bare
+    for _ in range(2):
+        fabric_node(w, "fab-a")
+    spot_gang = mk(w, count=8, spot=True, gang=pb.Gang(size=2, topology_key=FABRIC), duration="8h")
+    assert spot_gang.state == "placed"
+    fabric_node(w, "fab-b")
+    single = mk(w, count=8, spot=True, duration="8h")
+    r = mk(w, count=8, duration="1h")
+    assert r.state == "placed"
+    assert [d["by"] for d in events_of(w, single.id, "reservation.preempting")] == [r.id]
+    assert not events_of(w, spot_gang.id, "reservation.preempting")
+    assert get(w, spot_gang.id).during == spot_gang.during
+    check_invariants(w.conninfo, w.tenant)

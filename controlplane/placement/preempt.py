@@ -13,10 +13,11 @@ window), and it is placed on the atoms the fewest spot reservations free:
    and each node is planned with the normal filters and atom pick as if some of its spot
    reservations were gone: sets of no victim first, then one, then two (at most
    preempt_max_sets_per_node sets per node), so each node's first fitting set is its smallest.
-3. One allocation: the node whose set is smallest (then the best score). A gang: per label value,
-   members are picked one by one, each time the node that adds the fewest victims not already
-   taken (a spot gang spread over two nodes frees both for the price of one), then the best
-   score; the group with the fewest victims wins.
+3. One allocation: the node whose set is smallest, then whose victims hold the fewest bookings
+   on every node (a spot gang ends on all its members' nodes), then the best score. A gang: per
+   label value, members are picked one by one, each time the node that adds the fewest victims
+   not already taken (a spot gang spread over two nodes frees both for the price of one), then
+   the best score; the group with the fewest victims (then bookings) wins.
 4. `commit` truncates every victim's bookings at the cut (host bookings follow them: migration
    0018's trigger) and commits the plan with the normal commit (the EXCLUDE constraint is still the
    last word), all inside one savepoint: a plan that loses leaves the victims untouched.
@@ -167,15 +168,27 @@ def without(node: Node, gone: list[Held]) -> Node:
     return dataclasses.replace(node, atoms=atoms, host_booked=host_booked)
 
 
+def weights(held: dict[str, dict[str, Held]]) -> dict[str, int]:
+    """Each spot reservation's bookings in the window on every node: what preempting it ends (a
+    spot gang's on all its members' nodes)."""
+    total: dict[str, int] = defaultdict(int)
+    for by_victim in held.values():
+        for victim, h in by_victim.items():
+            total[victim] += sum(len(i) for i in h.atoms.values())
+    return total
+
+
 def cheapest(
-    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], limit: int
+    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], limit: int,
+    weight: dict[str, int] | None = None,
 ) -> tuple[tuple[str, ...], planner.Plan] | None:
     """The smallest set of the node's spot reservations whose removal lets the window fit there
     (the empty set when it fits as it is), with the plan; None past `limit` sets tried. Among sets
-    of one size, those holding fewer bookings are tried first."""
+    of one size, those holding fewer bookings (`weight`: on every node; else on this one) are
+    tried first."""
     tried = 0
     # The smallest holdings first: among sets of one size, the first that fits takes the least.
-    names = sorted(held, key=lambda v: (sum(len(i) for i in held[v].atoms.values()), v))
+    names = sorted(held, key=lambda v: ((weight or {}).get(v, 0), sum(len(i) for i in held[v].atoms.values()), v))
     for k in range(len(names) + 1):
         for combo in itertools.combinations(names, k):
             tried += 1
@@ -193,16 +206,18 @@ def cheapest(
 def choose_one(
     pool: PoolIndex, window: Window, held: dict[str, dict[str, Held]], limit: int
 ) -> tuple[list[str], planner.Plan] | None:
-    """One allocation: the node with the fewest victims, then the best score."""
-    best: tuple[tuple[int, float], list[str], planner.Plan] | None = None
+    """One allocation: the node with the fewest victims, then the fewest of their bookings (on
+    every node: a spot gang ends on all its members'), then the best score."""
+    weight = weights(held)
+    best: tuple[tuple[int, int, float], list[str], planner.Plan] | None = None
     for node_id in sorted(held):
         node = pool.nodes.get(node_id)
         if node is None or not node.matches(window):
             continue
-        found = cheapest(pool, node, window, held[node_id], limit)
+        found = cheapest(pool, node, window, held[node_id], limit, weight)
         if found is None:
             continue
-        key = (len(found[0]), -found[1].score)
+        key = (len(found[0]), sum(weight[v] for v in found[0]), -found[1].score)
         if best is None or key < best[0]:
             best = (key, list(found[0]), found[1])
     if best is None or not best[1]:
@@ -213,7 +228,9 @@ def choose_one(
 def choose_gang(
     pool: PoolIndex, window: Window, members: gangs.Gang, held: dict[str, dict[str, Held]], limit: int
 ) -> tuple[list[str], gangs.GangPlan] | None:
-    """A gang: per label value, members picked greedily by the victims they add; fewest wins."""
+    """A gang: per label value, members picked greedily by the victims they add; fewest wins
+    (then the fewest of their bookings)."""
+    weight = weights(held)
     by_group: dict[str, list[tuple[frozenset[str], planner.Plan]]] = defaultdict(list)
     for node in pool.nodes.values():
         if not node.matches(window):
@@ -221,10 +238,10 @@ def choose_gang(
         group = gangs.label_value(node.labels, members.key) if members.key else ""
         if group is None:
             continue
-        found = cheapest(pool, node, window, held.get(node.id, {}), limit)
+        found = cheapest(pool, node, window, held.get(node.id, {}), limit, weight)
         if found is not None:
             by_group[group].append((frozenset(found[0]), found[1]))
-    best: tuple[tuple[int, float, str], set[str], list[planner.Plan]] | None = None
+    best: tuple[tuple[int, int, float, str], set[str], list[planner.Plan]] | None = None
     for group, options in sorted(by_group.items()):
         if len(options) < members.size:
             continue
@@ -236,12 +253,12 @@ def choose_gang(
             victims, chosen = left.pop(i)
             taken |= victims
             picked.append(chosen)
-        key = (len(taken), -sum(p.score for p in picked), group)
+        key = (len(taken), sum(weight[v] for v in taken), -sum(p.score for p in picked), group)
         if best is None or key < best[0]:
             best = (key, taken, picked)
     if best is None or not best[1]:
         return None  # nothing to preempt (a gang that fits as it is was not refused for lack of room)
-    group = best[0][2]
+    group = best[0][3]
     uuids = {a: pool.nodes[p.node_id].atoms[a].device_uuid for p in best[2] for a in p.atom_ids}
     return sorted(best[1]), gangs.GangPlan(group, tuple(best[2]), uuids)
 
