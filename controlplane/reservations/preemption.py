@@ -205,7 +205,8 @@ async def give_back(conn: AsyncConnection, row: dict[str, Any]) -> None:
     await pool_lock(conn, row["pool_id"])  # already held from a release or cancel (lock_pool_if_preempting)
     for notice in notices:
         victim = await (await conn.execute(LOCK_VICTIM, {"id": notice["victim_id"]})).fetchone()
-        if victim is None or victim["state"] not in states.BOOKED:
+        now_ms = (await (await conn.execute(NOW_UNDER_LOCK)).fetchone())["now_ms"]  # after any wait for the row
+        if victim is None or victim["state"] not in states.BOOKED or notice["cut"] <= now_ms:
             continue
         params = {"id": victim["id"], "cut": notice["cut"], "until": notice["until"]}
         if victim["during_end"] != notice["cut"]:  # cut earlier since by another: that one gives this back
