@@ -17,7 +17,7 @@ import pytest
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.common.locks import pool_lock_key
-from tests.invariants import check_invariants
+from tests.invariants import check_invariants, snapshot
 from tests.support import ServerThread, World, clock_now, get, gpus, make_world
 
 NOTICE_S = 2
@@ -265,4 +265,122 @@ def test_one_allocation_does_not_take_a_spot_gang_when_a_smaller_spot_frees_as_m
     assert [d["by"] for d in events_of(w, single.id, "reservation.preempting")] == [r.id]
     assert not events_of(w, spot_gang.id, "reservation.preempting")
     assert get(w, spot_gang.id).during == spot_gang.during
+    check_invariants(w.conninfo, w.tenant)
+
+
+# -- Another tenant's spot work -------------------------------------------------------------------
+
+
+def guest_of(world: World) -> World:
+    """A second tenant the pool is offered to."""
+    guest = make_world(world.endpoint, world.root, world.conninfo, nodes=0, quota=256)
+    world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
+    guest.pool_id = world.pool_id
+    guest.server = world.server
+    return guest
+
+
+def test_a_victim_of_another_tenant_never_learns_the_preemptors_id_and_gets_its_time_back(
+        long_notice: World) -> None:
+    w = long_notice
+    node(w)
+    guest = guest_of(w)
+    try:
+        spot = mk(guest, count=8, spot=True, duration="8h")
+        r = mk(w, count=8, duration="1h")
+        assert r.state == "placed"
+        victim = get(guest, spot.id)
+        (held,) = [c for c in victim.conditions if c.type == "Preempting"]
+        assert r.id not in held.message and "another tenant" in held.message
+        (notice,) = events_of(guest, spot.id, "reservation.preempting")
+        assert notice["by"] == "" and notice["noticeUntil"] == r.during.start
+        guest_events = w.sql("SELECT data::text FROM events WHERE tenant_id = %s", (guest.tenant,))
+        assert not [d for (d,) in guest_events if r.id in d]
+        end_it(w, "cancel", r.id)
+        assert get(guest, spot.id).during == spot.during
+        check_invariants(w.conninfo, w.tenant)
+    finally:
+        guest.close()
+
+
+def test_preemption_never_reaches_into_another_pool(bare: World) -> None:
+    """Spot work of the same tenant in another pool is never a victim of this pool's request."""
+    w = bare
+    node(w)
+    other = w.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=w.tenant, name="other", region="eu-1", policy=apb.PoolPolicy(spot_notice_seconds=NOTICE_S)))
+    home = w.pool_id
+    w.pool_id = other.id
+    node(w)
+    elsewhere = mk(w, count=8, spot=True, duration="8h")
+    w.pool_id = home
+    full = mk(w, count=8, duration="8h")  # a regular reservation fills this pool
+    r = mk(w, count=8, duration="1h")
+    assert full.state == "placed" and r.state == "pending"
+    assert not events_of(w, elsewhere.id, "reservation.preempting")
+    assert get(w, elsewhere.id).during == elsewhere.during
+
+
+# -- Shared GPUs, races, extends ------------------------------------------------------------------
+
+
+def test_a_regular_slot_request_preempts_spot_slots_and_never_a_slot_twice(bare: World) -> None:
+    """Preemption in a time-slice pool works on slots like on GPUs: the fewest spot reservations,
+    their slots only, and no slot booked twice for any instant."""
+    w = bare
+    w.pool_id = w.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=w.tenant, name="slots", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice"), spot_notice_seconds=NOTICE_S))).id
+    node(w)  # 8 GPUs of 4 slots
+    big = mk(w, device_class="gpu.slot", count=24, spot=True, duration="8h")
+    small = mk(w, device_class="gpu.slot", count=8, spot=True, duration="8h")
+    r = mk(w, device_class="gpu.slot", count=6, duration="1h")
+    assert r.state == "placed"
+    assert [d["by"] for d in events_of(w, small.id, "reservation.preempting")] == [r.id]
+    assert not events_of(w, big.id, "reservation.preempting")
+    assert set(r.allocations[0].device_ids) <= set(small.allocations[0].device_ids)
+    assert snapshot(w.conninfo, w.tenant)["double_booked"] == []  # (the charge check counts whole GPUs)
+
+
+def test_regular_creates_racing_for_spot_work_preempt_each_victim_once_and_book_nothing_twice(bare: World) -> None:
+    w = bare
+    node(w)
+    spots = [mk(w, count=1, spot=True, duration="8h") for _ in range(8)]
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda _: w.create(count=1, duration="1h"), range(12)))
+    placed = [r for r in got if r.state == "placed"]
+    assert len(placed) == 8 and all(r.state == "pending" for r in got if r not in placed)
+    notices = {s.id: events_of(w, s.id, "reservation.preempting") for s in spots}
+    assert all(len(n) == 1 for n in notices.values()), notices
+    assert sorted(n[0]["by"] for n in notices.values()) == sorted(r.id for r in placed)
+    for s in spots:
+        released = eventually_released(w, s.id)
+        assert [d["reason"] for d in events_of(w, s.id, "reservation.released")] == ["preempted"]
+        assert released.state == "released"
+    refunds = w.sql("SELECT reservation_id, count(*) FROM quota_charges WHERE reservation_id = ANY(%s)"
+                    " AND resource = 'gpu' GROUP BY 1", ([s.id for s in spots],))
+    assert sorted(n for _, n in refunds) == [1] * 8  # one charge each, refunded once
+    assert not w.sql("SELECT 1 FROM quota_charges WHERE reservation_id = ANY(%s) AND refunded_at IS NULL",
+                     ([s.id for s in spots],))
+    check_invariants(w.conninfo, w.tenant)
+
+
+def eventually_released(world: World, rid: str) -> pb.Reservation:
+    deadline = time.monotonic() + 30
+    while (r := get(world, rid)).state != "released":
+        assert time.monotonic() < deadline, r
+        time.sleep(0.05)
+    return r
+
+
+def test_a_spot_reservation_cannot_extend_into_a_regular_booking(bare: World) -> None:
+    w = bare
+    node(w)
+    spot = mk(w, count=8, spot=True, duration="1h")
+    later = mk(w, count=8, start=spot.during.end + HOUR, duration="1h")
+    assert later.state == "placed"
+    got = w.user.res("Extend", pb.ExtendReservationRequest(tenant_id=w.tenant, reservation_id=spot.id,
+                                                           idempotency_key="past-it", by="4h"))
+    assert not got.extended and got.available_until == later.during.start
+    assert get(w, spot.id).during == spot.during and get(w, later.id).during == later.during
     check_invariants(w.conninfo, w.tenant)
