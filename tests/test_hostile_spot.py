@@ -384,3 +384,25 @@ def test_a_spot_reservation_cannot_extend_into_a_regular_booking(bare: World) ->
     assert not got.extended and got.available_until == later.during.start
     assert get(w, spot.id).during == spot.during and get(w, later.id).during == later.during
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_preemptor_whose_lease_lapses_before_its_start_gives_the_victim_its_time_back(clock_stack) -> None:
+    """An agent books regular GPUs over spot work with a lease shorter than the notice and dies:
+    its lease lapses before its window begins, and the spot keeps its devices."""
+    server, root = clock_stack
+    w = spot_world(server, root, notice_s=300)
+    try:
+        node(w)
+        spot = mk(w, count=8, spot=True, duration="8h")
+        r = mk(w, count=8, duration="1h", lease_seconds=60)
+        assert r.state == "placed" and get(w, spot.id).during.end == r.during.start
+        advance(w, 61_000)
+        deadline = time.monotonic() + 30
+        while (gone := get(w, r.id)).state != "released":
+            assert time.monotonic() < deadline, gone
+            time.sleep(0.05)
+        assert [d["reason"] for d in events_of(w, r.id, "reservation.released")] == ["lease-lapsed"]
+        assert get(w, spot.id).during == spot.during and booking_ends(w, spot.id) == {spot.during.end}
+        check_invariants(w.conninfo, w.tenant)
+    finally:
+        w.close()
