@@ -406,3 +406,25 @@ def test_a_preemptor_whose_lease_lapses_before_its_start_gives_the_victim_its_ti
         check_invariants(w.conninfo, w.tenant)
     finally:
         w.close()
+
+
+def slot_pool(world: World) -> None:
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="slots", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice"), spot_notice_seconds=NOTICE_S))).id
+    node(world)  # 8 GPUs of 4 slots
+
+
+def test_spot_split_into_one_slot_reservations_is_still_preempted_and_only_as_much_as_needed(bare: World) -> None:
+    """A spot tenant books a node's 32 slots as 32 reservations of one: the victim search tried
+    sets of victims by size up to a cap (256 sets per node), so a regular request for three
+    slots, which needs three victims, gave up after the pairs and waited pending for good."""
+    w = bare
+    slot_pool(w)
+    spots = [mk(w, device_class="gpu.slot", count=1, spot=True, duration="8h") for _ in range(32)]
+    assert all(s.state == "placed" for s in spots)
+    r = mk(w, device_class="gpu.slot", count=3, duration="1h")
+    assert r.state == "placed", r.conditions
+    taken = [s.id for s in spots if events_of(w, s.id, "reservation.preempting")]
+    assert len(taken) == 3
+    assert snapshot(w.conninfo, w.tenant)["double_booked"] == []

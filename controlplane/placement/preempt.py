@@ -13,6 +13,8 @@ window), and it is placed on the atoms the fewest spot reservations free:
    and each node is planned with the normal filters and atom pick as if some of its spot
    reservations were gone: sets of no victim first, then one, then two (at most
    preempt_max_sets_per_node sets per node), so each node's first fitting set is its smallest.
+   Past that cap (many small spot reservations) the node's set is found greedily: the fewest of
+   the smallest holdings that suffice, then any of them not needed given back.
 3. One allocation: the node whose set is smallest, then whose victims hold the fewest bookings
    on every node (a spot gang ends on all its members' nodes), then the best score. A gang: per
    label value, members are picked one by one, each time the node that adds the fewest victims
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -193,14 +196,45 @@ def cheapest(
         for combo in itertools.combinations(names, k):
             tried += 1
             if tried > limit:
-                return None
-            stripped = without(node, [held[v] for v in combo])
-            if not stripped.host_fits(window):
-                continue
-            chosen = planner.plan_node(pool.candidate(stripped, window), window.count, window.topology)
+                return few_enough(pool, node, window, held, names)
+            chosen = plan_without(pool, node, window, held, combo)
             if chosen is not None:
                 return combo, chosen
     return None
+
+
+def plan_without(
+    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], gone: Sequence[str]
+) -> planner.Plan | None:
+    stripped = without(node, [held[v] for v in gone])
+    if not stripped.host_fits(window):
+        return None
+    return planner.plan_node(pool.candidate(stripped, window), window.count, window.topology)
+
+
+def few_enough(
+    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], names: list[str]
+) -> tuple[tuple[str, ...], planner.Plan] | None:
+    """Past the cap on sets (many small spot reservations, such as one per slot): the shortest
+    run of `names` (smallest holdings first) whose removal lets the window fit, found by halving
+    (taking more never fits less), then each of it given back, the largest first, when the rest
+    still suffices. A set with nothing to spare, if not always the smallest, in O(log n + k) plans."""
+    if not names or plan_without(pool, node, window, held, names) is None:
+        return None
+    lo, hi = 1, len(names)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if plan_without(pool, node, window, held, names[:mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    taken = names[:lo]
+    for victim in reversed(names[:lo]):
+        rest = [v for v in taken if v != victim]
+        if rest and plan_without(pool, node, window, held, rest) is not None:
+            taken = rest
+    chosen = plan_without(pool, node, window, held, taken)
+    return (tuple(taken), chosen) if chosen is not None else None
 
 
 def choose_one(
