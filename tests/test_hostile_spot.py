@@ -18,7 +18,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.common.locks import pool_lock_key
 from tests.invariants import check_invariants, snapshot
-from tests.support import ServerThread, World, clock_now, get, gpus, make_world
+from tests.support import ServerThread, World, clock_now, eventually, get, gpus, make_world
 
 NOTICE_S = 2
 HOUR = 3_600_000
@@ -428,3 +428,24 @@ def test_spot_split_into_one_slot_reservations_is_still_preempted_and_only_as_mu
     taken = [s.id for s in spots if events_of(w, s.id, "reservation.preempting")]
     assert len(taken) == 3
     assert snapshot(w.conninfo, w.tenant)["double_booked"] == []
+
+
+def test_a_preemptor_withdrawn_while_others_preempt_the_same_victims_books_nothing_twice(long_notice: World) -> None:
+    w = long_notice
+    node(w)
+    spots = [mk(w, count=1, spot=True, duration="8h") for _ in range(8)]
+    big = mk(w, count=8, duration="1h")
+    assert big.state == "placed"
+    with ThreadPoolExecutor(5) as pool:
+        cancelled = pool.submit(end_it, w, "cancel", big.id)
+        got = list(pool.map(lambda _: w.create(count=1, duration="1h"), range(4)))
+        cancelled.result(timeout=60)
+    # A create that came before the cancel went pending; the cancel woke it to preempt then.
+    placed = [eventually(w, r.id, lambda x: x.state == "placed", seconds=30) for r in got]
+    under_notice = [s for s in spots if get(w, s.id).during.end != s.during.end]
+    assert len(under_notice) == 4  # four given back, four preempted again by the four creates
+    for s in under_notice:
+        (held,) = [c for c in get(w, s.id).conditions if c.type == "Preempting"]
+        assert any(r.id in held.message for r in placed)
+    assert snapshot(w.conninfo, w.tenant)["double_booked"] == []
+    check_invariants(w.conninfo, w.tenant)
