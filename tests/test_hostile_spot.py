@@ -449,3 +449,14 @@ def test_a_preemptor_withdrawn_while_others_preempt_the_same_victims_books_nothi
         assert any(r.id in held.message for r in placed)
     assert snapshot(w.conninfo, w.tenant)["double_booked"] == []
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_creates_racing_for_the_last_slot_book_it_once(bare: World) -> None:
+    w = bare
+    slot_pool(w)
+    first = mk(w, device_class="gpu.slot", count=31, duration="2h")
+    assert first.state == "placed"
+    with ThreadPoolExecutor(10) as pool:
+        got = list(pool.map(lambda _: w.create(device_class="gpu.slot", count=1, duration="1h"), range(10)))
+    assert sorted(r.state for r in got) == ["pending"] * 9 + ["placed"]
+    assert snapshot(w.conninfo, w.tenant)["double_booked"] == []
