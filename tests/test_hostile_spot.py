@@ -460,3 +460,28 @@ def test_creates_racing_for_the_last_slot_book_it_once(bare: World) -> None:
         got = list(pool.map(lambda _: w.create(device_class="gpu.slot", count=1, duration="1h"), range(10)))
     assert sorted(r.state for r in got) == ["pending"] * 9 + ["placed"]
     assert snapshot(w.conninfo, w.tenant)["double_booked"] == []
+
+
+def test_a_shortfall_of_host_cpus_preempts_spot_and_a_withdrawal_gives_the_cpus_back(long_notice: World) -> None:
+    """The GPUs are free but the host's CPUs are spot's: the regular request preempts the spot
+    reservation for them, and withdrawn, gives them back (host bookings follow the devices')."""
+    from tests.test_host_resources import host_bookings, host_node, peak_over_capacity
+
+    w = long_notice
+    host_node(w, w.server, vcpu=66, memory=512)  # 64 bookable vCPUs
+    w.quota(10_000, "vcpu")
+    w.quota(10_000, "memoryGiB")
+    spot = mk(w, count=1, spot=True, duration="8h", resources=pb.HostResources(vcpu=60, memory_gib=10))
+    assert spot.state == "placed"
+    r = mk(w, count=1, duration="1h", resources=pb.HostResources(vcpu=30, memory_gib=10))
+    assert r.state == "placed" and get(w, spot.id).during.end == r.during.start
+    ends = {e for (e,) in w.sql("SELECT DISTINCT epoch_ms(upper(h.during)) FROM host_bookings h JOIN allocations a"
+                                " ON a.id = h.allocation_id WHERE a.reservation_id = %s", (spot.id,))}
+    assert ends == {r.during.start}
+    end_it(w, "cancel", r.id)
+    assert get(w, spot.id).during == spot.during
+    ends = {e for (e,) in w.sql("SELECT DISTINCT epoch_ms(upper(h.during)) FROM host_bookings h JOIN allocations a"
+                                " ON a.id = h.allocation_id WHERE a.reservation_id = %s", (spot.id,))}
+    assert ends == {spot.during.end} and host_bookings(w, spot.id)["vcpu"] == 60
+    assert peak_over_capacity(w) == []
+    check_invariants(w.conninfo, w.tenant)
