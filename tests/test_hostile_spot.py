@@ -206,14 +206,15 @@ def test_a_preemptor_withdrawn_with_the_first_of_two_still_there_leaves_the_seco
 # -- Spot booked so as never to be preempted ------------------------------------------------------
 
 
-def test_a_spot_booking_that_starts_after_the_notice_does_not_hold_off_a_regular_one(bare: World) -> None:
+def test_a_spot_booking_that_starts_after_the_notice_does_not_hold_off_a_regular_one(long_notice: World) -> None:
     """A spot tenant books its window to start just past now plus the notice: it had not begun at
     the cut, so it was never a candidate, and the regular request waited pending behind spot work
-    (a chain of such bookings held it off for as long as the chain lasted). It is preempted whole
-    now: it never ran, and it learns at least a notice before its start."""
-    w = bare
+    (a chain of such bookings held it off for as long as the chain lasted). Such a booking is
+    preempted whole now, back to pending (it never ran, and learns of it at least a notice before
+    its start); withdrawn, the preemptor leaves it room to be placed again at its start."""
+    w = long_notice
     node(w)
-    soon = w.later(hours=0) + NOTICE_S * 1000 + 60_000
+    soon = w.later(hours=0) + 300_000 + 60_000
     chain = [mk(w, count=8, spot=True, start=soon + i * HOUR, duration="1h") for i in range(3)]
     assert all(s.state == "placed" for s in chain)
     r = mk(w, count=8, duration="2h")
@@ -221,14 +222,20 @@ def test_a_spot_booking_that_starts_after_the_notice_does_not_hold_off_a_regular
     taken = [s for s in chain if s.during.start < r.during.end]
     assert [s.id for s in taken] == [s.id for s in chain[:2]]
     for s in taken:
-        gone = get(w, s.id)
-        assert gone.state == "released" and gone.during == s.during  # a window never begun keeps its bounds
-        assert [d["reason"] for d in events_of(w, s.id, "reservation.released")] == ["preempted"]
+        bumped = get(w, s.id)
+        assert bumped.state == "pending" and not booking_ends(w, s.id)
+        (why,) = bumped.conditions
+        assert (why.type, why.reason) == ("Unschedulable", "Preempted") and r.id in why.message
         assert [d["by"] for d in events_of(w, s.id, "reservation.preempting")] == [r.id]
-        assert [d["by"] for d in events_of(w, s.id, "reservation.preempted")] == [r.id]
-        assert not booking_ends(w, s.id)
-        assert not w.sql("SELECT 1 FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL", (s.id,))
+        assert [d["reason"] for d in events_of(w, s.id, "reservation.pending")] == ["Preempted"]
+        assert w.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL"
+                     " AND resource = 'gpu'", (s.id,))[0][0] == 1  # a pending reservation keeps its charge
     assert get(w, chain[2].id).state == "placed" and get(w, chain[2].id).during == chain[2].during
+    check_invariants(w.conninfo, w.tenant)
+    end_it(w, "cancel", r.id)  # the pool's pending reservations are woken: both fit again
+    for s in taken:
+        again = eventually(w, s.id, lambda x: x.state == "placed", seconds=30)
+        assert again.during == s.during
     check_invariants(w.conninfo, w.tenant)
 
 
@@ -237,7 +244,7 @@ def test_a_calendar_reservation_is_not_held_off_by_spot_starting_inside_its_wind
     node(w)
     spot = mk(w, count=8, spot=True, start=w.later(hours=2), duration="8h")
     r = mk(w, count=8, start=w.later(hours=1), duration="2h")
-    assert r.state == "placed" and get(w, spot.id).state == "released"
+    assert r.state == "placed" and get(w, spot.id).state == "pending"
     check_invariants(w.conninfo, w.tenant)
 
 

@@ -127,16 +127,19 @@ async def place(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: pl
 
 
 async def take_whole(conn: AsyncConnection, victim: dict[str, Any], by: str, now_ms: int) -> None:
-    """A victim that would begin at or after the cut (its bookings are gone): released now with
-    reason `preempted`, its quota refunded. It never ran, and it hears of it at least a notice
-    before its start (its start is at or after the cut, now plus the notice at the earliest)."""
+    """A victim that would begin at or after the cut (its bookings are gone): back to pending,
+    retried like any pending reservation (so placed again, at its start if still ahead, once
+    capacity frees: when the preemptor is withdrawn, at once), its quota still charged. It never
+    ran, and hears of it at least a notice before its start (at or after the cut, now plus the
+    notice at the earliest)."""
     from controlplane.reservations import lifecycle  # it imports this module
 
-    await lifecycle.free_capacity(conn, victim)
+    await lifecycle.end_bookings(conn, victim["id"])
     await events.emit_reservation(conn, victim, "reservation.preempting", by=by, noticeUntil=now_ms)
-    await move(conn, victim, states.RELEASED, operation_state=victim["operation_state"], end_reason="preempted")
-    await events.emit_reservation(conn, victim, "reservation.released", reason="preempted")
-    await events.emit_reservation(conn, victim, "reservation.preempted", by=by, noticeUntil=now_ms)
+    message = f"preempted by {by or 'another tenant'} before it began; placed again when capacity frees"
+    await move(conn, victim, states.PENDING, operation_state="succeeded",
+               conditions=[condition("Unschedulable", "Preempted", message, now_ms)])
+    await events.emit_reservation(conn, victim, "reservation.pending", reason="Preempted")
 
 
 def held_condition(by: str, cut_ms: int, now_ms: int) -> dict[str, Any]:
