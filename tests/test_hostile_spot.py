@@ -492,3 +492,25 @@ def test_a_shortfall_of_host_cpus_preempts_spot_and_a_withdrawal_gives_the_cpus_
     assert ends == {spot.during.end} and host_bookings(w, spot.id)["vcpu"] == 60
     assert peak_over_capacity(w) == []
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_withdrawn_preemptor_gives_nothing_back_that_another_booking_took_since(long_notice: World) -> None:
+    """The spot's CPUs past the cut were booked by a later regular reservation: withdrawing the
+    preemptor cannot give them back without overbooking the host, so the notice stands."""
+    from tests.test_host_resources import host_node, peak_over_capacity
+
+    w = long_notice
+    host_node(w, w.server, vcpu=66, memory=512)  # 64 bookable vCPUs
+    w.quota(10_000, "vcpu")
+    w.quota(10_000, "memoryGiB")
+    spot = mk(w, count=1, spot=True, duration="8h", resources=pb.HostResources(vcpu=60, memory_gib=10))
+    r = mk(w, count=1, duration="1h", resources=pb.HostResources(vcpu=30, memory_gib=10))
+    cut = r.during.start
+    later = mk(w, count=1, start=cut + 1_000, duration="1h", resources=pb.HostResources(vcpu=30, memory_gib=10))
+    assert r.state == later.state == "placed"
+    end_it(w, "cancel", r.id)
+    kept = get(w, spot.id)
+    assert kept.during.end == cut and [c.type for c in kept.conditions] == ["Preempting"]
+    assert not events_of(w, spot.id, "reservation.extended")
+    assert peak_over_capacity(w) == []
+    check_invariants(w.conninfo, w.tenant)

@@ -58,7 +58,7 @@ POOL_OF_PREEMPTOR = """
 SELECT r.pool_id FROM preemption_notices n JOIN reservations r ON r.id = n.preemptor_id
 WHERE n.preemptor_id = %(id)s LIMIT 1
 """
-# The notices `id` gave, gone with it; with their victims' rows, locked, and the victim's end now.
+# The notices `id` gave, gone with it.
 TAKE_NOTICES = """
 DELETE FROM preemption_notices WHERE preemptor_id = %(id)s
 RETURNING victim_id, epoch_ms(cut) AS cut, epoch_ms(until) AS until
@@ -192,7 +192,7 @@ async def lock_pool_if_preempting(conn: AsyncConnection, rid: str) -> None:
 
 
 async def give_back(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """`row` (locked) goes away: each victim whose notice it gave has not reached the cut yet
+    """`row` (locked) goes away: each victim of its notices that has not reached the cut yet
     keeps its devices to the end it had before (its bookings and window move back, the notice is
     withdrawn, `reservation.extended`), unless another booking took them meanwhile (it needs them:
     the notice stands). A victim another preemptor cut earlier since stays under that one's notice,
