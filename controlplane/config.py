@@ -58,7 +58,8 @@ class Settings:
     )
     placement_max_attempts: int = 5
     # Preemption: the most victim sets tried per node when a regular reservation looks for the
-    # fewest spot reservations to preempt there (sets of one victim first, then two, ...).
+    # fewest spot reservations to preempt there (sets of one victim first, then two, ...); past it
+    # the node's victims are found greedily.
     preempt_max_sets_per_node: int = field(default_factory=lambda: env_int("BC_PREEMPT_MAX_SETS_PER_NODE", 256))
     # A pool's policy.spotNoticeSeconds, at most this (INVALID_INPUT policy.spotNoticeSeconds beyond).
     max_spot_notice_seconds: int = field(default_factory=lambda: env_int("BC_MAX_SPOT_NOTICE_SECONDS", 86_400))

@@ -283,7 +283,8 @@ def test_the_victim_search_takes_the_smallest_set_and_never_a_regular_booking() 
     assert victims == ("A",) and sorted(plan.atom_ids) == ["a0", "a1"]
     victims, plan = preempt.cheapest(pool, node_, window(3), spots, limit=256)
     assert sorted(victims) == ["A", "B"] and sorted(plan.atom_ids) == ["a0", "a1", "a2"]
-    assert preempt.cheapest(pool, node_, window(2), spots, limit=1) is None  # only the empty set tried
+    # Past the cap (only the empty set tried) a greedy search: enough victims, none to spare.
+    assert sorted(preempt.cheapest(pool, node_, window(2), spots, limit=1)[0]) == ["B", "C"]
     without_c = {"A": spots["A"], "B": spots["B"]}  # a3 is booked by a regular reservation
     assert preempt.cheapest(pool, node_, window(4), without_c, limit=256) is None
     assert preempt.choose_one(pool, window(1), {node_.id: spots}, 256)[0] == ["B"]  # one GPU taken, not two

@@ -6,16 +6,20 @@ that is later, so a calendar reservation only takes the part of a spot booking t
 window), and it is placed on the atoms the fewest spot reservations free:
 
 1. The spot bookings overlapping [cut, end) are read under the pool lock, with the reservation
-   each belongs to (only spot reservations that began before the cut: their bookings are truncated
-   there). None: nothing to preempt, and the pool is not read.
+   each belongs to (those begun before the cut are truncated there; one that begins at or after
+   the cut loses all its bookings and is released at once). None: nothing to preempt, and the
+   pool is not read.
 2. The pool is read from rows in this transaction (as gang.plan does when the index finds no room)
    and each node is planned with the normal filters and atom pick as if some of its spot
    reservations were gone: sets of no victim first, then one, then two (at most
    preempt_max_sets_per_node sets per node), so each node's first fitting set is its smallest.
-3. One allocation: the node whose set is smallest (then the best score). A gang: per label value,
-   members are picked one by one, each time the node that adds the fewest victims not already
-   taken (a spot gang spread over two nodes frees both for the price of one), then the best
-   score; the group with the fewest victims wins.
+   Past that cap (many small spot reservations) the node's set is found greedily: the fewest of
+   the smallest holdings that suffice, then any of them not needed given back.
+3. One allocation: the node whose set is smallest, then whose victims hold the fewest bookings
+   on every node (a spot gang ends on all its members' nodes), then the best score. A gang: per
+   label value, members are picked one by one, each time the node that adds the fewest victims
+   not already taken (a spot gang spread over two nodes frees both for the price of one), then
+   the best score; the group with the fewest victims (then bookings) wins.
 4. `commit` truncates every victim's bookings at the cut (host bookings follow them: migration
    0018's trigger) and commits the plan with the normal commit (the EXCLUDE constraint is still the
    last word), all inside one savepoint: a plan that loses leaves the victims untouched.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -46,7 +51,8 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_NOTICE_S = 30
 
-# Spot bookings overlapping the preemptor's window, of live spot reservations begun before the cut.
+# Spot bookings overlapping the preemptor's window, of live spot reservations (begun before the cut
+# or not: a spot booking that begins later is preempted whole, or spot could hold off regular work).
 SPOT_BOOKINGS = """
 SELECT r.id AS reservation_id, a.node_id, b.atom_id,
        epoch_ms(lower(b.during)) AS start_ms, coalesce(epoch_ms(upper(b.during)), 9223372036854775807) AS end_ms
@@ -54,7 +60,6 @@ FROM reservations r
 JOIN allocations a ON a.reservation_id = r.id AND a.state IN ('placed', 'binding', 'bound')
 JOIN bookings b ON b.allocation_id = a.id
 WHERE r.pool_id = %(pool_id)s AND r.state IN ('placed', 'binding', 'active') AND r.request @> '{"spot": true}'
-  AND lower(r.during) < from_epoch_ms(%(cut)s)
   AND b.during && tstzrange(from_epoch_ms(%(cut)s), from_epoch_ms(%(end)s), '[)')
 """
 
@@ -166,42 +171,87 @@ def without(node: Node, gone: list[Held]) -> Node:
     return dataclasses.replace(node, atoms=atoms, host_booked=host_booked)
 
 
+def weights(held: dict[str, dict[str, Held]]) -> dict[str, int]:
+    """Each spot reservation's bookings in the window on every node: what preempting it ends (a
+    spot gang's on all its members' nodes)."""
+    total: dict[str, int] = defaultdict(int)
+    for by_victim in held.values():
+        for victim, h in by_victim.items():
+            total[victim] += sum(len(i) for i in h.atoms.values())
+    return total
+
+
 def cheapest(
-    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], limit: int
+    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], limit: int,
+    weight: dict[str, int] | None = None,
 ) -> tuple[tuple[str, ...], planner.Plan] | None:
     """The smallest set of the node's spot reservations whose removal lets the window fit there
     (the empty set when it fits as it is), with the plan; None past `limit` sets tried. Among sets
-    of one size, those holding fewer bookings are tried first."""
+    of one size, those holding fewer bookings (`weight`: on every node; else on this one) are
+    tried first."""
     tried = 0
     # The smallest holdings first: among sets of one size, the first that fits takes the least.
-    names = sorted(held, key=lambda v: (sum(len(i) for i in held[v].atoms.values()), v))
+    names = sorted(held, key=lambda v: ((weight or {}).get(v, 0), sum(len(i) for i in held[v].atoms.values()), v))
     for k in range(len(names) + 1):
         for combo in itertools.combinations(names, k):
             tried += 1
             if tried > limit:
-                return None
-            stripped = without(node, [held[v] for v in combo])
-            if not stripped.host_fits(window):
-                continue
-            chosen = planner.plan_node(pool.candidate(stripped, window), window.count, window.topology)
+                return few_enough(pool, node, window, held, names)
+            chosen = plan_without(pool, node, window, held, combo)
             if chosen is not None:
                 return combo, chosen
     return None
 
 
+def plan_without(
+    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], gone: Sequence[str]
+) -> planner.Plan | None:
+    stripped = without(node, [held[v] for v in gone])
+    if not stripped.host_fits(window):
+        return None
+    return planner.plan_node(pool.candidate(stripped, window), window.count, window.topology)
+
+
+def few_enough(
+    pool: PoolIndex, node: Node, window: Window, held: dict[str, Held], names: list[str]
+) -> tuple[tuple[str, ...], planner.Plan] | None:
+    """Past the cap on sets (many small spot reservations, such as one per slot): the shortest
+    run of `names` (smallest holdings first) whose removal lets the window fit, found by halving
+    (taking more never fits less), then each of it given back, the largest first, when the rest
+    still suffices. A set with nothing to spare, if not always the smallest, in O(log n + k) plans."""
+    if not names or plan_without(pool, node, window, held, names) is None:
+        return None
+    lo, hi = 1, len(names)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if plan_without(pool, node, window, held, names[:mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    taken = names[:lo]
+    for victim in reversed(names[:lo]):
+        rest = [v for v in taken if v != victim]
+        if rest and plan_without(pool, node, window, held, rest) is not None:
+            taken = rest
+    chosen = plan_without(pool, node, window, held, taken)
+    return (tuple(taken), chosen) if chosen is not None else None
+
+
 def choose_one(
     pool: PoolIndex, window: Window, held: dict[str, dict[str, Held]], limit: int
 ) -> tuple[list[str], planner.Plan] | None:
-    """One allocation: the node with the fewest victims, then the best score."""
-    best: tuple[tuple[int, float], list[str], planner.Plan] | None = None
+    """One allocation: the node with the fewest victims, then the fewest of their bookings (on
+    every node: a spot gang ends on all its members'), then the best score."""
+    weight = weights(held)
+    best: tuple[tuple[int, int, float], list[str], planner.Plan] | None = None
     for node_id in sorted(held):
         node = pool.nodes.get(node_id)
         if node is None or not node.matches(window):
             continue
-        found = cheapest(pool, node, window, held[node_id], limit)
+        found = cheapest(pool, node, window, held[node_id], limit, weight)
         if found is None:
             continue
-        key = (len(found[0]), -found[1].score)
+        key = (len(found[0]), sum(weight[v] for v in found[0]), -found[1].score)
         if best is None or key < best[0]:
             best = (key, list(found[0]), found[1])
     if best is None or not best[1]:
@@ -212,7 +262,9 @@ def choose_one(
 def choose_gang(
     pool: PoolIndex, window: Window, members: gangs.Gang, held: dict[str, dict[str, Held]], limit: int
 ) -> tuple[list[str], gangs.GangPlan] | None:
-    """A gang: per label value, members picked greedily by the victims they add; fewest wins."""
+    """A gang: per label value, members picked greedily by the victims they add; fewest wins
+    (then the fewest of their bookings)."""
+    weight = weights(held)
     by_group: dict[str, list[tuple[frozenset[str], planner.Plan]]] = defaultdict(list)
     for node in pool.nodes.values():
         if not node.matches(window):
@@ -220,10 +272,10 @@ def choose_gang(
         group = gangs.label_value(node.labels, members.key) if members.key else ""
         if group is None:
             continue
-        found = cheapest(pool, node, window, held.get(node.id, {}), limit)
+        found = cheapest(pool, node, window, held.get(node.id, {}), limit, weight)
         if found is not None:
             by_group[group].append((frozenset(found[0]), found[1]))
-    best: tuple[tuple[int, float, str], set[str], list[planner.Plan]] | None = None
+    best: tuple[tuple[int, int, float, str], set[str], list[planner.Plan]] | None = None
     for group, options in sorted(by_group.items()):
         if len(options) < members.size:
             continue
@@ -235,12 +287,12 @@ def choose_gang(
             victims, chosen = left.pop(i)
             taken |= victims
             picked.append(chosen)
-        key = (len(taken), -sum(p.score for p in picked), group)
+        key = (len(taken), sum(weight[v] for v in taken), -sum(p.score for p in picked), group)
         if best is None or key < best[0]:
             best = (key, taken, picked)
     if best is None or not best[1]:
         return None  # nothing to preempt (a gang that fits as it is was not refused for lack of room)
-    group = best[0][2]
+    group = best[0][3]
     uuids = {a: pool.nodes[p.node_id].atoms[a].device_uuid for p in best[2] for a in p.atom_ids}
     return sorted(best[1]), gangs.GangPlan(group, tuple(best[2]), uuids)
 

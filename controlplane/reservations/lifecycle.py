@@ -71,6 +71,7 @@ async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocatio
     reservations (and metal's worker for a node lease's deploy under way: it ends now, and a
     machine that never ran it comes back now, not at the deploy's deadline)."""
     await end_bookings(conn, row["id"], allocation_state=allocation_state, at_ms=at_ms)
+    await preemption.give_back(conn, row)  # its victims keep what it no longer needs
     if is_node_lease(row["request"]):
         await conn.execute(metal_queries.WAKE_LIVE_OF, {"id": row["id"]})
     await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"], "at": at_ms})
@@ -108,6 +109,7 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        await preemption.lock_pool_if_preempting(conn, rid)  # lock order: pool first
         row = await _locked(conn, rid)
         over = await ended_reason(conn, row) if row["state"] in states.BOOKED else None
         if over is not None:  # its end or lapse came first: released as that moment
@@ -134,6 +136,7 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        await preemption.lock_pool_if_preempting(conn, rid)  # lock order: pool first
         row = await _locked(conn, rid)
         if row["state"] not in CANCELLABLE:
             raise errors.InvalidState(
