@@ -192,6 +192,8 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
 RETURNING {_INSTANCE_COLUMNS}
 """
 DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
+# The rows of instances a provider account reports (the drift check's read).
+INSTANCE_STATES = "SELECT id, state FROM instances WHERE id = ANY(%(ids)s)"
 # A pool's reservation of a flavor that instances may use: bound to the pool, ready first, then one
 # where the tenant has a grant in its term with a slot its instances do not hold (serving the
 # instance's project, for a billed instance) and that is not physically full, so its instance goes

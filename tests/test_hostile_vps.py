@@ -1,0 +1,190 @@
+"""A hostile tenant and a careless operator against instances, provider reservations and the
+usage ledger (spec 001): ids of the wrong kind, absurd names, calls made twice, provider calls
+that land late or out of order, usage windows in the future, and the ledger's totals. Every
+refusal carries the spec's code and details; the provider ends up running what the rows bill."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from bettercompute.provider.v1 import provider_pb2 as ppb
+from bettercompute.v1 import providers_pb2 as vpb
+from tests.support import Client, ServerThread, World, rpc_error
+from tests.vps_support import FLAVOR, HOUR, SimThread, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+
+
+@pytest.fixture
+def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    yield from own_stack(pg_uri)
+
+
+@pytest.fixture
+def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
+    yield from world_of(stack)
+
+
+def outcome(call: Callable[[], Any]) -> Any:
+    """The answer, or (code, reason, details) of the refusal."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        return rpc_error(SimpleNamespace(value=exc))
+
+
+def at_provider(v: Vps, name: str) -> str:
+    """The instance's state at the provider."""
+    return v.sim.provider.GetInstance(ppb.InstanceRef(account=v.external, name=name)).state
+
+
+def rows(v: Vps) -> int:
+    return v.world.sql("SELECT count(*) FROM instances WHERE tenant_id = %s", (v.world.tenant,))[0][0]
+
+
+# --- ids of the wrong kind, absurd names ---------------------------------------------------------
+
+@pytest.mark.parametrize("wrong", [
+    "rgrant_" + "0" * 26, "pool_" + "0" * 26, "rsv_" + "0" * 26, "inst_" + "0" * 25, "inst_" + "0" * 53,
+    "inst_" + "O" * 26, "INST_" + "0" * 26, "inst_" + "0" * 26 + "\n", "inst_" + "0" * 26 + "\x00", "",
+    "inst_" + "0" * 1_000_000,
+])
+def test_an_instance_id_of_the_wrong_kind_is_invalid_input_naming_it(v: Vps, wrong: str) -> None:
+    for method in ("Get", "Stop", "Start", "Delete"):
+        code, reason, details = outcome(lambda: v.instance_call(method, wrong))
+        assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT",
+                                                    "instanceId"), method
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"name": "x" * 1_000_000}, "name"), ({"name": "x" * 129}, "name"), ({"name": "vm-é"}, "name"),
+    ({"name": "vm\x00"}, "name"), ({"name": "vm\n"}, "name"), ({"name": ""}, "name"), ({"name": "vm 1"}, "name"),
+    ({"flavor": "f" * 1_000_000}, "flavor"), ({"flavor": "n2\u2010standard"}, "flavor"),
+    ({"key": "k" * 129}, "idempotencyKey"), ({"key": "k\u00e9"}, "idempotencyKey"),
+    ({"pool_id": "pool_" + "0" * 26 + "\n"}, "poolId"), ({"pool_id": "rgrant_" + "0" * 26}, "poolId"),
+    ({"project_id": "pool_" + "0" * 26}, "projectId"), ({"project_id": ""}, "projectId"),
+    ({"billing": "none\x00"}, "billing"), ({"billing": "b" * 1_000_000}, "billing"),
+])
+def test_absurd_instance_fields_are_invalid_input_and_make_nothing(v: Vps, kw: dict, field: str) -> None:
+    code, reason, details = outcome(lambda: v.instance(**kw))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", field)
+    assert rows(v) == 0
+    assert v.sim.provider.ListInstances(ppb.ListInstancesRequest(account=v.external)).items == []
+
+
+def test_a_nonexistent_instance_of_the_right_kind_is_not_found(v: Vps) -> None:
+    ghost = "inst_" + "0" * 26
+    for method in ("Get", "Stop", "Start", "Delete"):
+        assert outcome(lambda: v.instance_call(method, ghost))[1:] == ("NOT_FOUND", {"instanceId": ghost}), method
+
+
+# --- calls made twice ------------------------------------------------------------------------------
+
+def test_stop_twice_and_delete_twice_answer_the_same_and_bill_once(v: Vps) -> None:
+    made = v.instance(key="once")
+    first, second = (v.instance_call("Stop", made.id) for _ in range(2))
+    assert first == second and first.state == "stopped"
+    gone, again = (v.instance_call("Delete", made.id) for _ in range(2))
+    assert gone == again and gone.state == "deleted"
+    assert v.world.sql("SELECT count(*), count(ended_at) FROM instance_segments WHERE instance_id = %s",
+                       (made.id,)) == [(1, 1)]
+    assert at_provider(v, made.id) == "deleted"
+    code, reason, _ = outcome(lambda: v.instance_call("Start", made.id))
+    assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE")
+    # A retry of its create answers the deleted instance: nothing is made again.
+    assert v.instance(name=made.name, key="once") == gone
+    assert rows(v) == 1
+
+
+# --- provider calls that land late or out of order -------------------------------------------------
+
+def test_a_start_that_lands_after_the_stop_that_followed_it_is_stopped_by_the_next_scan(v: Vps) -> None:
+    """Start, then Stop: the provider carries the start out last (its answer was slow). The rows say
+    stopped and bill nothing, so the instance must not go on running there for free."""
+    made = v.instance()
+    v.instance_call("Stop", made.id)
+    v.sim.provider.StartInstance(ppb.InstanceRef(account=v.external, name=made.id))  # the late start
+    assert at_provider(v, made.id) == "running"
+    v.scan()
+    assert at_provider(v, made.id) == "stopped"
+    assert v.instance_call("Get", made.id).state == "stopped"
+
+
+def test_a_stop_that_lands_after_the_start_that_followed_it_is_started_by_the_next_scan(v: Vps) -> None:
+    """Stop, then Start: the provider carries the stop out last. The rows bill it as running, so it
+    must run."""
+    made = v.instance()
+    v.instance_call("Stop", made.id)
+    v.instance_call("Start", made.id)
+    v.sim.provider.StopInstance(ppb.InstanceRef(account=v.external, name=made.id))  # the late stop
+    v.scan()
+    assert at_provider(v, made.id) == "running"
+    assert v.instance_call("Get", made.id).state == "running"
+
+
+def test_a_create_that_lands_after_its_delete_is_deleted_by_the_next_scan(v: Vps) -> None:
+    """The tenant lists its new instance and deletes it while the create's provider call is still
+    on its way; the provider carries the create out after the delete (which found nothing)."""
+    made = v.instance()
+    v.instance_call("Delete", made.id)
+    v.sim.provider.CreateInstance(ppb.CreateInstanceRequest(  # the late create
+        account=v.external, name=made.id, flavor=FLAVOR, region="eu-1", reservation=v.reservation))
+    assert at_provider(v, made.id) == "running"
+    v.scan()
+    assert at_provider(v, made.id) == "deleted"
+
+
+def test_machines_no_row_knows_are_left_alone(v: Vps) -> None:
+    """The provider account may hold other machines, another deployment's (named like ours) among
+    them: they are not ours to stop or delete."""
+    theirs = "inst_" + uuid.uuid4().hex[:26]
+    for name in (theirs, "web-1"):
+        v.sim.provider.CreateInstance(ppb.CreateInstanceRequest(
+            account=v.external, name=name, flavor=FLAVOR, region="eu-1", reservation=v.reservation))
+    v.sim.provider.StopInstance(ppb.InstanceRef(account=v.external, name="web-1"))
+    v.scan()
+    assert (at_provider(v, theirs), at_provider(v, "web-1")) == ("running", "stopped")
+
+
+def test_an_account_registered_twice_keeps_its_instances(v: Vps) -> None:
+    """A careless operator registers the same provider account a second time: the second
+    account's scan must not take the first's instances for machines of nobody."""
+    made = v.instance()
+    twin = v.root("accounts", "Create", vpb.CreateProviderAccountRequest(
+        tenant_id="root", name="twin", provider="sim", endpoint=v.sim.endpoint, external_account=v.external)).id
+    v.root("accounts", "ScanReservations", vpb.GetProviderAccountRequest(tenant_id="root", account_id=twin))
+    assert at_provider(v, made.id) == "running"
+    v.instance_call("Stop", made.id)
+    v.sim.provider.StartInstance(ppb.InstanceRef(account=v.external, name=made.id))  # a late start
+    v.root("accounts", "ScanReservations", vpb.GetProviderAccountRequest(tenant_id="root", account_id=twin))
+    assert at_provider(v, made.id) == "stopped"
+
+
+def test_a_scan_the_provider_does_not_answer_changes_nothing_and_the_next_brings_it_in_line(v: Vps) -> None:
+    made = v.instance()
+    v.instance_call("Stop", made.id)
+    v.sim.provider.StartInstance(ppb.InstanceRef(account=v.external, name=made.id))  # a late start
+    v.sim.sim.SetFaults(ppb.Faults(failure_rate=1.0))
+    try:
+        code, reason, details = outcome(v.scan)
+    finally:
+        v.sim.faults()
+    assert (code, reason, details["reason"]) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_UNAVAILABLE", "provider-unavailable")
+    assert at_provider(v, made.id) == "running"
+    assert [r.reservation_id for r in v.scan()] == [v.reservation]
+    assert at_provider(v, made.id) == "stopped"
+
+
+# --- the usage ledger ------------------------------------------------------------------------------
+
+def test_a_usage_window_in_the_future_or_before_anything_is_empty(v: Vps) -> None:
+    v.instance()
+    now = v.advance(3 * HOUR)
+    for window in ({"from": now + HOUR}, {"from": now + HOUR, "to": now + 5 * HOUR}, {"from": 0, "to": 1}):
+        answer = v.usage(**window)
+        assert (list(answer.items), answer.total) == ([], 0), window
