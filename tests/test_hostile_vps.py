@@ -5,6 +5,7 @@ refusal carries the spec's code and details; the provider ends up running what t
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -19,9 +20,12 @@ from tests.support import Client, ServerThread, World, rpc_error
 from tests.vps_support import FLAVOR, HOUR, SimThread, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 
+ROWS = 3  # ledger rows one usage query answers, in this module
+
+
 @pytest.fixture
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from own_stack(pg_uri)
+    yield from own_stack(pg_uri, usage_query_max_rows=ROWS)
 
 
 @pytest.fixture
@@ -40,6 +44,13 @@ def outcome(call: Callable[[], Any]) -> Any:
 def at_provider(v: Vps, name: str) -> str:
     """The instance's state at the provider."""
     return v.sim.provider.GetInstance(ppb.InstanceRef(account=v.external, name=name)).state
+
+
+def until(check: Callable[[], bool], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def rows(v: Vps) -> int:
@@ -188,3 +199,20 @@ def test_a_usage_window_in_the_future_or_before_anything_is_empty(v: Vps) -> Non
     for window in ({"from": now + HOUR}, {"from": now + HOUR, "to": now + 5 * HOUR}, {"from": 0, "to": 1}):
         answer = v.usage(**window)
         assert (list(answer.items), answer.total) == ([], 0), window
+
+
+def test_a_usage_answer_cut_at_its_row_limit_says_so_and_totals_the_whole_window(v: Vps) -> None:
+    """An operator who bills from `total` must not bill the first rows only, unaware of the rest."""
+    start = v.now()
+    g = v.grant(slots=1, starts_at=start, ends_at=start + 5 * HOUR)  # six hours, fractions at the ends
+    v.advance(6 * HOUR)
+    until(lambda: v.world.sql("SELECT metered_until >= ends_at FROM reservation_grants WHERE id = %s",
+                              (g.id,)) == [(True,)])
+    cut = v.usage(meter="vm.grant.slot.hours", **{"from": 0})
+    assert len(cut.items) == ROWS and cut.truncated
+    assert cut.total == pytest.approx(5)
+    last = cut.items[-1].hour
+    rest = v.usage(meter="vm.grant.slot.hours", **{"from": last + HOUR})
+    assert len(rest.items) == 6 - ROWS and not rest.truncated
+    assert rest.total == pytest.approx(sum(i.quantity for i in rest.items))
+    assert sum(i.quantity for i in (*cut.items, *rest.items)) == pytest.approx(5)

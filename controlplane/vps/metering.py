@@ -125,8 +125,10 @@ async def run(rt: Runtime, stop: asyncio.Event) -> None:
 LAST_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: later hours are no hours of a ledger
 
 
-async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """The tenant's ledger rows by meter (exact, or a prefix ending in "."), pool and hour range."""
+async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+    """The tenant's ledger rows by meter (exact, or a prefix ending in "."), pool and hour range:
+    `items` (at most usage_query_max_rows, oldest first), the `total` of every matching row and
+    whether rows were left out (`truncated`)."""
     tenant_id = raw.get("tenant_id", "")
     meter = match("meter", raw.get("meter") or "", names.METER)
     pool_id = raw.get("pool_id") or ""
@@ -142,6 +144,9 @@ async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[s
     async with db.read_only(rt.pool) as conn:
         if to_ms is None:
             to_ms = await db.now_ms(conn) + 3_600_000
-        return await (await conn.execute(q.USAGE, {
+        items = await (await conn.execute(q.USAGE, {
             "tenant_id": tenant_id, "meter": meter, "pool_id": pool_id, "from_ms": from_ms, "to_ms": to_ms,
             "limit": rt.settings.usage_query_max_rows})).fetchall()
+    if not items:
+        return {"items": [], "total": 0.0, "truncated": False}
+    return {"items": items, "total": items[0]["window_total"], "truncated": items[0]["window_rows"] > len(items)}

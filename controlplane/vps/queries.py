@@ -335,8 +335,11 @@ HAVING sum(extract(epoch FROM least(coalesce(s.ended_at, 'infinity'), %(hour)s +
                               - greatest(s.started_at, %(hour)s))) > 0
 ON CONFLICT DO NOTHING
 """
+# The window's sum and row count ride on every row (window functions run before the LIMIT), so
+# the total counts the rows beyond the limit too, read in the same snapshot as the rows.
 USAGE = """
-SELECT meter, subject, epoch_ms(hour) AS hour_ms, quantity::float8 AS quantity, region, pool_id, provider
+SELECT meter, subject, epoch_ms(hour) AS hour_ms, quantity::float8 AS quantity, region, pool_id, provider,
+       (sum(quantity) OVER ())::float8 AS window_total, count(*) OVER () AS window_rows
 FROM usage_records
 WHERE tenant_id = %(tenant_id)s
   AND (%(meter)s = '' OR meter = %(meter)s OR (right(%(meter)s, 1) = '.' AND starts_with(meter, %(meter)s)))
