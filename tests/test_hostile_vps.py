@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
+from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
 from tests.support import Client, ServerThread, World, rpc_error
 from tests.vps_support import FLAVOR, HOUR, SimThread, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
@@ -173,6 +174,31 @@ def test_an_account_registered_twice_keeps_its_instances(v: Vps) -> None:
     v.sim.provider.StartInstance(ppb.InstanceRef(account=v.external, name=made.id))  # a late start
     v.root("accounts", "ScanReservations", vpb.GetProviderAccountRequest(tenant_id="root", account_id=twin))
     assert at_provider(v, made.id) == "stopped"
+
+
+def test_a_create_given_up_on_that_lands_after_its_undo_is_deleted_by_the_next_scan(v: Vps) -> None:
+    """The provider does not answer a create in time: the control plane asks it to delete what it may
+    have made and gives up; the create, still on its way, lands after that delete. The instance
+    runs at the provider, on a slot, unbilled, unless the control plane still knows its name."""
+    v.sim.sim.SetFaults(ppb.Faults(failure_rate=1.0))
+    try:
+        code, reason, details = outcome(lambda: v.instance(key="given-up"))
+    finally:
+        v.sim.faults()
+    assert (code, reason, details["reason"]) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY_UNAVAILABLE", "provider-unavailable")
+    [(name, state)] = v.world.sql("SELECT id, state FROM instances WHERE tenant_id = %s", (v.world.tenant,))
+    assert state == "deleted"
+    assert v.world.sql("SELECT count(*) FROM instance_segments WHERE instance_id = %s AND ended_at > started_at",
+                       (name,)) == [(0,)]  # billed nothing
+    v.sim.provider.CreateInstance(ppb.CreateInstanceRequest(  # the create lands after all
+        account=v.external, name=name, flavor=FLAVOR, region="eu-1", reservation=v.reservation))
+    v.scan()
+    assert at_provider(v, name) == "deleted"
+    again = v.instance(key="given-up")  # the key decides anew
+    assert again.id != name and again.state == "running"
+    assert [i.id for i in v.user("instances", "List", ipb.ListInstancesRequest(tenant_id=v.world.tenant)).items] == [
+        again.id]
 
 
 def test_a_scan_the_provider_does_not_answer_changes_nothing_and_the_next_brings_it_in_line(v: Vps) -> None:

@@ -192,6 +192,11 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
 RETURNING {_INSTANCE_COLUMNS}
 """
 DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
+# A create the provider did not answer: deleted, its key free for a retry to decide anew.
+GIVE_UP_INSTANCE = """
+UPDATE instances SET state = 'deleted', deleted_at = compute_now(), idempotency_key = 'given-up:' || id
+WHERE id = %(id)s
+"""
 # The rows of instances a provider account reports (the drift check's read).
 INSTANCE_STATES = "SELECT id, state FROM instances WHERE id = ANY(%(ids)s)"
 # A pool's reservation of a flavor that instances may use: bound to the pool, ready first, then one
