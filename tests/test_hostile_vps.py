@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
+from bettercompute.v1 import grants_pb2 as gpb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
 from tests.support import Client, ServerThread, World, rpc_error
@@ -22,6 +24,7 @@ from tests.vps_support import FLAVOR, HOUR, SimThread, Vps, own_stack, sim, v, w
 
 
 ROWS = 3  # ledger rows one usage query answers, in this module
+TASKS = 20
 
 
 @pytest.fixture
@@ -88,6 +91,24 @@ def test_absurd_instance_fields_are_invalid_input_and_make_nothing(v: Vps, kw: d
     assert v.sim.provider.ListInstances(ppb.ListInstancesRequest(account=v.external)).items == []
 
 
+@pytest.mark.parametrize("name", ["p" * 1_000_000, "p" * 129, "projé", "p\x00", "p\n", "", "a/b"])
+def test_absurd_project_names_are_invalid_input(v: Vps, name: str) -> None:
+    code, reason, details = outcome(lambda: v.user("projects", "Create", vpb.CreateProjectRequest(
+        tenant_id=v.world.tenant, name=name)))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "name")
+
+
+def test_ids_of_the_wrong_kind_for_grants_are_invalid_input_naming_them(v: Vps) -> None:
+    made = v.instance()
+    code, reason, details = outcome(lambda: v.get_grant(made.id))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "grantId")
+    code, reason, details = outcome(lambda: v.root("grants", "End", gpb.EndReservationGrantRequest(
+        tenant_id="root", account_id=v.world.pool_id, grant_id="rgrant_" + "0" * 26)))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "accountId")
+    code, reason, details = outcome(lambda: v.grant(project_id=made.id))
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "projectId")
+
+
 def test_a_nonexistent_instance_of_the_right_kind_is_not_found(v: Vps) -> None:
     ghost = "inst_" + "0" * 26
     for method in ("Get", "Stop", "Start", "Delete"):
@@ -110,6 +131,25 @@ def test_stop_twice_and_delete_twice_answer_the_same_and_bill_once(v: Vps) -> No
     # A retry of its create answers the deleted instance: nothing is made again.
     assert v.instance(name=made.name, key="once") == gone
     assert rows(v) == 1
+
+
+def test_twenty_stops_starts_and_deletes_at_once_end_deleted_billed_once_and_deleted_at_the_provider(v: Vps) -> None:
+    made = v.instance()
+    calls = ("Stop", "Start", "Delete", "Start")
+    with ThreadPoolExecutor(TASKS) as pool:
+        answers = list(pool.map(lambda i: outcome(lambda: v.instance_call(calls[i % 4], made.id)), range(TASKS)))
+    for answer in answers:  # a call after the delete is INVALID_STATE; a provider that lost the race, retry
+        if not isinstance(answer, ipb.Instance):
+            assert answer[1] in ("INVALID_STATE", "CAPACITY_UNAVAILABLE"), answer
+    assert v.instance_call("Get", made.id).state == "deleted"
+    assert v.world.sql("SELECT count(*) FROM instance_segments WHERE instance_id = %s AND ended_at IS NULL",
+                       (made.id,)) == [(0,)]
+    overlapping = v.world.sql(
+        "SELECT count(*) FROM instance_segments a JOIN instance_segments b ON a.instance_id = b.instance_id"
+        " AND a.id < b.id AND tstzrange(a.started_at, a.ended_at) && tstzrange(b.started_at, b.ended_at)")
+    assert overlapping == [(0,)]
+    v.scan()
+    assert at_provider(v, made.id) == "deleted"
 
 
 # --- provider calls that land late or out of order -------------------------------------------------
