@@ -20,7 +20,7 @@ from bettercompute.v1 import grants_pb2 as gpb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
 from tests.support import Client, ServerThread, World, rpc_error
-from tests.vps_support import FLAVOR, HOUR, SimThread, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+from tests.vps_support import FLAVOR, HOUR, MIN, SimThread, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
 
 
 ROWS = 3  # ledger rows one usage query answers, in this module
@@ -282,3 +282,38 @@ def test_a_usage_answer_cut_at_its_row_limit_says_so_and_totals_the_whole_window
     assert len(rest.items) == 6 - ROWS and not rest.truncated
     assert rest.total == pytest.approx(sum(i.quantity for i in rest.items))
     assert sum(i.quantity for i in (*cut.items, *rest.items)) == pytest.approx(5)
+
+
+def metered(v: Vps, meter: str, subject: str, before: int) -> float:
+    return v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE tenant_id = %s"
+                       " AND meter = %s AND subject = %s AND hour < from_epoch_ms(%s)",
+                       (v.world.tenant, meter, subject, before))[0][0]
+
+
+def progress(v: Vps, source: str) -> int:
+    found = v.world.sql("SELECT epoch_ms(metered_until) FROM metering_progress WHERE source = %s", (source,))
+    return found[0][0] if found else 0
+
+
+def test_a_grant_started_minutes_ago_in_an_hour_already_ended_bills_its_instances_once(v: Vps) -> None:
+    """startsAt may be five minutes in the past: a grant made three minutes into an hour may start
+    in the hour before. Its tenant's running instance is taken in from that start; the hour it ran
+    in at the reservation rate must not have been billed so already (and billed again as the
+    grant's slot-hours)."""
+    inst = v.instance()
+    created = v.world.sql("SELECT epoch_ms(created_at) FROM instances WHERE id = %s", (inst.id,))[0][0]
+    now = v.now()
+    boundary = now - now % HOUR + HOUR
+    v.advance(boundary + 3 * MIN - now)
+    # The gpu meter runs after the instance meter in each pass: once it passed the hour, the
+    # instance meter has had its pass over it.
+    until(lambda: progress(v, "gpu") >= boundary)
+    g = v.grant(slots=1, starts_at=boundary - MIN, ends_at=boundary + 2 * HOUR)
+    until(lambda: v.get_grant(g.id).state == "active")
+    v.advance(3 * HOUR)
+    until(lambda: progress(v, "vps.instances") >= boundary + 2 * HOUR)
+    term_end = boundary + 2 * HOUR
+    assert metered(v, "vm.reserved.instance.hours", f"instance/{inst.id}", term_end) == pytest.approx(
+        (boundary - MIN - created) / HOUR)
+    assert metered(v, "vm.grant.usage.hours", f"instance/{inst.id}", term_end) == pytest.approx(
+        (2 * HOUR + MIN) / HOUR)

@@ -52,10 +52,11 @@ async def meter_grants(rt: Runtime) -> int:
 
 async def _hourly(rt: Runtime, source: str, first_sql: str,
                   meter_hour: Callable[[AsyncConnection, datetime], Awaitable[None]],
-                  last_sql: str = q.LAST_METERABLE_HOUR) -> int:
+                  last_sql: str = q.LAST_METERABLE_HOUR, settle_seconds: int | None = None) -> int:
     """Every hour of `source` not yet metered that may be, oldest first, under its progress row's
-    lock; returns how many hours it wrote. The first hour is `first_sql`'s, the last `last_sql`'s."""
-    settle = {"settle": rt.settings.metering_settle_seconds}
+    lock; returns how many hours it wrote. The first hour is `first_sql`'s, the last `last_sql`'s,
+    for hours that ended `settle_seconds` ago (default metering_settle_seconds)."""
+    settle = {"settle": rt.settings.metering_settle_seconds if settle_seconds is None else settle_seconds}
 
     async def work(conn: AsyncConnection) -> int:
         last = (await (await conn.execute(last_sql, settle)).fetchone())["hour"]
@@ -77,11 +78,15 @@ async def _hourly(rt: Runtime, source: str, first_sql: str,
 
 
 async def meter_instances(rt: Runtime) -> int:
-    """One vps.instances pass (from the first billing segment's hour)."""
+    """One vps.instances pass (from the first billing segment's hour). An hour waits until no grant
+    made now may start in it (grant_start_past_seconds): such a grant takes its tenant's instances
+    in from its start, and an hour already metered would bill them at the reservation rate beside
+    the grant's slot-hours."""
     async def hour(conn: AsyncConnection, at: datetime) -> None:
         await conn.execute(q.METER_INSTANCES_HOUR, {"hour": at})
 
-    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour, q.INSTANCES_METERABLE_HOUR)
+    settle = max(rt.settings.metering_settle_seconds, rt.settings.grant_start_past_seconds)
+    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour, q.INSTANCES_METERABLE_HOUR, settle)
 
 
 async def meter_gpus(rt: Runtime) -> int:
