@@ -76,6 +76,10 @@ class ProviderServicer(rpc.ProviderServicer):
     async def GetInstance(self, request: pb.InstanceRef, context: Any) -> pb.Instance:
         return instance_pb(await self._call(context, lambda: self.state.get_instance(request.account, request.name)))
 
+    async def ListInstances(self, request: pb.ListInstancesRequest, context: Any) -> pb.ListInstancesResponse:
+        found = await self._call(context, lambda: self.state.list_instances(request.account))
+        return pb.ListInstancesResponse(items=[instance_pb(i) for i in found])
+
     async def StopInstance(self, request: pb.InstanceRef, context: Any) -> pb.Instance:
         return instance_pb(await self._call(context, lambda: self.state.stop_instance(request.account, request.name)))
 

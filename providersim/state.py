@@ -121,6 +121,11 @@ class Provider:
         with self._lock:
             return self._instance(account, name)
 
+    def list_instances(self, account: str) -> list[Instance]:
+        with self._lock:
+            return sorted((i for i in self.instances.values() if i.account == account and i.state != "deleted"),
+                          key=lambda i: i.name)
+
     def stop_instance(self, account: str, name: str) -> Instance:
         with self._lock:
             instance = self._instance(account, name)

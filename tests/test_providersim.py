@@ -71,6 +71,10 @@ def test_instances_use_the_reservations_slots_until_it_is_full(sim) -> None:
     assert provider.DeleteInstance(pb.InstanceRef(account=ACCOUNT, name="c")).state == "deleted"
     assert provider.StartInstance(pb.InstanceRef(account=ACCOUNT, name="a")).state == "running"
     assert listed(provider)["r1"].in_use == 2
+    # The account's instances, deleted ones left out.
+    found = provider.ListInstances(pb.ListInstancesRequest(account=ACCOUNT)).items
+    assert [(i.name, i.state) for i in found] == [("a", "running"), ("b", "running"), ("on-demand", "running")]
+    assert provider.ListInstances(pb.ListInstancesRequest(account="nobody")).items == []
 
 
 def test_a_total_drop_keeps_instances_and_a_gone_reservation_leaves_them_on_demand(sim) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x65ttercompute/v1/usage.proto\x12\x10\x62\x65ttercompute.v1\"l\n\x11QueryUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05meter\x18\x02 \x01(\t\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x0c\n\x04\x66rom\x18\x04 \x01(\x03\x12\x0f\n\x02to\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x05\n\x03_to\"\x80\x01\n\x0bUsageRecord\x12\r\n\x05meter\x18\x01 \x01(\t\x12\x0f\n\x07subject\x18\x02 \x01(\t\x12\x0c\n\x04hour\x18\x03 \x01(\x03\x12\x10\n\x08quantity\x18\x04 \x01(\x01\x12\x0e\n\x06region\x18\x05 \x01(\t\x12\x0f\n\x07pool_id\x18\x06 \x01(\t\x12\x10\n\x08provider\x18\x07 \x01(\t\"Q\n\x12QueryUsageResponse\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.bettercompute.v1.UsageRecord\x12\r\n\x05total\x18\x02 \x01(\x01\x32[\n\x05Usage\x12R\n\x05Query\x12#.bettercompute.v1.QueryUsageRequest\x1a$.bettercompute.v1.QueryUsageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x65ttercompute/v1/usage.proto\x12\x10\x62\x65ttercompute.v1\"l\n\x11QueryUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05meter\x18\x02 \x01(\t\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\x0c\n\x04\x66rom\x18\x04 \x01(\x03\x12\x0f\n\x02to\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x05\n\x03_to\"\x80\x01\n\x0bUsageRecord\x12\r\n\x05meter\x18\x01 \x01(\t\x12\x0f\n\x07subject\x18\x02 \x01(\t\x12\x0c\n\x04hour\x18\x03 \x01(\x03\x12\x10\n\x08quantity\x18\x04 \x01(\x01\x12\x0e\n\x06region\x18\x05 \x01(\t\x12\x0f\n\x07pool_id\x18\x06 \x01(\t\x12\x10\n\x08provider\x18\x07 \x01(\t\"d\n\x12QueryUsageResponse\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.bettercompute.v1.UsageRecord\x12\r\n\x05total\x18\x02 \x01(\x01\x12\x11\n\ttruncated\x18\x03 \x01(\x08\x32[\n\x05Usage\x12R\n\x05Query\x12#.bettercompute.v1.QueryUsageRequest\x1a$.bettercompute.v1.QueryUsageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,7 +36,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGERECORD']._serialized_start=161
   _globals['_USAGERECORD']._serialized_end=289
   _globals['_QUERYUSAGERESPONSE']._serialized_start=291
-  _globals['_QUERYUSAGERESPONSE']._serialized_end=372
-  _globals['_USAGE']._serialized_start=374
-  _globals['_USAGE']._serialized_end=465
+  _globals['_QUERYUSAGERESPONSE']._serialized_end=391
+  _globals['_USAGE']._serialized_start=393
+  _globals['_USAGE']._serialized_end=484
 # @@protoc_insertion_point(module_scope)

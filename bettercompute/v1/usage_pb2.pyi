@@ -94,18 +94,27 @@ class QueryUsageResponse(_message.Message):
 
     ITEMS_FIELD_NUMBER: _builtins.int
     TOTAL_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
     total: _builtins.float
+    """The sum of every matching row's quantity, the ones beyond the limit included."""
+    truncated: _builtins.bool
+    """More rows matched than items holds: ask again from the last item's hour (the rows of that
+    hour come again, keyed by meter, subject and hour).
+    """
     @_builtins.property
-    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRecord]: ...
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsageRecord]:
+        """Oldest hour first, at most the deployment's limit (BC_USAGE_QUERY_MAX_ROWS)."""
+
     def __init__(
         self,
         *,
         items: _abc.Iterable[Global___UsageRecord] | None = ...,
         total: _builtins.float = ...,
+        truncated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "total", b"total", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

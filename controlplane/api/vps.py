@@ -160,10 +160,11 @@ class UsageServicer(grpc_usage.UsageServicer):
         self.rt = rt
 
     async def Query(self, request: upb.QueryUsageRequest, context: Ctx) -> upb.QueryUsageResponse:
-        rows = await metering.query(self.rt, caller(), {
+        found = await metering.query(self.rt, caller(), {
             "tenant_id": request.tenant_id, "meter": request.meter, "pool_id": request.pool_id,
             "from": request.__getattribute__("from"), "to": request.to if request.HasField("to") else None})
         return upb.QueryUsageResponse(
             items=[upb.UsageRecord(meter=r["meter"], subject=r["subject"], hour=r["hour_ms"], quantity=r["quantity"],
-                                   region=r["region"], pool_id=r["pool_id"], provider=r["provider"]) for r in rows],
-            total=sum(r["quantity"] for r in rows))
+                                   region=r["region"], pool_id=r["pool_id"], provider=r["provider"])
+                   for r in found["items"]],
+            total=found["total"], truncated=found["truncated"])

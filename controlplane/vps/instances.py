@@ -133,10 +133,22 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         if new:  # its slot is freed again; a retry under the key decides anew
             if exc.kind == "unavailable":  # unanswered: the provider may have made it all the same
                 await _undo_at_provider(provider, account, row["id"])
-            await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW, {"id": row["id"]}))
+                # Its row stays, deleted and billed nothing, so a create still on its way that
+                # lands after this delete is known to the scan's drift check, which deletes it.
+                await db.run_in_transaction(rt.pool, lambda conn: _given_up(conn, row))
+            else:
+                await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW,
+                                                                               {"id": row["id"]}))
         raise errors.CapacityUnavailable("the provider did not create the instance", reason=f"provider-{exc.kind}",
                                          reservationId=row["reservation_id"]) from exc
     return row
+
+
+async def _given_up(conn: AsyncConnection, made: dict[str, Any]) -> None:
+    """A create the provider did not answer: deleted, its segment billing nothing, its key freed."""
+    await lifecycle.lock_reservation(conn, made["account_id"], made["reservation_id"])
+    await conn.execute(q.GIVE_UP_INSTANCE, {"id": made["id"]})
+    await conn.execute(q.CLOSE_SEGMENT, {"instance_id": made["id"], "at_ms": 0})
 
 
 async def _undo_at_provider(provider: Provider, account: dict[str, Any], name: str) -> None:

@@ -52,10 +52,11 @@ async def meter_grants(rt: Runtime) -> int:
 
 async def _hourly(rt: Runtime, source: str, first_sql: str,
                   meter_hour: Callable[[AsyncConnection, datetime], Awaitable[None]],
-                  last_sql: str = q.LAST_METERABLE_HOUR) -> int:
+                  last_sql: str = q.LAST_METERABLE_HOUR, settle_seconds: int | None = None) -> int:
     """Every hour of `source` not yet metered that may be, oldest first, under its progress row's
-    lock; returns how many hours it wrote. The first hour is `first_sql`'s, the last `last_sql`'s."""
-    settle = {"settle": rt.settings.metering_settle_seconds}
+    lock; returns how many hours it wrote. The first hour is `first_sql`'s, the last `last_sql`'s,
+    for hours that ended `settle_seconds` ago (default metering_settle_seconds)."""
+    settle = {"settle": rt.settings.metering_settle_seconds if settle_seconds is None else settle_seconds}
 
     async def work(conn: AsyncConnection) -> int:
         last = (await (await conn.execute(last_sql, settle)).fetchone())["hour"]
@@ -77,11 +78,15 @@ async def _hourly(rt: Runtime, source: str, first_sql: str,
 
 
 async def meter_instances(rt: Runtime) -> int:
-    """One vps.instances pass (from the first billing segment's hour)."""
+    """One vps.instances pass (from the first billing segment's hour). An hour waits until no grant
+    made now may start in it (grant_start_past_seconds): such a grant takes its tenant's instances
+    in from its start, and an hour already metered would bill them at the reservation rate beside
+    the grant's slot-hours."""
     async def hour(conn: AsyncConnection, at: datetime) -> None:
         await conn.execute(q.METER_INSTANCES_HOUR, {"hour": at})
 
-    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour, q.INSTANCES_METERABLE_HOUR)
+    settle = max(rt.settings.metering_settle_seconds, rt.settings.grant_start_past_seconds)
+    return await _hourly(rt, INSTANCES, q.FIRST_SEGMENT_HOUR, hour, q.INSTANCES_METERABLE_HOUR, settle)
 
 
 async def meter_gpus(rt: Runtime) -> int:
@@ -125,8 +130,10 @@ async def run(rt: Runtime, stop: asyncio.Event) -> None:
 LAST_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: later hours are no hours of a ledger
 
 
-async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """The tenant's ledger rows by meter (exact, or a prefix ending in "."), pool and hour range."""
+async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+    """The tenant's ledger rows by meter (exact, or a prefix ending in "."), pool and hour range:
+    `items` (at most usage_query_max_rows, oldest first), the `total` of every matching row and
+    whether rows were left out (`truncated`)."""
     tenant_id = raw.get("tenant_id", "")
     meter = match("meter", raw.get("meter") or "", names.METER)
     pool_id = raw.get("pool_id") or ""
@@ -142,6 +149,9 @@ async def query(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> list[dict[s
     async with db.read_only(rt.pool) as conn:
         if to_ms is None:
             to_ms = await db.now_ms(conn) + 3_600_000
-        return await (await conn.execute(q.USAGE, {
+        items = await (await conn.execute(q.USAGE, {
             "tenant_id": tenant_id, "meter": meter, "pool_id": pool_id, "from_ms": from_ms, "to_ms": to_ms,
             "limit": rt.settings.usage_query_max_rows})).fetchall()
+    if not items:
+        return {"items": [], "total": 0.0, "truncated": False}
+    return {"items": items, "total": items[0]["window_total"], "truncated": items[0]["window_rows"] > len(items)}

@@ -192,6 +192,13 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
 RETURNING {_INSTANCE_COLUMNS}
 """
 DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
+# A create the provider did not answer: deleted, its key free for a retry to decide anew.
+GIVE_UP_INSTANCE = """
+UPDATE instances SET state = 'deleted', deleted_at = compute_now(), idempotency_key = 'given-up:' || id
+WHERE id = %(id)s
+"""
+# The rows of instances a provider account reports (the drift check's read).
+INSTANCE_STATES = "SELECT id, state FROM instances WHERE id = ANY(%(ids)s)"
 # A pool's reservation of a flavor that instances may use: bound to the pool, ready first, then one
 # where the tenant has a grant in its term with a slot its instances do not hold (serving the
 # instance's project, for a billed instance) and that is not physically full, so its instance goes
@@ -333,8 +340,11 @@ HAVING sum(extract(epoch FROM least(coalesce(s.ended_at, 'infinity'), %(hour)s +
                               - greatest(s.started_at, %(hour)s))) > 0
 ON CONFLICT DO NOTHING
 """
+# The window's sum and row count ride on every row (window functions run before the LIMIT), so
+# the total counts the rows beyond the limit too, read in the same snapshot as the rows.
 USAGE = """
-SELECT meter, subject, epoch_ms(hour) AS hour_ms, quantity::float8 AS quantity, region, pool_id, provider
+SELECT meter, subject, epoch_ms(hour) AS hour_ms, quantity::float8 AS quantity, region, pool_id, provider,
+       (sum(quantity) OVER ())::float8 AS window_total, count(*) OVER () AS window_rows
 FROM usage_records
 WHERE tenant_id = %(tenant_id)s
   AND (%(meter)s = '' OR meter = %(meter)s OR (right(%(meter)s, 1) = '.' AND starts_with(meter, %(meter)s)))

@@ -17,7 +17,7 @@ from psycopg import AsyncConnection
 from controlplane import db, errors
 from controlplane.auth import Caller
 from controlplane.runtime import Runtime
-from controlplane.vps import accounts, events, lifecycle, names, sim_adapter
+from controlplane.vps import accounts, drift, events, lifecycle, names, sim_adapter
 from controlplane.vps import queries as q
 from controlplane.vps.provider import ProviderFailure, ProviderReservation
 
@@ -29,12 +29,17 @@ def provider_of(rt: Runtime, account: dict[str, Any]) -> sim_adapter.SimProvider
 
 
 async def scan_account(rt: Runtime, account: dict[str, Any]) -> list[dict[str, Any]]:
-    reported = await provider_of(rt, account).list_reservations(account["external_account"])
+    """The account's reservations as the provider reports them, then its instances brought in
+    line with their rows (drift.py)."""
+    provider = provider_of(rt, account)
+    reported = await provider.list_reservations(account["external_account"])
 
     async def work(conn: AsyncConnection) -> list[dict[str, Any]]:
         return await apply(conn, account["id"], reported)
 
-    return await db.run_in_transaction(rt.pool, work)
+    recorded = await db.run_in_transaction(rt.pool, work)
+    await drift.sync_instances(rt, provider, account)
+    return recorded
 
 
 async def apply(conn: AsyncConnection, account_id: str, reported: list[ProviderReservation]) -> list[dict[str, Any]]:

@@ -48,6 +48,10 @@ class SimProvider:
         return _instance(await self._call("CreateInstance", pb.CreateInstanceRequest(
             account=account, name=name, flavor=flavor, region=region, reservation=reservation)))
 
+    async def list_instances(self, account: str) -> list[ProviderInstance]:
+        found = await self._call("ListInstances", pb.ListInstancesRequest(account=account))
+        return [_instance(i) for i in found.items]
+
     async def stop_instance(self, account: str, name: str) -> ProviderInstance:
         return _instance(await self._call("StopInstance", pb.InstanceRef(account=account, name=name)))
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(bettercompute/provider/v1/provider.proto\x12\x19\x62\x65ttercompute.provider.v1\"z\n\x0bReservation\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\r\n\x05total\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x0e\n\x06in_use\x18\x07 \x01(\x05\"*\n\x17ListReservationsRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\"Q\n\x18ListReservationsResponse\x12\x35\n\x05items\x18\x01 \x03(\x0b\x32&.bettercompute.provider.v1.Reservation\"k\n\x15\x43reateInstanceRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x13\n\x0breservation\x18\x05 \x01(\t\",\n\x0bInstanceRef\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x81\x01\n\x08Instance\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x13\n\x0breservation\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x03\"t\n\x15PutReservationRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\r\n\x05total\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\"9\n\x18\x44\x65leteReservationRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"J\n\x06\x46\x61ults\x12\x14\n\x0c\x66\x61ilure_rate\x18\x01 \x01(\x01\x12\x10\n\x08stall_ms\x18\x02 \x01(\x05\x12\x18\n\x10lost_answer_rate\x18\x03 \x01(\x01\x32\xe6\x04\n\x08Provider\x12{\n\x10ListReservations\x12\x32.bettercompute.provider.v1.ListReservationsRequest\x1a\x33.bettercompute.provider.v1.ListReservationsResponse\x12g\n\x0e\x43reateInstance\x12\x30.bettercompute.provider.v1.CreateInstanceRequest\x1a#.bettercompute.provider.v1.Instance\x12Z\n\x0bGetInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance\x12[\n\x0cStopInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance\x12\\\n\rStartInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance\x12]\n\x0e\x44\x65leteInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance2\xbc\x02\n\tSimulator\x12j\n\x0ePutReservation\x12\x30.bettercompute.provider.v1.PutReservationRequest\x1a&.bettercompute.provider.v1.Reservation\x12p\n\x11\x44\x65leteReservation\x12\x33.bettercompute.provider.v1.DeleteReservationRequest\x1a&.bettercompute.provider.v1.Reservation\x12Q\n\tSetFaults\x12!.bettercompute.provider.v1.Faults\x1a!.bettercompute.provider.v1.Faultsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(bettercompute/provider/v1/provider.proto\x12\x19\x62\x65ttercompute.provider.v1\"z\n\x0bReservation\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\r\n\x05total\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x0e\n\x06in_use\x18\x07 \x01(\x05\"*\n\x17ListReservationsRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\"Q\n\x18ListReservationsResponse\x12\x35\n\x05items\x18\x01 \x03(\x0b\x32&.bettercompute.provider.v1.Reservation\"k\n\x15\x43reateInstanceRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x13\n\x0breservation\x18\x05 \x01(\t\"\'\n\x14ListInstancesRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\"K\n\x15ListInstancesResponse\x12\x32\n\x05items\x18\x01 \x03(\x0b\x32#.bettercompute.provider.v1.Instance\",\n\x0bInstanceRef\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x81\x01\n\x08Instance\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x13\n\x0breservation\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x03\"t\n\x15PutReservationRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x66lavor\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\r\n\x05total\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\"9\n\x18\x44\x65leteReservationRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"J\n\x06\x46\x61ults\x12\x14\n\x0c\x66\x61ilure_rate\x18\x01 \x01(\x01\x12\x10\n\x08stall_ms\x18\x02 \x01(\x05\x12\x18\n\x10lost_answer_rate\x18\x03 \x01(\x01\x32\xda\x05\n\x08Provider\x12{\n\x10ListReservations\x12\x32.bettercompute.provider.v1.ListReservationsRequest\x1a\x33.bettercompute.provider.v1.ListReservationsResponse\x12g\n\x0e\x43reateInstance\x12\x30.bettercompute.provider.v1.CreateInstanceRequest\x1a#.bettercompute.provider.v1.Instance\x12Z\n\x0bGetInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance\x12r\n\rListInstances\x12/.bettercompute.provider.v1.ListInstancesRequest\x1a\x30.bettercompute.provider.v1.ListInstancesResponse\x12[\n\x0cStopInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance\x12\\\n\rStartInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance\x12]\n\x0e\x44\x65leteInstance\x12&.bettercompute.provider.v1.InstanceRef\x1a#.bettercompute.provider.v1.Instance2\xbc\x02\n\tSimulator\x12j\n\x0ePutReservation\x12\x30.bettercompute.provider.v1.PutReservationRequest\x1a&.bettercompute.provider.v1.Reservation\x12p\n\x11\x44\x65leteReservation\x12\x33.bettercompute.provider.v1.DeleteReservationRequest\x1a&.bettercompute.provider.v1.Reservation\x12Q\n\tSetFaults\x12!.bettercompute.provider.v1.Faults\x1a!.bettercompute.provider.v1.Faultsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,18 +39,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTRESERVATIONSRESPONSE']._serialized_end=320
   _globals['_CREATEINSTANCEREQUEST']._serialized_start=322
   _globals['_CREATEINSTANCEREQUEST']._serialized_end=429
-  _globals['_INSTANCEREF']._serialized_start=431
-  _globals['_INSTANCEREF']._serialized_end=475
-  _globals['_INSTANCE']._serialized_start=478
-  _globals['_INSTANCE']._serialized_end=607
-  _globals['_PUTRESERVATIONREQUEST']._serialized_start=609
-  _globals['_PUTRESERVATIONREQUEST']._serialized_end=725
-  _globals['_DELETERESERVATIONREQUEST']._serialized_start=727
-  _globals['_DELETERESERVATIONREQUEST']._serialized_end=784
-  _globals['_FAULTS']._serialized_start=786
-  _globals['_FAULTS']._serialized_end=860
-  _globals['_PROVIDER']._serialized_start=863
-  _globals['_PROVIDER']._serialized_end=1477
-  _globals['_SIMULATOR']._serialized_start=1480
-  _globals['_SIMULATOR']._serialized_end=1796
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=431
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=470
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=472
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=547
+  _globals['_INSTANCEREF']._serialized_start=549
+  _globals['_INSTANCEREF']._serialized_end=593
+  _globals['_INSTANCE']._serialized_start=596
+  _globals['_INSTANCE']._serialized_end=725
+  _globals['_PUTRESERVATIONREQUEST']._serialized_start=727
+  _globals['_PUTRESERVATIONREQUEST']._serialized_end=843
+  _globals['_DELETERESERVATIONREQUEST']._serialized_start=845
+  _globals['_DELETERESERVATIONREQUEST']._serialized_end=902
+  _globals['_FAULTS']._serialized_start=904
+  _globals['_FAULTS']._serialized_end=978
+  _globals['_PROVIDER']._serialized_start=981
+  _globals['_PROVIDER']._serialized_end=1711
+  _globals['_SIMULATOR']._serialized_start=1714
+  _globals['_SIMULATOR']._serialized_end=2030
 # @@protoc_insertion_point(module_scope)

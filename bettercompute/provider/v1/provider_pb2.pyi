@@ -133,6 +133,45 @@ class CreateInstanceRequest(_message.Message):
 Global___CreateInstanceRequest: _TypeAlias = CreateInstanceRequest  # noqa: Y015
 
 @_typing.final
+class ListInstancesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCOUNT_FIELD_NUMBER: _builtins.int
+    account: _builtins.str
+    def __init__(
+        self,
+        *,
+        account: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account", b"account"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInstancesRequest: _TypeAlias = ListInstancesRequest  # noqa: Y015
+
+@_typing.final
+class ListInstancesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Instance]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___Instance] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInstancesResponse: _TypeAlias = ListInstancesResponse  # noqa: Y015
+
+@_typing.final
 class InstanceRef(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

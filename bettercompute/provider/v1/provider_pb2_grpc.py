@@ -49,6 +49,11 @@ class ProviderStub:
                 request_serializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.InstanceRef.SerializeToString,
                 response_deserializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.Instance.FromString,
                 _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/bettercompute.provider.v1.Provider/ListInstances',
+                request_serializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
         self.StopInstance = channel.unary_unary(
                 '/bettercompute.provider.v1.Provider/StopInstance',
                 request_serializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.InstanceRef.SerializeToString,
@@ -89,6 +94,13 @@ class ProviderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListInstances(self, request, context):
+        """The account's instances that are not deleted, as the provider runs them now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StopInstance(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -124,6 +136,11 @@ def add_ProviderServicer_to_server(servicer, server):
                     servicer.GetInstance,
                     request_deserializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.InstanceRef.FromString,
                     response_serializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.Instance.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.ListInstancesRequest.FromString,
+                    response_serializer=bettercompute_dot_provider_dot_v1_dot_provider__pb2.ListInstancesResponse.SerializeToString,
             ),
             'StopInstance': grpc.unary_unary_rpc_method_handler(
                     servicer.StopInstance,
@@ -222,6 +239,33 @@ class Provider:
             '/bettercompute.provider.v1.Provider/GetInstance',
             bettercompute_dot_provider_dot_v1_dot_provider__pb2.InstanceRef.SerializeToString,
             bettercompute_dot_provider_dot_v1_dot_provider__pb2.Instance.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.provider.v1.Provider/ListInstances',
+            bettercompute_dot_provider_dot_v1_dot_provider__pb2.ListInstancesRequest.SerializeToString,
+            bettercompute_dot_provider_dot_v1_dot_provider__pb2.ListInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,
