@@ -256,6 +256,15 @@ def make_world(endpoint: str, root: Client, conninfo: str, *, nodes: int = 2, qu
     return w
 
 
+def offered_guest(world: World, *, quota: int = 64) -> World:
+    """A second tenant (quota, permissive policy, a user) that `world`'s pool is offered to; its
+    pool_id is that pool. The caller closes it."""
+    guest = make_world(world.endpoint, world.root, world.conninfo, nodes=0, quota=quota)
+    world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
+    guest.pool_id = world.pool_id
+    return guest
+
+
 def get(world: World, rid: str) -> pb.Reservation:
     return world.user.res("Get", pb.GetReservationRequest(tenant_id=world.tenant, reservation_id=rid))
 

@@ -12,7 +12,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import PERMISSIVE, Client, World, gpus, rpc_error
+from tests.support import PERMISSIVE, Client, World, gpus, offered_guest, rpc_error
 
 
 def preview(world: World, client: Client | None = None, **kw) -> cpb.PreviewResponse:
@@ -107,14 +107,7 @@ def test_rollup_counts_in_use_reserved_and_free(world: World) -> None:
 
 
 def test_an_offered_pool_shows_other_tenants_only_in_aggregate(world: World) -> None:
-    guest = World(world.endpoint, world.root, world.conninfo)
-    guest.tenant = world.tenant + "g"
-    world.root.admin("CreateTenant", apb.CreateTenantRequest(id=guest.tenant, name=guest.tenant))
-    world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
-    guest.pool_id = world.pool_id
-    guest.quota(64)
-    guest.policy(PERMISSIVE)
-    guest.user_id, guest.user = guest.identity()
+    guest = offered_guest(world)
     try:
         world.create(count=3)
         guest.create(count=1)

@@ -5,7 +5,6 @@ keys, an expired token, revoked certificates, a revoked node) is answered that w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,8 @@ from controlplane.pki import admin, certs
 from nodesim.config import parse_args
 from nodesim.node import Shared, SimNode
 from tests.support import rpc_error
-from tests.test_gateway import GatewayThread, join_token
+from tests.test_gateway import GatewayThread, gateway, join_token  # noqa: F401 (gateway: a fixture)
 from tests.test_pki import NodeKeys, arun, seed_pool, split, sql
-
-
-@pytest.fixture
-def gateway(database: str) -> Iterator[GatewayThread]:
-    gw = GatewayThread(database)
-    try:
-        yield gw
-    finally:
-        gw.stop()
 
 
 def enrol(gateway: GatewayThread, token: str, keys: NodeKeys) -> pb.EnrolResponse:

@@ -14,20 +14,13 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import capacity_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import PERMISSIVE, Client, World, rpc_error
+from tests.support import Client, World, offered_guest, rpc_error
 
 
 @pytest.fixture
 def guest(world: World) -> Iterator[World]:
-    """A second tenant the world's pool is offered to, with a quota, a policy and a user."""
-    other = World(world.endpoint, world.root, world.conninfo)
-    other.tenant = world.tenant + "g"
-    world.root.admin("CreateTenant", apb.CreateTenantRequest(id=other.tenant, name=other.tenant))
-    world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=world.pool_id, tenant_id=other.tenant))
-    other.pool_id = world.pool_id
-    other.quota(64)
-    other.policy(PERMISSIVE)
-    other.user_id, other.user = other.identity()
+    """A second tenant the world's pool is offered to."""
+    other = offered_guest(world)
     try:
         yield other
     finally:
