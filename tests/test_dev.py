@@ -355,6 +355,8 @@ def test_cli_prints_the_spec_code_and_exits_1_on_errors(dev: Dev) -> None:
     assert json.loads(err)["error"]["code"] == "NOT_FOUND"
 
     code, _, err = cli(dev, "reserve", "--gpus", "1", "--for", "soon")
+    assert code == 2 and "--for 'soon'" in err  # not a duration: the client's usage error
+    code, _, err = cli(dev, "reserve", "--gpus", "1", "--for", "0s")  # a duration the API refuses
     assert code == 1
     error = json.loads(err)["error"]
     assert error["code"] == "INVALID_INPUT" and error["details"]["field"] == "duration"
