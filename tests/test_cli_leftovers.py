@@ -3,10 +3,18 @@ real process against a real control plane (or, for pure helpers, the client's ow
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import pytest
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from bettercompute.v1 import capacity_pb2 as cpb
+from bettercompute.v1 import events_pb2 as epb
+from bettercompute.v1 import nodes_pb2 as npb
+from bettercompute.v1 import reservations_pb2 as pb
+from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.errors import UsageError
 from controlplane.client.times import fmt_duration, parse_duration
 from tests.support import World
@@ -48,7 +56,7 @@ def test_garbage_durations_are_a_usage_error_naming_the_option(text: str) -> Non
 def test_compound_durations_work_wherever_the_cli_takes_one(cli, tty, world: World) -> None:
     start = _iso_in(3)
     placed = cli("reserve", "--gpus", "1", "--for", "1h30m", "--start", start).json
-    assert int(placed["during"]["end"]) - int(placed["during"]["start"]) == 90 * 60_000
+    assert placed["during"]["end"] - placed["during"]["start"] == 90 * 60_000
     assert placed["request"]["duration"] == "5400000ms"
 
     listed = tty("list")
@@ -57,28 +65,28 @@ def test_compound_durations_work_wherever_the_cli_takes_one(cli, tty, world: Wor
     shown = row[-2]
     assert shown == "1h30m"
     again = cli("reserve", "--gpus", "1", "--for", shown, "--start", _iso_in(6)).json  # what list prints
-    assert int(again["during"]["end"]) - int(again["during"]["start"]) == 90 * 60_000
+    assert again["during"]["end"] - again["during"]["start"] == 90 * 60_000
 
     extended = cli("extend", placed["id"], "--by", "1h30m").json
-    assert int(extended["reservation"]["during"]["end"]) == _ms(start) + 3 * HOUR_MS
+    assert extended["reservation"]["during"]["end"] == _ms(start) + 3 * HOUR_MS
     before = int(time.time() * 1000)
     extended = cli("extend", placed["id"], "--until", "+4h30m").json
-    assert int(extended["reservation"]["during"]["end"]) >= before + 4 * HOUR_MS + 30 * 60_000
+    assert extended["reservation"]["during"]["end"] >= before + 4 * HOUR_MS + 30 * 60_000
 
     leased = cli("reserve", "--gpus", "1", "--lease", "1m30s").json
-    assert int(leased["request"]["leaseSeconds"]) == 90
+    assert leased["request"]["leaseSeconds"] == 90
 
     later = cli("reserve", "--gpus", "1", "--for", "2d12h", "--start", "+1d1h").json
-    assert int(later["during"]["end"]) - int(later["during"]["start"]) == 60 * HOUR_MS
+    assert later["during"]["end"] - later["during"]["start"] == 60 * HOUR_MS
 
     buckets = cli("capacity", "timeline", "--from", start, "--to", "+1d", "--step", "1h30m").json["buckets"]
-    assert int(buckets[0]["end"]) - int(buckets[0]["start"]) == 90 * 60_000
+    assert buckets[0]["end"] - buckets[0]["start"] == 90 * 60_000
 
     preview = cli("capacity", "--preview", "--gpus", "1", "--for", "1h30m", "--earliest", "--horizon", "1d12h").json
     assert preview["fits"] is True
 
     joined = cli("nodes", "join-token", "cli-compound", "--ttl", "1h30m", token=_token(world.root)).json
-    assert int(joined["expiresAt"]) - time.time() * 1000 > 80 * 60_000
+    assert joined["expiresAt"] - time.time() * 1000 > 80 * 60_000
 
 
 def test_garbage_durations_exit_2_naming_the_option(cli) -> None:
@@ -97,3 +105,74 @@ def test_garbage_durations_exit_2_naming_the_option(cli) -> None:
         run = cli(*args)
         assert run.code == 2 and flag in run.err and not run.out, (args, run)
         assert "Traceback" not in run.err, run.err
+
+
+# --json as the spec shows its objects ------------------------------------------------------------
+
+INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+         FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def spec_shaped(descriptor: Descriptor, obj: Any, path: str = "") -> None:
+    """`obj` is the JSON of a `descriptor` message as the spec shows it: every field without
+    presence there (at its zero value if need be), every 64-bit integer a JSON number."""
+    assert isinstance(obj, dict), (path, obj)
+    for field in descriptor.fields:
+        where = f"{path}.{field.json_name}"
+        if field.json_name not in obj:
+            assert field.has_presence, f"{where} is missing"
+            continue
+        value = obj[field.json_name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            assert isinstance(value, dict), where
+        elif field.is_repeated:
+            assert isinstance(value, list), where
+            for i, item in enumerate(value):
+                _check_value(field, item, f"{where}[{i}]")
+        else:
+            _check_value(field, value, where)
+
+
+def _check_value(field: FieldDescriptor, value: Any, where: str) -> None:
+    if field.message_type is not None:
+        if field.message_type.full_name != "google.protobuf.Struct":
+            spec_shaped(field.message_type, value, where)
+    elif field.type in INT64:
+        assert isinstance(value, int) and not isinstance(value, bool), f"{where} is {value!r}, not a number"
+
+
+def test_json_has_numbers_and_zero_values_as_the_spec_shows_for_every_command(cli, world: World) -> None:
+    root = _token(world.root)
+    start = _iso_in(2)
+    placed = cli("reserve", "--gpus", "2", "--for", "1h", "--start", start).json
+    spec_shaped(pb.Reservation.DESCRIPTOR, placed)
+    assert placed["during"] == {"start": _ms(start), "end": _ms(start) + HOUR_MS}  # numbers, as the spec's
+    assert isinstance(placed["version"], int) and placed["conditions"] == []
+
+    spec_shaped(pb.Reservation.DESCRIPTOR, cli("get", placed["id"]).json)
+    spec_shaped(pb.ListReservationsResponse.DESCRIPTOR, cli("list").json)
+    assert cli("list", "--state", "active").json == {"items": [], "nextCursor": ""}
+    refused = cli("extend", placed["id"], "--until", str(_ms(start))).json  # it already reaches that time
+    spec_shaped(pb.ExtendReservationResponse.DESCRIPTOR, refused)
+    assert refused["extended"] is False
+    timeline = cli("capacity", "timeline", "--from", start, "--to", "+1d").json
+    spec_shaped(cpb.TimelineResponse.DESCRIPTOR, timeline)
+    assert {"start": timeline["buckets"][-1]["start"], "end": timeline["buckets"][-1]["end"], "booked": 0,
+            "free": 16} == timeline["buckets"][-1]  # booked: 0, as the spec's timeline shows it
+    spec_shaped(cpb.RollupResponse.DESCRIPTOR, cli("capacity").json)
+    spec_shaped(cpb.PreviewResponse.DESCRIPTOR, cli("capacity", "--preview", "--gpus", "64").json)
+    spec_shaped(upb.QueryUsageResponse.DESCRIPTOR, cli("usage").json)
+    [event] = [json.loads(line) for line in cli("watch", "--count", "1").out.splitlines()]
+    spec_shaped(epb.Event.DESCRIPTOR, event)
+    assert isinstance(event["id"], int) and isinstance(event["time"], int)
+    spec_shaped(pb.Reservation.DESCRIPTOR, cli("release", placed["id"]).json)
+
+    joined = cli("nodes", "join-token", "cli-json", token=root).json
+    spec_shaped(npb.JoinToken.DESCRIPTOR, joined)
+    node_id = world.nodes[0].id
+    spec_shaped(npb.ListNodeCertificatesResponse.DESCRIPTOR, cli("nodes", "certificates", node_id, token=root).json)
+    spec_shaped(npb.RevokeCertificatesResponse.DESCRIPTOR,
+                cli("nodes", "revoke", node_id, "--reason", "json", token=root).json)
+    readmitted = cli("nodes", "readmit", node_id, token=root).json
+    spec_shaped(npb.ReadmitNodeResponse.DESCRIPTOR, readmitted)
+    assert readmitted == {"readmitted": True}

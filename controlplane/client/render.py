@@ -1,4 +1,4 @@
-"""Output: the protobuf JSON mapping for scripts, tables and short summaries for people (rich)."""
+"""Output: JSON as the spec shows its objects for scripts, tables and short summaries for people (rich)."""
 
 from __future__ import annotations
 
@@ -33,17 +33,12 @@ STATE_STYLES = {
 
 
 def as_json(message: Message) -> dict[str, Any]:
-    out = MessageToDict(message, preserving_proto_field_name=False)
-    if isinstance(message, pb.ListReservationsResponse):
-        out.setdefault("items", [])  # an empty page is a list, not a missing field
-    if isinstance(message, cpb.TimelineResponse):
-        out.setdefault("buckets", [])
-    if isinstance(message, cpb.PreviewResponse):
-        out.setdefault("fits", False)
-    if isinstance(message, upb.QueryUsageResponse):
-        out.setdefault("items", [])
-        out.setdefault("total", 0)
-    return out
+    """The answer as the spec shows its objects: camelCase, 64-bit integers as JSON numbers
+    (`"start": 1790000000000`, `"version": 4`, not the protobuf mapping's strings), and fields
+    without presence kept at their zero value (`"conditions": []`, `"booked": 0`, `"fits": false`)
+    rather than left out; an optional field that is not set (`leaseDeadline`) stays absent."""
+    return MessageToDict(message, preserving_proto_field_name=False, always_print_fields_with_no_presence=True,
+                         unquote_int64_if_possible=True)
 
 
 class Output:
