@@ -3,6 +3,7 @@ real process against a real control plane (or, for pure helpers, the client's ow
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from typing import Any
@@ -176,3 +177,31 @@ def test_json_has_numbers_and_zero_values_as_the_spec_shows_for_every_command(cl
     readmitted = cli("nodes", "readmit", node_id, token=root).json
     spec_shaped(npb.ReadmitNodeResponse.DESCRIPTOR, readmitted)
     assert readmitted == {"readmitted": True}
+
+
+# nodes join-token on a terminal -----------------------------------------------------------------
+
+
+def test_join_token_on_a_terminal_is_readable_and_json_on_a_pipe(cli, tty, world: World) -> None:
+    root = _token(world.root)
+    shown = tty("nodes", "join-token", "tty-node", "--role", "node-tenant", "--ttl", "30m", token=root)
+    assert shown.code == 0, shown
+    assert "{" not in shown.out and '"secret"' not in shown.out  # not the raw JSON
+    heading, secret, *rows = [line.split() for line in shown.out.splitlines()]
+    assert heading[:2] == ["join", "token"] and "once" in " ".join(heading)
+    assert len(secret) == 1 and secret[0].startswith("bcj_")  # alone on its line, to copy
+    assert rows[:3] == [["node", "tty-node"], ["role", "node-tenant"], ["pool", world.pool_id]]
+    label, day, clock, zone, in_, left, *_ = rows[3]
+    expires = datetime.datetime.fromisoformat(f"{day}T{clock}+00:00").timestamp()
+    assert (label, zone, in_) == ("expires", "UTC", "(in") and left[:3] in ("29m", "30m"), rows[3]
+    assert time.time() + 28 * 60 < expires <= time.time() + 30 * 60, rows[3]  # in local time, minutes shown
+    secret = secret[0]
+
+    # The secret works: it enrols a node (shown once, as the JSON's would).
+    from tests.test_pki import NodeKeys, _enrol_with
+    assert _enrol_with(world.conninfo, secret, NodeKeys().csr()).node_id.startswith("node_")
+
+    piped = cli("nodes", "join-token", "pipe-node", token=root).json  # scripts: JSON, as before
+    assert piped["secret"].startswith("bcj_") and piped["nodeName"] == "pipe-node"
+    forced = tty("--json", "nodes", "join-token", "json-node", token=root)
+    assert json.loads(forced.out)["nodeName"] == "json-node"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from rich.text import Text
 
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import events_pb2 as epb
+from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.times import fmt_duration, fmt_time
@@ -161,7 +163,7 @@ def _window(during: pb.Interval) -> str:
     return f"{fmt_time(during.start)} → {end} ({fmt_duration(during.end - during.start)})"
 
 
-def _summary(heading: Text, rows: list[tuple[str, Any]]) -> Group:
+def _summary(heading: Text | Group, rows: list[tuple[str, Any]]) -> Group:
     """A heading line, then `label  value` rows."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
@@ -333,6 +335,15 @@ def usage(u: upb.QueryUsageResponse) -> Group:
     return Group(table, Text(f"total {u.total:.4f}", style="bold"))
 
 
+def join_token(t: npb.JoinToken) -> Group:
+    """The secret alone on its line (to copy), then what it is good for and until when."""
+    left = fmt_duration(t.expires_at - int(time.time() * 1000))
+    rows = [("node", t.node_name), ("role", t.role), ("pool", t.pool_id),
+            ("expires", f"{fmt_time(t.expires_at)} (in {left}), or once used")]
+    heading = Group(Text("join token (shown once, only its hash is kept):", style="bold"), Text(t.secret, no_wrap=True))
+    return _summary(heading, rows)
+
+
 _RENDERERS: dict[type, Callable[[Any], Any]] = {
     pb.Reservation: reservation,
     pb.ListReservationsResponse: reservation_list,
@@ -342,4 +353,5 @@ _RENDERERS: dict[type, Callable[[Any], Any]] = {
     cpb.RollupResponse: rollup,
     cpb.PreviewResponse: preview,
     upb.QueryUsageResponse: usage,
+    npb.JoinToken: join_token,
 }
