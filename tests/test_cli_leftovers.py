@@ -205,3 +205,23 @@ def test_join_token_on_a_terminal_is_readable_and_json_on_a_pipe(cli, tty, world
     assert piped["secret"].startswith("bcj_") and piped["nodeName"] == "pipe-node"
     forced = tty("--json", "nodes", "join-token", "json-node", token=root)
     assert json.loads(forced.out)["nodeName"] == "json-node"
+
+
+def test_the_other_node_commands_on_a_terminal_are_readable(tty, world: World) -> None:
+    root = _token(world.root)
+    from tests.test_pki import NodeKeys, _enrol_with
+    secret = json.loads(tty("--json", "nodes", "join-token", "tty-pki", token=root).out)["secret"]
+    node_id = _enrol_with(world.conninfo, secret, NodeKeys().csr()).node_id
+
+    listed = tty("nodes", "certificates", node_id, token=root)
+    assert listed.code == 0 and "{" not in listed.out and "BEGIN CERTIFICATE" not in listed.out, listed
+    header, *rows = [line.split() for line in listed.out.splitlines() if line.strip()]
+    assert header == ["SERIAL", "USAGE", "ROLE", "NOT", "AFTER", "REVOKED"]
+    assert sorted(row[1] for row in rows) == ["signing", "tls"] and all(row[-1] == "-" for row in rows)
+
+    done = tty("nodes", "revoke", node_id, "--reason", "tty", token=root)
+    assert done.code == 0 and done.out.startswith("revoked 2 certificates:"), done
+    again = tty("nodes", "revoke", node_id, "--reason", "tty", token=root)
+    assert again.code == 0 and again.out.startswith("nothing revoked"), again
+    assert tty("nodes", "readmit", node_id, token=root).out.startswith("readmitted: ")
+    assert tty("nodes", "readmit", node_id, token=root).out.startswith("not revoked: nothing changed")

@@ -344,6 +344,29 @@ def join_token(t: npb.JoinToken) -> Group:
     return _summary(heading, rows)
 
 
+def node_certificates(page: npb.ListNodeCertificatesResponse) -> Table:
+    """A node's certificates, newest first (the PEM only with --json)."""
+    table = Table(box=None, header_style="bold", caption=None if page.items else "no certificates")
+    for name in ("SERIAL", "USAGE", "ROLE", "NOT AFTER", "REVOKED"):
+        table.add_column(name, no_wrap=name != "SERIAL", overflow="fold")
+    for c in page.items:
+        table.add_row(c.serial, c.usage, c.role, fmt_time(c.not_after), fmt_time(c.revoked_at) if c.revoked else "-")
+    return table
+
+
+def revoked(answer: npb.RevokeCertificatesResponse) -> Group:
+    if not answer.serials:
+        return Group(Text("nothing revoked: already revoked", style="yellow"))
+    return Group(Text(f"revoked {len(answer.serials)} certificates:", style="bold"),
+                 *(Text(f"  {serial}") for serial in answer.serials))
+
+
+def readmitted(answer: npb.ReadmitNodeResponse) -> Text:
+    if answer.readmitted:
+        return Text("readmitted: the node may enrol again with a new join token", style="green")
+    return Text("not revoked: nothing changed", style="yellow")
+
+
 _RENDERERS: dict[type, Callable[[Any], Any]] = {
     pb.Reservation: reservation,
     pb.ListReservationsResponse: reservation_list,
@@ -354,4 +377,7 @@ _RENDERERS: dict[type, Callable[[Any], Any]] = {
     cpb.PreviewResponse: preview,
     upb.QueryUsageResponse: usage,
     npb.JoinToken: join_token,
+    npb.ListNodeCertificatesResponse: node_certificates,
+    npb.RevokeCertificatesResponse: revoked,
+    npb.ReadmitNodeResponse: readmitted,
 }
