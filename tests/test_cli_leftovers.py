@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import pathlib
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -19,7 +23,9 @@ from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.errors import UsageError
 from controlplane.client.times import fmt_duration, parse_duration
 from tests.support import World
-from tests.test_cli import _iso_in, _ms, _token, cli, tty  # noqa: F401  (cli, tty: fixtures)
+from tests.test_cli import REPO, _iso_in, _ms, _token, cli, tty  # noqa: F401  (cli, tty: fixtures)
+from tests.test_hostile_surface import DEAD, assert_usage_error
+from tests.test_hostile_surface import cli as surface_cli
 
 HOUR_MS = 3_600_000
 
@@ -299,3 +305,36 @@ def test_dev_starts_without_a_revoked_node_and_it_joins_once_readmitted() -> Non
                 else:
                     pytest.fail(f"the readmitted node did not connect\n{dev.log()}")
             assert dev.stop() == 0, dev.log()
+
+
+# A careless or hostile user ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("token", "source"), [
+    ("tøken", "--token"), ("a\nb", "--token"), ("bct_ x", "--token"), ("t" * 20_000, "--token"),
+], ids=["not-ascii", "newline", "space", "longer-than-grpc-carries"])
+def test_a_token_no_request_can_carry_is_a_usage_error(tmp_path: pathlib.Path, token: str, source: str) -> None:
+    """gRPC refused it as INTERNAL "Invalid metadata" or RESOURCE_EXHAUSTED (exit 1)."""
+    flags = [arg if arg != "t" else token for arg in DEAD]
+    assert_usage_error(surface_cli(tmp_path, *flags, "get", "rsv_x"), source)
+
+
+def test_a_token_from_the_environment_or_a_file_that_no_request_can_carry_is_a_usage_error(
+        tmp_path: pathlib.Path) -> None:
+    no_token = [arg for arg in DEAD if arg not in ("--token", "t")]
+    env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "no-dev"), BC_TOKEN="tøken")
+    env.pop("DATABASE_URL", None)
+    done = subprocess.run([sys.executable, "-m", "controlplane.cli", *no_token, "get", "rsv_x"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert_usage_error(done, "$BC_TOKEN")
+
+    huge = tmp_path / "huge-token"
+    with huge.open("wb") as out:  # sparse: 2 GiB a reader would hold in memory whole
+        out.truncate(2 * 1024**3)
+    assert_usage_error(surface_cli(tmp_path, *no_token, "--token-file", str(huge), "get", "rsv_x"), "larger than a token")
+    accented = tmp_path / "accented-token"
+    accented.write_text("tøken\n")
+    assert_usage_error(surface_cli(tmp_path, *no_token, "--token-file", str(accented), "get", "rsv_x"), "printable ASCII")
+    conn = tmp_path / "connection.json"
+    conn.write_text(json.dumps({"endpoint": "127.0.0.1:1", "token": "t\tx", "tenantId": "tenant1"}))
+    assert_usage_error(surface_cli(tmp_path, "--connection", str(conn), "get", "rsv_x"), "token")

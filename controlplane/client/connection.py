@@ -21,6 +21,8 @@ from controlplane.config import data_dir_from_env
 
 RPC_TIMEOUT_S = 30.0
 TOKEN_ENV = "BC_TOKEN"
+# gRPC refuses a metadata value longer than this (its hard limit): no bearer token is longer.
+MAX_TOKEN_BYTES = 16384
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,19 @@ def chosen_token(token: str | None, token_file: str | None) -> str | None:
     if token_file:
         return _read_token_file(token_file)
     if token:
-        return token
+        return sendable_token(token, "--token")
     token = os.environ.get(TOKEN_ENV) or None
     require_utf8([token or ""], f"${TOKEN_ENV}")
+    return sendable_token(token, f"${TOKEN_ENV}") if token else None
+
+
+def sendable_token(token: str, source: str) -> str:
+    """`token` if a request's metadata can carry it: printable ASCII (no space, no control or
+    other character, which gRPC refuses as INTERNAL "Invalid metadata"), at most MAX_TOKEN_BYTES."""
+    if len(token) > MAX_TOKEN_BYTES:
+        raise UsageError(f"{source}: the token is longer than {MAX_TOKEN_BYTES} characters")
+    if not all("!" <= c <= "~" for c in token):
+        raise UsageError(f"{source}: a bearer token is printable ASCII without spaces")
     return token
 
 
@@ -95,7 +107,11 @@ def _read_token_file(name: str) -> str:
     path = pathlib.Path(name)
     _require_regular(path, f"--token-file {name}")
     try:
-        text = path.read_bytes().decode()
+        with path.open("rb") as file:
+            data = file.read(MAX_TOKEN_BYTES + 3)  # a token, its line end and one more: never a whole big file
+        if len(data) > MAX_TOKEN_BYTES + 2:
+            raise UsageError(f"--token-file {name}: larger than a token can be ({MAX_TOKEN_BYTES} characters)")
+        text = data.decode()
     except OSError as exc:
         raise UsageError(f"--token-file {name}: {exc.strerror}") from None
     except UnicodeDecodeError:
@@ -105,7 +121,7 @@ def _read_token_file(name: str) -> str:
         raise UsageError(f"--token-file {name} is empty")
     if any(c in token for c in "\r\n"):
         raise UsageError(f"--token-file {name} holds more than one line")
-    return token
+    return sendable_token(token, f"--token-file {name}")
 
 
 def _read_saved(path: pathlib.Path) -> dict[str, str]:
@@ -125,6 +141,9 @@ def _read_saved(path: pathlib.Path) -> dict[str, str]:
         if saved.get(key) is not None and not isinstance(saved[key], str):
             raise UsageError(f"connection file {path}: {key} is not a string")
         require_utf8([saved.get(key) or ""], f"connection file {path}: {key}")
+    for key in ("token", "rootToken"):
+        if saved.get(key):
+            sendable_token(saved[key], f"connection file {path}: {key}")
     return saved
 
 
