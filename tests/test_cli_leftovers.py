@@ -338,3 +338,18 @@ def test_a_token_from_the_environment_or_a_file_that_no_request_can_carry_is_a_u
     conn = tmp_path / "connection.json"
     conn.write_text(json.dumps({"endpoint": "127.0.0.1:1", "token": "t\tx", "tenantId": "tenant1"}))
     assert_usage_error(surface_cli(tmp_path, "--connection", str(conn), "get", "rsv_x"), "token")
+
+
+@pytest.mark.parametrize("content", [b"", b"not a certificate\n", b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"],
+                         ids=["empty", "text", "broken-pem"])
+@pytest.mark.parametrize("command", [["get", "rsv_x"], ["mcp"]], ids=["cli", "mcp"])
+def test_a_ca_file_without_a_certificate_is_a_usage_error(tmp_path: pathlib.Path, content: bytes,
+                                                          command: list[str]) -> None:
+    """gRPC logged "Could not load any root certificate" and the call failed UNAVAILABLE (exit 1)."""
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(content)
+    conn = tmp_path / "connection.json"  # the MCP server takes its CA from there
+    conn.write_text(json.dumps({"endpoint": "127.0.0.1:1", "token": "t", "tenantId": "tenant1", "ca": str(ca)}))
+    assert_usage_error(surface_cli(tmp_path, *command, "--connection", str(conn)), "holds no PEM certificate")
+    if command != ["mcp"]:
+        assert_usage_error(surface_cli(tmp_path, *DEAD, "--ca", str(ca), *command), "holds no PEM certificate")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from cryptography import x509
 from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
@@ -184,6 +185,10 @@ def open_channel(conn: Connection) -> grpc.Channel:
         ca_pem = pathlib.Path(conn.ca).read_bytes()
     except OSError as exc:
         raise UsageError(f"--ca {conn.ca}: {exc.strerror}") from None
+    try:  # gRPC would only log "Could not load any root certificate" and answer UNAVAILABLE
+        x509.load_pem_x509_certificates(ca_pem)
+    except ValueError:
+        raise UsageError(f"--ca {conn.ca} holds no PEM certificate") from None
     return grpc.secure_channel(conn.endpoint, grpc.ssl_channel_credentials(root_certificates=ca_pem))
 
 
