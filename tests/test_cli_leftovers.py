@@ -353,3 +353,16 @@ def test_a_ca_file_without_a_certificate_is_a_usage_error(tmp_path: pathlib.Path
     assert_usage_error(surface_cli(tmp_path, *command, "--connection", str(conn)), "holds no PEM certificate")
     if command != ["mcp"]:
         assert_usage_error(surface_cli(tmp_path, *DEAD, "--ca", str(ca), *command), "holds no PEM certificate")
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:99999", "127.0.0.1:0", "[::1]:70000", "localhost:65536"])
+@pytest.mark.parametrize("command", [["get", "rsv_x"], ["mcp"]], ids=["cli", "mcp"])
+def test_an_endpoint_whose_port_is_no_tcp_port_is_a_usage_error(tmp_path: pathlib.Path, endpoint: str,
+                                                                command: list[str]) -> None:
+    """gRPC dialled 127.0.0.1:99999 as port 34463 (modulo 65536), bearer token and all."""
+    flags = [endpoint if arg == "127.0.0.1:1" else arg for arg in DEAD]
+    head, rest = (["mcp", *flags], []) if command == ["mcp"] else (flags, command)
+    assert_usage_error(surface_cli(tmp_path, *head, *rest), "the port must be 1 to 65535")
+    conn = tmp_path / "connection.json"
+    conn.write_text(json.dumps({"endpoint": endpoint, "token": "t", "tenantId": "tenant1"}))
+    assert_usage_error(surface_cli(tmp_path, *command, "--connection", str(conn)), "endpoint")

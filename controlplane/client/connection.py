@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import stat
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ class Connection:
             ca=ca or saved.get("ca", ""),
             root_token=token or saved.get("rootToken", ""),
         )
+        _require_port(conn.endpoint, "--endpoint" if endpoint else f"connection file {path}: endpoint")
         needed = ({"endpoint": conn.endpoint, "token": conn.root_token or conn.token} if operator  # no tenant
                   else {"endpoint": conn.endpoint, "token": conn.token, "tenant": conn.tenant_id})
         missing = [name for name, value in needed.items() if not value]
@@ -76,6 +78,14 @@ class Connection:
                 f"or pass --connection, or --endpoint, --token-file (or ${TOKEN_ENV}) and --tenant"
             )
         return conn
+
+
+def _require_port(endpoint: str, source: str) -> None:
+    """A `host:port` whose port is a TCP port: gRPC reads 99999 modulo 65536 and would send the
+    token to port 34463, whatever listens there."""
+    port = re.fullmatch(r".*:(\d+)", endpoint, re.ASCII) if not endpoint.startswith("unix:") else None
+    if port and not 1 <= int(port.group(1)) <= 65535:
+        raise UsageError(f"{source} {endpoint!r}: the port must be 1 to 65535")
 
 
 def chosen_token(token: str | None, token_file: str | None) -> str | None:
