@@ -366,3 +366,26 @@ def test_an_endpoint_whose_port_is_no_tcp_port_is_a_usage_error(tmp_path: pathli
     conn = tmp_path / "connection.json"
     conn.write_text(json.dumps({"endpoint": endpoint, "token": "t", "tenantId": "tenant1"}))
     assert_usage_error(surface_cli(tmp_path, *command, "--connection", str(conn)), "endpoint")
+
+
+def test_an_agent_is_told_which_argument_the_client_refused(world: World, tmp_path: pathlib.Path) -> None:
+    """The request builders the MCP tools share with the CLI read durations and times now; their
+    refusal named the CLI's option (`--for`) and no field, where the API's named `duration`."""
+    from tests.test_mcp import Call, run_agent
+
+    async def script(call: Call) -> None:
+        failed, booked = await call("reserve_gpus", gpus=1, duration="1h30m", waitSeconds=5)
+        assert not failed and booked["reservation"]["request"]["duration"] == "5400000ms", booked
+        for tool, arguments, field in (
+            ("reserve_gpus", {"gpus": 1, "duration": "1h1h"}, "duration"),
+            ("reserve_gpus", {"gpus": 1, "start": "+1.5.h"}, "start"),
+            ("preview_capacity", {"gpus": 1, "earliest": True, "horizon": "-1d"}, "horizon"),
+            ("extend_reservation", {"reservationId": booked["reservation"]["id"], "by": "h"}, "by"),
+            ("extend_reservation", {"reservationId": booked["reservation"]["id"], "until": "soon"}, "until"),
+        ):
+            failed, answer = await call(tool, **arguments)
+            assert failed and answer["code"] == "INVALID_INPUT", (tool, answer)
+            assert answer["details"] == {"field": field} and answer["message"].startswith(f"{field} "), answer
+            assert "--" not in answer["message"], answer
+
+    run_agent(world, tmp_path, _token(world.user), script)
