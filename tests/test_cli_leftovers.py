@@ -389,3 +389,24 @@ def test_an_agent_is_told_which_argument_the_client_refused(world: World, tmp_pa
             assert "--" not in answer["message"], answer
 
     run_agent(world, tmp_path, _token(world.user), script)
+
+
+@pytest.mark.parametrize("option", ["--connection", "--token-file", "--ca", "mcp --connection"])
+def test_a_file_name_longer_than_the_system_allows_is_a_usage_error(tmp_path: pathlib.Path, option: str) -> None:
+    """exists() raised ENAMETOOLONG instead of answering: a traceback, exit 1."""
+    name = str(tmp_path / ("p" * 5000))
+    if option == "mcp --connection":
+        done = surface_cli(tmp_path, "mcp", "--connection", name)
+    elif option == "--token-file":
+        done = surface_cli(tmp_path, *[a for a in DEAD if a not in ("--token", "t")], option, name, "get", "rsv_x")
+    else:
+        done = surface_cli(tmp_path, *DEAD, option, name, "get", "rsv_x")
+    assert_usage_error(done, "File name too long")
+
+
+def test_a_data_directory_name_longer_than_the_system_allows_is_a_usage_error(tmp_path: pathlib.Path) -> None:
+    env = dict(os.environ, BC_DATA_DIR=str(tmp_path / ("d" * 5000)))
+    env.pop("DATABASE_URL", None)
+    done = subprocess.run([sys.executable, "-m", "controlplane.cli", "get", "rsv_x"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert_usage_error(done, "File name too long")

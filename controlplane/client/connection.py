@@ -55,7 +55,7 @@ class Connection:
         token = chosen_token(token, token_file)
         path = pathlib.Path(connection or pathlib.Path(data_dir_from_env(), "connection.json"))
         saved: dict[str, Any] = {}
-        if path.exists():
+        if _exists(path, f"connection file {path}"):
             _require_trusted(path, found=not connection)
             saved = _read_saved(path)
         elif connection:
@@ -182,8 +182,17 @@ def _require_trusted(path: pathlib.Path, *, found: bool) -> None:
 def _require_regular(path: pathlib.Path, what: str) -> None:
     """A file the client reads must be a regular file (a directory or a missing one is refused
     where it is read, with the system's reason)."""
-    if path.exists() and not path.is_dir() and not path.is_file():
+    if _exists(path, what) and not path.is_dir() and not path.is_file():
         raise UsageError(f"{what} is not a regular file")
+
+
+def _exists(path: pathlib.Path, what: str) -> bool:
+    """Whether `path` exists; a name the system refuses to look up (longer than it allows) is a
+    usage error, where exists() raises instead of answering."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        raise UsageError(f"{what}: {exc.strerror}") from None
 
 
 def open_channel(conn: Connection) -> grpc.Channel:
