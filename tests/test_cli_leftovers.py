@@ -410,3 +410,11 @@ def test_a_data_directory_name_longer_than_the_system_allows_is_a_usage_error(tm
     done = subprocess.run([sys.executable, "-m", "controlplane.cli", "get", "rsv_x"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert_usage_error(done, "File name too long")
+
+
+@pytest.mark.parametrize("moment", ["١٢٣٤٥٦٧٨٩٠١٢٣", "１２３４５６７８９０１２３"], ids=["arabic-indic", "fullwidth"])
+def test_a_moment_in_digits_of_another_script_is_a_usage_error(tmp_path: pathlib.Path, moment: str) -> None:
+    """int() reads them: --start ١٢٣٤٥٦٧٨٩٠١٢٣ booked a window in 2009."""
+    assert_usage_error(surface_cli(tmp_path, *DEAD, "reserve", "--gpus", "1", "--start", moment), "--start")
+    assert_usage_error(surface_cli(tmp_path, *DEAD, "extend", "rsv_x", "--until", moment), "--until")
+    assert_usage_error(surface_cli(tmp_path, *DEAD, "usage", "--from", moment), "--from")

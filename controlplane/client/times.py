@@ -29,7 +29,7 @@ def parse_moment(flag: str, text: str, *, now: int | None = None) -> int:
     try:
         if text.startswith("+"):
             ms = (now_ms() if now is None else now) + parse_duration(flag, text[1:])
-        elif text.isdigit():
+        elif text.isascii() and text.isdigit():  # not "١٢٣": int() reads other scripts' digits too
             ms = int(text)
         else:
             moment = datetime.datetime.fromisoformat(text)
