@@ -418,3 +418,9 @@ def test_a_moment_in_digits_of_another_script_is_a_usage_error(tmp_path: pathlib
     assert_usage_error(surface_cli(tmp_path, *DEAD, "reserve", "--gpus", "1", "--start", moment), "--start")
     assert_usage_error(surface_cli(tmp_path, *DEAD, "extend", "rsv_x", "--until", moment), "--until")
     assert_usage_error(surface_cli(tmp_path, *DEAD, "usage", "--from", moment), "--from")
+
+
+def test_a_bad_relative_time_is_quoted_as_typed(tmp_path: pathlib.Path) -> None:
+    for typed in ("+", "++1h", "+1h1h"):
+        done = surface_cli(tmp_path, *DEAD, "reserve", "--gpus", "1", "--start", typed)
+        assert_usage_error(done, f"--start {typed!r}: ")

@@ -28,7 +28,7 @@ def parse_moment(flag: str, text: str, *, now: int | None = None) -> int:
     text = text.strip()
     try:
         if text.startswith("+"):
-            ms = (now_ms() if now is None else now) + parse_duration(flag, text[1:])
+            ms = (now_ms() if now is None else now) + parse_duration(flag, text[1:], shown=text)
         elif text.isascii() and text.isdigit():  # not "١٢٣": int() reads other scripts' digits too
             ms = int(text)
         else:
@@ -43,20 +43,22 @@ def parse_moment(flag: str, text: str, *, now: int | None = None) -> int:
     return ms
 
 
-def parse_duration(flag: str, text: str, *, bare_ms: int = 1) -> int:
+def parse_duration(flag: str, text: str, *, bare_ms: int = 1, shown: str | None = None) -> int:
     """Milliseconds of a duration as people type it and `list` prints it: `8h`, `90m`, `1h30m`,
     `2d12h`, `1h30m15s`, `250ms` (units largest first, each once; w d h m s ms). A bare number
     counts `bare_ms` each (milliseconds, as the API reads it, unless the option says otherwise).
-    Anything else, or more than the API's field holds, is a usage error naming `flag`."""
+    Anything else, or more than the API's field holds, is a usage error naming `flag` and quoting
+    `shown` (what was typed: `+1h1h` for a relative time), else `text`."""
+    shown = text if shown is None else shown
     stripped = text.strip()
     if stripped.isascii() and stripped.isdigit() and len(stripped) <= 12:
         ms = int(stripped) * bare_ms
     elif _DURATION.fullmatch(text) and _in_order(_PART.findall(text)):
         ms = sum(int(number) * _UNIT_MS[unit] for number, unit in _PART.findall(text))
     else:
-        raise UsageError(f"{flag} {text!r}: use a duration such as 8h, 90m, 1h30m or 2d12h")
+        raise UsageError(f"{flag} {shown!r}: use a duration such as 8h, 90m, 1h30m or 2d12h")
     if ms > WIRE_MAX_MS:
-        raise UsageError(f"{flag} {text!r}: out of range (at most {fmt_duration(WIRE_MAX_MS)})")
+        raise UsageError(f"{flag} {shown!r}: out of range (at most {fmt_duration(WIRE_MAX_MS)})")
     return ms
 
 
