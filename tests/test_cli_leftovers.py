@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -424,3 +425,20 @@ def test_a_bad_relative_time_is_quoted_as_typed(tmp_path: pathlib.Path) -> None:
     for typed in ("+", "++1h", "+1h1h"):
         done = surface_cli(tmp_path, *DEAD, "reserve", "--gpus", "1", "--start", typed)
         assert_usage_error(done, f"--start {typed!r}: ")
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_dev_with_no_simulated_nodes_is_a_usage_error(tmp_path: pathlib.Path, count: str) -> None:
+    """nodesim refused --sim 0 and exited, and dev went on: "fleet connected nodes=0", no fleet."""
+    env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "dev"))
+    env.pop("DATABASE_URL", None)
+    process = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "dev", "--listen", "127.0.0.1:0",
+                                "--sim", count], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # it started after all: Ctrl-C, so it stops what it started
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    assert process.returncode == 2 and "--sim must be at least 1" in err, (process.returncode, err[-2000:])
+    assert not (tmp_path / "dev" / "pgdata").exists()  # refused before anything started

@@ -125,8 +125,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--listen", help="host:port for the API; port 0 picks a free one (default $BC_LISTEN)"
     )
-    parser.add_argument("--sim", type=int, default=NODE_COUNT, help="simulated nodes to run (default 8)")
+    parser.add_argument("--sim", type=int, default=NODE_COUNT, help="simulated nodes to run, at least 1 (default 8)")
     args = parser.parse_args(argv)
+    if args.sim < 1:  # nodesim refuses it, and dev went on with no fleet ("fleet connected nodes=0")
+        parser.error("--sim must be at least 1")
 
     from controlplane.logs import configure_logging
 
