@@ -279,7 +279,8 @@ def test_cli_reserve_get_list_release(dev: Dev) -> None:
     assert placed["tenantId"] == "acme" and placed["poolId"] == dev.connection["poolId"]
     assert placed["idempotencyKey"].startswith("cli-")  # generated when --key is absent
     assert placed["request"]["duration"] == "3600000ms"  # --for defaults to 1h
-    assert placed["request"]["devices"] == [{"class": "gpu", "count": 4, "topology": "nvlink-all"}]
+    assert placed["request"]["devices"] == [
+        {"class": "gpu", "count": 4, "topology": "nvlink-all", "model": "", "profile": ""}]
 
     code, got, err = cli(dev, "get", placed["id"])
     assert code == 0, err
@@ -339,7 +340,7 @@ def test_cli_reserve_with_a_key_is_idempotent_and_cancel_withdraws_it(dev: Dev) 
     code, first, err = cli(dev, *args)
     assert code == 0, err
     assert first["state"] == "placed" and first["idempotencyKey"] == "cli-1"
-    assert int(first["during"]["start"]) == int(start.timestamp() * 1000)
+    assert first["during"]["start"] == int(start.timestamp() * 1000)
     code, again, err = cli(dev, *args)
     assert code == 0, err
     assert again["id"] == first["id"]
@@ -355,6 +356,8 @@ def test_cli_prints_the_spec_code_and_exits_1_on_errors(dev: Dev) -> None:
     assert json.loads(err)["error"]["code"] == "NOT_FOUND"
 
     code, _, err = cli(dev, "reserve", "--gpus", "1", "--for", "soon")
+    assert code == 2 and "--for 'soon'" in err  # not a duration: the client's usage error
+    code, _, err = cli(dev, "reserve", "--gpus", "1", "--for", "0s")  # a duration the API refuses
     assert code == 1
     error = json.loads(err)["error"]
     assert error["code"] == "INVALID_INPUT" and error["details"]["field"] == "duration"

@@ -71,7 +71,8 @@ def test_an_agent_books_reads_lists_extends_and_releases(world: World, tmp_path:
         assert not failed, booked
         rid = booked["reservation"]["id"]
         assert booked["status"] in ("placed", "binding") and booked["idempotencyKey"].startswith("mcp-")
-        assert booked["reservation"]["request"]["devices"] == [{"class": "gpu", "count": 2, "topology": "nvlink-all"}]
+        assert booked["reservation"]["request"]["devices"] == [
+            {"class": "gpu", "count": 2, "topology": "nvlink-all", "model": "", "profile": ""}]
 
         # The same key answers the same reservation.
         failed, again = await call("reserve_gpus", gpus=2, topology="nvlink-all", duration="2h",
@@ -83,10 +84,10 @@ def test_an_agent_books_reads_lists_extends_and_releases(world: World, tmp_path:
         failed, listed = await call("list_reservations")
         assert not failed and [r["id"] for r in listed["items"]] == [rid]
 
-        end = int(got["during"]["end"])
+        end = got["during"]["end"]
         failed, extended = await call("extend_reservation", reservationId=rid, by="1h")
         assert not failed and extended["extended"] is True, extended
-        assert int(extended["reservation"]["during"]["end"]) == end + 3_600_000
+        assert extended["reservation"]["during"]["end"] == end + 3_600_000
         failed, bad = await call("extend_reservation", reservationId=rid)
         assert failed and bad["code"] == "INVALID_INPUT" and "exactly one of until" in bad["message"]
 

@@ -237,7 +237,7 @@ def test_a_lease_pool_falls_back_to_inline_placement_to_preempt(bare: World) -> 
 def test_reserve_spot_on_the_cli(cli, world: World) -> None:  # noqa: F811
     out = cli("reserve", "--gpus", "1", "--spot").json
     assert out["spot"] is True and out["request"]["spot"] is True and out["state"] == "placed"
-    assert "spot" not in cli("reserve", "--gpus", "1").json  # false is not printed in JSON
+    assert cli("reserve", "--gpus", "1").json["spot"] is False  # printed, as the spec shows a false field
 
 
 def test_a_spot_gang_on_two_nodes_counts_as_one_victim(bare: World) -> None:

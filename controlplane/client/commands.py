@@ -20,8 +20,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.connection import RPC_TIMEOUT_S, Client
 from controlplane.client.errors import UsageError
-from controlplane.client.times import parse_minutes, parse_moment
-from controlplane.durations import parse_duration_ms
+from controlplane.client.times import parse_duration, parse_minutes, parse_moment
 
 MAX_SERVER_WAIT_MS = 30_000  # the server holds a create at most this long
 INT32_MAX = 2**31 - 1
@@ -64,7 +63,7 @@ def reserve_request(
         pool_id=pool_id,
         devices=[pb.DeviceRequest(device_class=device_class, count=int32("--gpus", gpus), topology=topology,
                                   profile=profile)],
-        duration=duration,
+        duration_ms=parse_duration("--for", duration),  # `1h30m` as `list` prints it: the API reads one unit
         idempotency_key=key or f"cli-{uuid.uuid4().hex}",
         binding="kubernetes" if kubernetes else "",
         spot=spot,
@@ -88,15 +87,9 @@ def reserve_request(
     if horizon:
         if not earliest:
             raise UsageError("--horizon needs --earliest")
-        try:
-            request.horizon_ms = parse_duration_ms(horizon)
-        except ValueError:
-            raise UsageError(f"--horizon {horizon!r}: use a duration such as 14d") from None
+        request.horizon_ms = parse_duration("--horizon", horizon)
     if lease:
-        try:
-            request.lease_seconds = parse_duration_ms(lease) // 1000
-        except ValueError:
-            raise UsageError(f"--lease {lease!r}: use a duration such as 10m") from None
+        request.lease_seconds = parse_duration("--lease", lease) // 1000
     return request
 
 
@@ -200,7 +193,7 @@ def extend_request(
     if until is not None:
         request.until = parse_moment("--until", until)
     else:
-        request.by = by or ""
+        request.by = f"{parse_duration('--by', by or '')}ms"
     return request
 
 
@@ -285,10 +278,7 @@ def join_token(client: Client, args: argparse.Namespace) -> Message:
     pool_id = args.pool or client.conn.pool_id
     if not pool_id:
         raise UsageError("no pool: pass --pool or use a connection file that names one")
-    try:
-        ttl_s = parse_duration_ms(args.ttl) // 1000 if args.ttl else 0
-    except ValueError as exc:
-        raise UsageError(f"--ttl: {exc}") from None
+    ttl_s = parse_duration("--ttl", args.ttl) // 1000 if args.ttl else 0
     if args.ttl and ttl_s < 1:  # 0 on the wire is the server's default, an hour
         raise UsageError(f"--ttl {args.ttl!r}: at least 1s")
     return client.call("nodes", "CreateJoinToken", npb.CreateJoinTokenRequest(

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import stat
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from cryptography import x509
 from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
@@ -21,6 +23,8 @@ from controlplane.config import data_dir_from_env
 
 RPC_TIMEOUT_S = 30.0
 TOKEN_ENV = "BC_TOKEN"
+# gRPC refuses a metadata value longer than this (its hard limit): no bearer token is longer.
+MAX_TOKEN_BYTES = 16384
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Connection:
         token = chosen_token(token, token_file)
         path = pathlib.Path(connection or pathlib.Path(data_dir_from_env(), "connection.json"))
         saved: dict[str, Any] = {}
-        if path.exists():
+        if _exists(path, f"connection file {path}"):
             _require_trusted(path, found=not connection)
             saved = _read_saved(path)
         elif connection:
@@ -64,6 +68,7 @@ class Connection:
             ca=ca or saved.get("ca", ""),
             root_token=token or saved.get("rootToken", ""),
         )
+        _require_port(conn.endpoint, "--endpoint" if endpoint else f"connection file {path}: endpoint")
         needed = ({"endpoint": conn.endpoint, "token": conn.root_token or conn.token} if operator  # no tenant
                   else {"endpoint": conn.endpoint, "token": conn.token, "tenant": conn.tenant_id})
         missing = [name for name, value in needed.items() if not value]
@@ -75,6 +80,14 @@ class Connection:
         return conn
 
 
+def _require_port(endpoint: str, source: str) -> None:
+    """A `host:port` whose port is a TCP port: gRPC reads 99999 modulo 65536 and would send the
+    token to port 34463, whatever listens there."""
+    port = re.fullmatch(r".*:(\d+)", endpoint, re.ASCII) if not endpoint.startswith("unix:") else None
+    if port and not 1 <= int(port.group(1)) <= 65535:
+        raise UsageError(f"{source} {endpoint!r}: the port must be 1 to 65535")
+
+
 def chosen_token(token: str | None, token_file: str | None) -> str | None:
     """The bearer token: --token, else the content of --token-file, else $BC_TOKEN; None: the
     connection file's. The file and the variable keep the secret out of argv, which any local
@@ -84,9 +97,19 @@ def chosen_token(token: str | None, token_file: str | None) -> str | None:
     if token_file:
         return _read_token_file(token_file)
     if token:
-        return token
+        return sendable_token(token, "--token")
     token = os.environ.get(TOKEN_ENV) or None
     require_utf8([token or ""], f"${TOKEN_ENV}")
+    return sendable_token(token, f"${TOKEN_ENV}") if token else None
+
+
+def sendable_token(token: str, source: str) -> str:
+    """`token` if a request's metadata can carry it: printable ASCII (no space, no control or
+    other character, which gRPC refuses as INTERNAL "Invalid metadata"), at most MAX_TOKEN_BYTES."""
+    if len(token) > MAX_TOKEN_BYTES:
+        raise UsageError(f"{source}: the token is longer than {MAX_TOKEN_BYTES} characters")
+    if not all("!" <= c <= "~" for c in token):
+        raise UsageError(f"{source}: a bearer token is printable ASCII without spaces")
     return token
 
 
@@ -95,7 +118,11 @@ def _read_token_file(name: str) -> str:
     path = pathlib.Path(name)
     _require_regular(path, f"--token-file {name}")
     try:
-        text = path.read_bytes().decode()
+        with path.open("rb") as file:
+            data = file.read(MAX_TOKEN_BYTES + 3)  # a token, its line end and one more: never a whole big file
+        if len(data) > MAX_TOKEN_BYTES + 2:
+            raise UsageError(f"--token-file {name}: larger than a token can be ({MAX_TOKEN_BYTES} characters)")
+        text = data.decode()
     except OSError as exc:
         raise UsageError(f"--token-file {name}: {exc.strerror}") from None
     except UnicodeDecodeError:
@@ -105,7 +132,7 @@ def _read_token_file(name: str) -> str:
         raise UsageError(f"--token-file {name} is empty")
     if any(c in token for c in "\r\n"):
         raise UsageError(f"--token-file {name} holds more than one line")
-    return token
+    return sendable_token(token, f"--token-file {name}")
 
 
 def _read_saved(path: pathlib.Path) -> dict[str, str]:
@@ -125,6 +152,9 @@ def _read_saved(path: pathlib.Path) -> dict[str, str]:
         if saved.get(key) is not None and not isinstance(saved[key], str):
             raise UsageError(f"connection file {path}: {key} is not a string")
         require_utf8([saved.get(key) or ""], f"connection file {path}: {key}")
+    for key in ("token", "rootToken"):
+        if saved.get(key):
+            sendable_token(saved[key], f"connection file {path}: {key}")
     return saved
 
 
@@ -152,8 +182,17 @@ def _require_trusted(path: pathlib.Path, *, found: bool) -> None:
 def _require_regular(path: pathlib.Path, what: str) -> None:
     """A file the client reads must be a regular file (a directory or a missing one is refused
     where it is read, with the system's reason)."""
-    if path.exists() and not path.is_dir() and not path.is_file():
+    if _exists(path, what) and not path.is_dir() and not path.is_file():
         raise UsageError(f"{what} is not a regular file")
+
+
+def _exists(path: pathlib.Path, what: str) -> bool:
+    """Whether `path` exists; a name the system refuses to look up (longer than it allows) is a
+    usage error, where exists() raises instead of answering."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        raise UsageError(f"{what}: {exc.strerror}") from None
 
 
 def open_channel(conn: Connection) -> grpc.Channel:
@@ -165,6 +204,10 @@ def open_channel(conn: Connection) -> grpc.Channel:
         ca_pem = pathlib.Path(conn.ca).read_bytes()
     except OSError as exc:
         raise UsageError(f"--ca {conn.ca}: {exc.strerror}") from None
+    try:  # gRPC would only log "Could not load any root certificate" and answer UNAVAILABLE
+        x509.load_pem_x509_certificates(ca_pem)
+    except ValueError:
+        raise UsageError(f"--ca {conn.ca} holds no PEM certificate") from None
     return grpc.secure_channel(conn.endpoint, grpc.ssl_channel_credentials(root_certificates=ca_pem))
 
 

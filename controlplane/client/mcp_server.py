@@ -120,9 +120,21 @@ def tool_error(err: grpc.RpcError) -> ToolError:
     return ToolError(json.dumps(error_json(err)["error"]))
 
 
+# The CLI's options the shared request builders name, as the tools' arguments are called.
+TOOL_ARGUMENTS = {"--for": "duration", "--start": "start", "--horizon": "horizon", "--by": "by", "--until": "until",
+                  "--gpus": "gpus", "--gang": "gang"}
+
+
 def usage_error(exc: UsageError) -> ToolError:
-    """Arguments the client refuses before any call, with the API's code for bad input."""
-    return ToolError(json.dumps({"code": "INVALID_INPUT", "message": str(exc)}))
+    """Arguments the client refuses before any call, with the API's code for bad input, naming the
+    tool's argument (`duration`, not the CLI's `--for`) in the message and as details.field."""
+    message = str(exc)
+    option = message.split(" ", 1)[0]
+    error: dict[str, Any] = {"code": "INVALID_INPUT", "message": message}
+    if option in TOOL_ARGUMENTS:
+        error["message"] = TOOL_ARGUMENTS[option] + message[len(option):]
+        error["details"] = {"field": TOOL_ARGUMENTS[option]}
+    return ToolError(json.dumps(error))
 
 
 def confirmation_required(key: str, details: dict[str, str]) -> dict[str, Any]:

