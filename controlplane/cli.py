@@ -7,7 +7,7 @@ import dataclasses
 import asyncio
 import sys
 
-from controlplane.config import Settings
+from controlplane.config import Settings, check_listen
 
 
 def _conninfo(settings: Settings) -> str:
@@ -29,6 +29,9 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     try:  # a malformed BC_* variable is a usage error naming it (exit 2), before anything starts
         settings = Settings()
+        listen = check_listen("--listen" if args.listen else "BC_LISTEN", args.listen or settings.listen)
+        check_listen("--metrics-listen" if args.metrics_listen else "BC_METRICS_LISTEN",
+                     args.metrics_listen or settings.metrics_listen)
     except ValueError as exc:
         parser.error(str(exc))
     if args.metrics_listen is not None:
@@ -44,7 +47,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     from controlplane.app import run_forever
 
-    asyncio.run(run_forever(settings, conninfo, listen=args.listen or settings.listen))
+    asyncio.run(run_forever(settings, conninfo, listen=listen))
     return 0
 
 

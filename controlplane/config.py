@@ -37,6 +37,15 @@ def _networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
         raise ValueError(f"{name} must list CIDR networks: {exc}") from None
 
 
+def check_listen(option: str, address: str) -> str:
+    """`address` (host:port) unless its port is a number beyond 65535, which gRPC would bind modulo
+    65536 (127.0.0.1:99999 served on 34463); ValueError naming `option` otherwise."""
+    port = address.rpartition(":")[2]
+    if port.isascii() and port.isdigit() and int(port) > 65535:
+        raise ValueError(f"{option} {address}: the port must be 0 (a free one) to 65535")
+    return address
+
+
 def data_dir_from_env() -> str:
     """BC_DATA_DIR alone: what the client reads, so a malformed server variable never breaks it."""
     return os.environ.get("BC_DATA_DIR", ".dev")

@@ -19,13 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from controlplane import db
-    from controlplane.config import Settings
+    from controlplane.config import Settings, check_listen
     from controlplane.logs import configure_logging
     from gateway.config import GatewaySettings
     from gateway.server import run_forever
 
     try:  # a malformed BC_* variable is a usage error naming it (exit 2), before anything starts
         common, settings = Settings(), GatewaySettings()
+        listen = check_listen("--listen" if args.listen else "BC_GATEWAY_LISTEN", args.listen or settings.listen)
+        enrol_listen = check_listen("--enrol-listen" if args.enrol_listen else "BC_GATEWAY_ENROL_LISTEN",
+                                    args.enrol_listen or settings.enrol_listen)
+        check_listen("--metrics-listen" if args.metrics_listen else "BC_GATEWAY_METRICS_LISTEN",
+                     args.metrics_listen or settings.metrics_listen)
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(common.log_format)
@@ -33,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     db.migrate(conninfo)
     if args.metrics_listen is not None:
         settings = dataclasses.replace(settings, metrics_listen=args.metrics_listen)
-    asyncio.run(run_forever(settings, conninfo, args.listen or settings.listen,
-                            args.enrol_listen or settings.enrol_listen, args.write_ca))
+    asyncio.run(run_forever(settings, conninfo, listen, enrol_listen, args.write_ca))
     return 0
 
 

