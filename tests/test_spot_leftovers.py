@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
-from tests.support import World, clock_now, get
+from tests.support import World, clock_now, eventually, get
 from tests.test_capacity_preview import preview
-from tests.test_hostile_spot import NOTICE_S, events_of, mk, node, spot_world
+from tests.test_hostile_spot import NOTICE_S, advance, events_of, mk, node, spot_world
 
 HOUR = 3_600_000
 
@@ -81,4 +82,72 @@ def test_earliest_start_takes_spot_work_that_has_not_begun(bare: World) -> None:
     assert r.state == "placed" and before + NOTICE_S * 1000 <= r.during.start < before + HOUR
     taken = get(w, spot.id)
     assert taken.state == "pending" and any(c.reason == "Preempted" for c in taken.conditions)
+    check_invariants(w.conninfo, w.tenant)
+
+
+# -- A victim whose binding fails during its notice --------------------------------------------
+
+
+LONG_NOTICE_S = 600  # longer than the bind timeout (5 min): the victim's binding fails within it
+
+
+@pytest.fixture
+def clocked_long(clock_stack) -> Iterator[World]:
+    """A pool of its own control plane whose clock the test moves, with a notice of 10 minutes."""
+    server, root = clock_stack
+    w = spot_world(server, root, notice_s=LONG_NOTICE_S)
+    yield w
+    w.close()
+
+
+def preempted_spot(w: World) -> tuple[pb.Reservation, int]:
+    """Spot work on the pool's one node, preempted by a regular reservation: (the spot, its cut).
+    No node daemon reports a binding here, so the spot's binding times out within the notice."""
+    node(w)
+    spot = mk(w, count=8, spot=True, duration="8h")
+    preemptor = mk(w, count=8, duration="1h")
+    cut = get(w, spot.id).during.end
+    assert preemptor.state == "placed" and preemptor.during.start == cut
+    return spot, cut
+
+
+def notice_of(r: pb.Reservation) -> pb.Condition | None:
+    return next((c for c in r.conditions if c.type == "Preempting"), None)
+
+
+def test_a_victim_placed_again_after_its_binding_failed_keeps_its_notice(clocked_long: World) -> None:
+    """Binding failed for a spot reservation under notice, and it was placed again on another node:
+    it used to lose its Preempting condition and end at the cut as expired. It keeps the notice
+    and its cut, and ends there preempted."""
+    w = clocked_long
+    spot, cut = preempted_spot(w)
+    other = node(w)
+    advance(w, 6 * 60_000)  # past the spot's bind deadline, within its notice
+    again = eventually(w, spot.id, lambda r: any(a.node_id == other for a in r.allocations), seconds=30)
+    assert again.state in ("placed", "binding") and again.during.end == cut == booked_end(w, spot.id)
+    held = notice_of(again)
+    assert held is not None and held.reason == "Preempted"
+    advance(w, cut - clock_now(w) + 1_000)  # past the cut, before the second bind deadline
+    ended = eventually(w, spot.id, lambda r: r.state == "released", seconds=30)
+    assert ended.during.end == cut
+    assert [e["reason"] for e in events_of(w, spot.id, "reservation.released")] == ["preempted"]
+    (preempted,) = events_of(w, spot.id, "reservation.preempted")
+    assert preempted["noticeUntil"] == cut
+    check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_victim_with_nowhere_to_go_after_its_binding_failed_ends_preempted(clocked_long: World) -> None:
+    """Binding failed for a spot reservation under notice and no node has room for the rest of
+    it: it used to go pending without its notice, to be placed later for its whole length (the
+    time its preemptor took). It ends at once, preempted, its quota refunded."""
+    w = clocked_long
+    spot, cut = preempted_spot(w)
+    advance(w, 6 * 60_000)  # past the spot's bind deadline, within its notice
+    ended = eventually(w, spot.id, lambda r: r.state not in ("placed", "binding"), seconds=30)
+    assert ended.state == "released", ended
+    assert ended.during.end < cut and not booked_end(w, spot.id) > ended.during.end
+    assert [e["reason"] for e in events_of(w, spot.id, "reservation.released")] == ["preempted"]
+    (preempted,) = events_of(w, spot.id, "reservation.preempted")
+    assert preempted["noticeUntil"] == cut
+    assert not w.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL", (spot.id,))[0][0]
     check_invariants(w.conninfo, w.tenant)
