@@ -6,6 +6,7 @@ the notice; a create that waited for the pool lock still gets its whole lease.""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -13,7 +14,8 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
 from tests.support import World, clock_now, eventually, get
 from tests.test_capacity_preview import preview
-from tests.test_hostile_spot import NOTICE_S, advance, events_of, mk, node, spot_world
+from tests.test_hostile_spot import (NOTICE_S, advance, events_of, mk, node, pool_locked, spot_world,
+                                     waiting_for_a_lock)
 
 HOUR = 3_600_000
 
@@ -150,4 +152,49 @@ def test_a_victim_with_nowhere_to_go_after_its_binding_failed_ends_preempted(clo
     (preempted,) = events_of(w, spot.id, "reservation.preempted")
     assert preempted["noticeUntil"] == cut
     assert not w.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL", (spot.id,))[0][0]
+    check_invariants(w.conninfo, w.tenant)
+
+
+# -- The lease of a create that waited for the pool lock ----------------------------------------
+
+
+LEASE_S = 600
+
+
+@pytest.fixture
+def clocked(clock_stack) -> Iterator[World]:
+    """A pool of its own control plane whose clock the test moves (the default test notice)."""
+    server, root = clock_stack
+    w = spot_world(server, root)
+    yield w
+    w.close()
+
+
+def placed_after_waiting(w: World) -> tuple[pb.Reservation, int]:
+    """A create with a lease whose transaction 2 waited for the pool lock while the clock moved on
+    two minutes: (the reservation, the clock when the lock was let go, before its placement)."""
+    with ThreadPoolExecutor(1) as pool, pool_locked(w):
+        pending = pool.submit(w.create, count=8, duration="1h", lease_seconds=LEASE_S)
+        waiting_for_a_lock(w)
+        advance(w, 120_000)
+        placed_from = clock_now(w)
+    r = pending.result(timeout=30)
+    assert r.state == "placed"
+    return r, placed_from
+
+
+@pytest.mark.parametrize("over_spot", [False, True], ids=["inline", "preemptor"])
+def test_a_create_that_waited_for_the_pool_lock_gets_its_whole_lease(clocked: World, over_spot: bool) -> None:
+    """The lease runs out leaseSeconds after placement: a create (the common one-statement create,
+    or one that preempts spot work) whose placement waited for the pool lock used to count it from
+    its first transaction's clock, so its lease was short by the wait. Its reconciler wake-up is at
+    the deadline."""
+    w = clocked
+    node(w)
+    if over_spot:
+        mk(w, count=8, spot=True, duration="8h")
+    r, placed_from = placed_after_waiting(w)
+    assert r.lease_deadline >= placed_from + LEASE_S * 1000, (r.lease_deadline - placed_from)
+    assert w.sql("SELECT count(*) FROM work_items WHERE subject = %s AND epoch_ms(run_at) = %s",
+                 (r.id, r.lease_deadline))[0][0] == 1
     check_invariants(w.conninfo, w.tenant)
