@@ -170,11 +170,11 @@ def clocked(clock_stack) -> Iterator[World]:
     w.close()
 
 
-def placed_after_waiting(w: World) -> tuple[pb.Reservation, int]:
+def placed_after_waiting(w: World, **kw) -> tuple[pb.Reservation, int]:
     """A create with a lease whose transaction 2 waited for the pool lock while the clock moved on
     two minutes: (the reservation, the clock when the lock was let go, before its placement)."""
     with ThreadPoolExecutor(1) as pool, pool_locked(w):
-        pending = pool.submit(w.create, count=8, duration="1h", lease_seconds=LEASE_S)
+        pending = pool.submit(w.create, count=8, duration="1h", lease_seconds=LEASE_S, **kw)
         waiting_for_a_lock(w)
         advance(w, 120_000)
         placed_from = clock_now(w)
@@ -183,17 +183,19 @@ def placed_after_waiting(w: World) -> tuple[pb.Reservation, int]:
     return r, placed_from
 
 
-@pytest.mark.parametrize("over_spot", [False, True], ids=["inline", "preemptor"])
-def test_a_create_that_waited_for_the_pool_lock_gets_its_whole_lease(clocked: World, over_spot: bool) -> None:
+@pytest.mark.parametrize("how", ["inline", "preemptor", "gang"])
+def test_a_create_that_waited_for_the_pool_lock_gets_its_whole_lease(clocked: World, how: str) -> None:
     """The lease runs out leaseSeconds after placement: a create (the common one-statement create,
-    or one that preempts spot work) whose placement waited for the pool lock used to count it from
-    its first transaction's clock, so its lease was short by the wait. Its reconciler wake-up is at
-    the deadline."""
+    one that preempts spot work, a gang) whose placement waited for the pool lock used to count it
+    from its first transaction's clock, so its lease was short by the wait. Its reconciler wake-up
+    is at the deadline."""
     w = clocked
     node(w)
-    if over_spot:
+    if how == "preemptor":
         mk(w, count=8, spot=True, duration="8h")
-    r, placed_from = placed_after_waiting(w)
+    if how == "gang":
+        node(w)
+    r, placed_from = placed_after_waiting(w, **({"gang": pb.Gang(size=2)} if how == "gang" else {}))
     assert r.lease_deadline >= placed_from + LEASE_S * 1000, (r.lease_deadline - placed_from)
     assert w.sql("SELECT count(*) FROM work_items WHERE subject = %s AND epoch_ms(run_at) = %s",
                  (r.id, r.lease_deadline))[0][0] == 1

@@ -274,8 +274,8 @@ async def place_locked(
     lease_deadline = lease_deadline_of(row, lease_from)
     return await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
-        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
-        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
+        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,  # counted again under the lock
+        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),  # the deadline's wake-up: its own
         event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,
     )
 
