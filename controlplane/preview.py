@@ -1,7 +1,9 @@
 """capacity.preview: where a create would place now, or the earliest start it fits, booking
 nothing. The request is validated and resolved as create does (controlplane.reservations.admission
 .resolve_request: the pool, its checks, the host resources it books) and planned by the code that
-plans a create (placing.plan_for), so a preview that fits is a create that fits at that moment."""
+plans a create (placing.plan_for), so a preview that fits is a create that fits at that moment; a
+regular request that fits nowhere is planned as create then plans it, taking spot work from the end
+of the pool's notice (placement.preempt.plan), and answers that window."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ from controlplane import authorize, db
 from controlplane.auth import Caller
 from controlplane.metal import is_node_lease
 from controlplane.metal import placement as whole_machines
-from controlplane.placement import filters, gang, placer
+from controlplane.placement import filters, gang, placer, preempt
 from controlplane.placement.index import PoolIndex
 from controlplane.placement.index_sync import read_pool
-from controlplane.reservations import admission, earliest, placing
+from controlplane.reservations import admission, earliest, placing, preemption
 from controlplane.reservations.validate import DAY_MS, TimeLimits, check_start, validate_create
 from controlplane.runtime import Runtime
 
@@ -66,15 +68,14 @@ async def _plan(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[
                    for m in machines.nodes]
     else:
         planned = await placing.plan_for(conn, rt, row, ask)
-        if isinstance(planned, gang.GangPlanned):
-            if planned.plan is not None:
-                out["group"] = planned.plan.group
-                members = [{"node_id": m.node_id, "atom_ids": list(m.atom_ids),
-                            "device_ids": [planned.plan.uuids[a] for a in m.atom_ids]} for m in planned.plan.members]
-            reason = planned.reason
-        elif isinstance(planned, placer.Planned) and planned.plan is not None:
-            members = [{"node_id": planned.plan.node_id, "atom_ids": list(planned.plan.atom_ids),
-                        "device_ids": [planned.uuids[a] for a in planned.plan.atom_ids]}]
+        members, out["group"], reason = _members(planned)
+        if not members and not preemption.is_spot(request):  # what create does next: take spot work
+            policy = (await (await conn.execute(preemption.POOL_POLICY, {"pool_id": pool_id})).fetchone())["policy"]
+            choice = await preempt.plan(conn, ask, gang.Gang.of(request), rt.settings, now_ms=now_ms,
+                                        notice=preempt.notice_ms(policy))
+            if choice is not None:
+                members, out["group"], _ = _members(choice.planned)
+                out.update(start=choice.ask.start_ms, end=choice.ask.end_ms)
     if members and not horizon_note:
         names = {r["id"]: r["name"] for r in await (await conn.execute(
             _NODE_NAMES, {"ids": [m["node_id"] for m in members]})).fetchall()}
@@ -86,6 +87,20 @@ async def _plan(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[
         members_of = gang.Gang.of(request)
         out["filters"] = [f.__dict__ for f in filters.funnel(index, ask.window(), members_of.key if members_of else "")]
     return out
+
+
+def _members(planned: placer.Planned | gang.GangPlanned) -> tuple[list[dict[str, Any]], str, str]:
+    """A plan's members (node, atoms, devices), its gang's group and why nothing fits."""
+    if isinstance(planned, gang.GangPlanned):
+        if planned.plan is None:
+            return [], "", planned.reason
+        return ([{"node_id": m.node_id, "atom_ids": list(m.atom_ids),
+                  "device_ids": [planned.plan.uuids[a] for a in m.atom_ids]} for m in planned.plan.members],
+                planned.plan.group, planned.reason)
+    if planned.plan is None:
+        return [], "", ""
+    return ([{"node_id": planned.plan.node_id, "atom_ids": list(planned.plan.atom_ids),
+              "device_ids": [planned.uuids[a] for a in planned.plan.atom_ids]}], "", "")
 
 
 async def _pool(conn: AsyncConnection, rt: Runtime, pool_id: str) -> PoolIndex:

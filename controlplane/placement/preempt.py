@@ -31,6 +31,7 @@ reservations package's (controlplane.reservations.preemption).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections import defaultdict
@@ -124,17 +125,9 @@ async def plan(
 ) -> Choice | None:
     """The cheapest preemption for `ask` (the pool lock must be held), or None."""
     moved = shifted(ask, now_ms, notice)
-    window_params = {"pool_id": ask.pool_id, "cut": moved.start_ms, "end": moved.end_ms}
-    rows = await (await conn.execute(SPOT_BOOKINGS, window_params)).fetchall()
-    if not rows:
+    held = await read_held(conn, ask.pool_id, moved.start_ms, moved.end_ms)
+    if not held:
         return None
-    held: dict[str, dict[str, Held]] = defaultdict(lambda: defaultdict(Held))  # node -> reservation -> held
-    for r in rows:
-        held[r["node_id"]][r["reservation_id"]].atoms[r["atom_id"]].add((r["start_ms"], r["end_ms"]))
-    ids = sorted({r["reservation_id"] for r in rows})
-    for r in await (await conn.execute(SPOT_HOST_BOOKINGS, {**window_params, "ids": ids})).fetchall():
-        held[r["node_id"]][r["reservation_id"]].host[r["resource"]].append(
-            (r["start_ms"], r["end_ms"], float(r["amount"])))
     pool = await read_pool(conn, ask.pool_id)
     window = moved.window()
     limit = settings.preempt_max_sets_per_node
@@ -150,6 +143,36 @@ async def plan(
         return None
     victims, gang_plan = found_gang
     return Choice(moved, victims, gangs.GangPlanned(gang_plan))
+
+
+async def read_held(conn: AsyncConnection, pool_id: str, cut: int, end: int) -> dict[str, dict[str, Held]]:
+    """What each live spot reservation holds on each node within [cut, end): node -> reservation
+    -> its bookings (whole intervals, as booked) there."""
+    window_params = {"pool_id": pool_id, "cut": cut, "end": end}
+    rows = await (await conn.execute(SPOT_BOOKINGS, window_params)).fetchall()
+    held: dict[str, dict[str, Held]] = defaultdict(lambda: defaultdict(Held))  # node -> reservation -> held
+    if not rows:
+        return held
+    for r in rows:
+        held[r["node_id"]][r["reservation_id"]].atoms[r["atom_id"]].add((r["start_ms"], r["end_ms"]))
+    ids = sorted({r["reservation_id"] for r in rows})
+    for r in await (await conn.execute(SPOT_HOST_BOOKINGS, {**window_params, "ids": ids})).fetchall():
+        held[r["node_id"]][r["reservation_id"]].host[r["resource"]].append(
+            (r["start_ms"], r["end_ms"], float(r["amount"])))
+    return held
+
+
+def without_spot(pool: PoolIndex, held: dict[str, dict[str, Held]]) -> PoolIndex:
+    """The pool as a regular request sees it from the cut on, when every spot holding in `held` may
+    be preempted (earliest fit): those nodes without them. A shallow view: only `nodes` differs,
+    so `touched` still names the nodes that held spot work, which only has them checked exactly."""
+    view = copy.copy(pool)
+    view.nodes = {**pool.nodes}
+    for node_id, by_victim in held.items():
+        node = pool.nodes.get(node_id)
+        if node is not None:
+            view.nodes[node_id] = without(node, list(by_victim.values()))
+    return view
 
 
 def without(node: Node, gone: list[Held]) -> Node:

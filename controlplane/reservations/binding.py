@@ -2,7 +2,8 @@
 
 Failure handling (spec "Bindings"): no report within 5 minutes, or an AllocationFailed report:
 the bookings are released and the reservation is placed again, at most twice; the third failure
-fails it.
+fails it. A spot reservation under a preemption notice is placed again only to its cut, keeping its
+notice, or ends at once as preempted when nothing fits (docs/decisions.md, "Spot and preemption").
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from psycopg import AsyncConnection
 from controlplane import events
 from controlplane.nodes import desired
 from controlplane.placement import gang
-from controlplane.reservations import placing, queries, reports, schedule, states
-from controlplane.reservations.lifecycle import end_bookings, free_capacity
+from controlplane.reservations import placing, preemption, queries, reports, schedule, states
+from controlplane.reservations.lifecycle import WINDOW_ENDED, end_bookings, end_over, free_capacity
 from controlplane.reservations.transitions import condition, move, set_conditions
 from controlplane.runtime import Runtime
 
@@ -88,11 +89,19 @@ async def bind_failed(
     failed_before = await (await conn.execute(queries.FAILED_NODES, {"id": row["id"]})).fetchall()
     avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
     replaced = await placing.place_again_any(conn, rt, row, window, avoid, now_ms)
+    # A spot reservation under notice is placed again for what is left of it, to the cut, and
+    # keeps its notice (ending preempted); with no room for that it ends now, preempted: pending,
+    # it would be placed again later for its whole length, which its preemptor took.
+    notice = preemption.notice_of(row)
     if not replaced.node_ids:
+        if notice is not None:
+            await end_over(conn, row, WINDOW_ENDED)
+            return
         message = f"binding failed on {', '.join(nodes)} ({reason}); " + replaced.reason
         await placing.go_pending(conn, row, "BindingFailed", message, now_ms)
         return
-    await move(conn, row, states.PLACED, operation_state="succeeded", conditions=[], window=window)
+    await move(conn, row, states.PLACED, operation_state="succeeded", conditions=[notice] if notice else [],
+               window=window)
     await events.emit_reservation(conn, row, "reservation.placed", nodeIds=replaced.node_ids,
                                   start=window[0], end=window[1], reason=reason)
     await schedule.at(conn, row["id"], now_ms)  # binds again at once

@@ -2,7 +2,8 @@
 request's horizon at which the whole request fits, found on the capacity index
 (controlplane.placement.earliest). When the shared index finds none (its pool not built yet, or a
 change it has not heard of), the pool is read from rows in this transaction and searched again, so
-"nothing fits" is PostgreSQL's word."""
+"nothing fits" is PostgreSQL's word. A regular request counts live spot work as free from the end
+of the pool's notice, as its create would preempt it (`past_spot`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import structlog
 from psycopg import AsyncConnection
 
 from controlplane.placement import earliest as search_on
-from controlplane.placement import gang
+from controlplane.placement import gang, preempt
+from controlplane.placement.index import PoolIndex, Window
 from controlplane.placement.index_sync import read_pool
-from controlplane.reservations import placing
+from controlplane.reservations import placing, preemption
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -34,22 +36,51 @@ async def caught_up(rt: Runtime) -> None:
 
 async def find(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[str, Any], now_ms: int) -> int | None:
     """The earliest start of the request (its `horizonMs` from now), or None when none fits, or
-    when the search spent its budget of node checks (Settings.earliest_max_checks)."""
+    when the search spent its budget of node checks (Settings.earliest_max_checks). A regular
+    request may take spot bookings from the end of the pool's notice, as its create would
+    (`past_spot`)."""
     window = placing.ask_for({"pool_id": pool_id, "request": {**request, "start": None}}, now_ms).window()
     members = gang.Gang.of(request)
     until = now_ms + request["horizonMs"]
     cap = rt.settings.earliest_max_checks
     try:
         pool = rt.capacity.pool(pool_id) if rt.capacity is not None else None
+        found = None
         if pool is not None:
             found = search_on.search(pool, window, now=now_ms, until=until, gang=members, max_checks=cap)
-            if found is not None:
-                return found
-        return search_on.search(await read_pool(conn, pool_id), window, now=now_ms, until=until, gang=members,
-                                max_checks=cap)
+        if found is None:
+            pool = await read_pool(conn, pool_id)
+            found = search_on.search(pool, window, now=now_ms, until=until, gang=members, max_checks=cap)
+        if preemption.is_spot(request) or (found is not None and found <= now_ms):
+            return found
+        return await past_spot(conn, rt, pool, window, members, now_ms, min(found or until, until), found)
     except search_on.BudgetSpent:
         log.warning("earliest-fit search stopped at its budget of node checks", pool_id=pool_id, checks=cap)
         return None
+
+
+async def past_spot(
+    conn: AsyncConnection, rt: Runtime, pool: PoolIndex, window: Window, members: gang.Gang | None, now_ms: int,
+    until: int, found: int | None,
+) -> int | None:
+    """A regular request that fits only at `found` (or nowhere) may start earlier by taking spot
+    bookings: never before the end of the pool's notice (the cut: a create that preempts is placed
+    from there), and from there as if the live spot work were gone, since its create would preempt
+    it (a start at the cut, or later and overlapping it, as a calendar reservation takes the part it
+    overlaps). `found` when that is no earlier."""
+    policy = (await (await conn.execute(preemption.POOL_POLICY, {"pool_id": pool.pool_id})).fetchone())["policy"]
+    cut = now_ms + preempt.notice_ms(policy)
+    if found is not None and found <= cut:
+        return found
+    held = await preempt.read_held(conn, pool.pool_id, cut, until + window.end_ms - window.start_ms)
+    if not held:
+        return found
+    try:
+        earlier = search_on.search(preempt.without_spot(pool, held), window, now=cut, until=until, gang=members,
+                                   max_checks=rt.settings.earliest_max_checks)
+    except search_on.BudgetSpent:
+        return found
+    return earlier if earlier is not None else found
 
 
 async def choose_start(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], now_ms: int) -> dict[str, Any]:

@@ -167,7 +167,8 @@ def limits_label(request: dict[str, Any]) -> dict[str, dict[str, str]]:
 
 
 def lease_deadline_of(row: dict[str, Any], now_ms: int) -> int | None:
-    """The lease deadline a placement at `now_ms` sets: `leaseSeconds` from then (None: no lease)."""
+    """The lease deadline a placement at `now_ms` sets: `leaseSeconds` from then (None: no lease).
+    place_inline (migration 0042) counts it from its own clock under the pool lock, this at least."""
     lease = row["request"].get("leaseSeconds")
     return now_ms + lease * 1000 if lease else None
 
@@ -206,7 +207,8 @@ async def place_at_once(
             **admitted, id=row["id"], version=row["version"],
             allocation_id=new_id("alloc"), node_id=chosen.node_id, atom_ids=list(chosen.atom_ids),
             device_ids=[planned.uuids[a] for a in chosen.atom_ids], lease_deadline=lease_deadline,
-            moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
+            # The deadline's wake-up is place_inline's: it counts the lease from under the lock.
+            moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),
             from_states=states.sources_of(states.PLACED),
             data=Jsonb(placed_data(row["pool_id"], [chosen.node_id], ask)),
         ))).fetchone()
@@ -250,10 +252,11 @@ async def place_locked(
         placement = await placer.commit(conn, ask, row["id"], planned, rt.settings, metrics=rt.metrics,
                                         index=rt.capacity)
         node_ids, why = ([placement.node_id] if placement else []), ""
+    lease_from = now_ms
     if not node_ids:  # a regular reservation may take spot bookings, from the end of a notice
         taken = await preemption.place(conn, rt, row, ask, now_ms)
-        if taken is not None:
-            ask, node_ids = taken.ask, taken.node_ids
+        if taken is not None:  # its lease counts from its placement, under the pool lock
+            ask, node_ids, lease_from = taken.ask, taken.node_ids, taken.now_ms
     if not node_ids:
         reason = why or await explain(conn, row, ask)
         if row["state"] == states.PENDING:
@@ -268,11 +271,11 @@ async def place_locked(
                    conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)
         await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
         return None
-    lease_deadline = lease_deadline_of(row, now_ms)
+    lease_deadline = lease_deadline_of(row, lease_from)
     return await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=[],
-        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,
-        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline),
+        window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,  # counted again under the lock
+        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),  # the deadline's wake-up: its own
         event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,
     )
 

@@ -91,6 +91,7 @@ class Preempted:
     ask: placer.Ask  # the preemptor's window: from the end of the notice
     node_ids: list[str]
     victims: list[str]
+    now_ms: int  # the clock under the pool lock: the placement's time (its lease counts from it)
 
 
 def is_spot(request: dict[str, Any]) -> bool:
@@ -123,7 +124,7 @@ async def place(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: pl
             await take_whole(conn, victim, by, now_ms)
         else:
             await notify(conn, victim, by, choice.cut_ms, now_ms, preemptor=row["id"])
-    return Preempted(choice.ask, node_ids, [v["id"] for v in victims])
+    return Preempted(choice.ask, node_ids, [v["id"] for v in victims], now_ms)
 
 
 async def take_whole(conn: AsyncConnection, victim: dict[str, Any], by: str, now_ms: int) -> None:

@@ -119,14 +119,19 @@ SET state = %(state)s,
     during = CASE WHEN %(start)s::bigint IS NULL THEN during
                   ELSE tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)') END,
     lease_deadline = CASE WHEN %(lease_deadline)s::bigint IS NULL THEN lease_deadline
-                          ELSE from_epoch_ms(%(lease_deadline)s) END,
+                          ELSE {lease} END,
     end_reason = coalesce(%(end_reason)s, end_reason),
     attempts = attempts + %(attempt)s,
     version = version + 1,
     updated_at = clock_timestamp()
 WHERE id = %(id)s AND state = ANY(%(from_states)s)
 """
-TRANSITION = f"UPDATE reservations {_TRANSITION_BODY.strip()}\nRETURNING id"
+TRANSITION = f"UPDATE reservations {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()}\nRETURNING id"
+# A placement's lease runs leaseSeconds from the clock read here, under the pool lock: the
+# caller's deadline (from transaction 1's clock, short by any wait for that lock) is a floor.
+_PLACED_LEASE = """greatest(from_epoch_ms(%(lease_deadline)s),
+                                   clock_timestamp() + (SELECT offset_ms FROM clock) * interval '1 millisecond'
+                                   + (r.request->>'leaseSeconds')::bigint * interval '1 second')"""
 
 # A reservation's allocations as JSON objects of ALLOCATIONS' columns; `{ref}` names its id.
 ALLOCATIONS_JSON = """
@@ -139,13 +144,17 @@ coalesce((SELECT jsonb_agg(jsonb_build_object('id', a.id, 'node_id', a.node_id, 
 # TRANSITION, the wake-ups of schedule.at and the event of events.emit in one statement, for the
 # locked part of a placement: nothing is scheduled or emitted unless the row moved. Its row is the
 # reservation as moved, with its allocations (those this transaction inserted included), as
-# VIEW_BY_ID reads it; no row: the state table forbids the move, and the caller raises.
+# VIEW_BY_ID reads it; no row: the state table forbids the move, and the caller raises. The lease
+# deadline is counted here (_PLACED_LEASE) and woken at besides `moments`.
 TRANSITION_WAKE_EMIT = f"""
-WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.strip()} RETURNING {COLUMNS}),
+WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease=_PLACED_LEASE).strip()} RETURNING {COLUMNS}),
 woken AS (
     SELECT schedule_work('reservation', moved.id, due)
-    FROM moved, (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
-                 FROM unnest(%(moments)s::bigint[]) AS m) moments
+    FROM moved, LATERAL (
+        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
+        FROM unnest(%(moments)s::bigint[]
+                    || CASE WHEN %(lease_deadline)s::bigint IS NULL THEN NULL ELSE moved.lease_deadline_ms END) AS m
+        WHERE m IS NOT NULL) moments
 ),
 emitted AS (
     INSERT INTO events (tenant_id, type, subject, data)
