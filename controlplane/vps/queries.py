@@ -242,6 +242,34 @@ WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_
   AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
 ORDER BY created_at, id LIMIT %(limit)s FOR UPDATE
 """
+# The tenant's instances on the reservation that ran at the reservation rate at `at_ms` (a
+# reserved segment spans it) though they run so no longer (stopped, deleted, or started again
+# since), each with that segment: a grant starting at `at_ms` takes them in as well, from then,
+# or its slot-hours and their reservation rate would bill the same minutes.
+RESERVED_AT = f"""
+SELECT {_INSTANCE_COLUMNS}, s.segment_id FROM instances
+CROSS JOIN LATERAL (
+    SELECT s.id AS segment_id FROM instance_segments s
+    WHERE s.instance_id = instances.id AND s.class = 'reserved'
+      AND s.started_at <= from_epoch_ms(%(at_ms)s) AND s.ended_at > from_epoch_ms(%(at_ms)s)) s
+WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_id = %(reservation_id)s
+  AND billing = 'standard' AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
+ORDER BY created_at, id FOR UPDATE OF instances
+"""
+# A closed reserved segment that spans `at_ms` ends there; from there to its end it is the grant's.
+SPLIT_INTO_GRANT = """
+WITH old AS (
+    SELECT * FROM instance_segments
+    WHERE id = %(segment_id)s AND started_at <= from_epoch_ms(%(at_ms)s) AND ended_at > from_epoch_ms(%(at_ms)s)
+), cut AS (
+    UPDATE instance_segments s SET ended_at = from_epoch_ms(%(at_ms)s) FROM old WHERE s.id = old.id
+    RETURNING s.id
+)
+INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at,
+                               ended_at)
+SELECT instance_id, tenant_id, 'grant', %(grant_id)s, pool_id, region, provider, from_epoch_ms(%(at_ms)s), ended_at
+FROM old
+"""
 OF_GRANT = f"""
 SELECT {_INSTANCE_COLUMNS} FROM instances WHERE grant_id = %(grant_id)s AND state <> 'deleted'
 ORDER BY created_at, id FOR UPDATE
