@@ -6,17 +6,26 @@ counted back or twice."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 
 import pytest
 
+import grpc
+
+from bettercompute.provider.v1 import provider_pb2 as ppb
+from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World
-from tests.vps_support import HOUR, MIN, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+from tests.vps_support import HOUR, MIN, Vps, sim, v, world_of  # noqa: F401 (fixtures)
+
+PROVIDER_SECONDS = 4  # how long a provider call is waited for, in this module
 
 
 @pytest.fixture
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
-    yield from own_stack(pg_uri)
+    """vps_support's own_stack, with time for a retry while a provider call is outstanding."""
+    yield from module_stack(pg_uri, clock_control=True, metering_seconds=0.2, metering_settle_seconds=0,
+                            provider_call_seconds=PROVIDER_SECONDS)
 
 
 @pytest.fixture
@@ -72,3 +81,41 @@ def test_instances_stopped_or_deleted_after_a_grant_started_but_before_it_was_ac
         gone = v.world.sql("SELECT epoch_ms(max(ended_at)) FROM instance_segments WHERE instance_id = %s",
                            (made.id,))[0][0]
         assert metered(v, "vm.grant.usage.hours", subject) == pytest.approx((gone - start) / HOUR, abs=1e-6)
+
+
+# --- 2. a create's retry answered while the first call gives up ------------------------------------
+
+def at_provider(v: Vps, name: str) -> str:
+    return v.sim.provider.GetInstance(ppb.InstanceRef(account=v.external, name=name)).state
+
+
+def test_a_retry_that_the_provider_answered_while_the_first_create_gave_up_keeps_its_instance(v: Vps) -> None:
+    """The provider stalls the first create past the control plane's deadline; the tenant retries
+    under the same key meanwhile, and the provider (no longer stalling) makes the instance: the
+    retry answers "running". The first call's give-up must not then delete that instance."""
+    v.sim.faults(stall_ms=(PROVIDER_SECONDS + 20) * 1000)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            began = time.monotonic()
+            first = pool.submit(lambda: v.instance(key="retried", name="vm-retried"))
+            until(lambda: v.world.sql("SELECT count(*) FROM instances WHERE tenant_id = %s",
+                                      (v.world.tenant,)) == [(1,)])  # the first call awaits the provider
+            v.sim.faults()
+            retry = v.instance(key="retried", name="vm-retried")
+            assert retry.state == "running" and at_provider(v, retry.id) == "running"
+            try:
+                answer = first.result(timeout=60)
+            except grpc.RpcError as exc:
+                answer = exc
+            # Staged as meant: the provider held the first create until the control plane gave up.
+            assert time.monotonic() - began >= PROVIDER_SECONDS
+    finally:
+        v.sim.faults()
+    assert v.instance_call("Get", retry.id).state == "running"
+    assert at_provider(v, retry.id) == "running"
+    # The first call answers the instance its retry made.
+    assert not isinstance(answer, grpc.RpcError), f"{answer.code()} {answer.details()}"
+    assert answer.id == retry.id and answer.state == "running"
+    v.scan()
+    assert at_provider(v, retry.id) == "running"
+    assert v.instance(key="retried", name="vm-retried").id == retry.id  # the key still answers it

@@ -191,11 +191,21 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
     %(name)s, 'running', %(grant_id)s, %(placement)s, %(billing)s, %(key)s, %(request_hash)s)
 RETURNING {_INSTANCE_COLUMNS}
 """
-DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
-# A create the provider did not answer: deleted, its key free for a retry to decide anew.
+# A create the provider refused, unless a retry under its key had the provider's answer since.
+DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s AND confirmed_at IS NULL RETURNING id"
+# A create the provider did not answer: deleted, its key free for a retry to decide anew; unless a
+# retry under its key had the provider's answer since (then it stands).
 GIVE_UP_INSTANCE = """
 UPDATE instances SET state = 'deleted', deleted_at = compute_now(), idempotency_key = 'given-up:' || id
-WHERE id = %(id)s
+WHERE id = %(id)s AND confirmed_at IS NULL
+RETURNING id
+"""
+# The provider answered the create: from now on it is never given up. Not once it was given up
+# (or deleted): then nothing is confirmed.
+CONFIRM_INSTANCE = f"""
+UPDATE instances SET confirmed_at = coalesce(confirmed_at, compute_now())
+WHERE id = %(id)s AND state <> 'deleted'
+RETURNING {_INSTANCE_COLUMNS}
 """
 # The rows of instances a provider account reports (the drift check's read).
 INSTANCE_STATES = "SELECT id, state FROM instances WHERE id = ANY(%(ids)s)"
