@@ -14,8 +14,9 @@ import pytest
 import grpc
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
+from bettercompute.v1 import providers_pb2 as vpb
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World
+from tests.support import Client, ServerThread, World, rpc_error
 from tests.vps_support import HOUR, MIN, Vps, sim, v, world_of  # noqa: F401 (fixtures)
 
 PROVIDER_SECONDS = 4  # how long a provider call is waited for, in this module
@@ -119,3 +120,22 @@ def test_a_retry_that_the_provider_answered_while_the_first_create_gave_up_keeps
     v.scan()
     assert at_provider(v, retry.id) == "running"
     assert v.instance(key="retried", name="vm-retried").id == retry.id  # the key still answers it
+
+
+# --- 3. an account deleted under its instances -------------------------------------------------------
+
+def test_an_account_with_instances_not_deleted_cannot_be_deleted(v: Vps) -> None:
+    """Deleting the account would leave its machines running at the provider, unbilled, and the
+    tenant unable to stop them: refused while any instance on it is not deleted (a stopped one
+    still holds a machine there)."""
+    running, stopped = v.instance(), v.instance()
+    v.instance_call("Stop", stopped.id)
+    delete = vpb.GetProviderAccountRequest(tenant_id="root", account_id=v.account_id)
+    for oldest, left in ((running, 2), (stopped, 1)):
+        with pytest.raises(grpc.RpcError) as refused:
+            v.root("accounts", "Delete", delete)
+        assert rpc_error(refused) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE", {
+            "accountId": v.account_id, "instanceId": oldest.id, "instances": str(left)})
+        assert at_provider(v, oldest.id) == ("running" if oldest is running else "stopped")
+        v.instance_call("Delete", oldest.id)
+    assert v.root("accounts", "Delete", delete).id == v.account_id

@@ -37,6 +37,13 @@ WHERE account_id = %(account_id)s
        OR (state = 'ended' AND coalesce(metered_until, starts_at) < ends_at))
 ORDER BY id
 """
+# The account's instances not deleted (running, or stopped and kept at the provider), oldest
+# first, and how many: an account that goes leaves them at the provider, unbilled and unmanaged.
+ACCOUNT_LIVE_INSTANCES = """
+SELECT id, count(*) OVER ()::int AS live FROM instances
+WHERE account_id = %(account_id)s AND state <> 'deleted'
+ORDER BY created_at, id LIMIT 1
+"""
 LIVE_GRANTS_ON = """
 SELECT id FROM reservation_grants
 WHERE account_id = %(account_id)s AND reservation_id = %(reservation_id)s AND state IN ('scheduled', 'active')
