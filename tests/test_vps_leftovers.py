@@ -6,6 +6,7 @@ counted back or twice."""
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 
@@ -15,8 +16,10 @@ import grpc
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.v1 import providers_pb2 as vpb
+from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, rpc_error
+from tests.promise_support import SigningNodes
+from tests.support import Client, ServerThread, World, eventually, rpc_error
 from tests.vps_support import HOUR, MIN, Vps, sim, v, world_of  # noqa: F401 (fixtures)
 
 PROVIDER_SECONDS = 4  # how long a provider call is waited for, in this module
@@ -139,3 +142,49 @@ def test_an_account_with_instances_not_deleted_cannot_be_deleted(v: Vps) -> None
         assert at_provider(v, oldest.id) == ("running" if oldest is running else "stopped")
         v.instance_call("Delete", oldest.id)
     assert v.root("accounts", "Delete", delete).id == v.account_id
+
+
+# --- 4. gpu.hours of a node lease whose machine changes ----------------------------------------------
+
+def join(v: Vps, rid: str, kind: str, parent: str | None, share: float) -> int:
+    """An atom that became bookable on the reservation's node, booked for it from now to the end of
+    its window, as a node lease takes it (migration 0033's join); the moment, in epoch ms."""
+    [(allocation, node, upper, model)] = v.world.sql(
+        "SELECT al.id, al.node_id, max(upper(b.during)), max(a.model) FROM allocations al"
+        " JOIN bookings b ON b.allocation_id = al.id JOIN atoms a ON a.id = b.atom_id"
+        " WHERE al.reservation_id = %s GROUP BY al.id, al.node_id", (rid,))
+    atom = f"atm_{uuid.uuid4().hex[:20]}"
+    v.world.sql("INSERT INTO atoms (id, node_id, kind, parent_id, device_uuid, model, gpu_equivalent, bookable)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, false)",
+                (atom, node, kind, parent, f"GPU-{uuid.uuid4()}", model, share))
+    return v.world.sql("INSERT INTO bookings (atom_id, allocation_id, during)"
+                       " VALUES (%s, %s, tstzrange(compute_now(), %s, '[)')) RETURNING epoch_ms(lower(during))",
+                       (atom, allocation, upper))[0][0]
+
+
+def test_gpu_hours_count_each_gpu_for_the_time_it_was_held_and_a_gpu_beside_its_mig_instances_once(
+        v: Vps) -> None:
+    """A node lease takes the GPUs its machine gains while leased, and the MIG instances of a GPU it
+    holds whole: a GPU that joined half an hour in is billed from then (not from the start of the
+    lease, nor of the hour), and the GPU's MIG instances add nothing beside it."""
+    v.world.add_node()
+    r = v.world.create(count=1, start=v.now() + 30 * MIN, duration="6h")
+    v.advance(31 * MIN)
+    eventually(v.world, r.id, lambda x: x.state == "binding")
+    SigningNodes(v.world).activate(r.id)
+    activated = v.world.sql("SELECT epoch_ms(time) FROM events WHERE subject = %s AND type = 'reservation.active'",
+                            (f"reservation/{r.id}",))[0][0]
+    [(gpu,)] = v.world.sql("SELECT b.atom_id FROM bookings b JOIN allocations al ON al.id = b.allocation_id"
+                           " WHERE al.reservation_id = %s", (r.id,))
+    v.advance(30 * MIN)
+    joined = join(v, r.id, "gpu", None, 1)
+    for _ in range(7):
+        join(v, r.id, "gpu.mig", gpu, 1 / 7)
+    v.advance(2 * HOUR)
+    ended = v.world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=v.world.tenant,
+                                                                      reservation_id=r.id)).during.end
+    v.advance(3 * HOUR)
+    until(lambda: progress(v, "gpu") >= ended + HOUR)
+    billed = v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE meter = 'gpu.hours'"
+                         " AND subject = %s", (f"reservation/{r.id}",))[0][0]
+    assert billed == pytest.approx(((ended - activated) + (ended - joined)) / HOUR, abs=1e-4)

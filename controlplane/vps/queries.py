@@ -399,6 +399,33 @@ ORDER BY hour, meter, subject
 LIMIT %(limit)s
 """
 
+# The GPU-hours one reservation held in [from, to) (a stretch of it, active, within one hour), from
+# its bookings: each physical GPU (a MIG instance or a slot is its parent GPU's) for the time any
+# of its atoms was booked, at 1 while the whole GPU was, else at the share booked (at most 1). So a
+# GPU that joined a node lease later counts from its booking, not from the stretch's start, and a
+# GPU booked whole beside its MIG instances counts once.
+GPU_HOURS_HELD = """
+WITH held AS (
+    SELECT DISTINCT a.id AS atom, coalesce(a.parent_id, a.id) AS gpu, a.parent_id IS NULL AS whole,
+           a.gpu_equivalent AS share, b.during * tstzrange(%(from)s, %(to)s) AS during
+    FROM bookings b
+    JOIN allocations al ON al.id = b.allocation_id
+    JOIN atoms a ON a.id = b.atom_id
+    WHERE al.reservation_id = %(id)s AND b.during && tstzrange(%(from)s, %(to)s)
+), points AS (
+    SELECT gpu, lower(during) AS at FROM held UNION SELECT gpu, upper(during) FROM held
+), pieces AS (
+    SELECT gpu, at AS since, lead(at) OVER (PARTITION BY gpu ORDER BY at) AS until FROM points
+)
+SELECT coalesce(sum(extract(epoch FROM p.until - p.since) / 3600 * w.share), 0)::float8 AS gpu_hours
+FROM pieces p
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN bool_or(h.whole) THEN 1 ELSE least(1, sum(h.share)) END AS share
+    FROM (SELECT DISTINCT atom, whole, share FROM held h
+          WHERE h.gpu = p.gpu AND h.during @> p.since) h
+) w
+WHERE p.until IS NOT NULL
+"""
 # gpu.hours of one reservation for one hour (from controlplane.reservations.usage's stretches).
 INSERT_USAGE = """
 INSERT INTO usage_records (tenant_id, meter, subject, hour, quantity, region, pool_id, provider)
