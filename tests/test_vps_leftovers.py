@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import grpc
+import psycopg
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.v1 import providers_pb2 as vpb
@@ -85,6 +86,36 @@ def test_instances_stopped_or_deleted_after_a_grant_started_but_before_it_was_ac
         gone = v.world.sql("SELECT epoch_ms(max(ended_at)) FROM instance_segments WHERE instance_id = %s",
                            (made.id,))[0][0]
         assert metered(v, "vm.grant.usage.hours", subject) == pytest.approx((gone - start) / HOUR, abs=1e-6)
+
+
+def test_instances_stopped_or_deleted_after_a_grant_ended_but_before_it_was_handled_are_billed_from_its_end(
+        v: Vps) -> None:
+    """A late worker: the grant's term ended, its instances were stopped and deleted after that but
+    before the worker ended the grant. Their minutes after the end are not the grant's (its
+    slot-hours stop at endsAt): they are billed at the reservation rate, not left unbilled."""
+    stopped, deleted = v.instance(), v.instance()
+    start = v.now()
+    g = v.grant(slots=2, starts_at=start, ends_at=start + HOUR)
+    until(lambda: v.get_grant(g.id).state == "active")
+    with psycopg.connect(v.world.conninfo) as holder:  # the worker skips the grant's end while held
+        assert holder.execute("SELECT id FROM work_items WHERE subject = %s AND run_at = from_epoch_ms(%s)"
+                              " FOR UPDATE", (g.id, start + HOUR)).fetchall()
+        v.advance(HOUR + 10 * MIN)
+        v.instance_call("Stop", stopped.id)
+        v.instance_call("Delete", deleted.id)
+        assert v.get_grant(g.id).state == "active"
+        holder.rollback()
+    until(lambda: v.get_grant(g.id).state == "ended")
+    v.advance(3 * HOUR)
+    until(lambda: progress(v, "vps.instances") >= start + 2 * HOUR)
+    for made in (stopped, deleted):
+        subject = f"instance/{made.id}"
+        gone = v.world.sql("SELECT epoch_ms(max(ended_at)) FROM instance_segments WHERE instance_id = %s",
+                           (made.id,))[0][0]
+        assert metered(v, "vm.grant.usage.hours", subject) == pytest.approx(
+            (start + HOUR - max(start, created_ms(v, made.id))) / HOUR, abs=1e-6)
+        assert metered(v, "vm.reserved.instance.hours", subject) == pytest.approx(
+            (gone - (start + HOUR) + max(0, start - created_ms(v, made.id))) / HOUR, abs=1e-6)
 
 
 # --- 2. a create's retry answered while the first call gives up ------------------------------------

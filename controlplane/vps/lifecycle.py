@@ -142,8 +142,8 @@ async def take_in(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> i
             free -= 1
             taken += 1
         if instance["id"] in segment:
-            await conn.execute(q.SPLIT_INTO_GRANT, {"segment_id": segment[instance["id"]], "at_ms": at_ms,
-                                                    "grant_id": grant["id"]})
+            await conn.execute(q.SPLIT_SEGMENT, {"segment_id": segment[instance["id"]], "at_ms": at_ms,
+                                                 "class": "grant", "grant_id": grant["id"]})
         if mine or instance["grant_id"] is not None or instance["placement"] != "reserved":
             continue
         if instance["state"] == "running":
@@ -171,6 +171,18 @@ async def hand_over(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) ->
             continue
         free[target["id"]] -= 1
         await move(conn, instance, "grant", target["id"], at_ms)
+    # Instances stopped or deleted after `at_ms` (a late worker): their minutes from then are no
+    # longer the grant's, so not paid by its slot-hours: a renewal's free slot's, else at the
+    # reservation rate.
+    since = await (await conn.execute(q.GRANT_SEGMENTS_AT, {"grant_id": grant["id"], "at_ms": at_ms})).fetchall()
+    for segment in since:
+        target = next((r for r in renewals if free[r["id"]] > 0 and r["project_id"] in (None, segment["project_id"])),
+                      None)
+        if target is not None:
+            free[target["id"]] -= 1
+        await conn.execute(q.SPLIT_SEGMENT, {"segment_id": segment["id"], "at_ms": at_ms,
+                                             "class": "reserved" if target is None else "grant",
+                                             "grant_id": None if target is None else target["id"]})
     now = await now_ms(conn)
     for renewal in renewals:
         if renewal["state"] == "scheduled" and renewal["starts_ms"] <= now:

@@ -273,8 +273,9 @@ WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_
   AND billing = 'standard' AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
 ORDER BY created_at, id FOR UPDATE OF instances
 """
-# A closed reserved segment that spans `at_ms` ends there; from there to its end it is the grant's.
-SPLIT_INTO_GRANT = """
+# A closed segment that spans `at_ms` ends there; from there to its end it is of `class` (in
+# grant `grant_id`, or none).
+SPLIT_SEGMENT = """
 WITH old AS (
     SELECT * FROM instance_segments
     WHERE id = %(segment_id)s AND started_at <= from_epoch_ms(%(at_ms)s) AND ended_at > from_epoch_ms(%(at_ms)s)
@@ -284,8 +285,16 @@ WITH old AS (
 )
 INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at,
                                ended_at)
-SELECT instance_id, tenant_id, 'grant', %(grant_id)s, pool_id, region, provider, from_epoch_ms(%(at_ms)s), ended_at
+SELECT instance_id, tenant_id, %(class)s, %(grant_id)s, pool_id, region, provider, from_epoch_ms(%(at_ms)s),
+       ended_at
 FROM old
+"""
+# The grant's closed segments that span `at_ms` (its end): instances stopped or deleted since.
+GRANT_SEGMENTS_AT = """
+SELECT s.id, i.project_id FROM instance_segments s JOIN instances i ON i.id = s.instance_id
+WHERE s.grant_id = %(grant_id)s AND s.class = 'grant'
+  AND s.started_at < from_epoch_ms(%(at_ms)s) AND s.ended_at > from_epoch_ms(%(at_ms)s)
+ORDER BY i.created_at, i.id
 """
 OF_GRANT = f"""
 SELECT {_INSTANCE_COLUMNS} FROM instances WHERE grant_id = %(grant_id)s AND state <> 'deleted'
