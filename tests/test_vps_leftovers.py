@@ -1,19 +1,19 @@
 """Leftovers of the hostile review of instances, grants and metering (spec 001): minutes billed
-twice when a grant takes in instances late, an instance a create's retry confirmed vanishing under
-the first call's give-up, an account deleted under running instances, and gpu.hours of node leases
-counted back or twice."""
+twice (or not at all) when a grant's start or end is applied late, an instance a create's retry
+confirmed vanishing under the first call's give-up, an account deleted under running instances,
+and gpu.hours of node leases counted back or twice. providersim is the only stand-in; the gpu.hours
+test stages a node lease's machine gaining atoms as rows (what migration 0033's join writes)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
-
-import pytest
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psycopg
+import pytest
 
 from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.v1 import providers_pb2 as vpb
