@@ -63,7 +63,9 @@ async def list_(rt: Runtime, caller: Caller, tenant_id: str) -> list[dict[str, A
 
 async def delete(rt: Runtime, caller: Caller, tenant_id: str, account_id: str) -> dict[str, Any]:
     """Refused (INVALID_STATE, grantIds) while a grant on the account is scheduled or active, or an
-    ended one is not metered to its end; otherwise its reservations and grants go with it."""
+    ended one is not metered to its end, and (INVALID_STATE, instanceId) while an instance on it is
+    not deleted (its machine would run at the provider unbilled); otherwise its reservations and
+    grants go with it."""
     await _checked(rt, caller, tenant_id, account_id)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
@@ -74,6 +76,10 @@ async def delete(rt: Runtime, caller: Caller, tenant_id: str, account_id: str) -
         if blocking:
             raise errors.InvalidState("the account has grants that are live or not yet metered to their end",
                                       accountId=account_id, grantIds=blocking)
+        live = await (await conn.execute(q.ACCOUNT_LIVE_INSTANCES, {"account_id": account_id})).fetchone()
+        if live is not None:
+            raise errors.InvalidState("the account has instances that are not deleted", accountId=account_id,
+                                      instanceId=live["id"], instances=live["live"])
         await conn.execute(q.DELETE_ACCOUNT, {"id": account_id})
         return row
 

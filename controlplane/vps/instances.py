@@ -130,25 +130,50 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
                                        reservation["region"] if reservation else "", row["reservation_id"])
     except ProviderFailure as exc:
         log.warning("provider refused an instance", instance_id=row["id"], kind=exc.kind, error=str(exc))
-        if new:  # its slot is freed again; a retry under the key decides anew
+        if new:  # its slot is freed again (a retry under the key decides anew), unless a retry made it
             if exc.kind == "unavailable":  # unanswered: the provider may have made it all the same
-                await _undo_at_provider(provider, account, row["id"])
                 # Its row stays, deleted and billed nothing, so a create still on its way that
-                # lands after this delete is known to the scan's drift check, which deletes it.
-                await db.run_in_transaction(rt.pool, lambda conn: _given_up(conn, row))
+                # lands after the delete below is known to the scan's drift check, which deletes it.
+                stands = await db.run_in_transaction(rt.pool, lambda conn: _given_up(conn, row))
+                if stands is None:
+                    await _undo_at_provider(provider, account, row["id"])
             else:
-                await db.run_in_transaction(rt.pool, lambda conn: conn.execute(q.DELETE_INSTANCE_ROW,
-                                                                               {"id": row["id"]}))
+                stands = await db.run_in_transaction(rt.pool, lambda conn: _refused(conn, row))
+            if stands is not None:  # a retry under its key had the provider's answer meanwhile
+                return stands
         raise errors.CapacityUnavailable("the provider did not create the instance", reason=f"provider-{exc.kind}",
                                          reservationId=row["reservation_id"]) from exc
-    return row
+    confirmed = await db.run_in_transaction(rt.pool, lambda conn: _confirmed(conn, row))
+    if confirmed is None:  # given up (or deleted) while the provider made it: it must not run
+        await _undo_at_provider(provider, account, row["id"])
+        raise errors.CapacityUnavailable("the create was given up while the provider made the instance; retry",
+                                         reason="provider-unavailable", reservationId=row["reservation_id"])
+    return confirmed
 
 
-async def _given_up(conn: AsyncConnection, made: dict[str, Any]) -> None:
-    """A create the provider did not answer: deleted, its segment billing nothing, its key freed."""
+async def _confirmed(conn: AsyncConnection, made: dict[str, Any]) -> dict[str, Any] | None:
+    """The provider answered the create: the row is confirmed (never given up from now on), or
+    None if it was given up or deleted first (its row's lock orders the two)."""
+    return await (await conn.execute(q.CONFIRM_INSTANCE, {"id": made["id"]})).fetchone()
+
+
+async def _given_up(conn: AsyncConnection, made: dict[str, Any]) -> dict[str, Any] | None:
+    """A create the provider did not answer: deleted, its segment billing nothing, its key freed;
+    None. If a retry under its key had the provider's answer first, it stands: its row."""
     await lifecycle.lock_reservation(conn, made["account_id"], made["reservation_id"])
-    await conn.execute(q.GIVE_UP_INSTANCE, {"id": made["id"]})
+    if await (await conn.execute(q.GIVE_UP_INSTANCE, {"id": made["id"]})).fetchone() is None:
+        return await (await conn.execute(q.INSTANCE, {"id": made["id"]})).fetchone()
     await conn.execute(q.CLOSE_SEGMENT, {"instance_id": made["id"], "at_ms": 0})
+    return None
+
+
+async def _refused(conn: AsyncConnection, made: dict[str, Any]) -> dict[str, Any] | None:
+    """A create the provider refused: its row goes (None), unless a retry under its key had the
+    provider's answer first (its row)."""
+    await lifecycle.lock_reservation(conn, made["account_id"], made["reservation_id"])
+    if await (await conn.execute(q.DELETE_INSTANCE_ROW, {"id": made["id"]})).fetchone() is None:
+        return await (await conn.execute(q.INSTANCE, {"id": made["id"]})).fetchone()
+    return None
 
 
 async def _undo_at_provider(provider: Provider, account: dict[str, Any], name: str) -> None:

@@ -122,17 +122,36 @@ async def open_segment(conn: AsyncConnection, instance: dict[str, Any], at_ms: i
 
 
 async def take_in(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> int:
-    """The tenant's instances running on the reservation outside any grant, oldest first, up to
-    the grant's free slots, from `at_ms`. Returns how many."""
+    """The tenant's instances that ran on the reservation outside any grant at `at_ms`, oldest
+    first, up to the grant's free slots, from `at_ms`: those running so now, and those stopped,
+    deleted or started again since (a start in the past, or a late worker), whose reservation-rate
+    minutes from `at_ms` are the grant's. Returns how many took a slot."""
     free = grant["slots"] - await used(conn, grant["id"])
-    if free <= 0:
-        return 0
-    found = await (await conn.execute(q.OUTSIDE_ANY_GRANT, {
-        "tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
-        "reservation_id": grant["reservation_id"], "project_id": grant["project_id"], "limit": free})).fetchall()
+    keys = {"tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
+            "reservation_id": grant["reservation_id"], "project_id": grant["project_id"], "at_ms": at_ms}
+    running = await (await conn.execute(q.OUTSIDE_ANY_GRANT, {**keys, "limit": max(free, 0)})).fetchall()
+    since = await (await conn.execute(q.RESERVED_AT, keys)).fetchall()
+    segment = {row["id"]: row["segment_id"] for row in since}
+    found = sorted({row["id"]: row for row in (*since, *running)}.values(), key=lambda r: (r["created_ms"], r["id"]))
+    taken = 0
     for instance in found:
-        await move(conn, instance, "grant", grant["id"], at_ms)
-    return len(found)
+        mine = instance["grant_id"] == grant["id"]  # started again since, into this grant by its time
+        if not mine:
+            if free <= 0:
+                continue
+            free -= 1
+            taken += 1
+        if instance["id"] in segment:
+            await conn.execute(q.SPLIT_SEGMENT, {"segment_id": segment[instance["id"]], "at_ms": at_ms,
+                                                 "class": "grant", "grant_id": grant["id"]})
+        if mine or instance["grant_id"] is not None or instance["placement"] != "reserved":
+            continue
+        if instance["state"] == "running":
+            await move(conn, instance, "grant", grant["id"], at_ms)
+        elif instance["state"] == "stopped":  # a grant's stopped instance keeps its slot
+            await conn.execute(q.SET_INSTANCE, {"id": instance["id"], "state": "stopped", "grant_id": grant["id"],
+                                                "placement": "grant"})
+    return taken
 
 
 async def hand_over(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> None:
@@ -152,6 +171,18 @@ async def hand_over(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) ->
             continue
         free[target["id"]] -= 1
         await move(conn, instance, "grant", target["id"], at_ms)
+    # Instances stopped or deleted after `at_ms` (a late worker): their minutes from then are no
+    # longer the grant's, so not paid by its slot-hours: a renewal's free slot's, else at the
+    # reservation rate.
+    since = await (await conn.execute(q.GRANT_SEGMENTS_AT, {"grant_id": grant["id"], "at_ms": at_ms})).fetchall()
+    for segment in since:
+        target = next((r for r in renewals if free[r["id"]] > 0 and r["project_id"] in (None, segment["project_id"])),
+                      None)
+        if target is not None:
+            free[target["id"]] -= 1
+        await conn.execute(q.SPLIT_SEGMENT, {"segment_id": segment["id"], "at_ms": at_ms,
+                                             "class": "reserved" if target is None else "grant",
+                                             "grant_id": None if target is None else target["id"]})
     now = await now_ms(conn)
     for renewal in renewals:
         if renewal["state"] == "scheduled" and renewal["starts_ms"] <= now:

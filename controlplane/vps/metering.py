@@ -12,7 +12,7 @@ twice. Two reconcilers:
   end that is due but not applied yet: applied late, it moves segments back to that moment;
 - gpu: gpu.hours for GPU reservations, from active until release, expiry or preemption (nothing
   before a calendar reservation's start, nothing while binding), read through
-  controlplane.reservations.usage.
+  controlplane.reservations.usage; within that, each GPU for the time it was booked, once.
 """
 
 from __future__ import annotations
@@ -93,8 +93,13 @@ async def meter_gpus(rt: Runtime) -> int:
     """One gpu.hours pass (from the last meterable hour when it first runs: no back-billing)."""
     async def hour(conn: AsyncConnection, at: datetime) -> None:
         for r in await reservation_usage.active_gpu_stretches(conn, at, at + HOUR):
-            seconds = (min(r["active_until"], at + HOUR) - max(r["active_from"], at)).total_seconds()
-            quantity = float(r["gpus"]) * seconds / 3600
+            # Each GPU for the time it was held within the stretch, once (not the stretch times
+            # every atom it ever booked: a node lease's GPUs join later, beside MIG instances).
+            since, until = max(r["active_from"], at), min(r["active_until"], at + HOUR)
+            if since >= until:  # its window overlaps the hour, but a lease deadline passed before
+                continue
+            held = await (await conn.execute(q.GPU_HOURS_HELD, {"id": r["id"], "from": since, "to": until})).fetchone()
+            quantity = held["gpu_hours"]
             if quantity > 0:
                 await conn.execute(q.INSERT_USAGE, {
                     "tenant_id": r["tenant_id"], "meter": "gpu.hours", "subject": f"reservation/{r['id']}",

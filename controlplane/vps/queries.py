@@ -37,6 +37,13 @@ WHERE account_id = %(account_id)s
        OR (state = 'ended' AND coalesce(metered_until, starts_at) < ends_at))
 ORDER BY id
 """
+# The account's instances not deleted (running, or stopped and kept at the provider), oldest
+# first, and how many: an account that goes leaves them at the provider, unbilled and unmanaged.
+ACCOUNT_LIVE_INSTANCES = """
+SELECT id, count(*) OVER ()::int AS live FROM instances
+WHERE account_id = %(account_id)s AND state <> 'deleted'
+ORDER BY created_at, id LIMIT 1
+"""
 LIVE_GRANTS_ON = """
 SELECT id FROM reservation_grants
 WHERE account_id = %(account_id)s AND reservation_id = %(reservation_id)s AND state IN ('scheduled', 'active')
@@ -191,11 +198,21 @@ VALUES (%(id)s, %(tenant_id)s, %(project_id)s, %(pool_id)s, %(account_id)s, %(re
     %(name)s, 'running', %(grant_id)s, %(placement)s, %(billing)s, %(key)s, %(request_hash)s)
 RETURNING {_INSTANCE_COLUMNS}
 """
-DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s"
-# A create the provider did not answer: deleted, its key free for a retry to decide anew.
+# A create the provider refused, unless a retry under its key had the provider's answer since.
+DELETE_INSTANCE_ROW = "DELETE FROM instances WHERE id = %(id)s AND confirmed_at IS NULL RETURNING id"
+# A create the provider did not answer: deleted, its key free for a retry to decide anew; unless a
+# retry under its key had the provider's answer since (then it stands).
 GIVE_UP_INSTANCE = """
 UPDATE instances SET state = 'deleted', deleted_at = compute_now(), idempotency_key = 'given-up:' || id
-WHERE id = %(id)s
+WHERE id = %(id)s AND confirmed_at IS NULL
+RETURNING id
+"""
+# The provider answered the create: from now on it is never given up. Not once it was given up
+# (or deleted): then nothing is confirmed.
+CONFIRM_INSTANCE = f"""
+UPDATE instances SET confirmed_at = coalesce(confirmed_at, compute_now())
+WHERE id = %(id)s AND state <> 'deleted'
+RETURNING {_INSTANCE_COLUMNS}
 """
 # The rows of instances a provider account reports (the drift check's read).
 INSTANCE_STATES = "SELECT id, state FROM instances WHERE id = ANY(%(ids)s)"
@@ -241,6 +258,43 @@ WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_
   AND state = 'running' AND grant_id IS NULL AND billing = 'standard' AND placement = 'reserved'
   AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
 ORDER BY created_at, id LIMIT %(limit)s FOR UPDATE
+"""
+# The tenant's instances on the reservation that ran at the reservation rate at `at_ms` (a
+# reserved segment spans it) though they run so no longer (stopped, deleted, or started again
+# since), each with that segment: a grant starting at `at_ms` takes them in as well, from then,
+# or its slot-hours and their reservation rate would bill the same minutes.
+RESERVED_AT = f"""
+SELECT {_INSTANCE_COLUMNS}, s.segment_id FROM instances
+CROSS JOIN LATERAL (
+    SELECT s.id AS segment_id FROM instance_segments s
+    WHERE s.instance_id = instances.id AND s.class = 'reserved'
+      AND s.started_at <= from_epoch_ms(%(at_ms)s) AND s.ended_at > from_epoch_ms(%(at_ms)s)) s
+WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_id = %(reservation_id)s
+  AND billing = 'standard' AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
+ORDER BY created_at, id FOR UPDATE OF instances
+"""
+# A closed segment that spans `at_ms` ends there; from there to its end it is of `class` (in
+# grant `grant_id`, or none).
+SPLIT_SEGMENT = """
+WITH old AS (
+    SELECT * FROM instance_segments
+    WHERE id = %(segment_id)s AND started_at <= from_epoch_ms(%(at_ms)s) AND ended_at > from_epoch_ms(%(at_ms)s)
+), cut AS (
+    UPDATE instance_segments s SET ended_at = from_epoch_ms(%(at_ms)s) FROM old WHERE s.id = old.id
+    RETURNING s.id
+)
+INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at,
+                               ended_at)
+SELECT instance_id, tenant_id, %(class)s, %(grant_id)s, pool_id, region, provider, from_epoch_ms(%(at_ms)s),
+       ended_at
+FROM old
+"""
+# The grant's closed segments that span `at_ms` (its end): instances stopped or deleted since.
+GRANT_SEGMENTS_AT = """
+SELECT s.id, i.project_id FROM instance_segments s JOIN instances i ON i.id = s.instance_id
+WHERE s.grant_id = %(grant_id)s AND s.class = 'grant'
+  AND s.started_at < from_epoch_ms(%(at_ms)s) AND s.ended_at > from_epoch_ms(%(at_ms)s)
+ORDER BY i.created_at, i.id
 """
 OF_GRANT = f"""
 SELECT {_INSTANCE_COLUMNS} FROM instances WHERE grant_id = %(grant_id)s AND state <> 'deleted'
@@ -354,6 +408,33 @@ ORDER BY hour, meter, subject
 LIMIT %(limit)s
 """
 
+# The GPU-hours one reservation held in [from, to) (a stretch of it, active, within one hour), from
+# its bookings: each physical GPU (a MIG instance or a slot is its parent GPU's) for the time any
+# of its atoms was booked, at 1 while the whole GPU was, else at the share booked (at most 1). So a
+# GPU that joined a node lease later counts from its booking, not from the stretch's start, and a
+# GPU booked whole beside its MIG instances counts once.
+GPU_HOURS_HELD = """
+WITH held AS (
+    SELECT DISTINCT a.id AS atom, coalesce(a.parent_id, a.id) AS gpu, a.parent_id IS NULL AS whole,
+           a.gpu_equivalent AS share, b.during * tstzrange(%(from)s, %(to)s) AS during
+    FROM bookings b
+    JOIN allocations al ON al.id = b.allocation_id
+    JOIN atoms a ON a.id = b.atom_id
+    WHERE al.reservation_id = %(id)s AND b.during && tstzrange(%(from)s, %(to)s)
+), points AS (
+    SELECT gpu, lower(during) AS at FROM held UNION SELECT gpu, upper(during) FROM held
+), pieces AS (
+    SELECT gpu, at AS since, lead(at) OVER (PARTITION BY gpu ORDER BY at) AS until FROM points
+)
+SELECT coalesce(sum(extract(epoch FROM p.until - p.since) / 3600 * w.share), 0)::float8 AS gpu_hours
+FROM pieces p
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN bool_or(h.whole) THEN 1 ELSE least(1, sum(h.share)) END AS share
+    FROM (SELECT DISTINCT atom, whole, share FROM held h
+          WHERE h.gpu = p.gpu AND h.during @> p.since) h
+) w
+WHERE p.until IS NOT NULL
+"""
 # gpu.hours of one reservation for one hour (from controlplane.reservations.usage's stretches).
 INSERT_USAGE = """
 INSERT INTO usage_records (tenant_id, meter, subject, hour, quantity, region, pool_id, provider)
