@@ -617,3 +617,52 @@ def test_mixed_load_with_node_faults_keeps_every_invariant(stack: tuple[ServerTh
             print(f"seed {seed}: {dict(scenario.stats)}")
     print(f"{rounds} rounds in {time.monotonic() - started:.0f} s; retried by SQLSTATE: {dict(retried)}")
 
+
+# -- focused tests of what the scenario found -----------------------------------------------------
+
+
+def blocked_on_a_lock(conninfo: str, text: str) -> list[int]:
+    """The backends of this database waiting for a lock in a statement containing `text`."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return [pid for (pid,) in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            " AND query ILIKE %s", (f"%{text}%",))]
+
+
+def test_a_lapsed_lease_refunds_before_it_touches_the_bookings_a_create_waits_on(
+        stack: tuple[ServerThread, Client]) -> None:
+    """Seeds 1342586754 and 654181955: the reconciler's transaction that ended a reservation cut
+    its bookings (row locks a create booking those atoms waits on), then refunded its quota,
+    waiting for the tenant's usage rows, which a concurrent create had charged and held: a
+    deadlock, the reconciler's pass failed ("work item failed") and the release waited for a
+    retry. A refund now takes the usage rows first, in the order a create takes them: with the
+    rows held as a create holds them, the waiting end has not touched the bookings."""
+    server, root = stack
+    w = make_world(server.endpoint, root, server.conninfo, nodes=1, quota=8)
+    leased = w.create(count=2, duration="2h", lease_seconds=60)
+    assert leased.state in ("placed", "binding"), leased
+    with psycopg.connect(w.conninfo) as charging:  # a create's charge of the tenant's GPUs, not committed
+        charging.execute("SELECT * FROM quota_usage WHERE tenant_id = %s FOR UPDATE", (w.tenant,))
+        w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=2 * MIN))  # the lease lapses
+        deadline = time.monotonic() + 30
+        while not blocked_on_a_lock(w.conninfo, "quota_charges"):
+            assert time.monotonic() < deadline, "the reconciler never reached the refund"
+            time.sleep(0.02)
+        # What a create placing on those atoms needs next: their bookings' rows, not locked.
+        booked = charging.execute(
+            "SELECT b.atom_id FROM bookings b JOIN allocations a ON a.id = b.allocation_id"
+            " WHERE a.reservation_id = %s FOR UPDATE OF b NOWAIT", (leased.id,)).fetchall()
+        assert len(booked) == 2
+    released = eventually_state(w, leased.id, states.RELEASED)
+    assert released.state == states.RELEASED
+    check_invariants(w.conninfo, w.tenant)
+
+
+def eventually_state(w: World, rid: str, state: str, seconds: float = 30) -> pb.Reservation:
+    deadline = time.monotonic() + seconds
+    while True:
+        r = w.user.res("Get", pb.GetReservationRequest(tenant_id=w.tenant, reservation_id=rid))
+        if r.state == state:
+            return r
+        assert time.monotonic() < deadline, f"{rid} is still {r.state}"
+        time.sleep(0.05)
