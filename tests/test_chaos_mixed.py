@@ -142,7 +142,7 @@ class Fleet:
         return outcome(lambda: self.w.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(
             node_id=node.id, connectivity=value)))
 
-    def report(self, node: FleetNode, allocation_id: str, kind: str) -> str:
+    def report(self, node: FleetNode, allocation_id: str, kind: str, devices: list[str]) -> str:
         """A node-signed report about the allocation, taken in by the gateway's intake."""
         if node.enrolled is None:
             return "unenrolled"
@@ -151,7 +151,8 @@ class Fleet:
             sequence = self.sequence
         body = node_pb2.Report(node_id=node.id, sequence=sequence, time=int(time.time() * 1000))
         if kind == "bound":
-            body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id))
+            body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id,
+                                                         cdi_devices=[f"bcd.dev/gpu={d}" for d in devices]))
         elif kind == "released":
             body.released.CopyFrom(node_pb2.AllocationReleased(allocation_id=allocation_id, reason="unassigned"))
         else:
@@ -191,6 +192,7 @@ ALLOWED = {
     "create": {"ok", "QUOTA_EXCEEDED"},
     "create-retry": {"ok", "QUOTA_EXCEEDED"},
     "create-conflict": {"CONFLICT"},
+    "twin": {"ok", "QUOTA_EXCEEDED", "CONFLICT"},
     "extend": {"ok", "INVALID_STATE", "CONFLICT", "QUOTA_EXCEEDED", "NOT_FOUND"},
     "extend-retry": {"ok", "INVALID_STATE", "CONFLICT", "QUOTA_EXCEEDED", "NOT_FOUND"},
     "renew": {"ok", "INVALID_STATE", "NOT_FOUND"},
@@ -388,15 +390,15 @@ class Scenario:
 
     def op_report(self, r: random.Random) -> None:
         rows = self.w.sql(
-            "SELECT a.id, a.node_id, a.state FROM allocations a JOIN reservations res ON res.id = a.reservation_id"
+            "SELECT a.id, a.node_id, a.state, a.device_ids FROM allocations a JOIN reservations res ON res.id = a.reservation_id"
             " WHERE res.tenant_id = %s AND a.state IN ('binding', 'bound') ORDER BY a.id", (self.w.tenant,))
         if not rows:
             return
-        alloc, node_id, state = r.choice(rows)
+        alloc, node_id, state, devices = r.choice(rows)
         node = next(n for n in self.fleet.nodes if n.id == node_id)
         kind = "bound" if state == "binding" and r.random() < 0.85 else r.choice(["failed", "released", "bound"])
         try:
-            verdict = self.fleet.report(node, alloc, kind)
+            verdict = self.fleet.report(node, alloc, kind, devices)
         except Exception as exc:  # noqa: BLE001
             verdict = f"raised:{type(exc).__name__}:{exc}"
             with self.lock:
@@ -409,8 +411,54 @@ class Scenario:
             by_ms=r.choice([1, 3, 6, 11, 16]) * MIN)))
         self.note("node", code, reply, "advance")
 
-    OPS = (["create"] * 10 + ["extend"] * 2 + ["renew"] + ["release"] * 2 + ["cancel"] + ["node"] * 3
-           + ["report"] * 3 + ["advance"])
+    def op_twins(self, r: random.Random) -> None:
+        """One fresh key sent three times at once (twins race through admission), one of them
+        now and then for another request: one reservation, the same to every twin that got one."""
+        key = f"t{self.seed}-{uuid.uuid4().hex[:8]}"
+        s = self.shape(r)
+        start = None if s.start_in is None else self.now() + s.start_in
+        other = Shape(**{**s.__dict__, "duration": "5h"}) if r.random() < 0.3 else None
+        shapes = [s, s, other or s]
+        barrier = threading.Barrier(3)
+
+        def send(shape: Shape) -> tuple[str, Any]:
+            request = self.request(key, shape, start, random.Random(r.random()))
+            barrier.wait(10)
+            return outcome(lambda: self.w.user.res("Create", request))
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(send, shapes))
+        ids = {reply.id for code, reply in answers if code == "ok"}
+        for shape, (code, reply) in zip(shapes, answers):
+            self.note("twin", code, reply, (key, shape))
+        codes = [code for code, _ in answers]
+        with self.lock:
+            if len(ids) > 1:
+                self.findings.append(f"twins of {key} answered several reservations: {ids}")
+            if other is None and len(set(codes)) > 1 and "QUOTA_EXCEEDED" not in codes:
+                self.findings.append(f"twins of {key} with one request answered differently: {codes}")
+            if other is not None and codes.count("CONFLICT") > 2:
+                self.findings.append(f"twins of {key}: every one CONFLICT: {codes}")
+            if ids:
+                self.ids |= ids
+                self.first_ids.setdefault(key, next(iter(ids)))
+                if other is None:  # else the request that won is not known here
+                    self.keys[key] = (s, start)
+
+    def op_node_of_booked(self, r: random.Random) -> None:
+        """A node change on a node that holds live allocations (the ones that matter)."""
+        rows = self.w.sql(
+            "SELECT DISTINCT a.node_id FROM allocations a JOIN reservations res ON res.id = a.reservation_id"
+            " WHERE res.tenant_id = %s AND a.state IN ('placed', 'binding', 'bound') ORDER BY 1", (self.w.tenant,))
+        if not rows:
+            return
+        node_id = r.choice(rows)[0]
+        node = next(n for n in self.fleet.nodes if n.id == node_id)
+        with node.lock:
+            self._node_change(r, node)
+
+    OPS = (["create"] * 10 + ["twins"] * 2 + ["extend"] * 2 + ["renew"] + ["release"] * 2 + ["cancel"]
+           + ["node"] * 2 + ["node-booked"] * 2 + ["report"] * 3 + ["advance"])
 
     def run_op(self, i: int, round_no: int) -> None:
         r = random.Random(f"{self.seed}/{round_no}/{i}")
@@ -425,6 +473,10 @@ class Scenario:
             self.op_node(r)
         elif kind == "report":
             self.op_report(r)
+        elif kind == "twins":
+            self.op_twins(r)
+        elif kind == "node-booked":
+            self.op_node_of_booked(r)
         else:
             self.op_advance(r)
 
@@ -520,6 +572,8 @@ class Scenario:
         s = check_invariants(self.w.conninfo, self.w.tenant)
         stuck = self.w.sql(STUCK, {"t": self.w.tenant, "now": now, "lead": schedule.REPAIR_LEAD_MS,
                                    "bind": schedule.BIND_TIMEOUT_MS})
+        for row in self.w.sql(HOST_OVERBOOKED, {"t": self.w.tenant}):
+            self.findings.append(f"host resources overbooked: {row}")
         for row in stuck:
             self.findings.append(f"stuck: {row}\n{self.story(row[0])}")
         went: dict[str, set[str]] = defaultdict(set)
@@ -532,9 +586,24 @@ class Scenario:
                     self.findings.append(f"{rid} was answered {sorted(missing)} but has no such event: {went[rid]}")
 
 
+# Host resources (not in tests/invariants.py): at each moment a booking starts, the node's live
+# bookings of the resource fit what it can give (host_capacity: allocatable less the reserve).
+HOST_OVERBOOKED = """
+SELECT h1.node_id, h1.resource, lower(h1.during)::text AS at, sum(h2.amount) AS booked,
+       host_capacity(h1.node_id, h1.resource) AS capacity
+FROM host_bookings h1
+JOIN host_bookings h2 ON h2.node_id = h1.node_id AND h2.resource = h1.resource AND h2.during @> lower(h1.during)
+JOIN allocations a2 ON a2.id = h2.allocation_id AND a2.state IN ('placed', 'binding', 'bound')
+JOIN nodes n ON n.id = h1.node_id JOIN pools p ON p.id = n.pool_id
+WHERE p.owner_tenant_id = %(t)s
+GROUP BY h1.node_id, h1.resource, lower(h1.during)
+HAVING sum(h2.amount) > host_capacity(h1.node_id, h1.resource)
+"""
+
+
 # Settled, nothing may be left: queued (the holder places or parks every one), placed past its
 # repair on a node that is not fit, placed past its start, binding past its bind deadline, booked
-# past its end or its lease deadline.
+# past its end or its lease deadline, or booked with no wake-up left (its end at least is one).
 STUCK = """
 SELECT * FROM (
 SELECT r.id, r.state, epoch_ms(lower(r.during)) - %(now)s AS start_in, epoch_ms(upper(r.during)) - %(now)s AS end_in,
@@ -550,8 +619,8 @@ SELECT r.id, r.state, epoch_ms(lower(r.during)) - %(now)s AS start_in, epoch_ms(
               WHERE al.reservation_id = r.id AND al.state = 'placed'
                 AND (n.state <> 'ready' OR n.connectivity = 'unreachable' OR n.revoked_at IS NOT NULL
                      OR a.health <> 'healthy' OR NOT a.bookable)) THEN 'placed on an unfit node past its repair'
-         WHEN r.state = 'binding' AND NOT EXISTS (SELECT 1 FROM work_items wi WHERE wi.subject = r.id)
-              THEN 'binding with no wake-up'
+         WHEN NOT EXISTS (SELECT 1 FROM work_items wi WHERE wi.subject = r.id AND wi.dead_at IS NULL)
+              THEN 'booked with no wake-up left'
        END AS why
 FROM reservations r
 WHERE r.tenant_id = %(t)s AND r.state IN ('queued', 'placed', 'binding', 'active')
@@ -615,6 +684,12 @@ def test_mixed_load_with_node_faults_keeps_every_invariant(stack: tuple[ServerTh
                 scenario.w.close()
                 scenario.w.root.close()
             print(f"seed {seed}: {dict(scenario.stats)}")
+            print("  reached:", scenario.w.sql(
+                "SELECT CASE WHEN request ? 'gang' AND request->'gang' <> 'null' THEN 'gang'"
+                " WHEN (request->'resources'->>'vcpu')::int > 20 THEN 'host' WHEN request->>'leaseSeconds' IS NOT NULL"
+                " THEN 'lease' ELSE 'plain' END AS shape, e.type, count(DISTINCT r.id)"
+                " FROM reservations r JOIN events e ON e.subject = 'reservation/' || r.id"
+                " WHERE r.tenant_id = %s GROUP BY 1, 2 ORDER BY 1, 2", (scenario.w.tenant,)))
     print(f"{rounds} rounds in {time.monotonic() - started:.0f} s; retried by SQLSTATE: {dict(retried)}")
 
 
