@@ -69,13 +69,17 @@ async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocatio
                         at_ms: int | None = None) -> None:
     """End the bookings and the window now (or at `at_ms`), refund the quota, and wake the pool's pending
     reservations (and metal's worker for a node lease's deploy under way: it ends now, and a
-    machine that never ran it comes back now, not at the deploy's deadline)."""
+    machine that never ran it comes back now, not at the deploy's deadline).
+
+    The refund comes first: it takes the tenant's usage rows, which a create charges before it
+    books, so ending the bookings first could hold the row locks such a create waits on while
+    waiting for its usage rows (a deadlock)."""
+    await quota.refund(conn, row["id"])
     await end_bookings(conn, row["id"], allocation_state=allocation_state, at_ms=at_ms)
     await preemption.give_back(conn, row)  # its victims keep what it no longer needs
     if is_node_lease(row["request"]):
         await conn.execute(metal_queries.WAKE_LIVE_OF, {"id": row["id"]})
     await conn.execute(queries.TRUNCATE_WINDOW, {"id": row["id"], "at": at_ms})
-    await quota.refund(conn, row["id"])
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
 
 
