@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import psycopg
 import pytest
 from structlog.testing import capture_logs
@@ -40,7 +39,6 @@ from bettercompute.v1 import nodes_pb2_grpc as npb_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from controlplane.app import WORK_HANDLERS
-from controlplane.common.status import error_info
 from controlplane.nodes import inventory
 from controlplane.nodes import reports as node_reports
 from controlplane.reservations import schedule, states
@@ -48,6 +46,7 @@ from controlplane.workers import pending, queue
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.support import Client, ServerThread, World, make_world
+from tests.test_concurrency import outcome
 from tests.test_pki import Enrolled, arun, enrol, sign
 
 LIMITS_LABEL = "bc.dev/cap.devices.limits"
@@ -66,17 +65,6 @@ ROUNDS = 3
 def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, clock_control=True, pending_retry_seconds=2, placer_lease_seconds=1.5,
                             placer_batch=8)
-
-
-def outcome(call: Any) -> tuple[str, Any]:
-    """("ok", reply) or (spec error code, details) of one RPC; grpc:<CODE> without ErrorInfo."""
-    try:
-        return "ok", call()
-    except grpc.RpcError as exc:
-        info = error_info(exc)
-        if info is None:
-            return f"grpc:{exc.code().name}", str(exc)
-        return info.reason, dict(info.metadata)
 
 
 def short(reply: Any) -> str:

@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -21,8 +20,9 @@ from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
 from bettercompute.v1 import reservations_pb2 as rpb
 from tests.invariants import check_invariants
-from tests.support import Client, ServerThread, World, gpus, make_world, rpc_error
-from tests.vps_support import HOUR, MIN, SimThread, Vps, other, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+from tests.support import Client, ServerThread, World, gpus, make_world
+from tests.vps_support import (HOUR, MIN, SimThread, Vps, metered, other, outcome, own_stack,  # noqa: F401 (fixtures)
+                               progress, sim, v, world_of)
 
 LIMIT = 6  # instances, and projects, per tenant in this module
 TASKS = 20
@@ -36,14 +36,6 @@ def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 @pytest.fixture
 def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
     yield from world_of(stack)
-
-
-def outcome(call: Callable[[], Any]) -> Any:
-    """The answer, or (code, reason, details) of the refusal."""
-    try:
-        return call()
-    except grpc.RpcError as exc:
-        return rpc_error(SimpleNamespace(value=exc))
 
 
 def at_once(call: Callable[[int], Any], n: int = TASKS) -> list[Any]:
@@ -286,16 +278,6 @@ def test_twenty_regular_creates_at_once_on_spot_work_book_no_atom_twice(spot_wor
 
 
 # --- the meter after an outage of the grant worker --------------------------------------------------
-
-def metered(v: Vps, meter: str, subject: str) -> float:
-    return v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE tenant_id = %s"
-                       " AND meter = %s AND subject = %s", (v.world.tenant, meter, subject))[0][0]
-
-
-def progress(v: Vps, source: str) -> int:
-    found = v.world.sql("SELECT epoch_ms(metered_until) FROM metering_progress WHERE source = %s", (source,))
-    return found[0][0] if found else 0
-
 
 def test_an_instance_is_not_billed_twice_when_the_grant_worker_is_late(v: Vps) -> None:
     """The grant's start is applied late (the worker was down): the hours the grant covers must not

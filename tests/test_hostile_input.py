@@ -4,7 +4,6 @@ fix (DESIGN.md sections 6, 7a, 8 and 10; spec "Reservations")."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,10 +17,10 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import reservations_pb2_grpc
 from controlplane import bootstrap
-from controlplane.common.locks import pool_lock_key
 from controlplane.config import Settings
 from tests.conftest import clone_database
 from tests.invariants import check_invariants
+from tests.promise_support import pool_locked
 from tests.support import Client, ServerThread, World, get, invalid, make_world, refused, rpc_error
 
 
@@ -88,17 +87,6 @@ def advance(world: World, ms: int) -> None:
 
 def renew(world: World, rid: str) -> pb.Reservation:
     return world.user.res("Renew", pb.RenewReservationRequest(tenant_id=world.tenant, reservation_id=rid))
-
-
-@contextlib.contextmanager
-def pool_locked(world: World) -> Iterator[None]:
-    """The test holds the pool's advisory lock: a transaction 2 that takes it first waits."""
-    with psycopg.connect(world.conninfo, autocommit=True) as conn:
-        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
-        try:
-            yield
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
 
 
 def holds(world: World, rid: str) -> int:

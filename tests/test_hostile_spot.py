@@ -6,18 +6,16 @@ ever booked twice."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane.common.locks import pool_lock_key
 from tests.invariants import check_invariants, snapshot
+from tests.promise_support import pool_locked
 from tests.support import ServerThread, World, clock_now, eventually, get, gpus, make_world
 
 NOTICE_S = 2
@@ -67,17 +65,6 @@ def events_of(world: World, rid: str, type_: str) -> list[dict]:
 
 def advance(world: World, ms: int) -> None:
     world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=ms))
-
-
-@contextlib.contextmanager
-def pool_locked(world: World) -> Iterator[None]:
-    """The test holds the pool's advisory lock: a transaction 2 that takes it waits."""
-    with psycopg.connect(world.conninfo, autocommit=True) as conn:
-        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
-        try:
-            yield
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (pool_lock_key(world.pool_id),))
 
 
 def waiting_for_a_lock(world: World) -> None:

@@ -9,8 +9,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
-from typing import Any
 
 import grpc
 import pytest
@@ -19,8 +17,9 @@ from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.v1 import grants_pb2 as gpb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
-from tests.support import Client, ServerThread, World, rpc_error
-from tests.vps_support import FLAVOR, HOUR, MIN, SimThread, Vps, own_stack, sim, v, world_of  # noqa: F401 (fixtures)
+from tests.support import Client, ServerThread, World
+from tests.vps_support import (FLAVOR, HOUR, MIN, SimThread, Vps, metered, outcome, own_stack, progress,  # noqa: F401 (fixtures)
+                               sim, v, world_of)
 
 
 ROWS = 3  # ledger rows one usage query answers, in this module
@@ -35,14 +34,6 @@ def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 @pytest.fixture
 def world(stack: tuple[ServerThread, Client]) -> Iterator[World]:
     yield from world_of(stack)
-
-
-def outcome(call: Callable[[], Any]) -> Any:
-    """The answer, or (code, reason, details) of the refusal."""
-    try:
-        return call()
-    except grpc.RpcError as exc:
-        return rpc_error(SimpleNamespace(value=exc))
 
 
 def at_provider(v: Vps, name: str) -> str:
@@ -282,17 +273,6 @@ def test_a_usage_answer_cut_at_its_row_limit_says_so_and_totals_the_whole_window
     assert len(rest.items) == 6 - ROWS and not rest.truncated
     assert rest.total == pytest.approx(sum(i.quantity for i in rest.items))
     assert sum(i.quantity for i in (*cut.items, *rest.items)) == pytest.approx(5)
-
-
-def metered(v: Vps, meter: str, subject: str, before: int) -> float:
-    return v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE tenant_id = %s"
-                       " AND meter = %s AND subject = %s AND hour < from_epoch_ms(%s)",
-                       (v.world.tenant, meter, subject, before))[0][0]
-
-
-def progress(v: Vps, source: str) -> int:
-    found = v.world.sql("SELECT epoch_ms(metered_until) FROM metering_progress WHERE source = %s", (source,))
-    return found[0][0] if found else 0
 
 
 def test_a_grant_started_minutes_ago_in_an_hour_already_ended_bills_its_instances_once(v: Vps) -> None:

@@ -14,8 +14,8 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.invariants import check_invariants
 from tests.support import World, clock_now, eventually, get
 from tests.test_capacity_preview import preview
-from tests.test_hostile_spot import (NOTICE_S, advance, events_of, mk, node, pool_locked, spot_world,
-                                     waiting_for_a_lock)
+from tests.promise_support import pool_locked
+from tests.test_hostile_spot import NOTICE_S, advance, events_of, mk, node, spot_world, waiting_for_a_lock
 
 HOUR = 3_600_000
 

@@ -21,7 +21,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.promise_support import SigningNodes
 from tests.support import Client, ServerThread, World, eventually, rpc_error
-from tests.vps_support import HOUR, MIN, Vps, sim, v, world_of  # noqa: F401 (fixtures)
+from tests.vps_support import HOUR, MIN, Vps, metered, progress, sim, v, world_of  # noqa: F401 (fixtures)
 
 PROVIDER_SECONDS = 4  # how long a provider call is waited for, in this module
 
@@ -43,16 +43,6 @@ def until(check: Callable[[], bool], seconds: float = 60) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
-
-
-def metered(v: Vps, meter: str, subject: str) -> float:
-    return v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE tenant_id = %s"
-                       " AND meter = %s AND subject = %s", (v.world.tenant, meter, subject))[0][0]
-
-
-def progress(v: Vps, source: str) -> int:
-    found = v.world.sql("SELECT epoch_ms(metered_until) FROM metering_progress WHERE source = %s", (source,))
-    return found[0][0] if found else 0
 
 
 def created_ms(v: Vps, instance_id: str) -> int:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -26,7 +27,7 @@ from bettercompute.v1 import providers_pb2_grpc
 from bettercompute.v1 import usage_pb2 as upb
 from bettercompute.v1 import usage_pb2_grpc
 from tests.conftest import module_stack
-from tests.support import PERMISSIVE, Client, ServerThread, World, make_world
+from tests.support import PERMISSIVE, Client, ServerThread, World, make_world, rpc_error
 
 HOUR = 3_600_000
 MIN = 60_000
@@ -204,3 +205,25 @@ def other(v: Vps) -> Iterator[tuple[World, Stubs]]:
     v.world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=v.world.pool_id, tenant_id=w.tenant))
     yield w, Stubs(w.user)
     w.close()
+
+
+def outcome(call: Callable[[], Any]) -> Any:
+    """The answer, or (code, reason, details) of the refusal."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        return rpc_error(SimpleNamespace(value=exc))
+
+
+def metered(v: Vps, meter: str, subject: str, before: int | None = None) -> float:
+    """The world tenant's metered quantity of `meter` for `subject` (hours before `before`, if given)."""
+    return v.world.sql("SELECT coalesce(sum(quantity), 0)::float8 FROM usage_records WHERE tenant_id = %s"
+                       " AND meter = %s AND subject = %s AND (%s::bigint IS NULL OR hour < from_epoch_ms(%s))",
+                       (v.world.tenant, meter, subject, before, before))[0][0]
+
+
+def progress(v: Vps, source: str) -> int:
+    """Where the meter of `source` has got to (epoch ms; 0 before its first pass)."""
+    found = v.world.sql("SELECT epoch_ms(metered_until) FROM metering_progress WHERE source = %s", (source,))
+    return found[0][0] if found else 0
+
