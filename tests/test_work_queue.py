@@ -127,6 +127,37 @@ def test_a_handler_that_always_fails_dead_letters_the_item_after_max_attempts(da
     assert died[0]["log_level"] == "error" and died[0]["kind"] == "reservation"
 
 
+def test_a_handler_that_lost_a_deadlock_runs_again_at_once(database: str) -> None:
+    """A deadlock (or serialization failure) a handler lost is run again in the same claim, as API
+    calls are, not failed with a back-off of seconds; one lost every time fails as any error does."""
+    sql(database, "CREATE TABLE handled (subject text NOT NULL)")
+    calls: list[str] = []
+
+    async def racing(conn, rt, subject: str) -> None:
+        calls.append(subject)
+        await conn.execute("INSERT INTO handled (subject) VALUES (%s)", (subject,))
+        if subject == "always" or (subject == "twice" and calls.count(subject) <= 2):
+            raise (psycopg.errors.DeadlockDetected if len(calls) % 2 else psycopg.errors.SerializationFailure)(
+                "lost a race")
+
+    sql(database, "INSERT INTO work_items (kind, subject, run_at) VALUES ('reservation', 'twice', compute_now()),"
+                  " ('reservation', 'always', compute_now())")
+
+    def settled() -> bool:
+        return not sql(database, "SELECT 1 FROM work_items WHERE dead_at IS NULL")
+
+    with capture_logs() as logs:
+        asyncio.run(run_queues(database, racing, settled, seconds=30, work_max_attempts=1))
+    assert settled()
+    assert calls.count("twice") == 3 and calls.count("always") == queue.AT_ONCE_ATTEMPTS
+    assert sql(database, "SELECT subject FROM handled") == [("twice",)]  # the lost attempts rolled back
+    assert sql(database, "SELECT subject FROM dead_work_items") == [("always",)]
+    failed = [e["subject"] for e in logs if e["event"] in ("work item failed", "work item dead")]
+    assert failed == ["always"]  # 'twice' never counted as a failure
+    again = [(e["subject"], e["attempt"]) for e in logs if e["event"] == "work item retried at once"]
+    assert sorted(again) == [("always", 1), ("always", 2), ("twice", 1), ("twice", 2)]
+
+
 @pytest.mark.parametrize("insert", [
     "INSERT INTO work_items (kind, subject, run_at) VALUES ('pool', 'p-1', compute_now())",
     "SELECT schedule_work('webhook', 'w-1', compute_now())",

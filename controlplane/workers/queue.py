@@ -4,7 +4,8 @@ A due item is claimed with FOR UPDATE SKIP LOCKED inside the transaction that ha
 deleted there: the handler's effects and the item's removal commit together. Two replicas never
 handle one item at once (the row lock), and a replica killed mid-handler rolls back, leaving the
 item for the next one. A failing handler is rolled back to a savepoint and the item is retried
-with exponential back-off; after work_max_attempts failures it is dead (dead_at set, the
+with exponential back-off (a handler that lost a deadlock or serialization race is first run again
+at once, AT_ONCE_ATTEMPTS times in all); after work_max_attempts failures it is dead (dead_at set, the
 dead_work_items view, a "work item dead" log line) and never claimed again.
 
 The runner queries only when something is due. Every new item comes with a NOTIFY bc_work whose
@@ -54,6 +55,12 @@ Handlers = Mapping[str, Handler]  # kind -> the handler of its items
 
 CHANNEL = "bc_work"
 MAX_BACKOFF_S = 300
+# A handler that lost a deadlock or a serialization race is run again at once, in the same claim
+# (its savepoint rolled back, so the other side has gone on), as API calls are: only a race lost
+# this many times counts as a failure with back-off.
+AT_ONCE_ATTEMPTS = 3
+_RACES = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+_RACE_PAUSE_S = 0.01
 HELD_RETRY_S = 1.0  # a due item another replica's handler holds is looked at again this often
 
 # The first due item nobody holds, and whether another is due (held or not): then more drains help.
@@ -107,11 +114,19 @@ async def _run_one(rt: Runtime, handlers: Handlers, claimed: Callable[[dict[str,
             if item is None:
                 return None
             claimed(item)
-            try:
-                async with conn.transaction():  # savepoint: a failure undoes only the handler
-                    await handlers[item["kind"]](conn, rt, item["subject"])
-            except Exception as exc:
-                return _Outcome(item["more"], await _failed(conn, rt, item, exc))
+            for attempt in range(1, AT_ONCE_ATTEMPTS + 1):
+                try:
+                    async with conn.transaction():  # savepoint: a failure undoes only the handler
+                        await handlers[item["kind"]](conn, rt, item["subject"])
+                    break
+                except _RACES as exc:  # the other side went on once ours rolled back: again, now
+                    if attempt == AT_ONCE_ATTEMPTS:
+                        return _Outcome(item["more"], await _failed(conn, rt, item, exc))
+                    log.info("work item retried at once", kind=item["kind"], subject=item["subject"],
+                             sqlstate=exc.sqlstate, attempt=attempt)
+                    await asyncio.sleep(_RACE_PAUSE_S * attempt)
+                except Exception as exc:
+                    return _Outcome(item["more"], await _failed(conn, rt, item, exc))
             await conn.execute(_DONE, {"id": item["id"]})
     return _Outcome(item["more"], None)
 
