@@ -70,9 +70,8 @@ async def _plan(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[
         planned = await placing.plan_for(conn, rt, row, ask)
         members, out["group"], reason = _members(planned)
         if not members and not preemption.is_spot(request):  # what create does next: take spot work
-            policy = (await (await conn.execute(preemption.POOL_POLICY, {"pool_id": pool_id})).fetchone())["policy"]
             choice = await preempt.plan(conn, ask, gang.Gang.of(request), rt.settings, now_ms=now_ms,
-                                        notice=preempt.notice_ms(policy))
+                                        notice=await preemption.pool_notice_ms(conn, pool_id))
             if choice is not None:
                 members, out["group"], _ = _members(choice.planned)
                 out.update(start=choice.ask.start_ms, end=choice.ask.end_ms)

@@ -68,8 +68,7 @@ async def past_spot(
     from there), and from there as if the live spot work were gone, since its create would preempt
     it (a start at the cut, or later and overlapping it, as a calendar reservation takes the part it
     overlaps). `found` when that is no earlier."""
-    policy = (await (await conn.execute(preemption.POOL_POLICY, {"pool_id": pool.pool_id})).fetchone())["policy"]
-    cut = now_ms + preempt.notice_ms(policy)
+    cut = now_ms + await preemption.pool_notice_ms(conn, pool.pool_id)
     if found is not None and found <= cut:
         return found
     held = await preempt.read_held(conn, pool.pool_id, cut, until + window.end_ms - window.start_ms)

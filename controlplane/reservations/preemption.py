@@ -35,8 +35,7 @@ log = structlog.get_logger(__name__)
 PREEMPTING = "Preempting"
 
 POOL_POLICY = "SELECT policy FROM pools WHERE id = %(pool_id)s"
-# compute_now() at this statement rather than at the transaction's start.
-NOW_UNDER_LOCK = "SELECT epoch_ms(clock_timestamp() + offset_ms * interval '1 millisecond') AS now_ms FROM clock"
+NOW_UNDER_LOCK = f"SELECT epoch_ms({queries.CLOCK_NOW}) AS now_ms"
 # The pending worker places inline, where preemption is: woken when the pool has spot work to take.
 WAKE_IF_SPOT = """
 SELECT pg_notify('bc_pool_freed', %(pool_id)s)
@@ -94,6 +93,12 @@ class Preempted:
     now_ms: int  # the clock under the pool lock: the placement's time (its lease counts from it)
 
 
+async def pool_notice_ms(conn: AsyncConnection, pool_id: str) -> int:
+    """The pool's preemption notice (policy spot.noticeSeconds), read in this transaction."""
+    policy = (await (await conn.execute(POOL_POLICY, {"pool_id": pool_id})).fetchone())["policy"]
+    return preempt.notice_ms(policy)
+
+
 def is_spot(request: dict[str, Any]) -> bool:
     return bool(request.get("spot"))
 
@@ -104,12 +109,12 @@ async def place(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], ask: pl
     request = row["request"]
     if is_spot(request) or is_node_lease(request):
         return None
-    policy = (await (await conn.execute(POOL_POLICY, {"pool_id": row["pool_id"]})).fetchone())["policy"]
+    notice = await pool_notice_ms(conn, row["pool_id"])
     # The notice counts from now, under the pool lock: `now_ms` (and compute_now(), the
     # transaction's start) may be from before a wait for that lock, which would eat into it.
     now_ms = max(now_ms, (await (await conn.execute(NOW_UNDER_LOCK)).fetchone())["now_ms"])
     members = gang.Gang.of(request)
-    choice = await preempt.plan(conn, ask, members, rt.settings, now_ms=now_ms, notice=preempt.notice_ms(policy))
+    choice = await preempt.plan(conn, ask, members, rt.settings, now_ms=now_ms, notice=notice)
     if choice is None:
         return None
     victims = [v for v in await (await conn.execute(LOCK_VICTIMS, {"ids": choice.victims})).fetchall()

@@ -127,11 +127,13 @@ SET state = %(state)s,
 WHERE id = %(id)s AND state = ANY(%(from_states)s)
 """
 TRANSITION = f"UPDATE reservations {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()}\nRETURNING id"
+# The product clock (compute_now()) as of the statement that reads it, not the transaction's start:
+# a time taken after a wait for a lock.
+CLOCK_NOW = "clock_timestamp() + (SELECT offset_ms FROM clock) * interval '1 millisecond'"
 # A placement's lease runs leaseSeconds from the clock read here, under the pool lock: the
 # caller's deadline (from transaction 1's clock, short by any wait for that lock) is a floor.
-_PLACED_LEASE = """greatest(from_epoch_ms(%(lease_deadline)s),
-                                   clock_timestamp() + (SELECT offset_ms FROM clock) * interval '1 millisecond'
-                                   + (r.request->>'leaseSeconds')::bigint * interval '1 second')"""
+_PLACED_LEASE = f"""greatest(from_epoch_ms(%(lease_deadline)s),
+                                   {CLOCK_NOW} + (r.request->>'leaseSeconds')::bigint * interval '1 second')"""
 
 # A reservation's allocations as JSON objects of ALLOCATIONS' columns; `{ref}` names its id.
 ALLOCATIONS_JSON = """
