@@ -37,11 +37,20 @@ def _networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
         raise ValueError(f"{name} must list CIDR networks: {exc}") from None
 
 
+def tcp_port(address: str) -> int | None:
+    """The port of a `host:port` written in ASCII digits (None: no such port, or a unix: socket).
+    gRPC reads a port beyond 65535 modulo 65536, so both ends check it."""
+    if address.startswith("unix:"):
+        return None
+    port = address.rpartition(":")[2]
+    return int(port) if port.isascii() and port.isdigit() else None
+
+
 def check_listen(option: str, address: str) -> str:
     """`address` (host:port) unless its port is a number beyond 65535, which gRPC would bind modulo
     65536 (127.0.0.1:99999 served on 34463); ValueError naming `option` otherwise."""
-    port = address.rpartition(":")[2]
-    if port.isascii() and port.isdigit() and int(port) > 65535:
+    port = tcp_port(address)
+    if port is not None and port > 65535:
         raise ValueError(f"{option} {address}: the port must be 0 (a free one) to 65535")
     return address
 

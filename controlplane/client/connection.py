@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import stat
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from google.protobuf.message import Message
 
 from bettercompute.v1 import capacity_pb2_grpc, events_pb2_grpc, nodes_pb2_grpc, reservations_pb2_grpc, usage_pb2_grpc
 from controlplane.client.errors import UsageError, require_utf8
-from controlplane.config import data_dir_from_env
+from controlplane.config import data_dir_from_env, tcp_port
 
 RPC_TIMEOUT_S = 30.0
 TOKEN_ENV = "BC_TOKEN"
@@ -83,8 +82,8 @@ class Connection:
 def _require_port(endpoint: str, source: str) -> None:
     """A `host:port` whose port is a TCP port: gRPC reads 99999 modulo 65536 and would send the
     token to port 34463, whatever listens there."""
-    port = re.fullmatch(r".*:(\d+)", endpoint, re.ASCII) if not endpoint.startswith("unix:") else None
-    if port and not 1 <= int(port.group(1)) <= 65535:
+    port = tcp_port(endpoint)
+    if port is not None and not 1 <= port <= 65535:
         raise UsageError(f"{source} {endpoint!r}: the port must be 1 to 65535")
 
 
