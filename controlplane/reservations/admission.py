@@ -17,14 +17,14 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import authorize, confirmations, db, db_errors, errors, events, iam, quota
+from controlplane import authorize, confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
 from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
-from controlplane.reservations import devices, earliest, hostshare, kubernetes, placing, queries, queued, schedule, states
+from controlplane.reservations import devices, draft_room, earliest, hostshare, kubernetes, placing, queries, queued, schedule, states
 from controlplane.reservations.reads import fetch_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -130,22 +130,17 @@ async def _transaction_1(
         check_start(inp, facts.now_ms, TimeLimits.of(rt.settings))
         resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id, pool=pool)
         pool, request, share = resolved.pool, resolved.request, resolved.share
-        _require_draft_room(rt, facts.drafts)
+        draft_room.require(rt, facts.drafts)
         if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
             request = await earliest.choose_start(conn, rt, request, facts.now_ms)
         pool = await _with_models(conn, rt, request, pool)
         attributes = _attributes({"tenant_id": inp.tenant_id, "owner_identity_id": caller.identity_id,
                                   "pool_id": inp.request["poolId"], "request": request, "host_share": share}, pool)
-        try:
-            row = await (await conn.execute(queries.INSERT_DRAFT_WITH_AUTHZ, {
-                "id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
-                "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
-                "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(attributes),
-            })).fetchone()
-        except psycopg.errors.IntegrityError as exc:
-            if db_errors.violates(exc, db_errors.OWNER_OFFBOARDED):  # since the call authenticated
-                raise errors.Unauthenticated("this identity was offboarded", identityId=caller.identity_id) from None
-            raise
+        row = await draft_room.insert(conn, rt, facts.drafts, {
+            "id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
+            "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
+            "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(attributes),
+        })
         if row is None:  # a concurrent twin's draft: its attributes are upserted below
             attributes = None
             row = await _fetch(conn, rid)
@@ -228,20 +223,6 @@ async def _with_host_resources(
     gpus = common_devices.gpu_equivalent(device["class"], device["count"], pool.get("policy"))
     booked, share = hostshare.resolve(request.get("resources"), await hostshare.per_gpu(conn, rt, pool), gpus)
     return {**request, "resources": booked}, share
-
-
-def _require_draft_room(rt: Runtime, live: dict[str, Any]) -> None:
-    """An identity holds at most max_drafts_per_identity drafts (refused or in-flight creates, and
-    requests awaiting confirmation) until the retention window deletes them or their confirmation
-    ends: QUOTA_EXCEEDED, retryable after the window.
-    `live`: its drafts as LIVE_DRAFTS counts them."""
-    cap = rt.settings.max_drafts_per_identity
-    if live["n"] >= cap:
-        raise errors.QuotaExceeded(
-            f"this identity has {cap} unfinished create requests; retry one of their keys or wait for them to expire",
-            reason="draft-limit", limit=cap,
-            retryAfterSeconds=max(1, live["expires_in_s"] + math.ceil(rt.settings.draft_sweep_seconds)),
-        )
 
 
 def _pool_index(rt: Runtime, pool_id: str) -> Any:

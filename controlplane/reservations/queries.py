@@ -39,19 +39,19 @@ SELECT {COLUMNS} FROM reservations r
 WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
 """
 
-# The new draft as BY_ID reads it; no row when a concurrent twin inserted it first.
-INSERT_DRAFT = f"""
-INSERT INTO reservations AS r
-    (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
-VALUES (%(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s, %(host_share)s)
-ON CONFLICT DO NOTHING
-RETURNING {COLUMNS}
-"""
-
-# INSERT_DRAFT with the draft's IAM attributes (authz_projection) in the same statement: nothing
-# is inserted when a concurrent twin's draft is there.
+# The new draft as BY_ID reads it, with its IAM attributes (authz_projection) in the same
+# statement; no row when a concurrent twin inserted it first. draft_room (migration 0046) first
+# holds the identity's live-drafts cap under its lock: a refusal is its check violation.
 INSERT_DRAFT_WITH_AUTHZ = f"""
-WITH d AS ({INSERT_DRAFT.strip()}),
+WITH room AS MATERIALIZED (SELECT draft_room(%(identity_id)s::text, %(cap)s::integer, %(seen)s::integer) AS ok),
+d AS (
+    INSERT INTO reservations AS r
+        (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
+    SELECT %(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s, %(host_share)s
+    FROM room WHERE room.ok
+    ON CONFLICT DO NOTHING
+    RETURNING {COLUMNS}
+),
 a AS (
     INSERT INTO authz_projection (reservation_id, attributes) SELECT d.id, %(attributes)s FROM d
     ON CONFLICT (reservation_id) DO UPDATE SET attributes = EXCLUDED.attributes
