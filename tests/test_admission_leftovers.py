@@ -1,6 +1,7 @@
-"""Leftovers of admission (DESIGN.md sections 7, 7a and 8; spec "Drafts and idempotency"), each
-an attack or a race that broke a promise before its fix: the live-drafts cap under concurrent
-creates."""
+"""Leftovers of admission (DESIGN.md sections 7, 7a and 8; spec "Drafts and idempotency"),
+each an attack or a race that broke a promise before its
+fix: the live-drafts cap under concurrent creates, and ids and cursors that reached another
+identity's draft."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import grpc
 import psycopg
 import pytest
 
+from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.common.status import error_info
+from controlplane.ids import draft_id
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, make_world
+from tests.support import Client, ServerThread, World, invalid, make_world, refused
 
 
 def live_drafts(world: World, identity_id: str) -> int:
@@ -91,3 +94,84 @@ def test_the_cap_holds_when_a_burst_crosses_it_from_far_below(wide) -> None:
         assert outcomes.count("QUOTA_EXCEEDED") == cap and outcomes.count("draft-limit") == 12
     finally:
         w.close()
+
+
+# A hostile tenant ----------------------------------------------------------------------------
+
+
+def listed(client: Client, world: World, **kw) -> list[str]:
+    return [r.id for r in client.res("List", pb.ListReservationsRequest(tenant_id=world.tenant, **kw)).items]
+
+
+def test_another_identitys_draft_is_not_found_by_id_through_every_call(world: World) -> None:
+    """Drafts are internal (spec "Drafts and idempotency"): reached by id, a draft of another
+    identity of the tenant (or the caller's own) is NOT_FOUND to get, release, cancel, extend and
+    renew, and list neither shows it nor pages from it."""
+    older = world.create(start=world.later(2), lease_seconds=600)  # the user's, before the draft
+    mallory_id, mallory = world.identity()
+    world.quota(1)
+    assert refused(world.create, key="secret-plan", count=2)[1] == "QUOTA_EXCEEDED"  # the user's draft
+    rid = draft_id(world.tenant, world.user_id, "secret-plan")
+    assert world.sql("SELECT state FROM reservations WHERE id = %s", (rid,)) == [("draft",)]
+    ref = {"tenant_id": world.tenant, "reservation_id": rid}
+    for client in (mallory, world.user):
+        for method, request in [("Get", pb.GetReservationRequest(**ref)),
+                                ("Release", pb.ReleaseReservationRequest(**ref)),
+                                ("Cancel", pb.CancelReservationRequest(**ref)),
+                                ("Renew", pb.RenewReservationRequest(**ref)),
+                                ("Extend", pb.ExtendReservationRequest(**ref, by="1h", idempotency_key="x"))]:
+            code, reason, details = refused(client.res, method, request)
+            assert (code, reason, details.get("reservationId")) == (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", rid), method
+        assert rid not in listed(client, world, scope="all")
+    assert world.sql("SELECT state, version FROM reservations WHERE id = %s", (rid,)) == [("draft", 1)]
+    # A cursor is the last reservation of a page: a draft's id pages like an unknown id, to
+    # nothing (it paged from the draft, telling whether another identity had used a key), and
+    # so does another identity's reservation for scope 'mine'.
+    unknown = draft_id(world.tenant, world.user_id, "never-used")
+    assert listed(mallory, world, scope="all", cursor=unknown) == []
+    assert listed(mallory, world, scope="all", cursor=rid) == []
+    assert listed(world.user, world, scope="mine", cursor=rid) == []
+    world.quota(64)
+    own = world.create(mallory, start=world.later(3), key="mallory-own")
+    assert listed(mallory, world, scope="mine", cursor=older.id) == []
+    assert listed(mallory, world, scope="all", cursor=own.id) == [older.id]
+
+
+def test_idempotency_keys_at_the_patterns_edges(world: World) -> None:
+    """The key is full-matched against [A-Za-z0-9._:-]{1,128}: its longest form, made of every
+    allowed character, is one request, case matters, and anything past the edges is
+    INVALID_INPUT naming idempotencyKey, with nothing stored."""
+    longest = ("Aa0._:-" * 19)[:128]
+    first = world.create(key=longest, start=world.later(2))
+    assert first.idempotency_key == longest and first.id == draft_id(world.tenant, world.user_id, longest)
+    again = world.user.res("Create", world.create_request(key=longest, start=first.during.start))
+    assert (again.id, again.version) == (first.id, first.version)
+    upper = world.create(key=longest.upper(), start=world.later(2))
+    assert upper.id != first.id
+    for bad in [longest + "a", " k", "k ", "k\n", "\nk", "k\x00", "k/1", "k\u00e9", "\uff4b", "k\u200b", "k;1"]:
+        invalid("idempotencyKey", world.create, key=bad, start=world.later(2))
+    empty = world.create_request(start=world.later(2))
+    empty.idempotency_key = ""
+    invalid("idempotencyKey", world.user.res, "Create", empty)
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s", (world.tenant,)) == [(2,)]
+
+
+def test_a_refused_key_stays_refused_and_another_request_with_it_is_a_conflict(world: World) -> None:
+    """Spec "Drafts and idempotency": a refused key stays ACCESS_DENIED with the same request
+    (no second decision), and another request with the key is CONFLICT naming the reservation;
+    neither changes the refused row, and neither places anything."""
+    world.policy('forbid(principal, action, resource) when { resource has gangSize && resource.gangSize == 1 '
+                 '&& resource has durationHours && resource.durationHours > 2 };\n'
+                 'permit(principal, action, resource);')
+    code, reason, details = refused(world.create, key="refused", duration="3h")
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+    rid = details["reservationId"]
+    before = world.sql("SELECT state, version, request_hash FROM reservations WHERE id = %s", (rid,))
+    assert before[0][0] == "denied"
+    # The same request, even once the policy would allow it: the key stays refused.
+    world.policy("permit(principal, action, resource);")
+    assert refused(world.create, key="refused", duration="3h")[1] == "ACCESS_DENIED"
+    code, reason, details = refused(world.create, key="refused", duration="1h")
+    assert (code, reason, details["reservationId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", rid)
+    assert world.sql("SELECT state, version, request_hash FROM reservations WHERE id = %s", (rid,)) == before
+    assert world.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (rid,)) == [(0,)]

@@ -231,6 +231,9 @@ WHERE id = %(id)s
 
 NOTIFY_POOL_FREED = "SELECT pg_notify('bc_pool_freed', %(pool_id)s)"
 
+# The cursor is a reservation of the listing itself (not a draft, and the caller's own for scope
+# 'mine'); any other id pages like an unknown one, to nothing, so a cursor cannot tell whether
+# another identity's draft (its id derived from a key) or reservation exists.
 LIST = f"""
 SELECT {COLUMNS} FROM reservations r
 WHERE r.tenant_id = %(tenant_id)s
@@ -240,7 +243,8 @@ WHERE r.tenant_id = %(tenant_id)s
   AND (%(pool_id)s = '' OR r.pool_id = %(pool_id)s)
   AND (%(cursor)s::text IS NULL OR (r.created_at, r.id) < (
         SELECT c.created_at, c.id FROM reservations c
-        WHERE c.id = %(cursor)s AND c.tenant_id = %(tenant_id)s))
+        WHERE c.id = %(cursor)s AND c.tenant_id = %(tenant_id)s AND c.state <> 'draft'
+          AND (%(owner)s::text IS NULL OR c.owner_identity_id = %(owner)s)))
 ORDER BY r.created_at DESC, r.id DESC
 LIMIT %(limit)s
 """
