@@ -1,7 +1,7 @@
-"""Leftovers of admission (DESIGN.md sections 7, 7a and 8; spec "Drafts and idempotency"),
-each an attack or a race that broke a promise before its
-fix: the live-drafts cap under concurrent creates, and ids and cursors that reached another
-identity's draft."""
+"""Leftovers of admission (DESIGN.md sections 7, 7a and 8; spec "Drafts and idempotency" and
+"Waiting for placement"), each an attack or a race that broke a promise before its fix: the
+live-drafts cap under concurrent creates, a wait that outlived its token, and ids and cursors
+that reached another identity's draft."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ import grpc
 import psycopg
 import pytest
 
+from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.common.status import error_info
 from controlplane.ids import draft_id
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, invalid, make_world, refused
+from tests.promise_support import pool_locked
+from tests.support import Client, ServerThread, World, gpus, invalid, make_world, refused
+from tests.test_hostile_time import lock_waited
+
+HOUR = 3_600_000
 
 
 def live_drafts(world: World, identity_id: str) -> int:
@@ -94,6 +99,54 @@ def test_the_cap_holds_when_a_burst_crosses_it_from_far_below(wide) -> None:
         assert outcomes.count("QUOTA_EXCEEDED") == cap and outcomes.count("draft-limit") == 12
     finally:
         w.close()
+
+
+# A wait ends with its token ------------------------------------------------------------------
+
+
+def lease_pool(world: World) -> None:
+    """The world's pool becomes a new lease-policy pool with one node: a create there is queued
+    for the pool's lease holder, whose batch takes the pool lock (pool_locked holds it back)."""
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="lease", region="eu-1", policy=apb.PoolPolicy(placer="lease"))).id
+    world.add_node(gpus("lease-" + world.tenant))
+
+
+def queued(world: World, rid: str) -> None:
+    while world.sql("SELECT state FROM reservations WHERE id = %s", (rid,)) != [("queued",)]:
+        lock_waited(world, "advisory")  # the batch waits for the pool lock the test holds
+
+
+@pytest.mark.parametrize("ending", ["revoked", "expired"])
+def test_a_create_waiting_for_placement_ends_unauthenticated_when_its_token_ends(clock_world: World,
+                                                                              ending: str) -> None:
+    """The wait kept reading and answered the reservation to a token revoked (or expired on the
+    product clock) while it waited; a Watch stream ends UNAUTHENTICATED, and so does the wait."""
+    w = clock_world
+    lease_pool(w)
+    ident, _ = w.identity()
+    secret = w.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="1h")).secret
+    caller = Client(w.endpoint, secret)
+    request = w.create_request(key="waits", count=1, wait=pb.Wait(timeout_ms=10_000))
+    rid = draft_id(w.tenant, ident, "waits")
+    try:
+        with ThreadPoolExecutor(1) as pool, pool_locked(w):
+            answer = pool.submit(outcome, caller.res, "Create", request)
+            queued(w, rid)
+            if ending == "revoked":
+                w.root.admin("RevokeTokens", apb.RevokeTokensRequest(identity_id=ident))
+            else:
+                w.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=2 * HOUR))
+            assert answer.result(timeout=60) == "UNAUTHENTICATED"
+        # The reservation stays as created: the identity's new token reaches it by its key.
+        fresh = Client(w.endpoint, w.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident)).secret)
+        try:
+            assert fresh.res("Create", request).id == rid
+        finally:
+            fresh.close()
+    finally:
+        caller.close()
+
 
 
 # A hostile tenant ----------------------------------------------------------------------------

@@ -84,7 +84,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     else:
         queued_now = False
     if inp.wait_ms:
-        return await wait_for_operation(rt, inp.tenant_id, rid, inp.wait_ms, just_queued=queued_now)
+        return await wait_for_operation(rt, inp.tenant_id, rid, inp.wait_ms, just_queued=queued_now,
+                                        caller=caller)
     return await fetch_view(rt, rid)
 
 

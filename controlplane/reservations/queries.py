@@ -199,6 +199,17 @@ SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations
 FROM reservations r WHERE r.id = %(id)s
 """
 
+# VIEW_BY_ID for a create's wait, with the state of the caller's token in the same read
+# ('live', 'revoked' or 'expired' on the product clock): a wait ends with its token, as a Watch
+# stream does.
+VIEW_FOR_TOKEN = f"""
+SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations,
+       (SELECT CASE WHEN t.revoked_at IS NOT NULL THEN 'revoked'
+                    WHEN t.expires_at <= compute_now() THEN 'expired' ELSE 'live' END
+        FROM api_tokens t WHERE t.id = %(token_id)s) AS token_state
+FROM reservations r WHERE r.id = %(id)s
+"""
+
 # Release: bookings that have not begun are deleted, running ones end now.
 # The end of bookings and window: at %(at)s (epoch ms) when given (a lapse the reconciler reaches
 # late ends at its deadline), else at compute_now().

@@ -3,7 +3,12 @@ operation stops running or the timeout passes. The timeout is capped by the serv
 (Settings.create_wait_cap_seconds, 30 s by default). A timeout is not an error: the answer is the
 last read, or the view the lease holder's batch handed the wait (in the holder's process). A
 client that goes away cancels the task, which ends the wait. Each wait logs one line with its
-reads, the pauses between them, and whether it was handed its answer."""
+reads, the pauses between them, and whether it was handed its answer.
+
+A wait ends with its caller's token, as a Watch stream does (docs/decisions.md): each read reads
+the token's state in the same statement, and a token revoked or expired (on the product clock)
+since the call authenticated ends the wait UNAUTHENTICATED instead of answering that read. The
+reservation stays as created; a retry of its key with a live token answers it."""
 
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ from typing import Any
 
 import structlog
 
+from controlplane import db, errors
+from controlplane.auth import Caller
+from controlplane.reservations import queries
 from controlplane.reservations.reads import fetch_view
 from controlplane.runtime import Runtime
 
@@ -27,8 +35,24 @@ def capped_ms(rt: Runtime, timeout_ms: int) -> int:
     return min(timeout_ms, int(rt.settings.create_wait_cap_seconds * 1000))
 
 
+async def read_for(rt: Runtime, caller: Caller | None, rid: str) -> dict[str, Any]:
+    """The reservation as fetch_view reads it, read with the caller's token: UNAUTHENTICATED once
+    that token is revoked or expired (one statement, as fetch_view)."""
+    if caller is None or not caller.token_id:  # no bearer token behind the call: nothing to end with
+        return await fetch_view(rt, rid)
+    view = await db.fetch_one(rt.pool, queries.VIEW_FOR_TOKEN, {"id": rid, "token_id": caller.token_id})
+    if view is None:
+        raise errors.NotFound("no such reservation", reservationId=rid)
+    token = view.pop("token_state")
+    if token != "live":
+        raise errors.Unauthenticated(f"the token was {token or 'revoked'} while the create waited",
+                                     tokenId=caller.token_id, reservationId=rid)
+    return view
+
+
 async def wait_for_operation(
-    rt: Runtime, tenant_id: str, rid: str, timeout_ms: int, *, just_queued: bool = False
+    rt: Runtime, tenant_id: str, rid: str, timeout_ms: int, *, just_queued: bool = False,
+    caller: Caller | None = None,
 ) -> dict[str, Any]:
     """A pause ends early when the lease placer decides the reservation (its batch notifies the
     ids it moved; every process's lease worker wakes its own waiters), so a queued create answers
@@ -36,7 +60,9 @@ async def wait_for_operation(
     process it hands the waiter the reservation as it committed it, and the wait answers with
     that instead of reading. `just_queued`: the caller has
     just queued it, so the wait starts with the first pause rather than a read that would find it
-    queued."""
+    queued. `caller`: whose token each read checks (None: no check). A handed answer is not read,
+    so a revocation since the last read (or the authentication) is not seen by it: it is the one
+    answer the batch decided, not a further read."""
     started = time.monotonic()
     deadline = started + capped_ms(rt, timeout_ms) / 1000
     delay = FIRST_DELAY_S
@@ -55,7 +81,7 @@ async def wait_for_operation(
                     if handed:
                         view, waiter.view = waiter.view, None  # as this process's batch committed it: no read
                     else:
-                        view = await fetch_view(rt, rid)
+                        view = await read_for(rt, caller, rid)
                         reads += 1
                     remaining = deadline - time.monotonic()
                     if view["operation_state"] != "running" or remaining <= 0:
