@@ -1,7 +1,7 @@
-"""Leftovers of admission (DESIGN.md sections 7, 7a and 8; spec "Drafts and idempotency" and
-"Waiting for placement"), each an attack or a race that broke a promise before its fix: the
-live-drafts cap under concurrent creates, a wait that outlived its token, and ids and cursors
-that reached another identity's draft."""
+"""Leftovers of admission (DESIGN.md sections 7, 7a and 8; spec "Drafts and idempotency",
+"Waiting for placement" and "Start"), each an attack or a race that broke a promise before its
+fix: the live-drafts cap under concurrent creates, a wait that outlived its token, a window
+planned at transaction 1's clock, and ids and cursors that reached another identity's draft."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from controlplane.common.status import error_info
 from controlplane.ids import draft_id
 from tests.conftest import module_stack
 from tests.promise_support import pool_locked
-from tests.support import Client, ServerThread, World, gpus, invalid, make_world, refused
+from tests.support import Client, ServerThread, World, clock_now, gpus, invalid, make_world, refused
 from tests.test_hostile_time import lock_waited
 
 HOUR = 3_600_000
@@ -147,6 +147,50 @@ def test_a_create_waiting_for_placement_ends_unauthenticated_when_its_token_ends
     finally:
         caller.close()
 
+
+# The window at the clock of the placement ----------------------------------------------------
+
+
+def created_while_the_clock_jumps(world: World, by_ms: int, **kw) -> tuple[pb.Reservation, int]:
+    """A create whose transaction 2 waits for the pool lock while the clock moves `by_ms`; its
+    answer and the clock just after the jump."""
+    with ThreadPoolExecutor(1) as pool:
+        with pool_locked(world):
+            answer = pool.submit(world.create, count=1, **kw)
+            lock_waited(world, "advisory")
+            world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=by_ms))
+            moved = clock_now(world)
+        return answer.result(timeout=60), moved
+
+
+@pytest.mark.parametrize("gang", [False, True], ids=["one-node", "gang"])
+def test_a_start_that_passes_before_placement_begins_at_placement_with_the_full_duration(
+    clock_world: World, gang: bool
+) -> None:
+    """The window was planned at transaction 1's clock: a start one hour ahead that passed while
+    transaction 2 waited was booked as it was asked, an hour in the past at placement."""
+    w = clock_world
+    start = clock_now(w) + HOUR
+    extra = {"gang": pb.Gang(size=2)} if gang else {}
+    r, moved = created_while_the_clock_jumps(w, 2 * HOUR, start=start, duration="3h", **extra)
+    assert r.state == "placed", r
+    assert r.during.start >= moved and r.during.end - r.during.start == 3 * HOUR
+    booked = w.sql("SELECT min(epoch_ms(lower(b.during))), max(epoch_ms(upper(b.during))) FROM bookings b"
+                   " JOIN allocations a ON a.id = b.allocation_id WHERE a.reservation_id = %s", (r.id,))
+    assert booked == [(r.during.start, r.during.end)]
+    event = w.sql("SELECT (data->>'start')::bigint, (data->>'end')::bigint FROM events"
+                  " WHERE subject = %s AND type = 'reservation.placed'", ("reservation/" + r.id,))
+    assert event == [(r.during.start, r.during.end)]
+
+
+def test_a_window_without_a_start_begins_at_placement_not_at_transaction_1(clock_world: World) -> None:
+    w = clock_world
+    r, moved = created_while_the_clock_jumps(w, 2 * HOUR, duration="3h")
+    assert r.during.start >= moved and r.during.end - r.during.start == 3 * HOUR
+    # Still ahead at placement: the start asked for is kept.
+    start = clock_now(w) + 3 * HOUR
+    kept, _ = created_while_the_clock_jumps(w, HOUR, start=start, duration="1h")
+    assert (kept.during.start, kept.during.end) == (start, start + HOUR)
 
 
 # A hostile tenant ----------------------------------------------------------------------------

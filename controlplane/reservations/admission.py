@@ -445,7 +445,10 @@ async def _transaction_2(
         return Outcome(await _require_confirmation(conn, caller, row, now_ms))
 
     assert prepared is not None and row["charged"] == 1
-    placed = await placing.place_locked(conn, rt, row, prepared, now_ms)
+    # Placed at the clock under the lock, not transaction 1's: time (or the dev clock) moved on
+    # while IAM decided and the lock was waited for, and a start that passed meanwhile begins now.
+    now_ms = max(now_ms, row["lock_now_ms"])
+    placed = await placing.place_locked(conn, rt, row, placing.at_clock(prepared, row, now_ms), now_ms)
     # Placed: the answer as placed, read in the move's own statement (for one that starts now the
     # reconciler moves it on to binding the moment this commits; a read after would race it).
     return Outcome(view=placed)

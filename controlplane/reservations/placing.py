@@ -137,6 +137,17 @@ async def explain(conn: AsyncConnection, row: dict[str, Any], ask: placer.Ask) -
     return await placer.explain(conn, ask)
 
 
+def at_clock(prepared: Prepared, row: dict[str, Any], now_ms: int) -> Prepared:
+    """`prepared` with the window the clock read under the pool lock gives (ask_for at `now_ms`):
+    a start that passed since the plan begins now, with the full duration. The plan is kept; a
+    booking it no longer fits is a lost race, which the commit plans again."""
+    ask = ask_for(row, now_ms)
+    if (ask.start_ms, ask.end_ms) == (prepared.ask.start_ms, prepared.ask.end_ms):
+        return prepared
+    return dataclasses.replace(prepared, ask=dataclasses.replace(prepared.ask, start_ms=ask.start_ms,
+                                                                 end_ms=ask.end_ms))
+
+
 def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
     """The window: a start still ahead is kept; otherwise the window begins now, full length."""
     request = row["request"]

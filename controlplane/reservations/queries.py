@@ -16,7 +16,9 @@ BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
 # none; a refusal is an error that aborts the transaction): one round trip, in the lock order (the
 # row is locked above the join, after the materialized lock was taken). FOR UPDATE returns the
 # row's newest committed version even though the statement's snapshot predates the wait for the
-# pool lock. `charged` is 1 when it charged, 0 when the row was no longer undecided.
+# pool lock. `charged` is 1 when it charged, 0 when the row was no longer undecided. `lock_now_ms`:
+# the product clock once the lock is held (clock_ms_fresh, migration 0046: the statement's
+# snapshot would read the clock's offset as it was before the wait), which the window is placed at.
 POOL_LOCK_THEN_CHARGE = f"""
 WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))),
 locked AS MATERIALIZED (SELECT {COLUMNS} FROM pool_lock, reservations r WHERE r.id = %(id)s FOR UPDATE OF r),
@@ -32,7 +34,7 @@ charged AS MATERIALIZED (
                       %(lenient)s::boolean[], %(unnamed)s::text[])
     FROM undecided u
 )
-SELECT locked.*, (SELECT count(*) FROM charged) AS charged FROM locked
+SELECT locked.*, (SELECT count(*) FROM charged) AS charged, clock_ms_fresh() AS lock_now_ms FROM locked
 """
 BY_ID_IN_TENANT = f"""
 SELECT {COLUMNS} FROM reservations r
