@@ -1,5 +1,6 @@
-"""Cross-cutting concerns of every RPC, in one interceptor: a request id, decoding, authentication,
-the unknown-field and generic input checks, error mapping and one canonical log line per RPC."""
+"""Cross-cutting concerns of every RPC, in one interceptor: a request id, size limits, decoding,
+authentication, the unknown-field and generic input checks, error mapping and one canonical log
+line per RPC."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ _caller: contextvars.ContextVar[auth.Caller] = contextvars.ContextVar("caller")
 PUBLIC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SHOWN = 64  # characters of an invalid tenant id that reach the log
+CEILING = 16  # gRPC receives up to this many times an API limit, so that the API refuses with ErrorInfo
+_GRPC_MAX = 2**31 - 1  # grpc's channel arguments are C ints
 
 
 def caller() -> auth.Caller:
@@ -61,12 +64,37 @@ def unknown_field_path(message: Message, prefix: str = "") -> str | None:
     return None
 
 
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """gRPC receives a request message up to a ceiling (CEILING times the API's own limit,
+    max_request_bytes), so a request between the two reaches the interceptor, which refuses it as
+    INVALID_INPUT with ErrorInfo; only one beyond the ceiling meets grpc's bare RESOURCE_EXHAUSTED,
+    and no request holds more than the ceiling in memory."""
+    metadata = _ceiling(settings.max_metadata_bytes)  # soft and hard alike: no refusal by chance below it
+    return [("grpc.max_receive_message_length", _ceiling(settings.max_request_bytes)),
+            ("grpc.max_metadata_size", metadata), ("grpc.absolute_max_metadata_size", metadata)]
+
+
+def _ceiling(limit: int) -> int:
+    return max(1, min(limit * CEILING, _GRPC_MAX))
+
+
+def _over(what: str, size: int, limit: int) -> errors.InvalidInput | None:
+    """The INVALID_INPUT naming `what` (the request or its metadata) when it is over its limit in bytes."""
+    if size <= limit:
+        return None
+    return errors.InvalidInput(what, f"is {size} bytes, larger than the limit of {limit}",
+                               reason=f"{what}-too-large", limitBytes=limit, sizeBytes=size)
+
+
 class ApiInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, pool: AsyncConnectionPool, settings: Settings | None = None,
                  metrics: RpcMetrics | None = None) -> None:
         self._pool = pool
         self._metrics = metrics or RpcMetrics()
-        self._limits = inputs.InputLimits.of(settings or Settings())
+        settings = settings or Settings()
+        self._limits = inputs.InputLimits.of(settings)
+        self._max_request_bytes = settings.max_request_bytes
+        self._max_metadata_bytes = settings.max_metadata_bytes
 
     async def intercept_service(
         self,
@@ -78,15 +106,16 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(PUBLIC_PREFIXES):
             return handler
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        size = sum(len(k) + len(v) for k, v in (details.invocation_metadata or ()))  # names and values, as sent
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap(method, metadata, handler.unary_unary, handler.request_deserializer),
+                self._wrap(method, metadata, size, handler.unary_unary, handler.request_deserializer),
                 request_deserializer=None,  # decoded in the wrapper: bad bytes are INVALID_INPUT
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, metadata, handler.unary_stream, handler.request_deserializer),
+                self._wrap_stream(method, metadata, size, handler.unary_stream, handler.request_deserializer),
                 request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
@@ -94,14 +123,22 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         # unauthenticated: refuse them, so adding one fails closed until it is wrapped here too.
         return _refused(method, handler)
 
-    async def _prologue(self, method: str, metadata: dict[str, str], raw: Any, deserializer: Any) -> Any:
+    async def _prologue(self, method: str, metadata: dict[str, str], metadata_bytes: int, raw: Any,
+                        deserializer: Any) -> Any:
         """The decoded, checked request. Only validated or bounded values are bound for the log,
         before the caller is known."""
         request_id = metadata.get("x-request-id") or ""
         if not REQUEST_ID.fullmatch(request_id):
             request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id, method=method, tenant="")
-        request = inputs.decode(deserializer, raw)
+        # The metadata is bounded before authentication reads it; a request over its limit is not
+        # decoded, and is refused after authentication like every other input check.
+        over = _over("metadata", metadata_bytes, self._max_metadata_bytes)
+        if over:
+            raise over
+        if isinstance(raw, bytes | bytearray | memoryview):
+            over = _over("request", len(raw), self._max_request_bytes)
+        request = None if over else inputs.decode(deserializer, raw)
         tenant = getattr(request, "tenant_id", "")
         if isinstance(tenant, str) and tenant:
             if tenant.startswith(tokens.SECRET_PREFIX):  # a bearer secret pasted as the tenant: its public prefix
@@ -112,17 +149,20 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
             else:
                 structlog.contextvars.bind_contextvars(tenant_invalid=repr(tenant[:_SHOWN]), tenant_len=len(tenant))
         _caller.set(await auth.authenticate(self._pool, auth.bearer_secret(metadata)))
+        if over:
+            raise over
         bad = unknown_field_path(request)
         if bad:
             raise errors.InvalidInput(bad, "unknown field")
         inputs.check(request, self._limits)
         return request
 
-    def _wrap(self, method: str, metadata: dict[str, str], behavior: Any, deserializer: Any) -> Any:
+    def _wrap(self, method: str, metadata: dict[str, str], metadata_bytes: int, behavior: Any,
+              deserializer: Any) -> Any:
         async def handle(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                request = await self._prologue(method, metadata, raw, deserializer)
+                request = await self._prologue(method, metadata, metadata_bytes, raw, deserializer)
                 context.set_trailing_metadata((("x-request-id", _request_id()),))
                 response = await behavior(request, context)
             except errors.DomainError as exc:
@@ -142,11 +182,12 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _wrap_stream(self, method: str, metadata: dict[str, str], behavior: Any, deserializer: Any) -> Any:
+    def _wrap_stream(self, method: str, metadata: dict[str, str], metadata_bytes: int, behavior: Any,
+                     deserializer: Any) -> Any:
         async def handle(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
-                request = await self._prologue(method, metadata, raw, deserializer)
+                request = await self._prologue(method, metadata, metadata_bytes, raw, deserializer)
                 context.set_trailing_metadata((("x-request-id", _request_id()),))
                 async for item in behavior(request, context):
                     yield item
