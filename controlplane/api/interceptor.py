@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
-from google.protobuf.unknown_fields import UnknownFieldSet
 from psycopg_pool import AsyncConnectionPool
 
 from controlplane import auth, errors, tokens
@@ -42,10 +42,16 @@ def caller() -> auth.Caller:
 
 
 def unknown_field_path(message: Message, prefix: str = "") -> str | None:
-    """The path of the first unknown field in `message` or its nested messages, if any."""
-    unknown = UnknownFieldSet(message)
-    if len(unknown):
-        return f"{prefix}#{unknown[0].field_number}" if prefix else f"#{unknown[0].field_number}"
+    """The path of the first unknown field in `message` or its nested messages, if any. A message
+    is read field by field only when a copy without unknown fields (made at C speed) is smaller,
+    and its own first unknown field is found on its wire bytes: a request of a million unknown
+    fields costs what one of a few does (UnknownFieldSet made a Python object of each, stalling
+    the event loop for a second and taking 40 MB for a 1 MiB request)."""
+    if not _has_unknown(message):
+        return None
+    number = _first_unknown(message)
+    if number is not None:
+        return f"{prefix}#{number}"
     for fd, value in message.ListFields():
         if fd.message_type is None:
             continue
@@ -62,6 +68,55 @@ def unknown_field_path(message: Message, prefix: str = "") -> str | None:
             if found:
                 return found
     return None
+
+
+def _has_unknown(message: Message) -> bool:
+    """Whether `message` or a message nested in it holds an unknown field."""
+    known = type(message)()
+    known.CopyFrom(message)
+    known.DiscardUnknownFields()
+    return known.ByteSize() != message.ByteSize()
+
+
+def _first_unknown(message: Message) -> int | None:
+    """The number of the first unknown field of `message` itself (not of a nested message), read
+    from its wire bytes; its known fields before it are skipped (a few, since the count caps)."""
+    raw, pos, known = message.SerializeToString(), 0, message.DESCRIPTOR.fields_by_number
+    while pos < len(raw):
+        tag, pos = _varint(raw, pos)
+        fd = known.get(tag >> 3)
+        if fd is None or tag & 7 != _wire_type(fd):  # a known number sent as another type is unknown too
+            return tag >> 3
+        if tag & 7 == 0:
+            pos = _varint(raw, pos)[1]
+        elif tag & 7 == 2:
+            size, pos = _varint(raw, pos)
+            pos += size
+        else:
+            pos += 8 if tag & 7 == 1 else 4
+    return None
+
+
+def _wire_type(fd: FieldDescriptor) -> int:
+    """The wire type a known field is serialized with."""
+    if fd.type in _DELIMITED or fd.is_packed:
+        return 2
+    return 1 if fd.type in _FIXED64 else 5 if fd.type in _FIXED32 else 0
+
+
+_DELIMITED = {FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE}
+_FIXED64 = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+_FIXED32 = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32}
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
@@ -151,10 +206,10 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         _caller.set(await auth.authenticate(self._pool, auth.bearer_secret(metadata)))
         if over:
             raise over
+        inputs.check(request, self._limits)  # first: the counts it caps bound the walk for unknown fields
         bad = unknown_field_path(request)
         if bad:
             raise errors.InvalidInput(bad, "unknown field")
-        inputs.check(request, self._limits)
         return request
 
     def _wrap(self, method: str, metadata: dict[str, str], metadata_bytes: int, behavior: Any,
