@@ -39,14 +39,14 @@ def _varint(n: int) -> bytes:
 
 
 def padded(message: Message, size: int) -> bytes:
-    """The message's bytes and an unknown length-delimited field (number 1000), `size` bytes in all."""
+    """The message's bytes and an unknown length-delimited field (number 1000), `size` bytes in all
+    (and an unknown varint field, number 1001, where a length's varint leaves a byte over)."""
     head, tag = message.SerializeToString(), _varint(1000 << 3 | 2)
-    body = size - len(head) - len(tag) - len(_varint(size))
-    while len(head) + len(tag) + len(_varint(body)) + body > size:
-        body -= 1
-    raw = head + tag + _varint(body) + b"p" * body
-    assert len(raw) == size
-    return raw
+    for length in range(1, 6):
+        body = size - len(head) - len(tag) - length
+        if len(_varint(body)) == length:
+            return head + tag + _varint(body) + b"p" * body
+    return padded(type(message).FromString(head + b"\xc8\x3e\x00"), size)
 
 
 def raw_call(world: World, method: str, payload: bytes, metadata: Any = None) -> Any:
@@ -90,6 +90,22 @@ def test_a_request_beyond_the_ceiling_is_refused_by_grpc_and_the_server_serves_o
     """The ceiling keeps one request's memory bounded: grpc refuses it before the API reads it."""
     with pytest.raises(grpc.RpcError) as exc:
         raw_call(world, LIST, padded(pb.ListReservationsRequest(tenant_id=world.tenant), LIMIT * CEILING + 1))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    served(world)
+
+
+def test_a_compressed_request_is_measured_and_bounded_decompressed(world: World) -> None:
+    """A gzip request of kilobytes that inflates past the limit is refused for what it inflates
+    to; past the ceiling grpc stops inflating it."""
+    def gzipped(size: int) -> Any:
+        with grpc.insecure_channel(world.endpoint, options=[("grpc.max_send_message_length", -1)],
+                                   compression=grpc.Compression.Gzip) as channel:
+            payload = padded(pb.ListReservationsRequest(tenant_id=world.tenant), size)
+            return channel.unary_unary(LIST)(payload, metadata=world.user.metadata, timeout=60)
+
+    assert too_large("request", gzipped, 2 * LIMIT)["sizeBytes"] == str(2 * LIMIT)
+    with pytest.raises(grpc.RpcError) as exc:
+        gzipped(LIMIT * CEILING * 4)
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     served(world)
 
