@@ -81,6 +81,11 @@ def test_a_request_over_the_size_limit_is_invalid_input_naming_the_limit(world: 
     served(world)
 
 
+def test_a_request_at_the_size_limit_is_read(world: World) -> None:
+    """Refused only for the unknown field that pads it to the limit, not for its size."""
+    invalid("#1000", raw_call, world, LIST, padded(pb.ListReservationsRequest(tenant_id=world.tenant), LIMIT))
+
+
 def test_a_watch_request_over_the_size_limit_is_invalid_input(world: World) -> None:
     details = too_large("request", raw_call, world, WATCH, padded(epb.WatchRequest(tenant_id=world.tenant), 5 << 20))
     assert details["limitBytes"] == str(LIMIT)
