@@ -37,7 +37,7 @@ from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
 from controlplane.api.events import EventsServicer, WebhooksServicer
 from controlplane.api.node_admin import NodeAdminServicer
-from controlplane.api.interceptor import ApiInterceptor
+from controlplane.api.interceptor import ApiInterceptor, server_options
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
 from controlplane.api.vps import (
     InstancesServicer,
@@ -121,7 +121,8 @@ async def start_app(
     leases = lease.LeaseWorker(settings)
     rt = Runtime(pool, settings, metrics.Metrics(pool, settings.metrics_refresh_seconds), capacity, leases)
     leases.drain = lambda pool_id, holder, epoch: queued.drain(rt, pool_id, holder, epoch)
-    server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)])
+    server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)],
+                             options=server_options(settings))
     reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
     reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)

@@ -135,6 +135,14 @@ class Settings:
     max_policy_nesting: int = field(default_factory=lambda: env_int("BC_MAX_POLICY_NESTING", 64))
     # Every repeated and map field of every request (labels, selectors, event types, GPUs, ...).
     max_list_entries: int = field(default_factory=lambda: env_int("BC_MAX_LIST_ENTRIES", 64))
+    # One request message's serialized size: beyond it INVALID_INPUT (reason request-too-large).
+    # gRPC itself receives messages up to 16 times this (api.interceptor.server_options), so the
+    # refusal carries ErrorInfo, and refuses larger ones with a bare RESOURCE_EXHAUSTED: no request
+    # makes the server hold more than that ceiling.
+    max_request_bytes: int = field(default_factory=lambda: env_int("BC_MAX_REQUEST_BYTES", 1 << 20))
+    # A request's metadata (its headers' names and values, authorization and x-request-id among
+    # them), likewise: INVALID_INPUT (reason metadata-too-large) beyond it, grpc's refusal beyond 16 times.
+    max_metadata_bytes: int = field(default_factory=lambda: env_int("BC_MAX_METADATA_BYTES", 8192))
     # Drafts (refused or abandoned creates) are deleted after this window; an identity holds at
     # most max_drafts_per_identity live ones (requests awaiting confirmation count too).
     draft_retention_hours: float = field(
