@@ -222,9 +222,12 @@ UPDATE reservations SET during = tstzrange(lower(during), {_ENDS_AT}, '[)')
 WHERE id = %(id)s AND during @> {_ENDS_AT} AND lower(during) < {_ENDS_AT}
 """
 
-RENEW = """
+# Now plus leaseSeconds, now as of this statement (CLOCK_NOW): compute_now() is the transaction's
+# start, before the renew's wait for the row (a batch placing it holds it), and counted from there
+# a renew that waited gave back less lease than the placement it waited for had just set.
+RENEW = f"""
 UPDATE reservations
-SET lease_deadline = compute_now() + (request->>'leaseSeconds')::bigint * interval '1 second',
+SET lease_deadline = {CLOCK_NOW} + (request->>'leaseSeconds')::bigint * interval '1 second',
     version = version + 1, updated_at = clock_timestamp()
 WHERE id = %(id)s
 """
