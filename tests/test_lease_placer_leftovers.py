@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
@@ -278,3 +279,39 @@ def test_a_queued_create_waiting_while_its_pool_leaves_the_lease_placer_and_come
         r = waiting.result(timeout=30)
     assert (r.state, r.operation.state) == ("placed", "succeeded")
     check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_cancel_under_way_when_the_batch_comes_is_skipped_and_ends_it(world: World) -> None:
+    """The other order: the cancel holds the row (held up inside its refund) when the holder's
+    batch runs; the batch skips the row, places the rest, and the cancel ends it, nothing booked."""
+    w = world
+    held_by_other(w)
+    start = w.later(2)
+    doomed, other = (w.create(count=2, start=start) for _ in range(2))
+    with ThreadPoolExecutor(1) as pool, psycopg.connect(w.conninfo) as holder:
+        holder.execute("SELECT 1 FROM quota_charges WHERE reservation_id = %s FOR UPDATE", (doomed.id,))
+        cancelling = pool.submit(outcome, cancel, w, doomed.id)
+        poll(lambda: waiting_sessions(w) >= 1, 15, "the cancel waiting inside its refund")
+        lapse(w)
+        assert eventually(w, other.id, lambda x: x.state != "queued", seconds=30).state == "placed"
+        holder.rollback()
+        out = cancelling.result(timeout=30)
+    assert isinstance(out, pb.Reservation) and out.state == "cancelled", out
+    assert w.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (doomed.id,))[0][0] == 0
+    check_invariants(w.conninfo, w.tenant)
+
+
+def test_a_row_the_batch_skipped_whose_holder_let_go_is_placed_without_a_new_create(world: World) -> None:
+    """A transaction held the queued row (as a cancel that then failed would) when the batch ran:
+    the batch skipped it, and nothing queued after; the lease worker's tick places it."""
+    w = world
+    held_by_other(w)
+    r = w.create(count=2, start=w.later(2))
+    with psycopg.connect(w.conninfo) as holder:
+        holder.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (r.id,))
+        with capture_logs() as logs:
+            lapse(w)
+            poll(lambda: any(e["event"] == "pool lease taken" for e in logs), 15, "the lease taken")
+        assert w.sql("SELECT state FROM reservations WHERE id = %s", (r.id,)) == [("queued",)]
+        holder.rollback()
+    assert eventually(w, r.id, lambda x: x.state != "queued", seconds=30).state == "placed"
