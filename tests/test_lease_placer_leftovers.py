@@ -257,12 +257,12 @@ def test_a_queued_reservation_of_a_tenant_whose_offer_was_withdrawn_runs_its_cou
     guest.close()
 
 
-def test_a_queued_create_waiting_while_its_pool_leaves_the_lease_placer_and_comes_back(world: World) -> None:
+def test_a_queued_create_waiting_while_its_pool_leaves_the_lease_placer_is_placed(world: World) -> None:
     """No API switches a pool's placer (CreatePool sets it); an operator's UPDATE of pools.policy
-    does. A pool switched to inline while a create waits on a queued reservation has no placer
-    for it (the lease workers take lease pools only, the pending retry pending rows only): it
-    stays queued until the pool is switched back, when the next tick's holder places it and the
-    wait answers placed (left as it is: see the report)."""
+    does. A pool switched to inline while a create waited on its queued reservation had no placer
+    for it (the lease workers took lease pools only, the pending retry takes pending rows only):
+    it stayed queued for ever, and the wait answered queued. A pool with queued reservations is
+    still taken and drained; switched back, it queues and places new creates as before."""
     w = world
     held_by_other(w)
     request = w.create_request(key="switched", count=2, start=w.later(2), wait=pb.Wait(timeout_ms=20_000))
@@ -272,12 +272,13 @@ def test_a_queued_create_waiting_while_its_pool_leaves_the_lease_placer_and_come
              15, "the create queued")
         w.sql("UPDATE pools SET policy = policy || '{\"placer\": \"inline\"}' WHERE id = %s", (w.pool_id,))
         lapse(w)
-        leases = w.server.app.runtime.leases
-        ticks = leases.ticks
-        poll(lambda: leases.ticks >= ticks + 2, 15, "two lease ticks with the pool inline")
-        w.sql("UPDATE pools SET policy = policy || '{\"placer\": \"lease\"}' WHERE id = %s", (w.pool_id,))
         r = waiting.result(timeout=30)
     assert (r.state, r.operation.state) == ("placed", "succeeded")
+    assert w.create(count=1, start=w.later(2)).state == "placed", "inline now"
+    w.sql("UPDATE pools SET policy = policy || '{\"placer\": \"lease\"}' WHERE id = %s", (w.pool_id,))
+    again = w.create(count=1, start=w.later(2))
+    assert again.state == "queued"
+    assert eventually(w, again.id, lambda x: x.state != "queued", seconds=30).state == "placed"
     check_invariants(w.conninfo, w.tenant)
 
 
