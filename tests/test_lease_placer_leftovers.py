@@ -1,7 +1,10 @@
 """Leftovers of the hostile review of the pool-lease placer (DESIGN.md section 9, spec "Waiting for
 placement", "Start, lease, extend and release"): a batch that waited for the pool lock counts the
-window and the lease from when it places, not from its transaction's start. Real control plane
-with clock control on a database of each test's own, real gRPC, real PostgreSQL."""
+window and the lease from when it places, and a renew that waited for the batch from when it
+renews; cancel, release and extend racing the batch; a start that passes while queued, a retry of
+the key, a lowered quota, a withdrawn offer; a pool switched off the lease placer keeps no
+reservation queued. Real control plane with clock control on a database of each test's own, real
+gRPC, real PostgreSQL."""
 
 from __future__ import annotations
 
