@@ -5,11 +5,15 @@
 # epoch. A takeover (another holder's lapsed lease, or this holder's own after it lapsed) bumps
 # the epoch; a renewal keeps it. Two replicas taking the same lapsed lease at once: the row lock
 # of ON CONFLICT serialises them and the second sees the first's fresh deadline and skips it.
+# A pool that still has queued reservations counts as a lease pool whatever its policy says now
+# (an operator's UPDATE of pools.policy; no API changes a placer): nothing else places queued
+# rows, and they would wait for ever. One probe of the reservations_queued index per other pool.
 TAKE_AND_RENEW = """
 INSERT INTO pool_leases (pool_id, holder, epoch, deadline)
 SELECT p.id, %(holder)s, 1, clock_timestamp() + %(seconds)s * interval '1 second'
 FROM pools p
 WHERE p.policy->>'placer' = 'lease'
+   OR EXISTS (SELECT 1 FROM reservations r WHERE r.pool_id = p.id AND r.state = 'queued')
 ON CONFLICT (pool_id) DO UPDATE
 SET epoch = CASE WHEN pool_leases.holder = EXCLUDED.holder AND pool_leases.deadline > clock_timestamp()
                  THEN pool_leases.epoch ELSE pool_leases.epoch + 1 END,

@@ -179,7 +179,8 @@ def limits_label(request: dict[str, Any]) -> dict[str, dict[str, str]]:
 
 def lease_deadline_of(row: dict[str, Any], now_ms: int) -> int | None:
     """The lease deadline a placement at `now_ms` sets: `leaseSeconds` from then (None: no lease).
-    place_inline (migration 0042) counts it from its own clock under the pool lock, this at least."""
+    The statement that moves the row to placed (place_inline, TRANSITION_WAKE_EMIT, the lease
+    batch's MOVE_BATCH) counts it from its own clock under the pool lock, this at least."""
     lease = row["request"].get("leaseSeconds")
     return now_ms + lease * 1000 if lease else None
 

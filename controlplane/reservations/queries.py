@@ -235,9 +235,12 @@ UPDATE reservations SET during = tstzrange(lower(during), {_ENDS_AT}, '[)')
 WHERE id = %(id)s AND during @> {_ENDS_AT} AND lower(during) < {_ENDS_AT}
 """
 
-RENEW = """
+# Now plus leaseSeconds, now as of this statement (CLOCK_NOW): compute_now() is the transaction's
+# start, before the renew's wait for the row (a batch placing it holds it), and counted from there
+# a renew that waited gave back less lease than the placement it waited for had just set.
+RENEW = f"""
 UPDATE reservations
-SET lease_deadline = compute_now() + (request->>'leaseSeconds')::bigint * interval '1 second',
+SET lease_deadline = {CLOCK_NOW} + (request->>'leaseSeconds')::bigint * interval '1 second',
     version = version + 1, updated_at = clock_timestamp()
 WHERE id = %(id)s
 """
@@ -520,13 +523,17 @@ SELECT admit_queued(%(id)s, %(version)s, %(decision)s, %(undecided)s, %(from_sta
                     %(unnamed)s::text[]) AS outcome
 """
 
-# A batch: the pool lock, the fencing check (this holder's lease at this epoch), then the oldest
-# queued reservations of the pool, locked; rows a cancel or release holds are skipped (the next
-# batch sees what is left of them). No row when the lease is no longer this holder's.
+# A batch: the pool lock, the fencing check (this holder's lease at this epoch) and the clock read
+# once the lock is held (migration 0045: compute_now() would be the transaction's start, before
+# any wait for the lock), then the oldest queued reservations of the pool, locked; rows a cancel
+# or release holds are skipped (the next batch sees what is left of them). No row when the lease
+# is no longer this holder's.
 QUEUED_BATCH = """
 WITH pool_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))),
-fence AS MATERIALIZED (SELECT lease_current(%(pool_id)s, %(holder)s, %(epoch)s) AS current FROM pool_lock)
-SELECT r.id, r.tenant_id, r.pool_id, r.state, r.request, r.conditions, epoch_ms(compute_now()) AS now_ms
+fence AS MATERIALIZED (SELECT lease_current(%(pool_id)s, %(holder)s, %(epoch)s) AS current,
+                              epoch_ms(compute_now_fresh()) AS now_ms
+                       FROM pool_lock)
+SELECT r.id, r.tenant_id, r.pool_id, r.state, r.request, r.conditions, fence.now_ms
 FROM fence, reservations r
 WHERE fence.current AND r.pool_id = %(pool_id)s AND r.state = 'queued'
 ORDER BY r.created_at, r.id
@@ -535,7 +542,9 @@ FOR UPDATE OF r SKIP LOCKED
 """
 
 # A batch's outcome in one statement: every member moved from queued (placed with its window and
-# lease deadline, or pending with its Unschedulable condition), the placed ones' wake-ups, one
+# lease deadline, or pending with its Unschedulable condition), the placed ones' wake-ups (the
+# lease deadline's among them: leaseSeconds counted here, as _PLACED_LEASE does, the batch's own
+# reckoning a floor), one
 # event each in the batch's order, watchers woken, and the waiting creates told (bc_placed, ids
 # in chunks well under the 8000-byte payload limit). The fencing check again, at the end: a holder
 # whose lease was taken over meanwhile moves nothing, and the caller rolls the batch back.
@@ -556,7 +565,10 @@ moved AS (
         conditions = i.conditions,
         during = CASE WHEN i.start_ms IS NULL THEN r.during
                       ELSE tstzrange(from_epoch_ms(i.start_ms), from_epoch_ms(i.end_ms), '[)') END,
-        lease_deadline = CASE WHEN i.lease_ms IS NULL THEN r.lease_deadline ELSE from_epoch_ms(i.lease_ms) END,
+        lease_deadline = CASE WHEN i.lease_ms IS NULL THEN r.lease_deadline
+                              ELSE greatest(from_epoch_ms(i.lease_ms),
+                                            {CLOCK_NOW} + (r.request->>'leaseSeconds')::bigint * interval '1 second')
+                         END,
         attempts = r.attempts + 1,
         version = r.version + 1,
         updated_at = clock_timestamp()
@@ -567,7 +579,10 @@ moved AS (
 woken AS (
     SELECT schedule_work('reservation', due.id, due.at)
     FROM (SELECT DISTINCT w.id, greatest(from_epoch_ms(w.m), compute_now()) AS at
-          FROM unnest(%(wake_ids)s::text[], %(wake_at)s::bigint[]) AS w(id, m)
+          FROM (SELECT * FROM unnest(%(wake_ids)s::text[], %(wake_at)s::bigint[])
+                UNION ALL
+                SELECT m.id, m.lease_deadline_ms FROM moved m JOIN input i ON i.id = m.id
+                WHERE i.lease_ms IS NOT NULL) AS w(id, m)
           WHERE w.id IN (SELECT id FROM moved)) due
 ),
 emitted AS (

@@ -7,7 +7,8 @@ placing. The holder's lease
 worker (controlplane.placement.lease) calls `drain` for the pools it holds: one transaction per
 batch of at most BC_PLACER_BATCH reservations, in arrival order:
 
-1. the pool lock, the fencing check and the batch's rows, locked (SKIP LOCKED): one statement;
+1. the pool lock, the fencing check, the clock read under the lock (migration 0045) and the
+   batch's rows, locked (SKIP LOCKED): one statement;
 2. the plans, in memory, and every allocation and booking in one statement
    (controlplane.placement.batch; a lost race costs that member a re-plan);
 3. for the members nothing fits: the SQL shortlist and the reason (placer.explain);
@@ -122,7 +123,8 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
             lease_deadline = placing.lease_deadline_of(row, now_ms)
             data = placing.placed_data(pool_id, [placement.node_id], ask)
             _append(moves, states.PLACED, [], ask.start_ms, ask.end_ms, lease_deadline, "reservation.placed", data)
-            for moment in schedule.booked_moment_list(ask.start_ms, ask.end_ms, lease_deadline):
+            # The lease deadline's wake-up is MOVE_BATCH's, which counts the lease from its clock.
+            for moment in schedule.booked_moment_list(ask.start_ms, ask.end_ms, None):
                 moves["wake_ids"].append(row["id"])
                 moves["wake_at"].append(moment)
         else:
