@@ -43,17 +43,11 @@ BEGIN
 END $$;
 
 
--- The product clock at this moment, read with a snapshot of its own (a plpgsql statement takes a
--- fresh one): a statement that waited for a lock reads it after the wait, whereas compute_now()
--- (the transaction's start) and a subquery on clock (the statement's snapshot) read it as before.
+-- The product clock in epoch milliseconds once a lock is held: compute_now_fresh (migration 0045)
+-- reads it with a snapshot of its own, so a statement that waited for a lock reads it after the
+-- wait, whereas compute_now() (the transaction's start) reads it as before.
 CREATE OR REPLACE FUNCTION clock_ms_fresh() RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v bigint;
-BEGIN
-    SELECT epoch_ms(clock_timestamp() + offset_ms * interval '1 millisecond') INTO v FROM clock;
-    RETURN v;
-END $$;
+LANGUAGE sql VOLATILE AS $$ SELECT epoch_ms(compute_now_fresh()) $$;
 
 -- place_inline (migrations 0032, 0042) with the window placed at the clock under the pool lock:
 -- a start that passed between transaction 1 (whose clock the caller planned at) and the lock
