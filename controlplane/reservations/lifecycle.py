@@ -8,6 +8,7 @@ from psycopg import AsyncConnection
 
 from controlplane import confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import queries as metal_queries
 from controlplane.nodes import desired
@@ -99,6 +100,26 @@ async def end_over(conn: AsyncConnection, row: dict[str, Any], over: str) -> Non
                                       noticeUntil=notice.get("noticeUntil"))
 
 
+async def end_if_notice_over(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> bool:
+    """A pending victim whose notice's end came (`preemption.notice_over`; BookingRepair found it
+    no room during the notice): nothing of its window is left, so it ends as a booked victim does
+    at the cut, released with reason `preempted` and its quota refunded. The pool lock and the row
+    (locked) held. Whether it ended."""
+    if not preemption.notice_over(row, now_ms):
+        return False
+    await end_over(conn, row, WINDOW_ENDED)
+    return True
+
+
+async def end_pending_victim(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """`end_if_notice_over` for the pending victim `row` read without a lock (the reconciler at
+    its cut, the pending retry): the pool lock (its end takes its notices), then the row."""
+    await pool_lock(conn, row["pool_id"])
+    locked = await _locked(conn, row["id"])
+    if locked["state"] == states.PENDING:
+        await end_if_notice_over(conn, locked, await db.now_ms(conn))
+
+
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     # An open confirmation dies with the request, so nobody approves a withdrawn reservation.
     await confirmations.withdraw(conn, row["id"])
@@ -113,7 +134,7 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await preemption.lock_pool_if_preempting(conn, rid)  # lock order: pool first
+        await preemption.lock_pool_if_noticed(conn, rid)  # lock order: pool first
         row = await _locked(conn, rid)
         over = await ended_reason(conn, row) if row["state"] in states.BOOKED else None
         if over is not None:  # its end or lapse came first: released as that moment
@@ -122,6 +143,8 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
             await free_capacity(conn, row)
             await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason="release")
             await events.emit_reservation(conn, row, "reservation.released", reason="release")
+        elif row["state"] == states.PENDING and await end_if_notice_over(conn, row, await db.now_ms(conn)):
+            pass  # a pending victim whose notice's end came: released as that moment, preempted
         elif row["state"] in (states.PENDING, states.QUEUED, states.AWAITING_CONFIRMATION):
             if row["state"] == states.AWAITING_CONFIRMATION:  # its deadline passed: expired, as the reconciler does
                 await expire_confirmation(conn, row)
@@ -140,7 +163,7 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await preemption.lock_pool_if_preempting(conn, rid)  # lock order: pool first
+        await preemption.lock_pool_if_noticed(conn, rid)  # lock order: pool first
         row = await _locked(conn, rid)
         if row["state"] not in CANCELLABLE:
             raise errors.InvalidState(
