@@ -100,24 +100,16 @@ async def end_over(conn: AsyncConnection, row: dict[str, Any], over: str) -> Non
                                       noticeUntil=notice.get("noticeUntil"))
 
 
-async def end_if_notice_over(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> bool:
-    """A pending victim whose notice's end came (`preemption.notice_over`; BookingRepair found it
-    no room during the notice): nothing of its window is left, so it ends as a booked victim does
-    at the cut, released with reason `preempted` and its quota refunded. The pool lock and the row
-    (locked) held. Whether it ended."""
-    if not preemption.notice_over(row, now_ms):
-        return False
-    await end_over(conn, row, WINDOW_ENDED)
-    return True
-
-
 async def end_pending_victim(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """`end_if_notice_over` for the pending victim `row` read without a lock (the reconciler at
-    its cut, the pending retry): the pool lock (its end takes its notices), then the row."""
+    """A pending victim (BookingRepair found it no room during its notice), read without a lock,
+    whose notice's end came (`preemption.notice_over`): nothing of its window is left, so it ends
+    as a booked victim does at the cut, released with reason `preempted` and its quota refunded.
+    The pool lock first (its end takes its notices), then the row; the reconciler at the cut and
+    the pending retry end it."""
     await pool_lock(conn, row["pool_id"])
     locked = await _locked(conn, row["id"])
-    if locked["state"] == states.PENDING:
-        await end_if_notice_over(conn, locked, await db.now_ms(conn))
+    if locked["state"] == states.PENDING and preemption.notice_over(locked, await db.now_ms(conn)):
+        await end_over(conn, locked, WINDOW_ENDED)
 
 
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
@@ -143,8 +135,6 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
             await free_capacity(conn, row)
             await move(conn, row, states.RELEASED, operation_state=row["operation_state"], end_reason="release")
             await events.emit_reservation(conn, row, "reservation.released", reason="release")
-        elif row["state"] == states.PENDING and await end_if_notice_over(conn, row, await db.now_ms(conn)):
-            pass  # a pending victim whose notice's end came: released as that moment, preempted
         elif row["state"] in (states.PENDING, states.QUEUED, states.AWAITING_CONFIRMATION):
             if row["state"] == states.AWAITING_CONFIRMATION:  # its deadline passed: expired, as the reconciler does
                 await expire_confirmation(conn, row)
