@@ -8,7 +8,9 @@ new `until`), `reservation.preempting` with the preemptor's id and the notice's 
 then. At the end of the notice the reconciler releases them as for any end, with reason
 `preempted` and `reservation.preempted` (`end_reason`), refunding their quota. A preemptor
 released or cancelled before the notice's end gives its victims their time back (`give_back`):
-each notice is a row of preemption_notices (migration 0040) with the end the victim had.
+each notice is a row of preemption_notices (migration 0040) with the end the victim had, gone
+when either of them ends. A victim that BookingRepair leaves pending keeps its notice (its retry
+places it only to the cut) and ends preempted when the cut comes first.
 """
 
 from __future__ import annotations
