@@ -8,6 +8,7 @@ from psycopg import AsyncConnection
 
 from controlplane import confirmations, db, errors, events, iam, quota
 from controlplane.auth import Caller
+from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import queries as metal_queries
 from controlplane.nodes import desired
@@ -99,6 +100,18 @@ async def end_over(conn: AsyncConnection, row: dict[str, Any], over: str) -> Non
                                       noticeUntil=notice.get("noticeUntil"))
 
 
+async def end_pending_victim(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """A pending victim (BookingRepair found it no room during its notice), read without a lock,
+    whose notice's end came (`preemption.notice_over`): nothing of its window is left, so it ends
+    as a booked victim does at the cut, released with reason `preempted` and its quota refunded.
+    The pool lock first (its end takes its notices), then the row; the reconciler at the cut and
+    the pending retry end it."""
+    await pool_lock(conn, row["pool_id"])
+    locked = await _locked(conn, row["id"])
+    if locked["state"] == states.PENDING and preemption.notice_over(locked, await db.now_ms(conn)):
+        await end_over(conn, locked, WINDOW_ENDED)
+
+
 async def _cancel_locked(conn: AsyncConnection, row: dict[str, Any], reason: str) -> None:
     # An open confirmation dies with the request, so nobody approves a withdrawn reservation.
     await confirmations.withdraw(conn, row["id"])
@@ -113,7 +126,7 @@ async def release(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await preemption.lock_pool_if_preempting(conn, rid)  # lock order: pool first
+        await preemption.lock_pool_if_noticed(conn, rid)  # lock order: pool first
         row = await _locked(conn, rid)
         over = await ended_reason(conn, row) if row["state"] in states.BOOKED else None
         if over is not None:  # its end or lapse came first: released as that moment
@@ -140,7 +153,7 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
     await _authorized_row(rt, caller, tenant_id, rid, iam.RELEASE)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await preemption.lock_pool_if_preempting(conn, rid)  # lock order: pool first
+        await preemption.lock_pool_if_noticed(conn, rid)  # lock order: pool first
         row = await _locked(conn, rid)
         if row["state"] not in CANCELLABLE:
             raise errors.InvalidState(

@@ -124,9 +124,11 @@ async def commit_gang(
 
 
 async def go_pending(conn: AsyncConnection, row: dict[str, Any], reason: str, message: str, now_ms: int) -> None:
-    """Nothing fits after a re-placement: pending with Unschedulable, retried like any pending one."""
+    """Nothing fits after a re-placement: pending with Unschedulable, retried like any pending one.
+    A victim keeps its notice: a retry places it only to the cut (`ask_for`), and a preemptor that
+    goes away gives it its window back (preemption.give_back)."""
     await move(conn, row, states.PENDING, operation_state="succeeded",
-               conditions=[condition("Unschedulable", reason, message, now_ms)])
+               conditions=[condition("Unschedulable", reason, message, now_ms), *_notice(row)])
     await events.emit_reservation(conn, row, "reservation.pending", reason=reason)
 
 
@@ -148,12 +150,24 @@ def at_clock(prepared: Prepared, row: dict[str, Any], now_ms: int) -> Prepared:
                                                                  end_ms=ask.end_ms))
 
 
+def _notice(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Preempting condition of a victim, kept through a re-placement ([] when none)."""
+    notice = preemption.notice_of(row)
+    return [notice] if notice is not None else []
+
+
 def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
-    """The window: a start still ahead is kept; otherwise the window begins now, full length."""
+    """The window: a start still ahead is kept; otherwise the window begins now, full length. A
+    victim under notice (pending after BookingRepair found it no room) ends at the cut at the
+    latest: from there on its devices are the preemptor's (preemption.notice_over: none left)."""
     request = row["request"]
     device = request["devices"][0]
     start = request.get("start")
     begin = start if start is not None and start > now_ms else now_ms
+    end = begin + request["durationMs"]
+    cut = preemption.cut_of(row)
+    if cut is not None and begin < cut:
+        end = min(end, cut)
     return placer.Ask(
         pool_id=row["pool_id"],
         count=device["count"],
@@ -162,7 +176,7 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
         selector=request.get("nodeSelector") or {},
         required={**kubernetes.required_labels(request), **limits_label(request)},
         start_ms=begin,
-        end_ms=begin + request["durationMs"],
+        end_ms=end,
         device_class=device.get("class") or "gpu",
         profile=device.get("profile") or "",
         host=dict(request.get("resources") or {}),
@@ -277,7 +291,7 @@ async def place_locked(
             held = next((c for c in row["conditions"] if c.get("type") == "Unschedulable"), None)
             if held is None or held.get("message") != reason:
                 why = held.get("reason", "NoFit") if held else "NoFit"
-                await set_conditions(conn, row, [condition("Unschedulable", why, reason, now_ms)])
+                await set_conditions(conn, row, [condition("Unschedulable", why, reason, now_ms), *_notice(row)])
             return None
         await move(conn, row, states.PENDING, operation_state="succeeded",
                    conditions=[condition("Unschedulable", "NoFit", reason, now_ms)], attempt=True)
@@ -285,7 +299,7 @@ async def place_locked(
         return None
     lease_deadline = lease_deadline_of(row, lease_from)
     return await move_wake_emit(
-        conn, row, states.PLACED, operation_state="succeeded", conditions=[],
+        conn, row, states.PLACED, operation_state="succeeded", conditions=_notice(row),  # a victim keeps its notice
         window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,  # counted again under the lock
         moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),  # the deadline's wake-up: its own
         event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,

@@ -8,7 +8,9 @@ new `until`), `reservation.preempting` with the preemptor's id and the notice's 
 then. At the end of the notice the reconciler releases them as for any end, with reason
 `preempted` and `reservation.preempted` (`end_reason`), refunding their quota. A preemptor
 released or cancelled before the notice's end gives its victims their time back (`give_back`):
-each notice is a row of preemption_notices (migration 0040) with the end the victim had.
+each notice is a row of preemption_notices (migration 0040) with the end the victim had, gone
+when either of them ends. A victim that BookingRepair leaves pending keeps its notice (its retry
+places it only to the cut) and ends preempted when the cut comes first.
 """
 
 from __future__ import annotations
@@ -52,15 +54,16 @@ INSERT INTO preemption_notices (victim_id, preemptor_id, cut, until)
 VALUES (%(victim)s, %(preemptor)s, from_epoch_ms(%(cut)s), from_epoch_ms(%(until)s))
 ON CONFLICT (preemptor_id, victim_id) DO NOTHING
 """
-# The pool of a reservation that gave notices (a release or cancel takes the pool lock first).
-POOL_OF_PREEMPTOR = """
-SELECT r.pool_id FROM preemption_notices n JOIN reservations r ON r.id = n.preemptor_id
-WHERE n.preemptor_id = %(id)s LIMIT 1
+# The pool of a reservation that gave or is under notices (its end takes the pool lock first).
+POOL_IF_NOTICED = """
+SELECT r.pool_id FROM reservations r
+WHERE r.id = %(id)s AND EXISTS (SELECT 1 FROM preemption_notices n WHERE n.preemptor_id = r.id OR n.victim_id = r.id)
 """
-# The notices `id` gave, gone with it.
+# The notices of `id`, gone with it: those it gave (what its victims may get back) and those it
+# was under (nothing to give back to a reservation that ended).
 TAKE_NOTICES = """
-DELETE FROM preemption_notices WHERE preemptor_id = %(id)s
-RETURNING victim_id, epoch_ms(cut) AS cut, epoch_ms(until) AS until
+DELETE FROM preemption_notices WHERE preemptor_id = %(id)s OR victim_id = %(id)s
+RETURNING preemptor_id, victim_id, epoch_ms(cut) AS cut, epoch_ms(until) AS until
 """
 LOCK_VICTIM = """
 SELECT id, tenant_id, pool_id, state, conditions, epoch_ms(upper(during)) AS during_end FROM reservations
@@ -179,7 +182,23 @@ async def fall_back_inline(conn: AsyncConnection, pool_id: str, pending: list[di
 
 def notice_of(row: dict[str, Any]) -> dict[str, Any] | None:
     """The Preempting condition of a row that got a notice, or None."""
-    return next((c for c in row["conditions"] if c.get("type") == PREEMPTING), None)
+    return next((c for c in row.get("conditions") or [] if c.get("type") == PREEMPTING), None)
+
+
+def cut_of(row: dict[str, Any]) -> int | None:
+    """Where the notice `row` is under ends its window (the preemptor's from there on), or None."""
+    notice = notice_of(row)
+    return None if notice is None else notice.get("noticeUntil")
+
+
+def notice_over(row: dict[str, Any], now_ms: int) -> bool:
+    """A pending victim (BookingRepair found it no room during its notice) with nothing left to
+    place: the notice's end came, or its start is not before it. It ends as at the cut, preempted."""
+    cut = cut_of(row)
+    if row["state"] != states.PENDING or cut is None:
+        return False
+    start = row["request"].get("start")
+    return max(now_ms, start if start is not None else now_ms) >= cut
 
 
 async def withdraw_notice(conn: AsyncConnection, row: dict[str, Any]) -> None:
@@ -189,33 +208,44 @@ async def withdraw_notice(conn: AsyncConnection, row: dict[str, Any]) -> None:
         await set_conditions(conn, row, [c for c in row["conditions"] if c.get("type") != PREEMPTING])
 
 
-async def lock_pool_if_preempting(conn: AsyncConnection, rid: str) -> None:
-    """Before a release or cancel locks `rid`: the pool lock, when `rid` gave notices (giving the
-    victims their time back books, and a transaction that books takes the pool lock first)."""
-    found = await (await conn.execute(POOL_OF_PREEMPTOR, {"id": rid})).fetchone()
+async def noticed(conn: AsyncConnection, rid: str) -> bool:
+    """Whether `rid` gave notices or is under one (its end then needs the pool lock first)."""
+    return await (await conn.execute(POOL_IF_NOTICED, {"id": rid})).fetchone() is not None
+
+
+async def lock_pool_if_noticed(conn: AsyncConnection, rid: str) -> bool:
+    """Before an end locks `rid`: the pool lock, when `rid` gave notices or is under one (its end
+    takes them, and giving victims their time back books; a transaction that books, or writes a
+    notice, takes the pool lock first). Whether it was taken."""
+    found = await (await conn.execute(POOL_IF_NOTICED, {"id": rid})).fetchone()
     if found is not None:
         await pool_lock(conn, found["pool_id"])
+    return found is not None
 
 
 async def give_back(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    """`row` (locked) goes away: each victim of its notices that has not reached the cut yet
-    keeps its devices to the end it had before (its bookings and window move back, the notice is
+    """`row` (locked, the pool lock held when it has notices: `lock_pool_if_noticed`) ends: its
+    notices go with it, in one statement. Those it was under are done with (read by no later give
+    back, preemption or merge). Each victim of those it gave that has not reached the cut yet keeps
+    its devices to the end it had before (its bookings and window move back, the notice is
     withdrawn, `reservation.extended`), unless another booking took them meanwhile (it needs them:
-    the notice stands). A victim another preemptor cut earlier since stays under that one's notice,
+    the notice stands); a pending victim (BookingRepair found it no room) gets its window back, to
+    be placed for it. A victim another preemptor cut earlier since stays under that one's notice,
     which now gives back this one's part too when it goes. Spot is preemptible so that a regular
     reservation can have the devices, not to be ended for nothing."""
-    notices = await (await conn.execute(TAKE_NOTICES, {"id": row["id"]})).fetchall()
+    taken = await (await conn.execute(TAKE_NOTICES, {"id": row["id"]})).fetchall()
+    notices = [n for n in taken if n["preemptor_id"] == row["id"]]
     if not notices:
         return
     now_ms = (await (await conn.execute(NOW_UNDER_LOCK)).fetchone())["now_ms"]
     notices = sorted((n for n in notices if n["cut"] > now_ms), key=lambda n: n["victim_id"])
     if not notices:  # every cut passed: the victims ended or end now
         return
-    await pool_lock(conn, row["pool_id"])  # already held from a release or cancel (lock_pool_if_preempting)
+    await pool_lock(conn, row["pool_id"])  # already held (lock_pool_if_noticed, the reconciler's pass)
     for notice in notices:
         victim = await (await conn.execute(LOCK_VICTIM, {"id": notice["victim_id"]})).fetchone()
         now_ms = (await (await conn.execute(NOW_UNDER_LOCK)).fetchone())["now_ms"]  # after any wait for the row
-        if victim is None or victim["state"] not in states.BOOKED or notice["cut"] <= now_ms:
+        if victim is None or victim["state"] not in GIVEN_BACK or notice["cut"] <= now_ms:
             continue
         params = {"id": victim["id"], "cut": notice["cut"], "until": notice["until"]}
         if victim["during_end"] != notice["cut"]:  # cut earlier since by another: that one gives this back
@@ -224,17 +254,23 @@ async def give_back(conn: AsyncConnection, row: dict[str, Any]) -> None:
         await _restore(conn, victim, notice["cut"], notice["until"], now_ms)
 
 
+# A victim gets its time back while booked, or pending after BookingRepair found it no room.
+GIVEN_BACK = states.BOOKED | {states.PENDING}
+
+
 async def _restore(conn: AsyncConnection, victim: dict[str, Any], cut_ms: int, until_ms: int, now_ms: int) -> None:
     moves = {"id": victim["id"], "from": cut_ms, "to": until_ms}
-    try:
-        async with conn.transaction():  # savepoint: every booking moves back, or none
-            await conn.execute(queries.MOVE_BOOKING_ENDS, moves)
-    except psycopg.errors.ExclusionViolation as exc:
-        if not (db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP)
-                or db_errors.violates(exc, db_errors.HOST_BOOKINGS_WITHIN_ALLOCATABLE)):
-            raise
-        log.info("preemption not given back: booked meanwhile", reservation_id=victim["id"])
-        return
+    booked = victim["state"] in states.BOOKED
+    if booked:
+        try:
+            async with conn.transaction():  # savepoint: every booking moves back, or none
+                await conn.execute(queries.MOVE_BOOKING_ENDS, moves)
+        except psycopg.errors.ExclusionViolation as exc:
+            if not (db_errors.violates(exc, db_errors.BOOKINGS_NO_OVERLAP)
+                    or db_errors.violates(exc, db_errors.HOST_BOOKINGS_WITHIN_ALLOCATABLE)):
+                raise
+            log.info("preemption not given back: booked meanwhile", reservation_id=victim["id"])
+            return
     await conn.execute(queries.SET_WINDOW_END, moves)
     outer = await (await conn.execute(NOTICE_AT, {"id": victim["id"], "cut": until_ms})).fetchone()
     kept = [c for c in victim["conditions"] if c.get("type") != PREEMPTING]
@@ -242,6 +278,7 @@ async def _restore(conn: AsyncConnection, victim: dict[str, Any], cut_ms: int, u
         by = outer["preemptor_id"] if outer["tenant_id"] == victim["tenant_id"] else ""
         kept.append(held_condition(by, until_ms, now_ms))
     await set_conditions(conn, victim, kept)
-    await desired.bump_live_of(conn, victim["id"])
-    await schedule.at(conn, victim["id"], until_ms)
+    if booked:
+        await desired.bump_live_of(conn, victim["id"])
+        await schedule.at(conn, victim["id"], until_ms)
     await events.emit_reservation(conn, victim, "reservation.extended", **{"from": cut_ms, "to": until_ms})

@@ -14,8 +14,8 @@ from controlplane import db
 from controlplane.common.locks import pool_lock
 from controlplane.metal import is_node_lease
 from controlplane.metal import lifecycle as node_lease
-from controlplane.reservations import binding, queries, repair, schedule, states
-from controlplane.reservations.lifecycle import end_over, over_at
+from controlplane.reservations import binding, preemption, queries, repair, schedule, states
+from controlplane.reservations.lifecycle import end_over, end_pending_victim, over_at
 from controlplane.reservations.transitions import expire_confirmation
 from controlplane.runtime import Runtime
 
@@ -40,6 +40,13 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
     if row["state"] == states.AWAITING_CONFIRMATION:
         await expire_confirmation(conn, row)
         return
+    if row["state"] == states.PENDING:  # woken at the cut of a victim pending since BookingRepair
+        if preemption.cut_of(row) is None or not preemption.notice_over(row, await db.now_ms(conn)):
+            return
+        if not may_place:
+            raise binding.NeedsPoolLock  # its end takes its notices: the pool lock first
+        await end_pending_victim(conn, row)
+        return
     if row["state"] not in states.BOOKED:
         return
     if may_place:
@@ -51,6 +58,10 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
 
     over = over_at(row, now_ms)
     if over is not None:
+        if not may_place and await preemption.noticed(conn, rid):
+            # Its end takes the notices it gave (giving victims their time back books) or was
+            # under, as a release does after the pool lock: run again taking that lock first.
+            raise binding.NeedsPoolLock
         await end_over(conn, row, over)
         return
     if is_node_lease(row["request"]):  # from its start the node is metal's (controlplane.metal)

@@ -16,7 +16,7 @@ from psycopg import AsyncConnection
 
 from controlplane import events
 from controlplane.placement import gang
-from controlplane.reservations import placing, queries, schedule
+from controlplane.reservations import placing, preemption, queries, schedule
 from controlplane.runtime import Runtime
 
 
@@ -45,7 +45,8 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
         replaced = await placing.place_again_any(conn, rt, row, window, frozenset(bad), now_ms)
         if not replaced.node_ids:
             message = f"booking repair found no replacement for {', '.join(bad)}: " + replaced.reason
-            await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)
+            await placing.go_pending(conn, row, "BookingRepairFailed", message, now_ms)  # a victim keeps its notice
+            await schedule.at(conn, row["id"], preemption.cut_of(row))  # where a victim's notice ends it
             return False
         node_ids = replaced.node_ids
     if window[0] != row["during_start"]:

@@ -25,7 +25,8 @@ INTERNAL = frozenset({DRAFT})
 TRANSITIONS: dict[str, frozenset[str]] = {
     DRAFT: frozenset({AWAITING_CONFIRMATION, PENDING, QUEUED, PLACED, DENIED}),
     AWAITING_CONFIRMATION: frozenset({PENDING, QUEUED, PLACED, DENIED, EXPIRED, CANCELLED}),
-    PENDING: frozenset({PLACED, QUEUED, CANCELLED, FAILED}),
+    # pending -> released: a victim pending after BookingRepair whose notice's end came (preempted).
+    PENDING: frozenset({PLACED, QUEUED, CANCELLED, FAILED, RELEASED}),
     QUEUED: frozenset({PLACED, PENDING, CANCELLED}),
     PLACED: frozenset({BINDING, PENDING, RELEASED, CANCELLED, FAILED}),
     BINDING: frozenset({ACTIVE, PENDING, PLACED, RELEASED, FAILED}),

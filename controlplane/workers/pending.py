@@ -18,7 +18,7 @@ import structlog
 from controlplane import db
 from controlplane.common.locks import pool_lock
 from controlplane.listen import RECONNECTED, listen
-from controlplane.reservations import placing, queries, states
+from controlplane.reservations import lifecycle, placing, preemption, queries, states
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -59,6 +59,9 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     now_ms = await db.now_ms(conn)
     row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
+        return False
+    if preemption.notice_over(row, now_ms):  # a victim with nothing left to place: it ends, preempted
+        await lifecycle.end_pending_victim(conn, row)
         return False
     prepared = await placing.prepare(conn, rt, row, now_ms)
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
