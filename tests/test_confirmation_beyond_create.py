@@ -133,3 +133,15 @@ def test_an_agent_not_held_for_extend_is_refused_without_a_confirmation(world: W
     assert reason == "ACCESS_DENIED" and "reason" not in details
     assert world.sql("SELECT count(*) FROM confirmations WHERE reservation_id = %s", (booked.id,)) == [(0,)]
     unchanged(world, booked)
+
+
+@pytest.mark.parametrize("call,action", [("Release", RELEASE), ("Cancel", RELEASE), ("Renew", EXTEND)])
+def test_release_cancel_and_renew_held_for_confirmation_say_so(world: World, call: str, action: str) -> None:
+    _, agent, booked = agent_and_booking(world, confirm=[EXTEND, RELEASE])
+    request = {"Release": pb.ReleaseReservationRequest, "Cancel": pb.CancelReservationRequest,
+               "Renew": pb.RenewReservationRequest}[call](tenant_id=world.tenant, reservation_id=booked.id)
+    code, reason, details = refused(agent.res, call, request)
+    assert (reason, details["reason"], details["action"]) == ("ACCESS_DENIED", "confirmation-unsupported", action)
+    assert details["reservationId"] == booked.id
+    assert world.sql("SELECT count(*) FROM confirmations WHERE reservation_id = %s", (booked.id,)) == [(0,)]
+    unchanged(world, booked)
