@@ -5,11 +5,14 @@ renew open no confirmation and say so. Real servers, real agent and person token
 
 from __future__ import annotations
 
+import pathlib
+
 import grpc
 import pytest
 
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.support import World, refused
+from tests.test_mcp import Call, _token, run_agent
 
 HOUR = 3_600_000
 EXTEND = "compute:reservations:extend"
@@ -145,3 +148,23 @@ def test_release_cancel_and_renew_held_for_confirmation_say_so(world: World, cal
     assert details["reservationId"] == booked.id
     assert world.sql("SELECT count(*) FROM confirmations WHERE reservation_id = %s", (booked.id,)) == [(0,)]
     unchanged(world, booked)
+
+
+def test_the_mcp_server_runs_the_confirmation_loop_for_an_extend(world: World, tmp_path: pathlib.Path) -> None:
+    _, agent, booked = agent_and_booking(world)
+    hours_ahead = (booked.during.end - world.sql("SELECT epoch_ms(compute_now())")[0][0]) // HOUR + 3
+
+    async def script(call: Call) -> None:
+        # A relative until: the retry must resend the held change, not read `+Nh` again.
+        until = f"+{hours_ahead}h"
+        failed, asked = await call("extend_reservation", reservationId=booked.id, until=until)
+        assert not failed and asked["status"] == "confirmation-required", asked
+        cid, key = asked["confirmationId"], asked["idempotencyKey"]
+        assert asked["personMustRun"] == f"better-compute confirmations approve {cid}"
+        assert "extend_reservation" in asked["next"] and key in asked["next"]
+        decide(world, cid)
+        failed, out = await call("extend_reservation", reservationId=booked.id, until=until, idempotencyKey=key)
+        assert not failed and out["extended"], out
+        assert int(out["reservation"]["during"]["end"]) == confirmation(world, cid).until
+
+    run_agent(world, tmp_path, _token(agent), script)
