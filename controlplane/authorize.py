@@ -42,8 +42,14 @@ def decide(policy: str | None, caller: Caller, action: str, resource_type: str, 
 def check(policy: str | None, caller: Caller, tenant_id: str, action: str, resource_type: str,
           resource_id: str, attributes: dict[str, Any], *, message: str = "IAM refused this call",
           **details: Any) -> None:
-    """ACCESS_DENIED (with `details`) unless `policy` allows `action` on the resource."""
-    if not decide(policy, caller, action, resource_type, resource_id, attributes, tenant_id=tenant_id).allowed:
+    """ACCESS_DENIED (with `details`) unless `policy` allows `action` on the resource. These calls
+    open no confirmation (docs/decisions.md "Delegated confirmation"): an agent's call its person
+    holds for confirmation is refused saying so (reason `confirmation-unsupported`, the action)."""
+    decision = decide(policy, caller, action, resource_type, resource_id, attributes, tenant_id=tenant_id)
+    if decision.outcome == iam.CONFIRM:
+        raise errors.AccessDenied(f"{message}: {action} is held for the person's confirmation, which this call "
+                                  "cannot ask for", **details, reason="confirmation-unsupported", action=action)
+    if not decision.allowed:
         raise errors.AccessDenied(message, **details)
 
 

@@ -18,16 +18,35 @@ from controlplane.runtime import Runtime
 CONFIRMATION_ID = re.compile(r"^conf_[0-9a-hjkmnp-tv-z]{26}$")
 
 _SELECT = """
-SELECT c.*, epoch_ms(c.expires_at) AS expires_ms, (c.expires_at <= compute_now()) AS past_deadline
+SELECT c.*, epoch_ms(c.expires_at) AS expires_ms, epoch_ms(c.until_at) AS until_ms,
+       (c.expires_at <= compute_now()) AS past_deadline
 FROM confirmations c WHERE c.id = %(id)s AND c.tenant_id = %(tenant_id)s
 """
 _DECIDE = "UPDATE confirmations SET state = %(state)s, decided_at = compute_now() WHERE id = %(id)s"
 _OPEN = """
 INSERT INTO confirmations (id, tenant_id, reservation_id, request_hash, action,
-                           agent_identity_id, person_identity_id, expires_at)
+                           agent_identity_id, person_identity_id, expires_at, until_at)
 VALUES (%(id)s, %(tenant_id)s, %(reservation_id)s, %(request_hash)s, %(action)s,
-        %(agent)s, %(person)s, from_epoch_ms(%(expires_ms)s))
+        %(agent)s, %(person)s, from_epoch_ms(%(expires_ms)s), from_epoch_ms(%(until_ms)s))
 """
+# A change to an existing reservation (an extend) is confirmed per request: the agent's own, of
+# this hash (its change and key), newest first; and the reservation's open one of the action,
+# whoever asked it, which holds the one slot (confirmations_open). Locked: the caller decides.
+_OF_REQUEST = """
+SELECT id, state, epoch_ms(expires_at) AS expires_ms, (expires_at <= compute_now()) AS past_deadline
+FROM confirmations
+WHERE reservation_id = %(reservation_id)s AND action = %(action)s AND agent_identity_id = %(agent)s
+  AND request_hash = %(request_hash)s
+ORDER BY created_at DESC, id DESC LIMIT 1
+"""
+_OPEN_OF_ACTION = """
+SELECT id, state, request_hash, agent_identity_id, epoch_ms(expires_at) AS expires_ms,
+       (expires_at <= compute_now()) AS past_deadline
+FROM confirmations
+WHERE reservation_id = %(reservation_id)s AND action = %(action)s AND state IN ('pending', 'approved')
+FOR UPDATE
+"""
+_USE = "UPDATE confirmations SET state = 'used' WHERE id = %(id)s AND state = 'approved'"
 _LATEST = """
 SELECT id, state, epoch_ms(expires_at) AS expires_ms,
        (state IN ('pending', 'approved') AND expires_at <= compute_now()) AS expired
@@ -62,12 +81,31 @@ RETURNING c.id
 
 async def open_confirmation(
     conn: AsyncConnection, *, confirmation_id: str, row: dict[str, Any], action: str, agent: str, person: str | None,
-    expires_ms: int,
+    expires_ms: int, request_hash: str | None = None, until_ms: int | None = None,
 ) -> None:
-    """A pending confirmation of `action` on the reservation `row`, decided by `person`."""
+    """A pending confirmation of `action` on the reservation `row`, decided by `person`: of the
+    row's own request (a create), or of `request_hash` asking for the end `until_ms` (an extend)."""
     await conn.execute(_OPEN, {"id": confirmation_id, "tenant_id": row["tenant_id"], "reservation_id": row["id"],
-                               "request_hash": row["request_hash"], "action": action, "agent": agent,
-                               "person": person, "expires_ms": expires_ms})
+                               "request_hash": request_hash or row["request_hash"], "action": action,
+                               "agent": agent, "person": person, "expires_ms": expires_ms, "until_ms": until_ms})
+
+
+async def of_request(conn: AsyncConnection, reservation_id: str, action: str, agent: str,
+                     digest: str) -> dict[str, Any] | None:
+    """The agent's newest confirmation of this very change (`digest`) to the reservation."""
+    return await (await conn.execute(_OF_REQUEST, {"reservation_id": reservation_id, "action": action,
+                                                   "agent": agent, "request_hash": digest})).fetchone()
+
+
+async def lock_open(conn: AsyncConnection, reservation_id: str, action: str) -> dict[str, Any] | None:
+    """The reservation's open (pending or approved) confirmation of `action`, locked; None if none."""
+    return await (await conn.execute(_OPEN_OF_ACTION, {"reservation_id": reservation_id,
+                                                       "action": action})).fetchone()
+
+
+async def use(conn: AsyncConnection, confirmation_id: str) -> None:
+    """The retry it approved was applied: closed, so it authorises nothing more."""
+    await conn.execute(_USE, {"id": confirmation_id})
 
 
 async def latest(conn: AsyncConnection, reservation_id: str, action: str) -> dict[str, Any] | None:

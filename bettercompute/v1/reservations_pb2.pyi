@@ -843,6 +843,7 @@ class Confirmation(_message.Message):
     PERSON_IDENTITY_ID_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant_id: _builtins.str
     reservation_id: _builtins.str
@@ -850,8 +851,14 @@ class Confirmation(_message.Message):
     agent_identity_id: _builtins.str
     person_identity_id: _builtins.str
     state: _builtins.str
-    """"pending", "approved", "rejected", "expired"."""
+    """"pending", "approved", "rejected", "expired", "withdrawn", or "used" (an extend's approval,
+    once the retry it approved extended the reservation).
+    """
     expires_at: _builtins.int
+    until: _builtins.int
+    """What is being confirmed for compute:reservations:extend: the end (epoch ms) the reservation
+    would have; unset for a create (the reservation itself is the request).
+    """
     def __init__(
         self,
         *,
@@ -863,12 +870,15 @@ class Confirmation(_message.Message):
         person_identity_id: _builtins.str = ...,
         state: _builtins.str = ...,
         expires_at: _builtins.int = ...,
+        until: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_until", b"_until", "until", b"until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "agent_identity_id", b"agent_identity_id", "expires_at", b"expires_at", "id", b"id", "person_identity_id", b"person_identity_id", "reservation_id", b"reservation_id", "state", b"state", "tenant_id", b"tenant_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_until", b"_until", "action", b"action", "agent_identity_id", b"agent_identity_id", "expires_at", b"expires_at", "id", b"id", "person_identity_id", b"person_identity_id", "reservation_id", b"reservation_id", "state", b"state", "tenant_id", b"tenant_id", "until", b"until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__until: _TypeAlias = _typing.Literal["until"]  # noqa: Y015
+    _WhichOneofArgType__until: _TypeAlias = _typing.Literal["_until", b"_until"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__until) -> _WhichOneofReturnType__until | None: ...
 
 Global___Confirmation: _TypeAlias = Confirmation  # noqa: Y015
 

@@ -136,8 +136,9 @@ def confirmation(row: dict[str, Any]) -> pb.Confirmation:
     return pb.Confirmation(
         id=row["id"], tenant_id=row["tenant_id"], reservation_id=row["reservation_id"], action=row["action"],
         agent_identity_id=row["agent_identity_id"], person_identity_id=row["person_identity_id"],
-        state="expired" if row["state"] == "pending" and row["past_deadline"] else row["state"],
-        expires_at=row["expires_ms"],
+        state="expired" if row["past_deadline"] and (row["state"] == "pending" or (
+            row["state"] == "approved" and row["until_ms"] is not None)) else row["state"],
+        expires_at=row["expires_ms"], until=row["until_ms"],
     )
 
 

@@ -5,6 +5,8 @@ own token. `reserve_gpus` runs the delegated-confirmation loop: when the agent's
 request for confirmation, the tool answers with the confirmation id and what the person must do,
 and keeps the request under its idempotency key; calling `reserve_gpus` again with that key sends
 the same request again (same window, same key), which places it once the person has approved.
+`extend_reservation` runs the same loop: a held extend is kept under its key and resent as it was
+(a relative until is not read again), so the retry is the change the person approved.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from controlplane.client.render import as_json
 INSTRUCTIONS = (
     "Book GPUs of a Better Compute pool. reserve_gpus may answer status 'confirmation-required': "
     "tell the person the confirmationId and the command in 'personMustRun', wait until they say "
-    "they approved it, then call reserve_gpus again with the same idempotencyKey."
+    "they approved it, then call the same tool (reserve_gpus or extend_reservation) again with the "
+    "same idempotencyKey."
 )
 
 
@@ -39,6 +42,7 @@ class Tools:
     def __init__(self, client: Client) -> None:
         self.client = client
         self.held: dict[str, pb.CreateReservationRequest] = {}
+        self.held_extends: dict[str, pb.ExtendReservationRequest] = {}
         self.lock = threading.Lock()
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -74,7 +78,7 @@ class Tools:
                 raise tool_error(err) from None
             with self.lock:
                 self.held[key] = request
-            return confirmation_required(key, error.get("details", {}))
+            return confirmation_required(key, error.get("details", {}), "reserve_gpus")
         except UsageError as exc:
             raise usage_error(exc) from None
         with self.lock:
@@ -105,9 +109,31 @@ class Tools:
         return as_json(self._call(self.client.call, "reservations", "List", request))
 
     def extend_reservation(self, reservation_id: str, until: str | None, by: str | None, key: str | None) -> dict[str, Any]:
-        request = self._call(commands.extend_request, self.client, reservation_id, until=until, by=by, key=key)
-        answer = as_json(self._call(self.client.call, "reservations", "Extend", request))
-        answer["idempotencyKey"] = request.idempotency_key
+        with self.lock:
+            held = self.held_extends.get(key) if key else None
+        if held is not None and held.reservation_id == reservation_id:
+            request = pb.ExtendReservationRequest()
+            request.CopyFrom(held)  # the very change that was held, so the retry matches it
+        else:
+            request = self._call(commands.extend_request, self.client, reservation_id, until=until, by=by, key=key)
+        key = request.idempotency_key
+        try:
+            answer = as_json(self.client.call("reservations", "Extend", request))
+        except grpc.RpcError as err:
+            error = error_json(err)["error"]
+            with self.lock:
+                if error["code"] == "CONFIRMATION_REQUIRED":
+                    self.held_extends[key] = request
+                else:
+                    self.held_extends.pop(key, None)
+            if error["code"] == "CONFIRMATION_REQUIRED":
+                return confirmation_required(key, error.get("details", {}), "extend_reservation")
+            raise tool_error(err) from None
+        except UsageError as exc:
+            raise usage_error(exc) from None
+        with self.lock:
+            self.held_extends.pop(key, None)
+        answer["idempotencyKey"] = key
         return answer
 
     def release_reservation(self, reservation_id: str) -> dict[str, Any]:
@@ -137,7 +163,7 @@ def usage_error(exc: UsageError) -> ToolError:
     return ToolError(json.dumps(error))
 
 
-def confirmation_required(key: str, details: dict[str, str]) -> dict[str, Any]:
+def confirmation_required(key: str, details: dict[str, str], tool: str) -> dict[str, Any]:
     confirmation_id = details.get("confirmationId", "")
     return {
         "status": "confirmation-required",
@@ -147,7 +173,7 @@ def confirmation_required(key: str, details: dict[str, str]) -> dict[str, Any]:
         "expiresAt": details.get("expiresAt", ""),
         "personMustRun": f"better-compute confirmations approve {confirmation_id}",
         "next": "Ask your person to approve it (or reject it with `better-compute confirmations reject "
-        f"{confirmation_id}`); once they have, call reserve_gpus again with idempotencyKey {key!r}.",
+        f"{confirmation_id}`); once they have, call {tool} again with idempotencyKey {key!r}.",
     }
 
 
@@ -229,7 +255,7 @@ def build(tools: Tools) -> MCPServer:
     ) -> dict[str, Any]:
         """Move a reservation's end later: exactly one of until ('+12h', ISO 8601, epoch ms) or by
         ('4h'). Prefer until when you may retry. extended=false with availableUntil when another
-        booking starts first."""
+        booking starts first; status 'confirmation-required' as for reserve_gpus (see 'next')."""
         return tools.extend_reservation(reservationId, until, by, idempotencyKey)
 
     @server.tool()

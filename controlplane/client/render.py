@@ -252,6 +252,8 @@ def confirmation(c: pb.Confirmation) -> Group:
         ("action", c.action),
         ("agent", f"{c.agent_identity_id} for {c.person_identity_id}"),
     ]
+    if c.HasField("until"):  # an extend: the end the person is asked to approve
+        rows.append(("new end", fmt_time(c.until)))
     if c.expires_at:
         rows.append(("expires", fmt_time(c.expires_at)))
     return _summary(Text.assemble((c.id, "bold"), "  ", _state(c.state)), rows)

@@ -7,6 +7,8 @@ decides outside any transaction. Transaction 2 takes the pool lock first, applie
 while its hold still owns the slot, and moves every allocation's end or none: the EXCLUDE
 constraint decides, and a booking in the way answers extended: false with availableUntil. A
 refusal or an abandoned extend clears the pending change, but only when the hold is its own.
+A delegated agent's extend its person holds for confirmation is refused with CONFIRMATION_REQUIRED
+and retried once approved, as a create (extend_confirm).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from controlplane.common.locks import pool_lock
 from controlplane.common.names import IDEMPOTENCY_KEY, match
 from controlplane.ids import new_id
 from controlplane.nodes import desired
-from controlplane.reservations import preemption, queries, schedule, states
+from controlplane.reservations import extend_confirm, preemption, queries, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, ended_reason
 from controlplane.reservations.reads import find_visible, with_allocations
 from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
@@ -51,6 +53,7 @@ class Staged:
     attributes: dict[str, Any] | None = None
     policy: str | None = None
     no_op: bool = False
+    asked: extend_confirm.Asked | None = None  # a delegated agent's: its confirmation of this change
 
 
 def parse(raw: dict[str, Any], limits: TimeLimits | None = None) -> Change:
@@ -72,10 +75,12 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
     staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change, limits))
     if staged.no_op:
         return {"reservation": staged.row, "extended": False}
-    decision = authorize.decide(staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {},
-                          tenant_id=tenant_id)
+    asked = staged.asked
+    decision = (extend_confirm.decision_before_iam(asked) if asked is not None else None) or authorize.decide(
+        staged.policy, caller, iam.EXTEND, "Reservation", rid, staged.attributes or {}, tenant_id=tenant_id,
+        approved=asked is not None and asked.approved)
     try:
-        result = await db.run_in_transaction(rt.pool, lambda c: _apply(c, rid, staged, decision))
+        result = await db.run_in_transaction(rt.pool, lambda c: _apply(c, caller, rid, staged, decision))
     except (errors.DomainError, psycopg.Error, asyncio.CancelledError):
         # The abandoned hook: a transaction of its own clears our pending change, and only ours.
         # Shielded: when the client went away (its deadline, a disconnect) it still runs, or the
@@ -117,10 +122,16 @@ async def _stage(
     attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
     await conn.execute(queries.SET_PENDING_EXTEND, {"id": rid, "pending": Jsonb(
         {"hold": hold, "until": new_end, "durationHours": attributes["durationHours"], "key": change.key})})
-    return Staged(row, hold, new_end, attributes, await authorize.read_policy(conn, tenant_id))
+    asked = None
+    if caller.delegated:  # an agent's change may be held for, or approved by, its person
+        digest = extend_confirm.digest(change.key, change.until, change.by_ms, new_end)
+        asked = await extend_confirm.asked(conn, caller, rid, digest)
+    return Staged(row, hold, new_end, attributes, await authorize.read_policy(conn, tenant_id), asked=asked)
 
 
-async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.Decision) -> dict[str, Any]:
+async def _apply(
+    conn: AsyncConnection, caller: Caller, rid: str, staged: Staged, decision: iam.Decision
+) -> dict[str, Any]:
     await pool_lock(conn, staged.row["pool_id"])
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     ours = await (await conn.execute(queries.OWNS_EXTEND_HOLD, {"id": rid, "hold": staged.hold})).fetchone()
@@ -129,11 +140,18 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
                               retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
     if not decision.allowed:
         await _release_slot(conn, rid, staged.hold)
+        if staged.asked is not None:  # a delegated agent: held for its person, or refused
+            return {"error": await extend_confirm.held(conn, caller, row, staged.asked, decision, staged.new_end)}
         return {"error": errors.AccessDenied("IAM refused this extension", reservationId=rid)}
     if row["state"] not in EXTENDABLE or row["during_end"] != staged.row["during_end"]:
         raise errors.Conflict("the reservation changed while the extension was decided",
                               reason="reservation-changed", reservationId=rid)
     await _require_alive(conn, row)  # its end may have passed while IAM decided
+    if staged.asked is not None and staged.asked.approved:
+        lapsed = await extend_confirm.take_approval(conn, rid, staged.asked)
+        if lapsed is not None:
+            await _release_slot(conn, rid, staged.hold)
+            return {"error": lapsed}
     params = {"id": rid, "from": row["during_end"], "to": staged.new_end}
     try:
         async with conn.transaction():  # savepoint: all allocations move, or none
@@ -149,6 +167,8 @@ async def _apply(conn: AsyncConnection, rid: str, staged: Staged, decision: iam.
     await preemption.withdraw_notice(conn, row)  # past its notice's end: no longer preempted
     await desired.bump_live_of(conn, rid)
     await _release_slot(conn, rid, staged.hold)
+    if staged.asked is not None:
+        await extend_confirm.used(conn, staged.asked)  # it authorises this change and no other
     await schedule.at(conn, rid, staged.new_end)
     fresh = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
     await events.emit_reservation(conn, fresh, "reservation.extended", **{"from": row["during_end"], "to": staged.new_end})
