@@ -197,7 +197,8 @@ def test_a_node_lease_deploys_its_profile_then_the_wiped_node_returns_to_the_pla
         npb.CreateJoinTokenRequest(pool_id=world.pool_id, node_name=name), metadata=world.root.metadata, timeout=30)
     (fleet.node_dir(node_id) / REPROVISIONED_TOKEN).write_text(token.secret)
     until(lambda: live_tls_roles(world, node_id) == {"node"})
-    assert not (fleet.node_dir(node_id) / REPROVISIONED_TOKEN).exists()  # spent
+    # Spent: the node deletes it once it has stored the certificates the enrolment committed.
+    until(lambda: not (fleet.node_dir(node_id) / REPROVISIONED_TOKEN).exists())
     wiped = world.sql("SELECT state, wiped_at IS NOT NULL FROM metal_deploys WHERE allocation_id = %s", (alloc.id,))
     assert wiped == [("ended", True)]
     assert quota_used(world) == 1  # the hold's; the lease's 8 were refunded
