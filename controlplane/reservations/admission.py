@@ -24,7 +24,8 @@ from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
-from controlplane.reservations import devices, draft_room, earliest, hostshare, kubernetes, placing, queries, queued, schedule, states
+from controlplane.reservations import (devices, draft_room, earliest, hostshare, kubernetes, placing, queries, queued,
+                                       queued_queries, schedule, states)
 from controlplane.reservations.reads import fetch_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -352,8 +353,8 @@ async def _admit_queued(rt: Runtime, draft_row: dict[str, Any], decision: iam.De
     admit = {**params, "id": rid, "version": draft_row["version"], "decision": decision.outcome,
              "undecided": UNDECIDED, "from_states": states.sources_of(states.QUEUED)}
     try:
-        found = (await db.fetch_one(rt.pool, queries.ADMIT_QUEUED, admit) if conn is None
-                 else await (await conn.execute(queries.ADMIT_QUEUED, admit)).fetchone())
+        found = (await db.fetch_one(rt.pool, queued_queries.ADMIT_QUEUED, admit) if conn is None
+                 else await (await conn.execute(queued_queries.ADMIT_QUEUED, admit)).fetchone())
     except psycopg.Error as exc:
         raise quota.refusal(exc, amounts) from None
     assert found is not None

@@ -34,7 +34,7 @@ from controlplane.common.locks import pool_lock_key
 from controlplane.placement import batch as batches
 from controlplane.placement import placer
 from controlplane.placement.lease import Waiters
-from controlplane.reservations import placing, preemption, queries, schedule, states
+from controlplane.reservations import placing, preemption, queued_queries, schedule, states
 from controlplane.reservations.transitions import condition
 from controlplane.runtime import Runtime
 
@@ -102,7 +102,7 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
     """How many it took, how many it placed, and every member's view as moved (by id)."""
     pool_id = batch.pool_id
     fence = {"pool_id": pool_id, "holder": holder, "epoch": epoch}
-    rows = await (await conn.execute(queries.QUEUED_BATCH, {
+    rows = await (await conn.execute(queued_queries.QUEUED_BATCH, {
         **fence, "lock_key": pool_lock_key(pool_id), "limit": rt.settings.placer_batch,
     })).fetchall()
     if not rows:
@@ -134,7 +134,7 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
             _append(moves, states.PENDING, [condition("Unschedulable", "NoFit", reason, now_ms)],
                     None, None, None, "reservation.pending", data)
     await preemption.fall_back_inline(conn, pool_id, pending)
-    moved = await (await conn.execute(queries.MOVE_BATCH, {
+    moved = await (await conn.execute(queued_queries.MOVE_BATCH, {
         **fence, **{k: v for k, v in moves.items()},
     })).fetchall()
     if len(moved) != len(rows):
@@ -144,7 +144,7 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
 
 def _view(row: dict[str, Any]) -> dict[str, Any]:
     """A row of MOVE_BATCH without the statement's counts: what fetch_view reads."""
-    for count in queries.MOVE_BATCH_COUNTS:
+    for count in queued_queries.MOVE_BATCH_COUNTS:
         del row[count]
     return row
 
