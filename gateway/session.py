@@ -29,7 +29,8 @@ from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
 
-COSTLY = frozenset({"hello", "inventory", "report"})  # a transaction each: throttled per node (and each open)
+# A transaction each: throttled per node (and each open; and a heartbeat that writes, see _handle)
+COSTLY = frozenset({"hello", "inventory", "report"})
 
 
 class SessionEnded(Exception):
@@ -164,6 +165,10 @@ class SessionRunner:
             log.info("hello", daemon_version=message.hello.daemon_version,
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
+            # Free while its applied generation stays; one that changes it writes a row, so a node
+            # flipping the generation in every heartbeat is paced like any message that costs one.
+            if self.liveness.writes(node_id, message.heartbeat.applied_generation):
+                await self._throttled(session)
             await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
             await inventory.apply_inventory(self.pool, node_id, message.inventory)
