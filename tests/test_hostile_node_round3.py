@@ -1,0 +1,162 @@
+"""A hostile node (or a compromised gateway relaying a genuine node's signatures), third round:
+what the earlier reviews did not try. Real certificates from the control-plane CA, real Ed25519
+signatures, the real reservation worker and the real gateway over mutual TLS.
+
+- A report the node signed with the key it held before a renewal, withheld and stored after the
+  node's newer reports (signed with its renewed key) about the same allocation: the node's sequence
+  runs across its keys, so it is a replay and never undoes what the newer reports said.
+- Heartbeats that flip the applied generation in every message: each wrote a row, unpaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from structlog.testing import capture_logs
+
+from bettercompute.node.v1 import node_pb2
+from controlplane.pki import attest, enrolment
+from controlplane.pki.config import PkiSettings
+from gateway.config import GatewaySettings
+from tests.support import World, eventually, get
+from tests.test_gateway import GatewayThread, connected, heartbeat, node_row, pool_id  # noqa: F401 (fixtures)
+from tests.test_gateway import eventually as until
+from tests.test_pki import Enrolled, NodeKeys, arun, sign
+from tests.test_reports import cdi_names, eventually_rows, node, world  # noqa: F401 (fixtures)
+
+_SEQUENCE = itertools.count(1_000_000)  # above test_reports' own counter: newer, one after the other
+
+
+def renewed(world: World, enrolled: Enrolled) -> Enrolled:
+    """The node renewed over its session, as a node does at half its certificate's life: new keys,
+    new certificates, the same node (the old certificates stay good until they run out)."""
+    keys = NodeKeys()
+
+    async def work(pool: Any) -> enrolment.Issued:
+        peer = await enrolment.identify(pool, enrolled.cert.public_bytes(serialization.Encoding.PEM))
+        return await enrolment.renew(pool, await enrolment.load_ca(pool, PkiSettings()), PkiSettings(), peer,
+                                     keys.csr())
+
+    return Enrolled(keys, arun(world.conninfo, work))
+
+
+def signed(world: World, enrolled: Enrolled, allocation_id: str, kind: str, sequence: int | None = None
+           ) -> tuple[bytes, bytes]:
+    """(body, signature) of a report the node signs now about the allocation: bound (naming the
+    allocation's devices) or released."""
+    body = node_pb2.Report(node_id=enrolled.node_id, sequence=sequence or next(_SEQUENCE),
+                           time=int(time.time() * 1000))
+    if kind == "bound":
+        body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id,
+                                                     cdi_devices=cdi_names(world, allocation_id)))
+    else:
+        body.released.CopyFrom(node_pb2.AllocationReleased(allocation_id=allocation_id, reason="unassigned"))
+    raw = body.SerializeToString()
+    return raw, sign(enrolled.keys.signing, raw)
+
+
+def store(world: World, enrolled: Enrolled, allocation_id: str, kind: str, report: tuple[bytes, bytes]) -> None:
+    """Keep the signed report as the gateway does (bytes as received) and wake the reservation."""
+    body, signature = report
+    world.sql("INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)"
+              " VALUES (%s, %s, %s, %s, %s, %s)",
+              (enrolled.node_id, allocation_id, kind, body, enrolled.key_id, signature))
+    world.sql("SELECT wake_reservation(reservation_id) FROM allocations WHERE id = %s", (allocation_id,))
+
+
+def verdicts(world: World, allocation_id: str, count: int) -> list[str]:
+    return [v for (v,) in eventually_rows(world, "SELECT verdict FROM node_reports WHERE allocation_id = %s"
+                                          " AND verdict IS NOT NULL ORDER BY id", (allocation_id,), count)]
+
+
+def lost(r: Any) -> bool:
+    return any(c.reason == "BindingLost" for c in r.conditions)
+
+
+# Replays across a key renewal ------------------------------------------------------------------
+
+def test_a_bind_signed_before_a_renewal_never_undoes_a_newer_release(world: World, node: Enrolled) -> None:
+    """The node signs "bound" with its first key; the report is withheld (a compromised gateway
+    keeps it). The node renews, binds and then releases with its new key: BindingLost. The old
+    bound report stored now is older than the release (the node's sequence runs across its keys):
+    a replay. Before, only reports of the same key were compared, so it bound the allocation again
+    and cleared BindingLost while the node no longer held the devices."""
+    r = world.create(count=1, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    withheld = signed(world, node, alloc, "bound")
+    fresh = renewed(world, node)
+    store(world, fresh, alloc, "bound", signed(world, fresh, alloc, "bound"))
+    eventually(world, r.id, lambda x: x.state == "active")
+    store(world, fresh, alloc, "released", signed(world, fresh, alloc, "released"))
+    eventually(world, r.id, lost)
+    store(world, node, alloc, "bound", withheld)
+    assert verdicts(world, alloc, 3)[-1] == f"rejected: {attest.REPLAYED}"
+    after = get(world, r.id)
+    assert lost(after) and [a.state for a in after.allocations] == ["binding"]
+    # The node's own newer word still counts: bound again with its current key.
+    store(world, fresh, alloc, "bound", signed(world, fresh, alloc, "bound"))
+    assert not lost(eventually(world, r.id, lambda x: not lost(x)))
+
+
+def test_a_release_signed_before_a_renewal_never_loses_a_newer_binding(world: World, node: Enrolled) -> None:
+    """The mirror image: a release signed with the old key, withheld, then stored after the node
+    bound the allocation with its renewed key, never marks the binding lost."""
+    r = world.create(count=1, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    store(world, node, alloc, "bound", signed(world, node, alloc, "bound"))
+    eventually(world, r.id, lambda x: x.state == "active")
+    withheld = signed(world, node, alloc, "released")
+    fresh = renewed(world, node)
+    store(world, fresh, alloc, "bound", signed(world, fresh, alloc, "bound"))
+    store(world, node, alloc, "released", withheld)
+    assert verdicts(world, alloc, 3) == ["accepted", "accepted", f"rejected: {attest.REPLAYED}"]
+    after = get(world, r.id)
+    assert not lost(after) and [a.state for a in after.allocations] == ["bound"]
+
+
+def test_a_node_enrolled_anew_after_its_revocation_binds_with_a_fresh_sequence(world: World, node: Enrolled) -> None:
+    """What the comparison across keys leaves alone: a machine revoked and enrolled again (its disk,
+    and its sequence, may be new) is heard about an allocation it held, however low its sequence,
+    since the reports of its revoked certificates no longer count."""
+    from tests.test_pki import enrol
+
+    r = world.create(count=1, duration="8h")
+    alloc = eventually(world, r.id, lambda x: x.state == "binding").allocations[0].id
+    store(world, node, alloc, "bound", signed(world, node, alloc, "bound"))
+    eventually(world, r.id, lambda x: x.state == "active")
+    again = enrol(world.conninfo, world.pool_id, "reporter")  # the same name: the same node, old certs revoked
+    assert again.node_id == node.node_id
+    store(world, again, alloc, "released", signed(world, again, alloc, "released", sequence=1))
+    eventually(world, r.id, lost)
+    store(world, again, alloc, "bound", signed(world, again, alloc, "bound", sequence=2))
+    assert not lost(eventually(world, r.id, lambda x: not lost(x)))
+
+
+# Heartbeats ----------------------------------------------------------------------------------
+
+def test_heartbeats_that_flip_the_applied_generation_are_paced_like_writes(database: str, pool_id: str) -> None:
+    """A heartbeat costs no transaction while its applied generation stays, so the throttle let
+    every heartbeat through; one that changes it writes the node's row. A node alternating two
+    generations wrote a row per message as fast as it could send. Now such a heartbeat takes a
+    token of the node's bucket: past the burst its session waits, as for a report."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=0.001,
+                                                     node_messages_burst=4))
+    try:
+        with capture_logs() as logs:
+            node, session = connected(gw, pool_id, "flipper")  # the open and the hello: two tokens
+            session.send(heartbeat(7))  # a write: the third
+            for _ in range(20):  # the same generation: no write, no token
+                session.send(heartbeat(7))
+            session.send(heartbeat(8))  # a write: the last token
+            until(lambda: node_row(database, node.node_id)["applied_generation"] == 8, what="generation 8")
+            assert not [e for e in logs if e["event"] == "node throttled"]
+            session.send(heartbeat(9))  # a write past the burst: it waits for the node's turn
+            until(lambda: [e for e in list(logs) if e["event"] == "node throttled"], what="the throttle")
+        assert node_row(database, node.node_id)["applied_generation"] == 8
+        session.close()
+    finally:
+        gw.stop()
