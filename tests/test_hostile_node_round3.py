@@ -15,16 +15,22 @@ import itertools
 import time
 from typing import Any
 
+import grpc
+import psycopg
 from cryptography.hazmat.primitives import serialization
 from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2
+from bettercompute.node.v1 import node_pb2 as pb
 from controlplane.pki import attest, enrolment
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.support import World, eventually, get
-from tests.test_gateway import GatewayThread, connected, heartbeat, node_row, pool_id  # noqa: F401 (fixtures)
+from tests.test_gateway import (GatewayThread, connected, gateway, heartbeat, hello, node_row,  # noqa: F401
+                                pool_id)
+from tests.test_pki import sql
 from tests.test_gateway import eventually as until
+from tests.test_hostile_queue import release
 from tests.test_pki import Enrolled, NodeKeys, arun, sign
 from tests.test_reports import cdi_names, eventually_rows, node, world  # noqa: F401 (fixtures)
 
@@ -136,6 +142,34 @@ def test_a_node_enrolled_anew_after_its_revocation_binds_with_a_fresh_sequence(w
     assert not lost(eventually(world, r.id, lambda x: not lost(x)))
 
 
+
+# Stale reports of the node's own earlier allocations (held) -----------------------------------
+
+def test_a_bind_replayed_after_the_atoms_were_booked_again_never_binds_the_new_allocation(
+    world: World, node: Enrolled
+) -> None:
+    """The node's genuine bound report of an allocation since released, replayed once another
+    reservation booked the same GPUs: it names the old allocation, which is no longer live, so it
+    is never judged for the new one; stored under the new allocation's row while its signed body
+    names the old one, it is rejected (the body decides, never the row)."""
+    first = world.create(count=8, duration="8h")
+    old = eventually(world, first.id, lambda x: x.state == "binding").allocations[0]
+    replayed = signed(world, node, old.id, "bound")
+    store(world, node, old.id, "bound", replayed)
+    eventually(world, first.id, lambda x: x.state == "active")
+    release(world, first.id)
+    second = world.create(count=8, duration="8h")
+    new = eventually(world, second.id, lambda x: x.state == "binding").allocations[0]
+    assert sorted(new.device_ids) == sorted(old.device_ids) and new.id != old.id
+    store(world, node, old.id, "bound", replayed)  # about the old allocation: never judged
+    store(world, node, new.id, "bound", replayed)  # the row says the new one, the body the old one
+    assert verdicts(world, new.id, 1) == [f"rejected: {attest.NOT_THIS_BOUND}"]
+    assert get(world, second.id).state == "binding"
+    assert world.sql("SELECT verdict FROM node_reports WHERE allocation_id = %s ORDER BY id", (old.id,)) == [
+        ("accepted",), (None,)]
+    store(world, node, new.id, "bound", signed(world, node, new.id, "bound"))
+    eventually(world, second.id, lambda x: x.state == "active")
+
 # Heartbeats ----------------------------------------------------------------------------------
 
 def test_heartbeats_that_flip_the_applied_generation_are_paced_like_writes(database: str, pool_id: str) -> None:
@@ -147,16 +181,39 @@ def test_heartbeats_that_flip_the_applied_generation_are_paced_like_writes(datab
                                                      node_messages_burst=4))
     try:
         with capture_logs() as logs:
-            node, session = connected(gw, pool_id, "flipper")  # the open and the hello: two tokens
+            flipper, session = connected(gw, pool_id, "flipper")  # the open and the hello: two tokens
             session.send(heartbeat(7))  # a write: the third
             for _ in range(20):  # the same generation: no write, no token
                 session.send(heartbeat(7))
             session.send(heartbeat(8))  # a write: the last token
-            until(lambda: node_row(database, node.node_id)["applied_generation"] == 8, what="generation 8")
+            until(lambda: node_row(database, flipper.node_id)["applied_generation"] == 8, what="generation 8")
             assert not [e for e in logs if e["event"] == "node throttled"]
             session.send(heartbeat(9))  # a write past the burst: it waits for the node's turn
             until(lambda: [e for e in list(logs) if e["event"] == "node throttled"], what="the throttle")
-        assert node_row(database, node.node_id)["applied_generation"] == 8
+        assert node_row(database, flipper.node_id)["applied_generation"] == 8
         session.close()
     finally:
         gw.stop()
+
+
+# Two sessions of one node ----------------------------------------------------------------------
+
+def test_a_superseded_sessions_inventory_in_flight_is_never_applied(gateway: GatewayThread, pool_id: str) -> None:
+    """The old session's inventory is waiting for the pool's lock when a newer session of the node
+    registers: the old session ends, and what it sent is never applied after the newer one spoke."""
+    node, old = connected(gateway, pool_id, "flapper", uuid="GPU-OLD")
+    stale = hello(uuid="GPU-STALE").hello.inventory
+    with psycopg.connect(gateway.conninfo) as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
+        old.send(pb.NodeMessage(inventory=stale))
+        until(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"),
+              what="the old session's inventory waiting for the pool lock")
+        new = node.session()
+        assert new.recv() is not None
+        ended = old.ended()
+        assert ended is not None and ended.code() == grpc.StatusCode.ABORTED
+    new.send(pb.NodeMessage(hello=pb.Hello(daemon_version="bcd 9.9.9", capabilities=["devices.limits"])))
+    until(lambda: node_row(gateway.conninfo, node.node_id)["daemon_version"] == "bcd 9.9.9", what="the new hello")
+    stored = node_row(gateway.conninfo, node.node_id)["inventory"]
+    assert sorted(g["uuid"] for g in stored["gpus"]) == [f"GPU-OLD-{i}" for i in range(4)]
+    new.close()
