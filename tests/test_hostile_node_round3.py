@@ -6,6 +6,12 @@ signatures, the real reservation worker and the real gateway over mutual TLS.
   node's newer reports (signed with its renewed key) about the same allocation: the node's sequence
   runs across its keys, so it is a replay and never undoes what the newer reports said.
 - Heartbeats that flip the applied generation in every message: each wrote a row, unpaced.
+
+What held, kept here so it stays held: a superseded session's message in flight is never applied
+after the newer session spoke (the old session's reader, and its transaction, are cancelled); a
+bind replayed after the allocation was released and its GPUs booked again names the old
+allocation, so it never binds the new one, nor does a body naming another allocation than the row
+the gateway stored it under.
 """
 
 from __future__ import annotations
