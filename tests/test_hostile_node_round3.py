@@ -6,6 +6,7 @@ signatures, the real reservation worker and the real gateway over mutual TLS.
   node's newer reports (signed with its renewed key) about the same allocation: the node's sequence
   runs across its keys, so it is a replay and never undoes what the newer reports said.
 - Heartbeats that flip the applied generation in every message: each wrote a row, unpaced.
+- A node that sends reports and reads none of its acks: the gateway kept every ack in memory.
 
 What held, kept here so it stays held: a superseded session's message in flight is never applied
 after the newer session spoke (the old session's reader, and its transaction, are cancelled); a
@@ -28,12 +29,13 @@ from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2
 from bettercompute.node.v1 import node_pb2 as pb
+from bettercompute.node.v1 import node_pb2_grpc
 from controlplane.pki import attest, enrolment
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.support import World, eventually, get
-from tests.test_gateway import (GatewayThread, connected, gateway, heartbeat, hello, node_row,  # noqa: F401
-                                pool_id)
+from tests.test_gateway import (GatewayThread, connected, enrolled, gateway, heartbeat, hello,  # noqa: F401
+                                node_row, pool_id)
 from tests.test_pki import sql
 from tests.test_gateway import eventually as until
 from tests.test_hostile_queue import release
@@ -201,6 +203,41 @@ def test_heartbeats_that_flip_the_applied_generation_are_paced_like_writes(datab
     finally:
         gw.stop()
 
+
+
+# Acks the node never reads -------------------------------------------------------------------
+
+def test_a_node_that_reads_no_acks_cannot_grow_the_gateways_memory(database: str, pool_id: str) -> None:
+    """Each report gets an ack; a node that never reads its stream fills its window, the writer
+    waits, and the acks waiting to be written grew with every report the node sent (unpaced with
+    the throttle off; at its rate otherwise, for as long as the session lasted). Now past
+    node_unsent_acks the reader waits for them to go, and flow control slows the node down; once it
+    reads, every ack arrives."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=0,
+                                                     node_unsent_acks=50))
+    try:
+        node = enrolled(gw, pool_id, "deaf")
+        sent = 5000
+        key_id = "k" * 128  # the longest a report may name: the largest ack
+        creds = grpc.ssl_channel_credentials(gw.ca_pem, node.key_pem(), node.cert_pem)
+        with capture_logs() as logs, grpc.secure_channel(gw.endpoint, creds,
+                                                         options=[("grpc.http2.bdp_probe", 0)]) as channel:
+            messages = (pb.NodeMessage(report=pb.AttestedReport(body=b"\xff" + i.to_bytes(2, "big"), key_id=key_id))
+                        for i in range(sent))
+            call = node_pb2_grpc.NodeGatewayStub(channel).Session(messages, timeout=120)
+            until(lambda: [e for e in list(logs) if e["event"] == "node reads no report acks"], timeout=60,
+                  what="the reader waiting for the acks to go")
+            acks = 0
+            for message in call:  # the node reads at last: nothing it sent is lost
+                if message.WhichOneof("msg") == "report_ack":
+                    assert message.report_ack.outcome == pb.REPORT_IGNORED
+                    acks += 1
+                    if acks == sent:
+                        break
+            call.cancel()
+        assert acks == sent
+    finally:
+        gw.stop()
 
 # Two sessions of one node ----------------------------------------------------------------------
 
