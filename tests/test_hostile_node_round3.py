@@ -27,7 +27,6 @@ import psycopg
 from cryptography.hazmat.primitives import serialization
 from structlog.testing import capture_logs
 
-from bettercompute.node.v1 import node_pb2
 from bettercompute.node.v1 import node_pb2 as pb
 from bettercompute.node.v1 import node_pb2_grpc
 from controlplane.pki import attest, enrolment
@@ -36,49 +35,48 @@ from gateway.config import GatewaySettings
 from tests.support import World, eventually, get
 from tests.test_gateway import (GatewayThread, connected, enrolled, gateway, heartbeat, hello,  # noqa: F401
                                 node_row, pool_id)
-from tests.test_pki import sql
 from tests.test_gateway import eventually as until
 from tests.test_hostile_queue import release
-from tests.test_pki import Enrolled, NodeKeys, arun, sign
+from tests.test_pki import Enrolled, NodeKeys, arun, sign, sql
 from tests.test_reports import cdi_names, eventually_rows, node, world  # noqa: F401 (fixtures)
 
 _SEQUENCE = itertools.count(1_000_000)  # above test_reports' own counter: newer, one after the other
 
 
-def renewed(world: World, enrolled: Enrolled) -> Enrolled:
+def renewed(world: World, before: Enrolled) -> Enrolled:
     """The node renewed over its session, as a node does at half its certificate's life: new keys,
     new certificates, the same node (the old certificates stay good until they run out)."""
     keys = NodeKeys()
 
     async def work(pool: Any) -> enrolment.Issued:
-        peer = await enrolment.identify(pool, enrolled.cert.public_bytes(serialization.Encoding.PEM))
+        peer = await enrolment.identify(pool, before.cert.public_bytes(serialization.Encoding.PEM))
         return await enrolment.renew(pool, await enrolment.load_ca(pool, PkiSettings()), PkiSettings(), peer,
                                      keys.csr())
 
     return Enrolled(keys, arun(world.conninfo, work))
 
 
-def signed(world: World, enrolled: Enrolled, allocation_id: str, kind: str, sequence: int | None = None
+def signed(world: World, by: Enrolled, allocation_id: str, kind: str, sequence: int | None = None
            ) -> tuple[bytes, bytes]:
     """(body, signature) of a report the node signs now about the allocation: bound (naming the
     allocation's devices) or released."""
-    body = node_pb2.Report(node_id=enrolled.node_id, sequence=sequence or next(_SEQUENCE),
+    body = pb.Report(node_id=by.node_id, sequence=sequence or next(_SEQUENCE),
                            time=int(time.time() * 1000))
     if kind == "bound":
-        body.bound.CopyFrom(node_pb2.AllocationBound(allocation_id=allocation_id,
+        body.bound.CopyFrom(pb.AllocationBound(allocation_id=allocation_id,
                                                      cdi_devices=cdi_names(world, allocation_id)))
     else:
-        body.released.CopyFrom(node_pb2.AllocationReleased(allocation_id=allocation_id, reason="unassigned"))
+        body.released.CopyFrom(pb.AllocationReleased(allocation_id=allocation_id, reason="unassigned"))
     raw = body.SerializeToString()
-    return raw, sign(enrolled.keys.signing, raw)
+    return raw, sign(by.keys.signing, raw)
 
 
-def store(world: World, enrolled: Enrolled, allocation_id: str, kind: str, report: tuple[bytes, bytes]) -> None:
+def store(world: World, by: Enrolled, allocation_id: str, kind: str, report: tuple[bytes, bytes]) -> None:
     """Keep the signed report as the gateway does (bytes as received) and wake the reservation."""
     body, signature = report
     world.sql("INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)"
               " VALUES (%s, %s, %s, %s, %s, %s)",
-              (enrolled.node_id, allocation_id, kind, body, enrolled.key_id, signature))
+              (by.node_id, allocation_id, kind, body, by.key_id, signature))
     world.sql("SELECT wake_reservation(reservation_id) FROM allocations WHERE id = %s", (allocation_id,))
 
 
