@@ -53,6 +53,9 @@ class GatewaySettings:
     node_messages_per_second: float = field(
         default_factory=lambda: env_float("BC_NODE_MESSAGES_PER_SECOND", 50))
     node_messages_burst: int = field(default_factory=lambda: env_int("BC_NODE_MESSAGES_BURST", 500))
+    # Report acks a session holds not yet written (the node reads none: its stream's window is
+    # full) before its reader waits for them to go; 0: no bound.
+    node_unsent_acks: int = field(default_factory=lambda: env_int("BC_NODE_MAX_UNSENT_ACKS", 1000))
     # A node's certificate renewals per hour, and at once; past that Renew is QUOTA_EXCEEDED.
     node_renewals_per_hour: float = field(
         default_factory=lambda: env_float("BC_NODE_RENEWALS_PER_HOUR", 60))

@@ -29,7 +29,9 @@ from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
 
-COSTLY = frozenset({"hello", "inventory", "report"})  # a transaction each: throttled per node (and each open)
+# A transaction each: throttled per node (and each open; and a heartbeat that writes, see _handle)
+COSTLY = frozenset({"hello", "inventory", "report"})
+UNSENT_ACKS = 1000  # GatewaySettings.node_unsent_acks
 
 
 class SessionEnded(Exception):
@@ -52,9 +54,10 @@ def failure_status(exc: Exception, **ids: str) -> grpc.Status:
 
 class SessionRunner:
     def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness,
-                 throttle: Throttle | None = None) -> None:
+                 throttle: Throttle | None = None, unsent_acks: int = UNSENT_ACKS) -> None:
         self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
         self.throttle = throttle or Throttle(0, 1)
+        self.unsent_acks = unsent_acks  # a session's acks not written yet before its reader waits
         self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
         self._ending: set[asyncio.Future[None]] = set()  # sessions being unregistered (see run)
 
@@ -113,7 +116,8 @@ class SessionRunner:
     async def _end(self, session: NodeSession, outcome: str, started: float) -> None:
         await self._unregister(session)
         log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
-                 reports_replayed=session.reports_replayed, throttled=session.throttled, duration_s=round(time.perf_counter() - started, 3))
+                 reports_replayed=session.reports_replayed, throttled=session.throttled,
+                 acks_waited=session.acks_waited, duration_s=round(time.perf_counter() - started, 3))
 
     async def _serve(self, session: NodeSession, reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
         session.signal(DESIRED)
@@ -127,6 +131,8 @@ class SessionRunner:
                     raise _ended(failed)
                 if failed is not None:
                     raise failed  # its status: see run
+                for ack in session.take_acks():  # the node half-closed: its last reports still get theirs
+                    await context.write(node_pb2.GatewayMessage(report_ack=ack))
                 return
             if CHECK in kinds:
                 await self._check(session)
@@ -164,11 +170,21 @@ class SessionRunner:
             log.info("hello", daemon_version=message.hello.daemon_version,
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
+            # Free while its applied generation stays; one that changes it writes a row, so a node
+            # flipping the generation in every heartbeat is paced like any message that costs one.
+            if self.liveness.writes(node_id, message.heartbeat.applied_generation):
+                await self._throttled(session)
             await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
             await inventory.apply_inventory(self.pool, node_id, message.inventory)
             await self.liveness.hello(node_id)
         elif kind == "report":
+            # A node that reads none of its acks (its stream's window full, the writer waits) must
+            # not grow them without end: its reports wait, and HTTP/2 flow control slows it down.
+            if len(session.acks) >= self.unsent_acks and not session.acks_waited:
+                log.warning("node reads no report acks", unsent=len(session.acks))
+            if await session.room_for_acks(self.unsent_acks):
+                session.acks_waited += 1
             started = time.perf_counter()
             ack = await reports.intake(self.pool, node_id, message.report)
             if ack.outcome == reports.IGNORED:

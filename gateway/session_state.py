@@ -1,5 +1,6 @@
 """One node session's identity and its wake-up signals (coalesced: ten desired-state bumps while
-a push is in flight make one more push, not ten), and the report acks waiting to be written."""
+a push is in flight make one more push, not ten), and the report acks waiting to be written
+(bounded: a node that reads none of them would otherwise grow them without end)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class NodeSession:
     # In the order the reports arrived; only the session's writer sends them.
     acks: list[node_pb2.ReportAck] = field(default_factory=list)
     desired_since: float = 0.0  # time.perf_counter() of the first DESIRED not served yet
+    acks_waited: int = 0  # reports that waited for the node to read its acks (see room_for_acks)
+    _acks_taken: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def node_id(self) -> str:
@@ -47,7 +50,18 @@ class NodeSession:
 
     def take_acks(self) -> list[node_pb2.ReportAck]:
         acks, self.acks = self.acks, []
+        self._acks_taken.set()
         return acks
+
+    async def room_for_acks(self, most: int) -> bool:
+        """Wait while `most` acks wait to be written (the writer takes them all at once, so at
+        most twice that are held); True when it waited."""
+        waited = False
+        while most > 0 and len(self.acks) >= most:
+            waited = True
+            self._acks_taken.clear()
+            await self._acks_taken.wait()
+        return waited
 
     async def next_signals(self) -> set[str]:
         await self._event.wait()

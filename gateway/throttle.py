@@ -5,7 +5,8 @@ that names one of the node's allocations also a row and a reservation wake-up), 
 floods them, compromised or broken, would cost everyone else's sessions. Each node gets `rate`
 such messages a second, up to `burst` at once; past that its session's reader waits before taking
 the next message in, so HTTP/2 flow control slows the node down and nothing it sent is lost
-(a node keeps a report until its ack). Heartbeats are not counted: they cost no transaction.
+(a node keeps a report until its ack). Heartbeats are not counted while they cost no transaction;
+one whose applied generation differs from the last one written writes a row, and is counted.
 Certificate renewals (a signature and rows each) have a bucket of their own per node and do not
 queue: a renewal that would wait is refused with QUOTA_EXCEEDED, reason `rate-limited`, and
 retryAfterSeconds (a node renews a few times a day, and on a hint after a role change).

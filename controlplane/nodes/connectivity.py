@@ -151,10 +151,14 @@ class Liveness:
         self._applied.pop(node_id, None)
         await seen(self.pool, node_id)
 
+    def writes(self, node_id: str, applied_generation: int) -> bool:
+        """Whether a heartbeat with this applied generation would write a row (`heartbeat`)."""
+        return self.every <= 0 or self._applied.get(node_id) != applied_generation
+
     async def heartbeat(self, node_id: str, applied_generation: int) -> bool:
         """True when this heartbeat wrote a row (its applied generation changed, or no fraction)."""
         self._note(node_id)
-        if self.every > 0 and self._applied.get(node_id) == applied_generation:
+        if not self.writes(node_id, applied_generation):
             return False
 
         async def work(conn: AsyncConnection) -> int:

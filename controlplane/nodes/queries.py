@@ -231,7 +231,9 @@ VALUES (%(node_id)s, %(allocation_id)s, %(kind)s, %(body)s, %(key_id)s, %(signat
 WAKE_RESERVATION = "SELECT wake_reservation(%(reservation_id)s)"
 
 # The reservation worker's side: the unjudged reports of a reservation's live allocations, its
-# verdicts, and the newest sequence accepted from one signing key.
+# verdicts, and the newest sequence accepted about an allocation from the node that signed with
+# one key: from that key, or from any other of the node's certificates not revoked (the node's
+# sequence runs across its renewals; a machine revoked and enrolled again may start it anew).
 UNJUDGED_REPORTS = """
 SELECT nr.id, nr.kind, nr.body, nr.key_id, nr.signature, nr.node_id AS reporter,
        a.id AS allocation_id, a.node_id, a.state AS allocation_state, a.device_ids
@@ -246,8 +248,10 @@ LAST_ACCEPTED = """
 SELECT max(nr.sequence) AS sequence
 FROM node_reports nr
 JOIN node_certs c ON c.key_id = nr.key_id
+JOIN node_certs k ON k.key_id = %(key_id)s
 WHERE nr.allocation_id = %(allocation_id)s AND nr.verdict = 'accepted'
-  AND c.signing_key = (SELECT signing_key FROM node_certs WHERE key_id = %(key_id)s)
+  AND (c.signing_key = k.signing_key
+       OR (c.node_id = k.node_id AND NOT EXISTS (SELECT 1 FROM revocations v WHERE v.serial = c.serial)))
 """
 
 # The capacity index's read (controlplane.placement.index_sync): allocatable host resources of one

@@ -91,7 +91,9 @@ async def record_verdict(conn: AsyncConnection, report_id: int, verdict: str, se
 
 
 async def last_accepted_sequence(conn: AsyncConnection, allocation_id: str, key_id: str) -> int | None:
-    """The newest sequence accepted about the allocation from the signing key behind `key_id`."""
+    """The newest sequence accepted about the allocation from the node whose key is `key_id`: from
+    that key, or another of the node's certificates not revoked. A report signed before a renewal
+    and stored after newer ones (withheld by a compromised gateway) is a replay too."""
     row = await (await conn.execute(queries.LAST_ACCEPTED, {"allocation_id": allocation_id,
                                                             "key_id": key_id})).fetchone()
     return row["sequence"]

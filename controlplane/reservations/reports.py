@@ -8,7 +8,8 @@ bound_sig_kid, bound_sig: the bytes of the report that made the binding).
   the check never counts and publishes reservation.binding-rejected; a forged re-report of a
   bound allocation marks the binding lost.
 - A replay never counts: a report about an allocation must be newer (Report.sequence) than every
-  report accepted about it from the same signing key. It is rejected and changes nothing else.
+  report accepted about it from the same signing key, or from another of the node's certificates
+  not revoked (the node's sequence runs across renewals). It is rejected and changes nothing else.
   (The gateway drops replays on arrival, in the node's order; this holds whoever stored them.)
 - AllocationFailed (checked the same way) is a binding failure: re-placed, at most twice.
 - AllocationReleased of a bound allocation: Degraded with BindingLost until it is bound again.
