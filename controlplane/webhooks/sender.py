@@ -48,11 +48,12 @@ class _BadAnswer(Exception):
 
 
 async def post(url: str, payload: bytes, headers: dict[str, str], *, deadline: float,
-               allow: Sequence[targets.Network]) -> Outcome:
-    """POST `payload` to `url`, all of it within `deadline` seconds."""
+               allow: Sequence[targets.Network], tenant_id: str = "") -> Outcome:
+    """POST `payload` to `url`, all of it within `deadline` seconds (the name looked up as
+    `tenant_id`'s, see targets.LOOKUPS_PER_TENANT)."""
     try:
         async with asyncio.timeout(deadline):
-            target = await targets.resolve(targets.parse(url), allow)
+            target = await targets.resolve(targets.parse(url), allow, tenant_id)
             status = await _exchange(target, payload, headers)
     except TimeoutError as exc:
         return Outcome(None, TIMED_OUT, repr(exc))

@@ -1,0 +1,102 @@
+"""Webhooks and Watch as a hostile tenant uses them, after the SSRF, limits and tenancy reviews
+(tests/test_webhook_ssrf.py, tests/test_hostile_hooks.py, tests/test_hostile_tenant.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+
+from bettercompute.v1 import events_pb2 as epb
+from controlplane.webhooks import targets
+from tests.conftest import module_stack
+from tests.support import Client, ServerThread, World, make_world, rpc_error
+from tests.test_webhooks import LOOPBACK, Receiver, create_hook, eventually, hooks, reserve
+
+
+@pytest.fixture(scope="module")
+def short(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """Loopback receivers allowed; a one-second deadline per attempt (and per URL check)."""
+    yield from module_stack(pg_uri, webhook_allow=LOOPBACK, webhook_attempt_seconds=1)
+
+
+def new_world(stack: tuple[ServerThread, Client]) -> World:
+    server, root = stack
+    return make_world(server.endpoint, root, server.conninfo)
+
+
+class Resolver:
+    """The system resolver, as a hostile tenant's DNS makes it behave: a name under
+    `blackhole.test` is never answered (its authoritative servers drop queries: the C library's
+    getaddrinfo blocks its thread until its own timeouts, seconds to minutes), a name under
+    `loop.test` answers 127.0.0.1 at once; other names go to the real resolver."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.blocked = 0
+        real = socket.getaddrinfo
+
+        def getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+            name = host.decode() if isinstance(host, bytes) else str(host)
+            if name.endswith("blackhole.test"):
+                with self.lock:
+                    self.blocked += 1
+                self.release.wait(120)
+                raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            if name.endswith("loop.test"):
+                return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", int(port)))]
+            return real(host, port, *args, **kw)
+
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.fixture
+def resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Resolver]:
+    r = Resolver(monkeypatch)
+    try:
+        yield r
+    finally:
+        r.release.set()
+
+
+def test_a_name_that_never_resolves_does_not_lock_other_tenants_out_of_webhooks(
+        short: tuple[ServerThread, Client], resolver: Resolver) -> None:
+    """Attack: tenant A registers webhooks (and so has targets checked) at names whose DNS never
+    answers. Each check gives up at its deadline, but the resolver's thread runs on: with the
+    lookups on the event loop's shared executor (a handful of threads), A's abandoned lookups held
+    every thread, and every other tenant's URL check and delivery to a name timed out behind them
+    (and anything else of the process on that executor, such as connecting to a database by
+    name). A tenant's lookups still running are capped, on threads of their own."""
+    a, b = new_world(short), new_world(short)
+    receiver = Receiver()
+
+    def hostile(n: int) -> str:
+        with pytest.raises(grpc.RpcError) as exc:
+            create_hook(a, f"http://h{n}.blackhole.test:9/hook")
+        return rpc_error(exc)[1]
+
+    try:
+        with ThreadPoolExecutor(40) as pool:
+            assert set(pool.map(hostile, range(40))) == {"INVALID_INPUT"}
+        assert resolver.blocked  # A's lookups still run
+        port = receiver.url.rsplit(":", 1)[1]
+        hook = create_hook(b, f"http://hook.loop.test:{port}")  # checked by name, while A's hang
+        assert hook.url.startswith("http://hook.loop.test:")
+        subject = reserve(b)
+        hit = eventually(lambda: receiver.of(subject))[0]
+        assert hit.signed and hit.status == 200
+        hooks(b.user, "Delete", epb.DeleteWebhookRequest(tenant_id=b.tenant, webhook_id=hook.id))
+        # A few of A's lookups ever ran; the others were refused without a thread.
+        assert resolver.blocked == targets.LOOKUPS_PER_TENANT
+    finally:
+        resolver.release.set()
+        receiver.close()
+        a.close()
+        b.close()
+
