@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from bettercompute.v1 import events_pb2 as epb
-from controlplane.webhooks import targets
+from controlplane.webhooks import sender, targets
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
-from tests.test_webhooks import LOOPBACK, Receiver, create_hook, eventually, hooks, reserve
+from tests.test_webhooks import LOOPBACK, Receiver, create_hook, deliveries, eventually, hooks, reserve
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,70 @@ def test_a_name_that_never_resolves_does_not_lock_other_tenants_out_of_webhooks(
         a.close()
         b.close()
 
+
+@pytest.fixture(scope="module")
+def patient(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """Loopback receivers allowed; a deadline per attempt longer than any test waits."""
+    yield from module_stack(pg_uri, webhook_allow=LOOPBACK, webhook_attempt_seconds=300)
+
+
+class Flood:
+    """A receiver on 127.0.0.1 that reads the request's head and then sends `head` followed by
+    `line` over and over, as fast as the client reads, until the client goes."""
+
+    def __init__(self, head: bytes, line: bytes) -> None:
+        self.head, self.chunk = head, line * (65536 // len(line))
+        self.sent: list[int] = []  # bytes sent per connection, once the client went
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sent = 0
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536) or b"\r\n\r\n"
+            conn.sendall(self.head)
+            while True:
+                conn.sendall(self.chunk)
+                sent += len(self.chunk)
+        except OSError:
+            self.sent.append(sent)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_endless_answer_ends_the_attempt_at_once(patient: tuple[ServerThread, Client]) -> None:
+    """Attack: a receiver answers "100 Continue" and then header lines without end, as fast as
+    they are read. Only the status matters, but the interim answer's headers were read to their
+    blank line: the attempt parsed the flood on the event loop it shares with the API, burning CPU
+    until the deadline. The answer's head is capped: past it, the attempt ends, not an HTTP answer.
+    (A 2xx followed by an endless body held: the attempt ends at the status line.)"""
+    world = new_world(patient)
+    interim = Flood(b"HTTP/1.1 100 Continue\r\n", b"x-flood: y\r\n")
+    body = Flood(b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n", b"x" * 64)
+    try:
+        flooded, endless = create_hook(world, interim.url), create_hook(world, body.url)
+        reserve(world)
+        d = eventually(lambda: next((d for d in deliveries(world, flooded).values() if d.last_error), None))
+        assert (d.last_error, d.HasField("last_status")) == (sender.BAD_ANSWER, False)
+        d = eventually(lambda: next((d for d in deliveries(world, endless).values() if d.state != "pending"), None))
+        assert (d.state, d.last_status, d.attempts) == ("delivered", 200, 1)
+        # Each connection was cut after a small part of the flood.
+        assert max(eventually(lambda: interim.sent) + eventually(lambda: body.sent)) < 16 << 20
+    finally:
+        interim.close()
+        body.close()
+        world.close()
