@@ -16,6 +16,7 @@ from bettercompute.v1 import events_pb2 as epb
 from controlplane.webhooks import sender, targets
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
+from tests.test_webhook_ssrf import TRICKLE, Peer
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, deliveries, eventually, hooks, reserve
 
 
@@ -167,3 +168,40 @@ def test_an_endless_answer_ends_the_attempt_at_once(patient: tuple[ServerThread,
         interim.close()
         body.close()
         world.close()
+
+
+@pytest.fixture(scope="module")
+def capped(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """Loopback allowed; a deadline longer than any test; 3 attempts per process, 2 per tenant."""
+    yield from module_stack(pg_uri, webhook_allow=LOOPBACK, webhook_attempt_seconds=600, webhook_concurrency=3,
+                            webhook_tenant_concurrency=2)
+
+
+def test_deleting_a_webhook_mid_attempt_does_not_free_its_tenants_slot(capped: tuple[ServerThread, Client]) -> None:
+    """Attack: tenant A's slow receivers hold its two slots; A deletes a webhook whose attempt is
+    in flight. The attempt runs on to its deadline, but its lease was a column of the delivery
+    row the delete removed, so the cap counted one attempt fewer and A took another slot: deleting
+    and recreating webhooks, A held every slot of the process and other tenants waited. A lease
+    now outlives its webhook until the attempt records its outcome or the lease ends."""
+    a, b = new_world(capped), new_world(capped)
+    slow, quick = Peer(TRICKLE, gap=0.1), Receiver()
+    try:
+        made = [create_hook(a, slow.url) for _ in range(3)]
+        reserve(a)  # one event, three deliveries: two attempts start (A's cap)
+        eventually(lambda: slow.open == 2)
+        in_flight = [h for h in made if any(d.attempts for d in deliveries(a, h).values())]
+        assert len(in_flight) == 2
+        hooks(a.user, "Delete", epb.DeleteWebhookRequest(tenant_id=a.tenant, webhook_id=in_flight[0].id))
+        create_hook(b, quick.url)
+        subject = reserve(b)
+        eventually(lambda: quick.of(subject))
+        assert (slow.open, slow.max_open, slow.accepted) == (2, 2, 2)
+        slow.close()  # the attempts end: the deleted webhook's gives its lease back too
+        eventually(lambda: a.sql("SELECT count(*) FROM webhook_leases WHERE webhook_id = %s",
+                                 (in_flight[0].id,))[0][0] == 0)
+    finally:
+        slow.close()
+        quick.close()
+        a.close()
+        b.close()
+
