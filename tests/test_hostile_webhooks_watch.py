@@ -205,3 +205,20 @@ def test_deleting_a_webhook_mid_attempt_does_not_free_its_tenants_slot(capped: t
         a.close()
         b.close()
 
+
+def test_a_redirect_is_not_followed(short: tuple[ServerThread, Client]) -> None:
+    """Held: a receiver answering 307 (or 302) with a Location elsewhere, here another allowed
+    receiver standing for an internal one, is a failed attempt; nothing goes to the Location."""
+    world = new_world(short)
+    inside = Receiver()
+    redirect = Peer(f"HTTP/1.1 307 Temporary Redirect\r\nLocation: {inside.url}\r\nContent-Length: 0\r\n\r\n".encode())
+    try:
+        hook = create_hook(world, redirect.url)
+        reserve(world)
+        d = eventually(lambda: next((d for d in deliveries(world, hook).values() if d.last_error), None))
+        assert (d.last_error, d.last_status) == ("HTTP 307", 307)
+        assert inside.of() == []
+    finally:
+        redirect.close()
+        inside.close()
+        world.close()
