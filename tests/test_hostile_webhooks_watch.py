@@ -16,6 +16,7 @@ from bettercompute.v1 import events_pb2 as epb
 from controlplane.webhooks import sender, targets
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
+from tests.test_watch import Stream
 from tests.test_webhook_ssrf import TRICKLE, Peer
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, deliveries, eventually, hooks, reserve
 
@@ -221,4 +222,34 @@ def test_a_redirect_is_not_followed(short: tuple[ServerThread, Client]) -> None:
     finally:
         redirect.close()
         inside.close()
+        world.close()
+
+
+def test_watch_and_webhook_filters_at_and_past_their_limits(short: tuple[ServerThread, Client]) -> None:
+    """Held: filters are bounded (32 types of at most 128 characters, a subject of at most 256)
+    and exact: LIKE wildcards are refused, and a subject's prefix or a type prefix without its dot
+    matches nothing else."""
+    world = new_world(short)
+    try:
+        longest = ["a" * 125 + f".{i:02d}" for i in range(32)]
+        for fields, field in (({"types": longest + ["b."]}, "types"), ({"types": ["a" * 129]}, "types"),
+                              ({"subject": "r/" + "x" * 255}, "subject"), ({"types": ["reservation.%"]}, "types"),
+                              ({"types": [".reservation"]}, "types"), ({"subject": "reservation/\x00"}, "subject"),
+                              ({"subject": "reservation/%"}, "subject"), ({"subject": "reservation/_*"}, "subject")):
+            with Stream(world.user, tenant_id=world.tenant, **fields) as stream:
+                with pytest.raises(grpc.RpcError) as exc:
+                    stream.take(1)
+            assert rpc_error(exc)[1:] == ("INVALID_INPUT", {"field": field}), fields
+        with pytest.raises(grpc.RpcError) as exc:
+            create_hook(world, "http://127.0.0.1:9/", event_types=longest + ["b."])
+        assert rpc_error(exc)[1:] == ("INVALID_INPUT", {"field": "eventTypes"})
+        subject = reserve(world)
+        with Stream(world.user, tenant_id=world.tenant, types=longest) as by_long, \
+                Stream(world.user, tenant_id=world.tenant, subject="reservation/") as prefix, \
+                Stream(world.user, tenant_id=world.tenant, types=["reservation"]) as no_dot, \
+                Stream(world.user, tenant_id=world.tenant, subject=subject, types=["reservation."]) as exact:
+            assert exact.take(1)[0].subject == subject
+            for stream in (by_long, prefix, no_dot):
+                stream.quiet()
+    finally:
         world.close()

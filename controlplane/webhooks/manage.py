@@ -69,7 +69,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         raise errors.InvalidInput("secret", str(exc)) from None
     event_types = parse_types("eventTypes", list(raw.get("event_types") or []))
     params = {
-        "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, tenant_id, raw.get("url", "")), "secret": secret,
+        "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, tenant_id, raw.get("url", "")),
+        "secret": secret,
         "event_types": event_types, "created_by": caller.identity_id,
     }
     limit = rt.settings.webhooks_per_tenant

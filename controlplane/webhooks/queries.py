@@ -57,9 +57,9 @@ _FIRST_OF_SUBJECT = """NOT EXISTS (
 
 # Due deliveries that are the earliest pending one of their webhook and subject, oldest due first,
 # at most `tenant_limit` leases per tenant counting those already held. The claim counts the
-# attempt, leases the row and writes the lease (dropping leases that ended): if the worker dies, the row is due again when the lease ends. Two
-# rows of one webhook and subject are never claimed together, nor while the earlier one is leased
-# (it stays pending).
+# attempt, leases the row and writes the lease (dropping leases that ended): if the worker dies,
+# the row is due again when the lease ends. Two rows of one webhook and subject are never claimed
+# together, nor while the earlier one is leased (it stays pending).
 CLAIM = f"""
 WITH {_BUSY},
 ranked AS (
