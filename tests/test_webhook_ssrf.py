@@ -388,7 +388,8 @@ def test_a_tenant_has_a_limited_number_of_webhooks(capped: tuple[ServerThread, C
     create_hook(other, "http://127.0.0.1:9/0")
 
 
-def test_an_attempt_connects_to_the_address_it_checked_not_to_a_second_answer() -> None:
+def test_an_attempt_connects_to_the_address_it_checked_not_to_a_second_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """DNS rebinding: the name answers an allowed address to the check, then an internal one.
     The attempt asks the resolver once and connects to the address it judged."""
     internal = Peer(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
@@ -396,18 +397,17 @@ def test_an_attempt_connects_to_the_address_it_checked_not_to_a_second_answer() 
     allowed = Peer(b"HTTP/1.1 204 No Content\r\n\r\n", host="127.0.0.2", port=port)
     answers = iter(["127.0.0.2", "127.0.0.1"])
     asked: list[str] = []
+    real = socket.getaddrinfo
+
+    def resolver(host: str, *args: Any, **kw: Any) -> Any:  # the system's resolver, faked
+        if host != "rebind.test":
+            return real(host, *args, **kw)
+        asked.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (next(answers), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
 
     async def run() -> sender.Outcome:
-        loop = asyncio.get_running_loop()
-        real = loop.getaddrinfo
-
-        async def resolver(host: str, *args: Any, **kw: Any) -> Any:  # the system's resolver, faked
-            if host != "rebind.test":
-                return await real(host, *args, **kw)
-            asked.append(host)
-            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (next(answers), port))]
-
-        loop.getaddrinfo = resolver  # type: ignore[method-assign]
         return await sender.post(f"http://rebind.test:{port}/hook", b"{}", {"X-BC-Event-Id": "1"}, deadline=10,
                                  allow=(ipaddress.ip_network("127.0.0.2/32"),))
 
@@ -423,16 +423,18 @@ def test_an_attempt_connects_to_the_address_it_checked_not_to_a_second_answer() 
         internal.close()
 
 
-def test_an_attempt_tries_the_next_checked_address_when_one_does_not_answer() -> None:
+def test_an_attempt_tries_the_next_checked_address_when_one_does_not_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     peer = Peer(b"HTTP/1.1 204 No Content\r\n\r\n", host="127.0.0.2")
     port = int(peer.url.rsplit(":", 1)[1].split("/")[0])
 
-    async def run() -> sender.Outcome:
-        async def resolver(host: str, *args: Any, **kw: Any) -> Any:  # the system's resolver, faked
-            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (a, port))
-                    for a in ("127.0.0.3", "127.0.0.2")]  # nothing listens on the first
+    def resolver(host: str, *args: Any, **kw: Any) -> Any:  # the system's resolver, faked
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (a, port))
+                for a in ("127.0.0.3", "127.0.0.2")]  # nothing listens on the first
 
-        asyncio.get_running_loop().getaddrinfo = resolver  # type: ignore[method-assign]
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+
+    async def run() -> sender.Outcome:
         return await sender.post(f"http://two.test:{port}/hook", b"{}", {}, deadline=10,
                                  allow=(ipaddress.ip_network("127.0.0.0/8"),))
 

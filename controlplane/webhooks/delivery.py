@@ -71,7 +71,7 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
     payload = signing.body(row)
     headers = signing.headers(row["secret"], row["event_id"], int(time.time()), payload)
     outcome = await sender.post(row["url"], payload, headers, deadline=rt.settings.webhook_attempt_seconds,
-                                allow=rt.settings.webhook_allow)
+                                allow=rt.settings.webhook_allow, tenant_id=row["tenant_id"])
     key = {"webhook_id": row["webhook_id"], "event_id": row["event_id"], "attempt": row["attempts"],
            "status": outcome.status}
     if outcome.delivered:

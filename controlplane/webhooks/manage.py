@@ -30,7 +30,7 @@ WEBHOOKS_MANAGE = "compute:webhooks:manage"
 WEBHOOK_ID = re.compile(r"^whk_[0-9a-hjkmnp-tv-z]{26}$")
 
 
-async def _url(rt: Runtime, url: str) -> str:
+async def _url(rt: Runtime, tenant_id: str, url: str) -> str:
     """`url` when it is a webhook URL whose host resolves, now, to allowed addresses only."""
     try:
         parsed = targets.parse(url)
@@ -38,7 +38,7 @@ async def _url(rt: Runtime, url: str) -> str:
         raise errors.InvalidInput("url", str(exc)) from None
     try:
         async with asyncio.timeout(rt.settings.webhook_attempt_seconds):
-            await targets.resolve(parsed, rt.settings.webhook_allow)
+            await targets.resolve(parsed, rt.settings.webhook_allow, tenant_id)
     except (targets.Refused, TimeoutError) as exc:
         log.info("webhook url refused", host=parsed.host, reason=str(exc) or "resolving timed out")
         raise errors.InvalidInput("url", targets.REFUSED) from None
@@ -69,7 +69,8 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         raise errors.InvalidInput("secret", str(exc)) from None
     event_types = parse_types("eventTypes", list(raw.get("event_types") or []))
     params = {
-        "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, raw.get("url", "")), "secret": secret,
+        "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, tenant_id, raw.get("url", "")),
+        "secret": secret,
         "event_types": event_types, "created_by": caller.identity_id,
     }
     limit = rt.settings.webhooks_per_tenant

@@ -39,14 +39,14 @@ LIMIT %(limit)s
 CLAIM_LOCK = "SELECT pg_advisory_xact_lock(7311010)"
 
 # Leases in flight per tenant: attempts claimed and not yet recorded (a lease that ran out, its
-# worker gone, no longer counts).
+# worker gone, no longer counts). Kept apart from the deliveries (migration 0049): an attempt
+# whose webhook was deleted runs on to its deadline and still counts.
 _BUSY = """
 busy AS (
-    SELECT w.tenant_id, count(*) AS leased
-    FROM webhook_deliveries d
-    JOIN webhooks w ON w.id = d.webhook_id
-    WHERE d.leased_until > compute_now()
-    GROUP BY w.tenant_id
+    SELECT tenant_id, count(*) AS leased
+    FROM webhook_leases
+    WHERE leased_until > compute_now()
+    GROUP BY tenant_id
 )"""
 
 # Not waiting behind an earlier pending delivery of its webhook and subject (order per subject).
@@ -57,9 +57,9 @@ _FIRST_OF_SUBJECT = """NOT EXISTS (
 
 # Due deliveries that are the earliest pending one of their webhook and subject, oldest due first,
 # at most `tenant_limit` leases per tenant counting those already held. The claim counts the
-# attempt and leases the row: if the worker dies, the row is due again when the lease ends. Two
-# rows of one webhook and subject are never claimed together, nor while the earlier one is leased
-# (it stays pending).
+# attempt, leases the row and writes the lease (dropping leases that ended): if the worker dies,
+# the row is due again when the lease ends. Two rows of one webhook and subject are never claimed
+# together, nor while the earlier one is leased (it stays pending).
 CLAIM = f"""
 WITH {_BUSY},
 ranked AS (
@@ -80,29 +80,50 @@ due AS (
     ORDER BY r.next_attempt_at, r.event_id
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
+),
+claimed AS (
+    UPDATE webhook_deliveries d
+    SET attempts = d.attempts + 1,
+        last_attempt_at = compute_now(),
+        leased_until = compute_now() + make_interval(secs => %(lease_seconds)s),
+        next_attempt_at = compute_now() + make_interval(secs => %(lease_seconds)s)
+    FROM due, webhooks w, events e
+    WHERE d.webhook_id = due.webhook_id AND d.event_id = due.event_id
+      AND w.id = d.webhook_id AND e.id = d.event_id
+    RETURNING d.webhook_id, d.event_id, d.attempts, d.leased_until, w.url, w.secret,
+              e.id, e.type, e.subject, e.tenant_id, epoch_ms(e.time) AS time_ms, e.data
+),
+ended AS (  -- not a row claimed now: one statement must not change a row twice
+    DELETE FROM webhook_leases l
+    WHERE l.leased_until <= compute_now()
+      AND NOT EXISTS (SELECT 1 FROM due WHERE due.webhook_id = l.webhook_id AND due.event_id = l.event_id)
+),
+leased AS (
+    INSERT INTO webhook_leases (webhook_id, event_id, tenant_id, attempt, leased_until)
+    SELECT webhook_id, event_id, tenant_id, attempts, leased_until FROM claimed
+    ON CONFLICT (webhook_id, event_id) DO UPDATE
+    SET attempt = EXCLUDED.attempt, leased_until = EXCLUDED.leased_until, tenant_id = EXCLUDED.tenant_id
 )
-UPDATE webhook_deliveries d
-SET attempts = d.attempts + 1,
-    last_attempt_at = compute_now(),
-    leased_until = compute_now() + make_interval(secs => %(lease_seconds)s),
-    next_attempt_at = compute_now() + make_interval(secs => %(lease_seconds)s)
-FROM due, webhooks w, events e
-WHERE d.webhook_id = due.webhook_id AND d.event_id = due.event_id
-  AND w.id = d.webhook_id AND e.id = d.event_id
-RETURNING d.webhook_id, d.event_id, d.attempts, w.url, w.secret,
-          e.id, e.type, e.subject, e.tenant_id, epoch_ms(e.time) AS time_ms, e.data
+SELECT webhook_id, event_id, attempts, url, secret, id, type, subject, tenant_id, time_ms, data FROM claimed
 """
 
 # The outcome of an attempt, applied only if the row is still this attempt's (a lease that ran
-# out was claimed again, and the newer attempt owns the row).
-DELIVERED = """
+# out was claimed again, and the newer attempt owns the row). The attempt's lease goes either way,
+# its webhook deleted or not.
+_UNLEASE = """
+WITH unleased AS (
+    DELETE FROM webhook_leases
+    WHERE webhook_id = %(webhook_id)s AND event_id = %(event_id)s AND attempt = %(attempt)s
+)"""
+
+DELIVERED = f"""{_UNLEASE}
 UPDATE webhook_deliveries
 SET state = 'delivered', next_attempt_at = NULL, leased_until = NULL, last_status = %(status)s, last_error = ''
 WHERE webhook_id = %(webhook_id)s AND event_id = %(event_id)s
   AND state = 'pending' AND attempts = %(attempt)s
 """
 
-FAILED = """
+FAILED = f"""{_UNLEASE}
 UPDATE webhook_deliveries
 SET state = CASE WHEN %(dead)s THEN 'dead' ELSE 'pending' END,
     next_attempt_at = CASE WHEN %(dead)s THEN NULL
@@ -124,6 +145,6 @@ SELECT extract(epoch FROM least(
      JOIN webhooks w ON w.id = d.webhook_id
      LEFT JOIN busy b ON b.tenant_id = w.tenant_id
      WHERE d.state = 'pending' AND coalesce(b.leased, 0) < %(tenant_limit)s AND {_FIRST_OF_SUBJECT}),
-    (SELECT min(leased_until) FROM webhook_deliveries WHERE leased_until > compute_now())
+    (SELECT min(leased_until) FROM webhook_leases WHERE leased_until > compute_now())
 ) - compute_now())::float8 AS seconds
 """

@@ -10,6 +10,13 @@ IPv4-compatible and other non-global IPv6 is refused, a zone id (fe80::1%eth0) a
 `localhost` names unless every address they resolve to is allowlisted. The operator allowlist
 (CIDR networks) is the only way to a local address.
 
+Names are looked up on threads of this module's own, never on the event loop's shared executor:
+a name whose DNS never answers blocks its thread inside the C library until the resolver's own
+timeouts (seconds to minutes), long after the caller's deadline gave up on it. A tenant has at
+most LOOKUPS_PER_TENANT lookups running, abandoned ones included (another is refused as timed
+out at once), so one tenant's black-hole names cannot hold every lookup thread, and none of the
+process's own lookups (a database host) ever waits behind them.
+
 Refusals carry one generic message: what a name resolves to, or whether it resolves at all, is
 not told to the tenant (it would be an oracle for internal DNS); the reason goes to the log.
 """
@@ -20,9 +27,12 @@ import asyncio
 import ipaddress
 import re
 import socket
+import threading
 import urllib.parse
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -54,6 +64,9 @@ _REFUSED_V6 = tuple((ipaddress.IPv6Network(net), why) for net, why in (
     ("3fff::/20", "documentation"),
 ))
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the last 32 bits are IPv4
+LOOKUP_THREADS = 32
+LOOKUPS_PER_TENANT = 4  # running at once, each until the C library answers or gives up
+
 _INET_ATON = re.compile(r"^[0-9][0-9a-fx.]*$")
 _INET_ATON_PART = re.compile(r"^(?:0x([0-9a-f]+)|0([0-7]+)|([1-9][0-9]*|0))$")
 
@@ -178,9 +191,48 @@ def judge(host: str, addresses: Iterable[Address], allow: Sequence[Network]) -> 
     return tuple(dict.fromkeys(str(a) for a in chosen))
 
 
-async def resolve(url: Url, allow: Sequence[Network]) -> Target:
+class _Lookups:
+    """getaddrinfo on threads of its own, with the lookups still running counted per tenant."""
+
+    def __init__(self) -> None:
+        self.threads = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="webhook-dns")
+        self.lock = threading.Lock()
+        self.running: dict[str, int] = {}
+
+    async def getaddrinfo(self, key: str, host: str, port: int) -> list[Any]:
+        """What the system resolver answers; TimeoutError at once when `key` (a tenant) already
+        has LOOKUPS_PER_TENANT lookups running."""
+        with self.lock:
+            if self.running.get(key, 0) >= LOOKUPS_PER_TENANT:
+                raise TimeoutError(f"{host}: {LOOKUPS_PER_TENANT} lookups of this tenant still running")
+            self.running[key] = self.running.get(key, 0) + 1
+        try:
+            future = self.threads.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM,
+                                         proto=socket.IPPROTO_TCP)
+        except BaseException:
+            self._finished(key)
+            raise
+        # When the thread returns (or the lookup is dropped before it started), not when the
+        # caller stops waiting: a cancelled wait leaves a running lookup running.
+        future.add_done_callback(lambda _: self._finished(key))
+        return await asyncio.wrap_future(future)
+
+    def _finished(self, key: str) -> None:
+        with self.lock:
+            left = self.running[key] - 1
+            if left:
+                self.running[key] = left
+            else:
+                del self.running[key]
+
+
+LOOKUPS = _Lookups()
+
+
+async def resolve(url: Url, allow: Sequence[Network], key: str = "") -> Target:
     """The checked address of `url`'s host (its literal, or what getaddrinfo gives); Refused when
-    any address is not allowed or the name does not resolve. The caller bounds the time."""
+    any address is not allowed or the name does not resolve. The caller bounds the time; `key`
+    (the tenant) counts the lookups still running (see LOOKUPS_PER_TENANT)."""
     try:
         address = literal(url.host)
     except ValueError:
@@ -190,8 +242,9 @@ async def resolve(url: Url, allow: Sequence[Network]) -> Target:
     if is_localhost_name(url.host) and not allow:
         raise Refused(f"{url.host}: a localhost name")  # without asking a resolver
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            url.host, url.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        infos = await LOOKUPS.getaddrinfo(key, url.host, url.port)
+    except TimeoutError:
+        raise  # the tenant's earlier lookups still run (an OSError, but not an answer)
     except (OSError, UnicodeError) as exc:
         raise Refused(f"{url.host}: {exc}") from None
     found = dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos
