@@ -138,8 +138,9 @@ def test_a_stored_local_target_is_refused_at_the_attempt_with_a_generic_error(wo
     receiver = Receiver()
     try:
         hook_id = new_id("whk")
-        world.sql("INSERT INTO webhooks (id, tenant_id, url, secret, created_by) VALUES (%s, %s, %s, %s, 'test')",
-                  (hook_id, world.tenant, receiver.url, SECRET))
+        # Created by the world's user, who may read the events (a delivery acts as its creator).
+        world.sql("INSERT INTO webhooks (id, tenant_id, url, secret, created_by) VALUES (%s, %s, %s, %s, %s)",
+                  (hook_id, world.tenant, receiver.url, SECRET, world.user_id))
         hook = epb.Webhook(id=hook_id)
         reserve(world)
         d = eventually(lambda: next((d for d in deliveries(world, hook).values() if d.state == "dead"), None))

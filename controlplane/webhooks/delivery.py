@@ -7,6 +7,8 @@ A process runs at most Settings.webhook_concurrency attempts at a time, and a te
 Settings.webhook_tenant_concurrency across all processes (the claim counts its leases), so one
 tenant's slow receivers cannot hold every slot. A 2xx answer marks it delivered. Anything else is retried with exponential back-off and jitter
 until `max_attempts`, then the delivery is dead and the next event of its subject may go.
+Before sending, the attempt is decided as a Watch by the webhook's creator would be (`authority`):
+refused, the delivery is dead at once with the refusal as its error, and nothing is sent.
 Woken by NOTIFY bc_webhooks (the fan-out trigger) and by its own timer for retries.
 """
 
@@ -24,7 +26,7 @@ import structlog
 from controlplane import db
 from controlplane.listen import listen
 from controlplane.runtime import Runtime
-from controlplane.webhooks import queries, sender, signing
+from controlplane.webhooks import authority, queries, sender, signing
 
 log = structlog.get_logger(__name__)
 
@@ -66,15 +68,24 @@ async def claim(rt: Runtime, limit: int) -> list[dict[str, Any]]:
 
 
 async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
-    """POST one claimed delivery and record the outcome."""
+    """POST one claimed delivery and record the outcome; one its creator may no longer read
+    (`authority`) is dead at once, unsent."""
     policy = POLICY
-    payload = signing.body(row)
-    headers = signing.headers(row["secret"], row["event_id"], int(time.time()), payload)
-    outcome = await sender.post(row["url"], payload, headers, deadline=rt.settings.webhook_attempt_seconds,
-                                allow=rt.settings.webhook_allow, tenant_id=row["tenant_id"])
+    refusal = await authority.DECISIONS.refusal(rt.pool, row)
+    if refusal:
+        outcome = sender.Outcome(None, refusal)
+    else:
+        payload = signing.body(row)
+        headers = signing.headers(row["secret"], row["event_id"], int(time.time()), payload)
+        outcome = await sender.post(row["url"], payload, headers, deadline=rt.settings.webhook_attempt_seconds,
+                                    allow=rt.settings.webhook_allow, tenant_id=row["tenant_id"])
     key = {"webhook_id": row["webhook_id"], "event_id": row["event_id"], "attempt": row["attempts"],
            "status": outcome.status}
-    if outcome.delivered:
+    if refusal:
+        query, params = queries.FAILED, {**key, "error": refusal, "dead": True, "delay_seconds": 0.0}
+        log.info("webhook delivery refused", webhook_id=row["webhook_id"], event_id=row["event_id"],
+                 created_by=row["created_by"], reason=refusal)
+    elif outcome.delivered:
         query, params = queries.DELIVERED, key
     else:
         dead = row["attempts"] >= policy.max_attempts

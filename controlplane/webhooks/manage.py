@@ -1,7 +1,9 @@
 """Creating, reading and deleting webhooks, and listing their deliveries.
 
 Every call needs membership of the tenant and IAM's compute:webhooks:manage on it: a webhook's
-URL and deliveries are configuration, not events. Another tenant's webhook is NOT_FOUND.
+URL and deliveries are configuration. Its deliveries are events, so Create also needs what
+Events.Watch with the same event types needs, and every delivery is decided again (`authority`).
+Another tenant's webhook is NOT_FOUND.
 A URL must resolve to public addresses only (`targets`; INVALID_INPUT naming `url`), a secret is a
 Standard Webhooks one or generated (`signing`; INVALID_INPUT naming `secret`), and a tenant
 has at most Settings.webhooks_per_tenant webhooks (QUOTA_EXCEEDED, resource `webhooks`).
@@ -16,12 +18,13 @@ from typing import Any
 import structlog
 from psycopg import AsyncConnection
 
-from controlplane import db, errors
+from controlplane import authorize, db, errors
 from controlplane.auth import Caller
+from controlplane.common.names import TENANT_ID, match
 from controlplane.ids import new_id
 from controlplane.runtime import Runtime
 from controlplane.watch import authorize_tenant, parse_types
-from controlplane.webhooks import queries, signing, targets
+from controlplane.webhooks import authority, queries, signing, targets
 
 log = structlog.get_logger(__name__)
 
@@ -59,15 +62,21 @@ def _webhook_id(value: str, field: str = "webhookId") -> str:
 
 
 async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
-    tenant_id = raw.get("tenant_id", "")
-    await authorize_tenant(rt, caller, tenant_id, WEBHOOKS_MANAGE, {"operation": "create"})
+    """Needs compute:webhooks:manage and what a Watch of the same event types needs (`authority`),
+    decided on one read of the policy."""
+    tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
+    caller.require_member(tenant_id)
+    policy = await authorize.fetch_policy(rt.pool, tenant_id)
+    authorize.check(policy, caller, tenant_id, WEBHOOKS_MANAGE, "Tenant", tenant_id, {"operation": "create"},
+                    tenantId=tenant_id)
+    event_types = parse_types("eventTypes", list(raw.get("event_types") or []))
+    authority.check_create(policy, caller, tenant_id, event_types)
     secret = raw.get("secret", "")
     generated = not secret
     try:
         secret = signing.generate_secret() if generated else signing.check_secret(secret)
     except ValueError as exc:
         raise errors.InvalidInput("secret", str(exc)) from None
-    event_types = parse_types("eventTypes", list(raw.get("event_types") or []))
     params = {
         "id": new_id("whk"), "tenant_id": tenant_id, "url": await _url(rt, tenant_id, raw.get("url", "")),
         "secret": secret,

@@ -55,6 +55,18 @@ _FIRST_OF_SUBJECT = """NOT EXISTS (
           WHERE p.webhook_id = d.webhook_id AND p.subject = d.subject AND p.state = 'pending'
             AND p.event_id < d.event_id)"""
 
+# What a delivery is decided on (webhooks.authority): the webhook's filter, its creator and whether
+# the creator could still authenticate and act in the tenant (not offboarded, a member; an agent's
+# person too, as controlplane.auth asks), and the tenant's policy version.
+_AUTHORITY = """c.event_types, c.created_by, i.kind AS creator_kind, i.delegator_id AS creator_delegator_id,
+       p.version AS policy_version,
+       coalesce(i.offboarded_at IS NULL
+                AND EXISTS (SELECT 1 FROM memberships m WHERE m.identity_id = i.id AND m.tenant_id = c.tenant_id)
+                AND (i.delegator_id IS NULL OR EXISTS (
+                    SELECT 1 FROM identities pi JOIN memberships pm ON pm.identity_id = pi.id
+                    WHERE pi.id = i.delegator_id AND pi.offboarded_at IS NULL AND pm.tenant_id = c.tenant_id)),
+                false) AS creator_active"""
+
 # Due deliveries that are the earliest pending one of their webhook and subject, oldest due first,
 # at most `tenant_limit` leases per tenant counting those already held. The claim counts the
 # attempt, leases the row and writes the lease (dropping leases that ended): if the worker dies,
@@ -90,7 +102,7 @@ claimed AS (
     FROM due, webhooks w, events e
     WHERE d.webhook_id = due.webhook_id AND d.event_id = due.event_id
       AND w.id = d.webhook_id AND e.id = d.event_id
-    RETURNING d.webhook_id, d.event_id, d.attempts, d.leased_until, w.url, w.secret,
+    RETURNING d.webhook_id, d.event_id, d.attempts, d.leased_until, w.url, w.secret, w.event_types, w.created_by,
               e.id, e.type, e.subject, e.tenant_id, epoch_ms(e.time) AS time_ms, e.data
 ),
 ended AS (  -- not a row claimed now: one statement must not change a row twice
@@ -104,7 +116,11 @@ leased AS (
     ON CONFLICT (webhook_id, event_id) DO UPDATE
     SET attempt = EXCLUDED.attempt, leased_until = EXCLUDED.leased_until, tenant_id = EXCLUDED.tenant_id
 )
-SELECT webhook_id, event_id, attempts, url, secret, id, type, subject, tenant_id, time_ms, data FROM claimed
+SELECT c.webhook_id, c.event_id, c.attempts, c.url, c.secret, c.id, c.type, c.subject, c.tenant_id, c.time_ms,
+       c.data, {_AUTHORITY}
+FROM claimed c
+LEFT JOIN identities i ON i.id = c.created_by
+LEFT JOIN policies p ON p.tenant_id = c.tenant_id
 """
 
 # The outcome of an attempt, applied only if the row is still this attempt's (a lease that ran
