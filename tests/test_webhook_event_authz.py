@@ -51,9 +51,14 @@ def refused(client: Client, world: World, url: str, types: list[str] = ()) -> di
     return details
 
 
-def delivery_of(world: World, hook: epb.Webhook, subject: str) -> Any:
+def settled(world: World, hook: epb.Webhook, subject: str) -> list[Any]:
+    """The webhook's deliveries of `subject` that are no longer pending."""
     listed = hooks(world.user, "ListDeliveries", epb.ListDeliveriesRequest(tenant_id=world.tenant, webhook_id=hook.id))
-    return next((d for d in listed.items if d.subject == subject and d.state != "pending"), None)
+    return [d for d in listed.items if d.subject == subject and d.state != "pending"]
+
+
+def delivery_of(world: World, hook: epb.Webhook, subject: str) -> Any:
+    return next(iter(settled(world, hook, subject)), None)
 
 
 def watch_refused(client: Client, world: World, types: list[str]) -> bool:
@@ -125,6 +130,28 @@ def test_a_policy_tightened_after_creation_stops_the_deliveries_it_no_longer_all
     finally:
         mine.close()
         control.close()
+
+
+def test_events_read_narrowed_after_creation_keeps_only_the_webhooks_it_still_allows(world: World) -> None:
+    hooker_id, hooker = creator(world, EVERYTHING)
+    released, every = Receiver(), Receiver()
+    try:
+        narrow = create(hooker, world, released.url, ["reservation.released"])
+        wide = create(hooker, world, every.url)
+        world.policy("\n".join([EVERYTHING.replace("{who}", world.user_id),
+                                RELEASED_ONLY.replace("{who}", hooker_id)]))
+        subject = reserve(world)
+        release(world, subject)
+        assert eventually(lambda: released.of(subject))[0].event["type"] == "reservation.released"
+        assert eventually(lambda: delivery_of(world, narrow, subject)).state == "delivered"
+        # The webhook of every type is what a Watch with no type filter is: refused now, each event.
+        listed = eventually(lambda: len(settled(world, wide, subject)) == 2 and settled(world, wide, subject))
+        assert sorted((d.event_type, d.last_error) for d in listed) == [
+            ("reservation.placed", authority.REFUSED), ("reservation.released", authority.REFUSED)]
+        assert every.of(subject) == []
+    finally:
+        released.close()
+        every.close()
 
 
 def test_a_webhook_of_an_offboarded_creator_delivers_nothing(world: World) -> None:
