@@ -142,7 +142,9 @@ class WebhooksServicer:
     """
 
     def Create(self, request, context):
-        """Events committed after the webhook are delivered to it; earlier ones are not.
+        """Events committed after the webhook are delivered to it; earlier ones are not. Also needs what
+        Events.Watch with the same event types needs (compute:events:read), and each delivery is
+        decided again as the webhook's creator: one refused is dead, unsent (docs/decisions.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
