@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from psycopg_pool import AsyncConnectionPool
+
 from controlplane import authorize, db, errors
 from controlplane.auth import Caller
 from controlplane.watch import EVENTS_READ
@@ -66,7 +68,7 @@ class Decisions:
         while len(self._cache) > self.entries:
             self._cache.popitem(last=False)
 
-    async def refusal(self, pool: Any, row: dict[str, Any]) -> str:
+    async def refusal(self, pool: AsyncConnectionPool, row: dict[str, Any]) -> str:
         """Why the claimed delivery `row` must not be sent ("" when it may): the claim returns the
         webhook's filter, its creator's standing and the tenant's policy version."""
         if not row["creator_active"]:
