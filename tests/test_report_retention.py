@@ -10,23 +10,30 @@ judged ones, and the retention sweep deletes the reports of ended allocations af
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2 as pb
+from controlplane import bootstrap
+from controlplane.app import WORK_HANDLERS
+from controlplane.config import Settings
 from controlplane.nodes import reports
 from controlplane.pki import attest
-from controlplane.workers import report_retention
+from controlplane.workers import pending, queue, report_retention
 from gateway.config import GatewaySettings
 from tests.nodes_support import ControlPlane
 from tests.test_gateway import GatewayThread, Node, Session, binding, cdi_names, connected, cp  # noqa: F401
 from tests.test_hostile_queue import release as release_reservation
+from tests.test_hostile_spot import advance, waiting_for_a_lock
 from tests.test_pki import sql
+from tests.support import Client, ServerThread, World, clock_now, get, make_world
 
 CAP = 8
 _SEQUENCE = itertools.count(1)
@@ -173,3 +180,44 @@ def test_the_retention_sweep_deletes_the_reports_of_allocations_ended_past_the_w
         == evidence
     session.close()
 
+
+# The pending retry's clock (not node reports: the second task of the same review) --------------
+
+@pytest.fixture
+def one_node(database: str) -> Iterator[tuple[ServerThread, World]]:
+    """A control plane with clock control and no background workers (the test runs the pending
+    retry itself), a tenant and a pool of one 8-GPU node."""
+    server = ServerThread(database, Settings(database_url=database, clock_control=True), workers=False)
+    root = Client(server.endpoint, bootstrap.ensure_root(database))
+    w = make_world(server.endpoint, root, database, nodes=1)
+    try:
+        yield server, w
+    finally:
+        w.close()
+        root.close()
+        server.stop()
+
+
+def test_a_pending_retry_that_waited_for_its_locks_places_the_window_at_the_clock_under_them(
+        one_node: tuple[ServerThread, World]) -> None:
+    """The retry planned at the clock read when it began; while it waited for the locks the clock
+    moved on two minutes, and the re-placed window began two minutes before its placement. Now, as
+    inline create and the lease batch do, it reads the clock once the locks are held."""
+    server, w = one_node
+    first = w.create(count=8)
+    waiting = w.create(count=8)
+    assert waiting.state == "pending", waiting.state
+    release_reservation(w, first.id)
+    while server.call(queue.run_one(server.app.runtime, WORK_HANDLERS)):
+        pass
+    with psycopg.connect(w.conninfo) as blocker, blocker.transaction():
+        blocker.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (waiting.id,))
+        retry = asyncio.run_coroutine_threadsafe(pending.retry_pool(server.app.runtime, w.pool_id), server.loop)
+        waiting_for_a_lock(w)  # the retry planned, took the pool lock, and waits for the row
+        advance(w, 120_000)
+        placed_from = clock_now(w)
+    assert retry.result(60) == 1
+    placed = get(w, waiting.id)
+    assert placed.state in ("placed", "binding"), placed.state
+    assert placed.during.start >= placed_from, placed_from - placed.during.start
+    assert placed.during.end == placed.during.start + 3_600_000
