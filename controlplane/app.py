@@ -56,7 +56,7 @@ from controlplane.runtime import Runtime
 from controlplane.vps import lifecycle as grant_lifecycle
 from controlplane.vps import metering, scan as provider_scan
 from controlplane.webhooks import delivery
-from controlplane.workers import drafts, pending, queue
+from controlplane.workers import drafts, pending, queue, report_retention
 
 log = structlog.get_logger(__name__)
 
@@ -166,6 +166,7 @@ async def start_app(
             rt, conninfo, app.stopping, WORK_HANDLERS, concurrency=settings.work_concurrency), name="work-queue"))
         app.tasks.append(asyncio.create_task(delivery.run(rt, conninfo, app.stopping), name="webhooks"))
         app.tasks.append(asyncio.create_task(drafts.run(rt, app.stopping), name="draft-expiry"))
+        app.tasks.append(asyncio.create_task(report_retention.run(rt, app.stopping), name="report-retention"))
         app.tasks.append(asyncio.create_task(hosts.run(rt.pool, settings.host_sync_seconds, app.stopping),
                                              name="capacity-hosts"))
         app.tasks.append(asyncio.create_task(provider_scan.run(rt, app.stopping), name="vps.reservations"))

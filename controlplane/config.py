@@ -151,6 +151,13 @@ class Settings:
     max_drafts_per_identity: int = field(default_factory=lambda: env_int("BC_MAX_DRAFTS_PER_IDENTITY", 1000))
     # Slots per GPU a time-slice or mps pool may set (policy.sharing.replicas).
     max_sharing_replicas: int = field(default_factory=lambda: env_int("BC_MAX_SHARING_REPLICAS", 64))
+    # Node reports about an allocation that ended (released or failed) are deleted this long after
+    # they arrived (they are never judged; the evidence a binding relied on is on the allocation),
+    # by a sweep this often.
+    report_retention_hours: float = field(
+        default_factory=lambda: env_float("BC_REPORT_RETENTION_HOURS", 24)
+    )
+    report_sweep_seconds: float = field(default_factory=lambda: env_float("BC_REPORT_SWEEP_SECONDS", 300))
     draft_sweep_seconds: float = field(
         default_factory=lambda: env_float("BC_DRAFT_SWEEP_SECONDS", 60)
     )

@@ -56,6 +56,10 @@ class GatewaySettings:
     # Report acks a session holds not yet written (the node reads none: its stream's window is
     # full) before its reader waits for them to go; 0: no bound.
     node_unsent_acks: int = field(default_factory=lambda: env_int("BC_NODE_MAX_UNSENT_ACKS", 1000))
+    # Reports about one allocation kept not judged yet; past it a node's reports about it are
+    # dropped (IGNORED, logged once a minute). The worker judges a live allocation's reports at
+    # once; an ended allocation's are never judged, and the retention sweep deletes them.
+    node_unjudged_reports: int = field(default_factory=lambda: env_int("BC_NODE_MAX_UNJUDGED_REPORTS", 32))
     # A node's certificate renewals per hour, and at once; past that Renew is QUOTA_EXCEEDED.
     node_renewals_per_hour: float = field(
         default_factory=lambda: env_float("BC_NODE_RENEWALS_PER_HOUR", 60))

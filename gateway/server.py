@@ -74,7 +74,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
     runner = SessionRunner(pool, hub, settings.gateway_id, liveness,
                            Throttle(settings.node_messages_per_second, settings.node_messages_burst),
-                           settings.node_unsent_acks)
+                           settings.node_unsent_acks, settings.node_unjudged_reports)
     renewals = Throttle(settings.node_renewals_per_hour / 3600, settings.node_renewals_burst)
     refusals = Refusals(settings.refused_certificates, settings.refused_certificate_seconds)
     node_pb2_grpc.add_NodeGatewayServicer_to_server(

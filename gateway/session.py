@@ -54,10 +54,12 @@ def failure_status(exc: Exception, **ids: str) -> grpc.Status:
 
 class SessionRunner:
     def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness,
-                 throttle: Throttle | None = None, unsent_acks: int = UNSENT_ACKS) -> None:
+                 throttle: Throttle | None = None, unsent_acks: int = UNSENT_ACKS,
+                 unjudged_reports: int = reports.MAX_UNJUDGED) -> None:
         self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
         self.throttle = throttle or Throttle(0, 1)
         self.unsent_acks = unsent_acks  # a session's acks not written yet before its reader waits
+        self.unjudged_reports = unjudged_reports  # an allocation's unjudged reports before more are dropped
         self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
         self._ending: set[asyncio.Future[None]] = set()  # sessions being unregistered (see run)
 
@@ -186,7 +188,7 @@ class SessionRunner:
             if await session.room_for_acks(self.unsent_acks):
                 session.acks_waited += 1
             started = time.perf_counter()
-            ack = await reports.intake(self.pool, node_id, message.report)
+            ack = await reports.intake(self.pool, node_id, message.report, self.unjudged_reports)
             if ack.outcome == reports.IGNORED:
                 session.reports_ignored += 1
             elif ack.outcome == reports.REPLAYED:

@@ -217,6 +217,13 @@ ORDER BY d.id
 # Node reports ------------------------------------------------------------------------------------
 
 REPORTED_ALLOCATION = "SELECT reservation_id FROM allocations WHERE id = %(allocation_id)s AND node_id = %(node_id)s"
+# The allocation's reports not judged yet, counted up to the cap (the partial index
+# node_reports_unjudged): a report past it is dropped. Those of an allocation no longer live are
+# never judged, so without it a node could write one row per message about it for ever.
+UNJUDGED_HELD = """
+SELECT count(*) AS held FROM (SELECT 1 FROM node_reports
+                              WHERE allocation_id = %(allocation_id)s AND judged_at IS NULL LIMIT %(cap)s) r
+"""
 # Moves the key's high-water mark only forwards; no row back means not newer (a replay).
 ADVANCE_SEQUENCE = """
 INSERT INTO report_sequences AS s (signing_key, sequence) VALUES (%(signing_key)s, %(sequence)s)
@@ -242,6 +249,34 @@ JOIN allocations a ON a.id = nr.allocation_id
 WHERE a.reservation_id = %(id)s AND nr.judged_at IS NULL AND a.state IN ('binding', 'bound')
 ORDER BY nr.id
 FOR UPDATE OF nr
+"""
+# After judging, of a reservation's judged reports per allocation only the newest %(keep)s stay,
+# and the newest accepted one per signing certificate and kind (what LAST_ACCEPTED compares a
+# later report with: accepted sequences from one key only grow). The evidence a binding relies on
+# is on the allocation row (bound_report, bound_sig_kid, bound_sig), not here.
+PRUNE_JUDGED = """
+DELETE FROM node_reports WHERE id IN (
+    SELECT id FROM (
+        SELECT nr.id, nr.verdict,
+               row_number() OVER (PARTITION BY nr.allocation_id ORDER BY nr.id DESC) AS newest,
+               row_number() OVER (PARTITION BY nr.allocation_id, nr.key_id, nr.kind, nr.verdict
+                                  ORDER BY nr.id DESC) AS newest_of_key
+        FROM node_reports nr JOIN allocations a ON a.id = nr.allocation_id
+        WHERE a.reservation_id = %(id)s AND nr.judged_at IS NOT NULL
+    ) r
+    WHERE newest > %(keep)s AND NOT (verdict = 'accepted' AND newest_of_key = 1)
+)
+"""
+# Retention: one batch of reports about allocations that ended (released or failed: never judged
+# again) received longer ago than the window (wall-clock, like received_at).
+DELETE_ENDED_REPORTS = """
+DELETE FROM node_reports WHERE id IN (
+    SELECT nr.id FROM node_reports nr JOIN allocations a ON a.id = nr.allocation_id
+    WHERE a.state IN ('released', 'failed')
+      AND nr.received_at < now() - %(retention_s)s * interval '1 second'
+    LIMIT %(batch)s
+    FOR UPDATE OF nr SKIP LOCKED
+)
 """
 JUDGED = "UPDATE node_reports SET judged_at = compute_now(), verdict = %(verdict)s, sequence = %(sequence)s WHERE id = %(id)s"
 LAST_ACCEPTED = """

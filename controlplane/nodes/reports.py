@@ -5,14 +5,22 @@ verifies the signature (controlplane.pki.attest), decides, and alone writes the 
 A report names an allocation. Unless that allocation is on the reporting session's own node, it
 is ignored exactly like an unknown one (spec "Bindings"). A report the node's own key signed whose
 sequence is not newer than the last one stored from that key is a replay (or a re-send after a
-lost ack) and is dropped. Anything else is kept in node_reports as received, and the reservation
-wakes. Every report is acknowledged with its outcome once that is committed.
+lost ack) and is dropped. So is one about an allocation already holding `max_unjudged` reports not
+judged yet (those of an allocation that ended are never judged: without the cap one node could
+write a row per message about it for ever). Anything else is kept in node_reports as received, and
+the reservation wakes. Every report is acknowledged with its outcome once that is committed.
+
+Storage stays bounded after judging too: the worker keeps per allocation the newest JUDGED_KEPT
+judged reports and the newest accepted one per certificate and kind (prune_judged), and the
+retention sweep (expire_ended) deletes the reports of ended allocations after the window.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import structlog
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
@@ -27,6 +35,13 @@ REPLAYED = node_pb2.REPORT_REPLAYED
 MAX_BODY = 64 * 1024
 MAX_KEY_ID = 128
 MAX_SIGNATURE = 1024
+MAX_UNJUDGED = 32  # GatewaySettings.node_unjudged_reports
+JUDGED_KEPT = 16  # judged reports kept per allocation (besides the newest accepted per certificate)
+DROP_LOG_SECONDS = 60.0  # a node's dropped reports are logged at most once a minute
+EXPIRE_BATCH = 500
+
+log = structlog.get_logger(__name__)
+_drops: dict[str, tuple[float, int]] = {}  # node id: (when its drops were last logged, dropped since)
 
 
 def parse(attested: node_pb2.AttestedReport) -> node_pb2.Report | None:
@@ -49,8 +64,10 @@ def parse(attested: node_pb2.AttestedReport) -> node_pb2.Report | None:
     return report
 
 
-async def intake(pool: AsyncConnectionPool, node_id: str, attested: node_pb2.AttestedReport) -> node_pb2.ReportAck:
-    """Store or drop one report; the ack to send the node (outcome STORED, IGNORED or REPLAYED)."""
+async def intake(pool: AsyncConnectionPool, node_id: str, attested: node_pb2.AttestedReport,
+                 max_unjudged: int = MAX_UNJUDGED) -> node_pb2.ReportAck:
+    """Store or drop one report; the ack to send the node (outcome STORED, IGNORED or REPLAYED).
+    A report past the allocation's cap of unjudged reports is IGNORED (dropped), and logged."""
     report = parse(attested)
     ack = node_pb2.ReportAck(sequence=report.sequence if report else 0, key_id=attested.key_id[:MAX_KEY_ID])
     if report is None:
@@ -59,11 +76,17 @@ async def intake(pool: AsyncConnectionPool, node_id: str, attested: node_pb2.Att
     kind = report.WhichOneof("event")
     params = {"node_id": node_id, "allocation_id": getattr(report, kind).allocation_id, "kind": kind,
               "body": attested.body, "key_id": attested.key_id, "signature": attested.signature,
-              "sequence": report.sequence}
+              "sequence": report.sequence, "cap": max_unjudged}
+    full = False
 
     async def work(conn: AsyncConnection) -> int:
+        nonlocal full
         row = await (await conn.execute(queries.REPORTED_ALLOCATION, params)).fetchone()
         if row is None:
+            return IGNORED
+        held = await (await conn.execute(queries.UNJUDGED_HELD, params)).fetchone()
+        full = held["held"] >= max_unjudged
+        if full:
             return IGNORED
         signing_key = await attest.signing_key_of(conn, node_id, attested.body, attested.key_id, attested.signature)
         if signing_key is not None:
@@ -76,7 +99,23 @@ async def intake(pool: AsyncConnectionPool, node_id: str, attested: node_pb2.Att
         return STORED
 
     ack.outcome = await db.run_in_transaction(pool, work)
+    if full:
+        _log_drop(node_id, params["allocation_id"], max_unjudged)
     return ack
+
+
+def _log_drop(node_id: str, allocation_id: str, cap: int) -> None:
+    """Log a node's dropped report at most once per DROP_LOG_SECONDS, with how many were dropped."""
+    now = time.monotonic()
+    last, dropped = _drops.get(node_id, (float("-inf"), 0))
+    if now - last < DROP_LOG_SECONDS:
+        _drops[node_id] = (last, dropped + 1)
+        return
+    if len(_drops) >= 10_000:  # one entry per node that dropped lately; never without end
+        _drops.clear()
+    _drops[node_id] = (now, 0)
+    log.warning("node reports dropped: the allocation holds too many unjudged reports",
+                node_id=node_id, allocation_id=allocation_id, cap=cap, dropped=dropped + 1)
 
 
 # The reservation worker's side (controlplane.reservations.reports decides; these read and record).
@@ -88,6 +127,24 @@ async def unjudged(conn: AsyncConnection, reservation_id: str) -> list[dict[str,
 
 async def record_verdict(conn: AsyncConnection, report_id: int, verdict: str, sequence: int | None) -> None:
     await conn.execute(queries.JUDGED, {"id": report_id, "verdict": verdict, "sequence": sequence})
+
+
+async def prune_judged(conn: AsyncConnection, reservation_id: str, keep: int = JUDGED_KEPT) -> None:
+    """Delete the reservation's judged reports but the newest `keep` per allocation and the newest
+    accepted one per certificate and kind (queries.PRUNE_JUDGED)."""
+    await conn.execute(queries.PRUNE_JUDGED, {"id": reservation_id, "keep": keep})
+
+
+async def expire_ended(pool: AsyncConnectionPool, retention_s: float) -> int:
+    """Delete the reports of ended allocations received longer than `retention_s` ago, in batches;
+    the number deleted."""
+    params = {"retention_s": retention_s, "batch": EXPIRE_BATCH}
+    total = 0
+    while True:
+        deleted = await db.run_in_transaction(pool, lambda c: c.execute(queries.DELETE_ENDED_REPORTS, params))
+        total += deleted.rowcount
+        if deleted.rowcount < EXPIRE_BATCH:
+            return total
 
 
 async def last_accepted_sequence(conn: AsyncConnection, allocation_id: str, key_id: str) -> int | None:

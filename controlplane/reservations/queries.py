@@ -11,6 +11,9 @@ COLUMNS = """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
+# The product clock now, in its own statement (clock_ms_fresh, migration 0046): read after a lock
+# wait, it is the clock once the lock is held.
+CLOCK_MS_FRESH = "SELECT clock_ms_fresh() AS now_ms"
 # The pool lock, then the row locked, and, when the row is still the undecided version
 # transaction 1 read, the decision recorded and quota charged (charge_all, migration 0028: all or
 # none; a refusal is an error that aborts the transaction): one round trip, in the lock order (the

@@ -47,7 +47,8 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     failures: list[tuple[str, str]] = []
     pki = PkiSettings()
     node_lease = is_node_lease(row["request"])
-    for rep in await stored_reports.unjudged(conn, row["id"]):
+    unjudged = await stored_reports.unjudged(conn, row["id"])
+    for rep in unjudged:
         if node_lease:  # metal binds whole-machine leases; a node's report never does
             ok, reason, report = False, NODE_LEASE, None
         else:
@@ -75,6 +76,8 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
         elif rep["kind"] == "released" and rep["allocation_state"] == "bound":
             await _binding_lost(conn, row, rep, "the node released the devices", now_ms)
     await _clear_binding_lost_when_all_bound(conn, row)
+    if unjudged:  # only what judging needs stays (storage bounded whatever the node sends)
+        await stored_reports.prune_judged(conn, row["id"])
     return failures
 
 

@@ -67,7 +67,12 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
     if row is None or row["state"] != states.PENDING:
         return False
-    return await placing.place_locked(conn, rt, row, prepared, now_ms) is not None
+    # Placed at the clock once both locks are held, not the one read before the waits (as inline
+    # create and the lease batch): time (or the dev clock) moved on while the retry waited, and a
+    # window without a start, or one whose start passed meanwhile, begins at placement.
+    fresh = await (await conn.execute(queries.CLOCK_MS_FRESH)).fetchone()
+    now_ms = max(now_ms, fresh["now_ms"])
+    return await placing.place_locked(conn, rt, row, placing.at_clock(prepared, row, now_ms), now_ms) is not None
 
 
 async def retry_all(rt: Runtime) -> None:
