@@ -671,8 +671,9 @@ class Report(_message.Message):
     RELEASED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     sequence: _builtins.int
-    """Increases with every report the node signs, across restarts. A report whose sequence is not
-    newer than the last one accepted from the same signing key is a replay and never counts.
+    """Increases with every report the node signs, across restarts and renewals. A report whose
+    sequence is not newer than the last one accepted about its allocation from the same signing
+    key, or from another of the node's certificates not revoked, is a replay and never counts.
     """
     time: _builtins.int
     """Epoch ms (wall clock) when the node signed it: neither in the future nor before its signing
