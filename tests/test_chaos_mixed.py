@@ -685,12 +685,12 @@ FOUND = [1342586754, 654181955]
 
 def seeds() -> tuple[list[int], float]:
     """BC_CHAOS_SEED=<seed>[,<seed>...] runs those; otherwise FOUND, then fresh seeds until
-    BC_CHAOS_SECONDS (default 45: about a minute with the setup) have passed."""
+    BC_CHAOS_SECONDS (default 25: about 40 seconds with the setup) have passed."""
     pinned = os.environ.get("BC_CHAOS_SEED")
     if pinned:
         return [int(x) for x in pinned.split(",")], float("inf")
     fresh = [random.SystemRandom().randrange(1 << 32) for _ in range(1000)]
-    return FOUND + fresh, float(os.environ.get("BC_CHAOS_SECONDS", 45))
+    return FOUND + fresh, float(os.environ.get("BC_CHAOS_SECONDS", 25))
 
 
 @pytest.mark.timeout(3600)
