@@ -16,6 +16,7 @@ import structlog
 from controlplane import db
 from controlplane.reservations import queries
 from controlplane.runtime import Runtime
+from controlplane.workers import sweeps
 
 log = structlog.get_logger(__name__)
 
@@ -36,14 +37,4 @@ async def expire(rt: Runtime) -> int:
 
 
 async def run(rt: Runtime, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            await expire(rt)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("draft expiry failed; continuing")
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=rt.settings.draft_sweep_seconds)
-        except TimeoutError:
-            pass
+    await sweeps.every(rt.settings.draft_sweep_seconds, lambda: expire(rt), stop, "draft expiry")

@@ -12,6 +12,7 @@ import structlog
 
 from controlplane.nodes import reports
 from controlplane.runtime import Runtime
+from controlplane.workers import sweeps
 
 log = structlog.get_logger(__name__)
 
@@ -25,14 +26,4 @@ async def expire(rt: Runtime) -> int:
 
 
 async def run(rt: Runtime, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            await expire(rt)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("node report expiry failed; continuing")
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=rt.settings.report_sweep_seconds)
-        except TimeoutError:
-            pass
+    await sweeps.every(rt.settings.report_sweep_seconds, lambda: expire(rt), stop, "node report expiry")
