@@ -19,8 +19,8 @@ from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import pool_locked
 from tests.support import World, clock_now, eventually, get
-from tests.test_hostile_spot import (
-    advance, booking_ends, end_it, events_of, mk, node, spot_world,
+from tests.test_hostile_spot import (  # noqa: F401 - long_notice is a fixture
+    advance, booking_ends, end_it, events_of, long_notice, mk, node, spot_world,
 )
 
 MIN = 60_000
@@ -150,14 +150,6 @@ def test_a_pending_victim_whose_notice_ends_is_released_preempted(clocked: World
 
 
 # -- A victim's end takes its notices -------------------------------------------------------------
-
-
-@pytest.fixture
-def long_notice(stack) -> Iterator[World]:
-    server, root = stack
-    w = spot_world(server, root, notice_s=300)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("how", ["release", "cancel"])
