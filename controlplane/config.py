@@ -94,6 +94,12 @@ class Settings:
     pending_retry_seconds: float = field(
         default_factory=lambda: env_float("BC_PENDING_RETRY_SECONDS", 30)
     )
+    # The shortest time between two wake-up retries of one pool's pending reservations (the
+    # wake-ups in between are coalesced into the next, never lost): a node flipping its inventory
+    # or capabilities in a loop woke a retry of its whole pool per message. 0: unpaced.
+    pending_wake_seconds: float = field(
+        default_factory=lambda: env_float("BC_PENDING_WAKE_SECONDS", 1)
+    )
     # The longest a create holds its answer for wait.timeoutMs (spec: capped at 30 seconds).
     create_wait_cap_seconds: float = field(
         default_factory=lambda: env_float("BC_CREATE_WAIT_CAP_SECONDS", 30)

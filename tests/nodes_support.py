@@ -2,7 +2,7 @@
 reaches reservation and allocation states through the API, the reservation worker and signed
 reports, never by writing rows.
 
-The control plane runs without its background workers: `drain()` runs the real reservation worker
+The control plane runs without its background workers (unless asked for them): `drain()` runs the real reservation worker
 (controlplane.workers.queue.run_one) on every item due now, when the test says so, so a test can
 count the wake-ups a gateway schedules before the worker takes them.
 """
@@ -22,10 +22,10 @@ from tests.support import Client, ServerThread, World, make_world
 
 
 class ControlPlane:
-    def __init__(self, conninfo: str, **settings: Any) -> None:
+    def __init__(self, conninfo: str, *, workers: bool = False, **settings: Any) -> None:
         self.conninfo = conninfo
         self.server = ServerThread(conninfo, Settings(database_url=conninfo, clock_control=True, **settings),
-                                   workers=False)
+                                   workers=workers)
         self.root = Client(self.server.endpoint, bootstrap.ensure_root(conninfo))
         self.world: World = make_world(self.server.endpoint, self.root, conninfo, nodes=0)
 

@@ -1,6 +1,7 @@
 """Pending reservations retry every 30 seconds, and at once when their pool frees capacity
-(release, cancel, a BookingRepair or a binding failure, a node made ready), woken by NOTIFY
-bc_pool_freed.
+(release, cancel, a BookingRepair or a binding failure, a node made ready, new inventory), woken by
+NOTIFY bc_pool_freed; a pool's wake-ups are paced (at most one retry per BC_PENDING_WAKE_SECONDS,
+the wake-ups in between coalesced into the next).
 
 Each retry is one transaction per reservation: plan (reads only), pool lock, row lock, re-check
 that it is still pending, place. Replicas may race on the same reservation: the row lock and the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -82,29 +84,59 @@ async def retry_all(rt: Runtime) -> None:
         await retry_pool(rt, pool_id)
 
 
+class Pacer:
+    """When each woken pool is retried: COALESCE_SECONDS after its wake-up, but never sooner than
+    `interval` after its previous retry began. A wake-up while one is due joins it; one that comes
+    during or after a retry is due again, so the last wake-up is never lost (the retry it gets
+    reads after it). A node flipping its inventory or capabilities in a loop woke its pool's retry
+    once per applied message; now the pool is retried at most once per interval, whoever wakes it."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = max(0.0, interval)
+        self._clock = clock
+        self._due: dict[str, float] = {}  # woken pool -> when to retry it
+        self._began: dict[str, float] = {}  # pool -> when its last retry began (within interval)
+
+    def wake(self, pool_id: str) -> None:
+        if pool_id not in self._due:
+            since = self._began.get(pool_id)
+            at = self._clock() + COALESCE_SECONDS
+            self._due[pool_id] = at if since is None else max(at, since + self.interval)
+
+    def take_due(self) -> list[str]:
+        """The pools to retry now (marked as begun now)."""
+        now = self._clock()
+        self._began = {p: t for p, t in self._began.items() if now - t < self.interval}
+        ready = [p for p, at in self._due.items() if at <= now]
+        for pool_id in ready:
+            del self._due[pool_id]
+            self._began[pool_id] = now
+        return ready
+
+    def next_due(self) -> float | None:
+        return min(self._due.values(), default=None)
+
+
 async def run(rt: Runtime, conninfo: str, stop: asyncio.Event) -> None:
-    """Listen for freed pools; retry everything every pending_retry_seconds as the safety net, and
-    after every (re)connect (a pool freed while no one listened)."""
+    """Listen for freed pools, each retried as `Pacer` says; retry everything every
+    pending_retry_seconds as the safety net, whatever wakes meanwhile (a stream of wake-ups never
+    holds it off), and after every (re)connect (a pool freed while no one listened)."""
     quiet = rt.settings.pending_retry_seconds
+    pacer = Pacer(rt.settings.pending_wake_seconds)
     async with listen(conninfo, [CHANNEL], stop, name="pending", timeout=quiet) as listener:
-        woken: set[str] = set()
-        coalesce_until = 0.0
+        next_all = 0.0
         async for item in listener:
             if isinstance(item, psycopg.Notify):
-                if not woken:
-                    coalesce_until = time.monotonic() + COALESCE_SECONDS
-                woken.add(item.payload)
-                if time.monotonic() < coalesce_until:
-                    listener.timeout = coalesce_until - time.monotonic()
-                    continue  # coalesce a burst of wake-ups for the same pools
+                pacer.wake(item.payload)
             try:
-                if item is RECONNECTED or not woken:  # missed while disconnected, or the safety net
+                if item is RECONNECTED or time.monotonic() >= next_all:  # missed while disconnected, or the safety net
+                    next_all = time.monotonic() + quiet
                     await retry_all(rt)
-                else:  # the burst, once its window closed
-                    for pool_id in woken:
-                        await retry_pool(rt, pool_id)
+                for pool_id in pacer.take_due():
+                    await retry_pool(rt, pool_id)
             except Exception:
                 log.exception("pending worker failed; continuing")
                 await listener.reset()  # re-read everything once reconnected
-            woken.clear()
-            listener.timeout = quiet
+            due = pacer.next_due()
+            wake_at = next_all if due is None else min(next_all, due)
+            listener.timeout = max(0.001, wake_at - time.monotonic())
