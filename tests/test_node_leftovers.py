@@ -8,15 +8,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
+import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2 as npb
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import nodes_pb2 as nodes_pb
+from bettercompute.v1 import nodes_pb2_grpc as npb_grpc
+from bettercompute.v1 import reservations_pb2 as rpb
 from tests.nodes_support import ControlPlane
-from tests.support import get, make_world
-from tests.test_gateway import GatewayThread, connected, eventually, gateway, hello, node_row  # noqa: F401
+from tests.support import get, make_world, refused
+from tests.test_gateway import (GatewayThread, _bound_body, binding, cdi_names, connected, cp,  # noqa: F401
+                                eventually, gateway, hello, node_row)
+from tests.test_pki import sql
 
 WAKE_S = 1.0  # the pool's pacing in these tests
 
@@ -114,3 +123,130 @@ def test_a_stream_of_wake_ups_never_holds_off_the_safety_net(gateway: GatewayThr
         other.close()
         control.stop()
 
+
+
+# -- extend and renew on hardware taken out of service ----------------------------------------------
+
+HOUR = 3_600_000
+
+
+def _active(gateway: GatewayThread, cp: ControlPlane, node: Any, session: Any) -> rpb.Reservation:
+    """A reservation of 2 GPUs with a lease, bound on `node` by its signed report: active."""
+    rid, aid = binding(cp, count=2, lease_seconds=3600)
+    cp.drain()
+    session.send(node.report(_bound_body(node.node_id, aid, cdi_names(gateway.conninfo, aid))))
+    eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM node_reports WHERE allocation_id = %s", (aid,)),
+               what="the bound report stored")
+    cp.drain()
+    r = cp.get(rid)
+    assert r.state == "active", r
+    return r
+
+
+def _extend(cp: ControlPlane, rid: str, key: str, **change: Any) -> rpb.ExtendReservationResponse:
+    return cp.world.user.res("Extend", rpb.ExtendReservationRequest(
+        tenant_id=cp.world.tenant, reservation_id=rid, idempotency_key=key, **change))
+
+
+def _take_out(cp: ControlPlane, how: str, node_id: str, device: str, back: bool = False) -> None:
+    if how == "revoked":
+        npb_grpc.NodeAdminStub(cp.root.channel).RevokeCertificates(
+            nodes_pb.RevokeCertificatesRequest(node_id=node_id, reason="stolen"), metadata=cp.root.metadata)
+    elif how == "cordoned":
+        cp.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=node_id, state="ready" if back else "cordoned"))
+    elif how == "quarantined":
+        cp.root.admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node_id, device_uuid=device,
+                                                             health="healthy" if back else "unhealthy"))
+    else:
+        cp.root.admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(
+            node_id=node_id, connectivity="connected" if back else "unreachable"))
+
+
+@pytest.mark.parametrize("how,reason", [("revoked", "node-revoked"), ("cordoned", "node-cordoned"),
+                                        ("quarantined", "device-unhealthy")])
+def test_an_active_reservation_on_hardware_taken_out_of_service_cannot_be_extended_there(
+        gateway: GatewayThread, cp: ControlPlane, how: str, reason: str) -> None:
+    """An operator revokes a stolen node's certificates, cordons a node for maintenance, or
+    quarantines a GPU after an XID error, under an active reservation. Its current window runs its
+    course (spec P6), but extend moved its booking's end on that hardware as if nothing happened:
+    more time sold on a machine out of service. Now INVALID_STATE naming why (details.reason,
+    nodeId, deviceUuid), nothing changed and the extend slot free; renew (which books nothing)
+    still works, as does an until already reached; back in service, extend works again."""
+    node, session = connected(gateway, cp.pool_id, "n1", uuid="GPU-n1")
+    r = _active(gateway, cp, node, session)
+    device = r.allocations[0].device_ids[0]
+    _take_out(cp, how, node.node_id, device)
+    code, spec_code, details = refused(_extend, cp, r.id, "ext-1", by="1h")
+    expected = {"reason": reason, "nodeId": node.node_id, "state": "active", "reservationId": r.id}
+    if how == "quarantined":
+        expected["deviceUuid"] = device
+    assert (code, spec_code, details) == (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE", expected)
+    after = cp.get(r.id)
+    assert (after.during.end, after.version) == (r.during.end, r.version)
+    assert cp.world.sql("SELECT pending FROM authz_projection WHERE reservation_id = %s", (r.id,)) == [(None,)]
+    assert cp.world.sql("SELECT 1 FROM extend_holds WHERE reservation_id = %s", (r.id,)) == []
+    assert not _extend(cp, r.id, "ext-2", until=r.during.end).extended  # already reached: no refusal
+    renewed = cp.world.user.res("Renew", rpb.RenewReservationRequest(tenant_id=cp.world.tenant, reservation_id=r.id))
+    assert renewed.state == "active" and renewed.during.end == r.during.end
+    if how != "revoked":  # (a revoked node is back only once readmitted and enrolled again)
+        _take_out(cp, how, node.node_id, device, back=True)
+        out = _extend(cp, r.id, "ext-3", by="1h")
+        assert out.extended and out.reservation.during.end == r.during.end + HOUR
+    cp.check_invariants()
+    session.close()
+
+
+def test_an_active_reservation_on_an_unreachable_node_is_still_extended(gateway: GatewayThread, cp: ControlPlane) -> None:
+    """Unreachable is not out of service: the node may be back in a minute, and the reservation
+    keeps its booking (spec P6), so its extension is decided as ever."""
+    node, session = connected(gateway, cp.pool_id, "n1", uuid="GPU-n1")
+    r = _active(gateway, cp, node, session)
+    _take_out(cp, "unreachable", node.node_id, "")
+    assert node_row(cp.conninfo, node.node_id)["connectivity"] == "unreachable"
+    out = _extend(cp, r.id, "ext-1", by="1h")
+    assert out.extended and out.reservation.during.end == r.during.end + HOUR
+    session.close()
+
+
+def test_a_placed_reservation_on_a_revoked_node_is_extended_and_repaired_with_its_whole_window(
+        gateway: GatewayThread, cp: ControlPlane) -> None:
+    """Before its start a reservation's booking is BookingRepair's: extending a placed one on a
+    revoked node is decided as ever, and the repair moves the whole window, the extension
+    included, to a good node."""
+    bad, bad_session = connected(gateway, cp.pool_id, "bad", uuid="GPU-bad")
+    future = cp.create(count=4, start=cp.world.later(), duration="2h")
+    assert [a.node_id for a in future.allocations] == [bad.node_id]
+    good, good_session = connected(gateway, cp.pool_id, "good", uuid="GPU-good")
+    _take_out(cp, "revoked", bad.node_id, "")
+    out = _extend(cp, future.id, "ext-1", by="1h")
+    assert out.extended and out.reservation.during.end == future.during.end + HOUR
+    cp.advance(24 * HOUR - 10 * 60_000)
+    cp.drain()
+    moved = cp.get(future.id)
+    assert moved.state == "placed", moved
+    assert [a.node_id for a in moved.allocations if a.state == "placed"] == [good.node_id]
+    assert (moved.during.start, moved.during.end) == (future.during.start, future.during.end + HOUR)
+    cp.check_invariants()
+    good_session.close()
+
+
+def test_a_node_cordoned_while_iam_decides_the_extension_is_refused_in_its_second_transaction(
+        gateway: GatewayThread, cp: ControlPlane) -> None:
+    """The extend's first transaction saw the node in service; the cordon commits before its
+    second (which waits for the pool lock the test holds): the second checks again. The cordon is
+    written in the test's own locked transaction, since SetNodeState would queue for the pool lock
+    behind the extend."""
+    node, session = connected(gateway, cp.pool_id, "n1", uuid="GPU-n1")
+    r = _active(gateway, cp, node, session)
+    with ThreadPoolExecutor(1) as ex:
+        with psycopg.connect(cp.conninfo) as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + cp.pool_id,))
+            pending = ex.submit(refused, _extend, cp, r.id, "ext-1", by="1h")
+            eventually(lambda: sql(cp.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"),
+                       what="the extend waiting for the pool lock in its second transaction")
+            conn.execute("UPDATE nodes SET state = 'cordoned' WHERE id = %s", (node.node_id,))
+        code, spec_code, details = pending.result(60)
+    assert (spec_code, details["reason"]) == ("INVALID_STATE", "node-cordoned"), details
+    assert cp.get(r.id).during.end == r.during.end
+    assert cp.world.sql("SELECT pending FROM authz_projection WHERE reservation_id = %s", (r.id,)) == [(None,)]
+    session.close()

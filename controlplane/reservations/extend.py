@@ -108,6 +108,7 @@ async def _stage(
                                   maxUntil=latest, reservationId=rid)
     if new_end <= row["during_end"]:
         return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
+    await _require_in_service(conn, row)  # (an until already reached answers extended: false above)
     offered = {"pool_id": row["pool_id"], "tenant_id": tenant_id}
     if await (await conn.execute(queries.POOL_OFFERED, offered)).fetchone() is None:
         raise errors.InvalidState("the pool is no longer offered to this tenant: the reservation cannot be extended",
@@ -147,6 +148,7 @@ async def _apply(
         raise errors.Conflict("the reservation changed while the extension was decided",
                               reason="reservation-changed", reservationId=rid)
     await _require_alive(conn, row)  # its end may have passed while IAM decided
+    await _require_in_service(conn, row)  # and its node may have been revoked or cordoned
     if staged.asked is not None and staged.asked.approved:
         lapsed = await extend_confirm.take_approval(conn, rid, staged.asked)
         if lapsed is not None:
@@ -182,6 +184,30 @@ async def _require_alive(conn: AsyncConnection, row: dict[str, Any]) -> None:
     if reason is not None:
         raise errors.InvalidState("this reservation has ended" if reason == WINDOW_ENDED else "its lease lapsed",
                                   state=row["state"], reservationId=row["id"], reason=reason)
+
+
+_OUT_OF_SERVICE = {
+    "node-revoked": "its node {node} was revoked",
+    "node-cordoned": "its node {node} is cordoned",
+    "device-unhealthy": "its GPU {device} on node {node} is quarantined",
+}
+
+
+async def _require_in_service(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    """INVALID_STATE while a started allocation sits on a node revoked or cordoned, or on a GPU
+    quarantined: more time is new capacity there, and the operator took that hardware out of
+    service. Its current window runs its course (spec P6); an unreachable node is no refusal (it
+    may come back), nor is a placed reservation's node (BookingRepair moves its whole window, the
+    extension included, before the start)."""
+    bad = await (await conn.execute(queries.OUT_OF_SERVICE, {"id": row["id"]})).fetchone()
+    if bad is None:
+        return
+    why = _OUT_OF_SERVICE[bad["reason"]].format(node=bad["node_id"], device=bad["device_uuid"])
+    details = {"reason": bad["reason"], "nodeId": bad["node_id"], "state": row["state"], "reservationId": row["id"]}
+    if bad["reason"] == "device-unhealthy":
+        details["deviceUuid"] = bad["device_uuid"]
+    raise errors.InvalidState(f"{why}: the reservation cannot be extended there; release it and reserve again",
+                              **details)
 
 
 async def _release_slot(conn: AsyncConnection, rid: str, hold: str) -> None:

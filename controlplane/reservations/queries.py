@@ -369,6 +369,26 @@ ORDER BY n.id
 """
 
 # Booked atoms an operator quarantined, or that their node no longer reports (gone: not bookable).
+# Extend: the first started allocation (binding or bound) on hardware taken out of service, a
+# revoked node first, then a cordoned one, then a node with a booked GPU quarantined; none: the
+# extension may be decided. Placed allocations are BookingRepair's before their start.
+OUT_OF_SERVICE = """
+SELECT n.id AS node_id,
+       CASE WHEN n.revoked_at IS NOT NULL THEN 'node-revoked'
+            WHEN n.state = 'cordoned' THEN 'node-cordoned'
+            ELSE 'device-unhealthy' END AS reason,
+       (SELECT min(at.device_uuid) FROM bookings b JOIN atoms at ON at.id = b.atom_id
+        WHERE b.allocation_id = al.id AND at.health = 'unhealthy') AS device_uuid
+FROM allocations al
+JOIN nodes n ON n.id = al.node_id
+WHERE al.reservation_id = %(id)s AND al.state IN ('binding', 'bound')
+  AND (n.revoked_at IS NOT NULL OR n.state = 'cordoned'
+       OR EXISTS (SELECT 1 FROM bookings b JOIN atoms at ON at.id = b.atom_id
+                  WHERE b.allocation_id = al.id AND at.health = 'unhealthy'))
+ORDER BY n.revoked_at IS NULL, n.state <> 'cordoned', n.id
+LIMIT 1
+"""
+
 UNHEALTHY_NODES = """
 SELECT DISTINCT n.name, at.device_uuid, NOT at.bookable AS gone
 FROM allocations a
