@@ -55,6 +55,28 @@ def _flip(i: int, generation: int) -> npb.NodeMessage:
 
 # -- a node flipping its inventory ------------------------------------------------------------------
 
+def test_the_pacer_retries_a_pool_at_most_once_an_interval_and_never_drops_the_last_wake_up() -> None:
+    from controlplane.workers.pending import COALESCE_SECONDS, Pacer
+
+    now = [100.0]
+    pacer = Pacer(2.0, clock=lambda: now[0])
+    pacer.wake("a")
+    assert pacer.take_due() == [] and pacer.next_due() == 100.0 + COALESCE_SECONDS  # a burst coalesces
+    now[0] += COALESCE_SECONDS
+    assert pacer.take_due() == ["a"]  # the first wake-up of a quiet pool: at once
+    for _ in range(50):  # flips during and after that retry: one retry due, an interval after it began
+        now[0] += 0.01
+        pacer.wake("a")
+        pacer.wake("b")  # another pool is paced on its own
+    assert pacer.take_due() == ["b"] and pacer.next_due() == 100.0 + COALESCE_SECONDS + 2.0
+    now[0] = pacer.next_due()
+    assert pacer.take_due() == ["a"] and pacer.next_due() is None  # the last wake-up, not lost
+    now[0] += 5.0  # quiet for longer than the interval: at once again
+    pacer.wake("a")
+    assert pacer.next_due() == now[0] + COALESCE_SECONDS
+    assert Pacer(0, clock=lambda: now[0]).interval == 0.0 and Pacer(-1).interval == 0.0  # 0: unpaced
+
+
 def test_a_node_flipping_its_gpus_and_capabilities_wakes_its_pools_retry_a_bounded_number_of_times(
         gateway: GatewayThread, paced: ControlPlane) -> None:
     """Every flip changes what placement reads, so each wakes the pool (bc_pool_freed), and the
