@@ -49,6 +49,12 @@ busy AS (
     GROUP BY tenant_id
 )"""
 
+# Every event id below `final.below` has committed or never will (migration 0050): a delivery goes
+# out only then, so no event with a smaller id than one a client was sent commits after it (a
+# client resuming Events.Watch after that id misses nothing).
+_FINAL = """
+final AS MATERIALIZED (SELECT events_final_below() AS below)"""
+
 # Not waiting behind an earlier pending delivery of its webhook and subject (order per subject).
 _FIRST_OF_SUBJECT = """NOT EXISTS (
           SELECT 1 FROM webhook_deliveries p
@@ -73,7 +79,7 @@ _AUTHORITY = """c.event_types, c.created_by, i.kind AS creator_kind, i.delegator
 # the row is due again when the lease ends. Two rows of one webhook and subject are never claimed
 # together, nor while the earlier one is leased (it stays pending).
 CLAIM = f"""
-WITH {_BUSY},
+WITH {_BUSY},{_FINAL},
 ranked AS (
     SELECT d.webhook_id, d.event_id, d.next_attempt_at,
            coalesce(b.leased, 0)
@@ -82,6 +88,7 @@ ranked AS (
     JOIN webhooks w ON w.id = d.webhook_id
     LEFT JOIN busy b ON b.tenant_id = w.tenant_id
     WHERE d.state = 'pending' AND d.next_attempt_at <= compute_now()
+      AND d.event_id < (SELECT below FROM final)
       AND {_FIRST_OF_SUBJECT}
 ),
 due AS (
@@ -152,15 +159,19 @@ WHERE webhook_id = %(webhook_id)s AND event_id = %(event_id)s
 
 # Seconds until the next claim may find something (NULL: nothing pending): the earliest due
 # delivery of a tenant under its cap, or the end of a lease (a tenant at its cap gets a slot back
-# by then at the latest; a finished attempt wakes its own worker sooner).
+# by then at the latest; a finished attempt wakes its own worker sooner). `held`: a pending
+# delivery waits for an event writer still open (see _FINAL), whose end notifies nothing here.
 NEXT_DUE = f"""
-WITH {_BUSY}
+WITH {_BUSY},{_FINAL}
 SELECT extract(epoch FROM least(
     (SELECT min(d.next_attempt_at)
      FROM webhook_deliveries d
      JOIN webhooks w ON w.id = d.webhook_id
      LEFT JOIN busy b ON b.tenant_id = w.tenant_id
-     WHERE d.state = 'pending' AND coalesce(b.leased, 0) < %(tenant_limit)s AND {_FIRST_OF_SUBJECT}),
+     WHERE d.state = 'pending' AND coalesce(b.leased, 0) < %(tenant_limit)s
+       AND d.event_id < (SELECT below FROM final) AND {_FIRST_OF_SUBJECT}),
     (SELECT min(leased_until) FROM webhook_leases WHERE leased_until > compute_now())
-) - compute_now())::float8 AS seconds
+) - compute_now())::float8 AS seconds,
+EXISTS (SELECT 1 FROM webhook_deliveries d
+        WHERE d.event_id >= (SELECT below FROM final) AND d.state = 'pending') AS held
 """
