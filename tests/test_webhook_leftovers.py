@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import psycopg
 import pytest
 
+from controlplane.webhooks import targets
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World
+from tests.support import Client, ServerThread, World, make_world, rpc_error
+from tests.test_hostile_webhooks_watch import Resolver
 from tests.test_watch import Stream, _begin_event, kinds
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, eventually, reserve
 
@@ -79,3 +83,83 @@ def test_a_webhook_sends_an_event_only_once_every_smaller_id_is_final(world: Wor
             assert {i for i in final if i < event_id} <= seen, event_id
     finally:
         receiver.close()
+
+
+@pytest.fixture(scope="module")
+def short(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """Loopback receivers allowed; a one-second deadline per attempt (and per URL check)."""
+    yield from module_stack(pg_uri, webhook_allow=LOOPBACK, webhook_attempt_seconds=1)
+
+
+@pytest.fixture
+def dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[Resolver]:
+    """test_hostile_webhooks_watch's resolver: names under blackhole.test never answered."""
+    r = Resolver(monkeypatch)
+    try:
+        yield r
+    finally:
+        r.release.set()
+
+
+def _hang(world: World, names: list[str]) -> set[str]:
+    """Webhooks created at names whose DNS never answers, all at once: the error codes."""
+    def create(name: str) -> str:
+        with pytest.raises(grpc.RpcError) as exc:
+            create_hook(world, f"http://{name}.blackhole.test:9/hook")
+        return rpc_error(exc)[1]
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return set(pool.map(create, names))
+
+
+def test_a_few_tenants_dead_names_cannot_starve_other_tenants_deliveries(
+        short: tuple[ServerThread, Client], dns: Resolver) -> None:
+    """Attack: eight tenants each look up names whose DNS never answers (webhooks created at
+    them, retried): at four lookups each they held all 32 lookup threads until the resolver gave
+    up, and every other tenant's delivery timed out waiting for a thread. Names not known to
+    resolve now share half the threads; a delivery host that resolved before keeps the rest."""
+    server, root = short
+    victim = make_world(server.endpoint, root, server.conninfo)
+    hostile = [make_world(server.endpoint, root, server.conninfo, nodes=0) for _ in range(9)]
+    receiver = Receiver()
+    try:
+        port = receiver.url.rsplit(":", 1)[1]
+        create_hook(victim, f"http://victim.loop.test:{port}/hook")  # resolved, so known to resolve
+        with ThreadPoolExecutor(len(hostile)) as pool:
+            codes = set().union(*pool.map(
+                lambda w: _hang(w[1], [f"t{w[0]}-{n}" for n in range(targets.LOOKUPS_PER_TENANT * 2)]),
+                enumerate(hostile)))
+        assert codes == {"INVALID_INPUT"}
+        subject = reserve(victim)
+        hit = eventually(lambda: receiver.of(subject))[0]  # its lookup found a thread
+        assert hit.signed and hit.status == 200
+        assert dns.blocked == targets.UNPROVEN_LOOKUPS  # the rest were refused without a thread
+        # A new name is one of those not known to resolve: refused while their share is taken.
+        with pytest.raises(grpc.RpcError) as exc:
+            create_hook(victim, f"http://new.loop.test:{port}/hook")
+        assert rpc_error(exc)[1] == "INVALID_INPUT"
+    finally:
+        dns.release.set()
+        receiver.close()
+        victim.close()
+        for w in hostile:
+            w.close()
+
+
+def test_a_name_whose_lookup_hung_is_refused_without_a_thread_for_a_while(
+        short: tuple[ServerThread, Client], dns: Resolver) -> None:
+    """A webhook whose host stopped answering DNS took a thread at every attempt, each held until
+    the resolver gave up; now the name is refused at once while its lookup hangs and a while after."""
+    server, root = short
+    world = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    try:
+        for _ in range(3):  # one after another: each waits out its deadline
+            assert _hang(world, ["again"]) == {"INVALID_INPUT"}
+        assert dns.blocked == 1
+        dns.release.set()  # the resolver gives up: still refused for STUCK_SECONDS
+        eventually(lambda: targets.LOOKUPS.stuck.get("again.blackhole.test", 0) < float("inf"))
+        assert _hang(world, ["again"]) == {"INVALID_INPUT"}
+        assert dns.blocked == 1
+    finally:
+        dns.release.set()
+        world.close()
