@@ -14,7 +14,7 @@ import grpc
 import psycopg
 import pytest
 
-from controlplane.webhooks import targets
+from controlplane.webhooks import queries, targets
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 from tests.test_hostile_webhooks_watch import Resolver
@@ -163,3 +163,80 @@ def test_a_name_whose_lookup_hung_is_refused_without_a_thread_for_a_while(
     finally:
         dns.release.set()
         world.close()
+
+
+def _backlog(world: World, subjects: list[str], per_subject: int) -> None:
+    """`per_subject` events of each subject, one subject's after another, committed together."""
+    world.sql("""INSERT INTO events (tenant_id, type, subject, data)
+                 SELECT %s, 'test.backlog', s.subject, jsonb_build_object('n', n)
+                 FROM generate_series(1, %s) n, unnest(%s::text[]) WITH ORDINALITY s(subject, o)
+                 ORDER BY o, n""", (world.tenant, per_subject, subjects))
+
+
+def _rows_read(plan: dict[str, Any], table: str) -> float:
+    """Rows an EXPLAIN ANALYZE plan read from `table`: returned or filtered out, every loop."""
+    own = 0.0
+    if plan.get("Relation Name") == table:
+        own = (plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)
+               + plan.get("Rows Removed by Index Recheck", 0)) * plan["Actual Loops"]
+    return own + sum(_rows_read(child, table) for child in plan.get("Plans", []))
+
+
+def test_the_claim_reads_a_few_rows_of_a_tenant_with_a_long_backlog(world: World) -> None:
+    """A receiver that fails holds its subject's later deliveries: all due, none the first of its
+    subject. The claim ranked every due pending delivery of every tenant to pick a few, so one
+    tenant's backlog made every claim of every worker read all of it. Now it reads, per tenant,
+    at most its free slots' worth of deliveries that may go (the first of their subject)."""
+    receiver = Receiver(lambda event, attempt: 503)
+    try:
+        create_hook(world, receiver.url)
+        _backlog(world, ["test/stuck"], 2000)
+        eventually(lambda: receiver.of("test/stuck"))  # the first one failed: the rest wait behind it
+        params = {"limit": 8, "lease_seconds": 10.0, "tenant_limit": 2}
+        with psycopg.connect(world.conninfo) as conn:  # rolled back: nothing claimed for good
+            cur = psycopg.ClientCursor(conn)
+            cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queries.CLAIM, params)
+            claim = cur.fetchone()[0][0]["Plan"]
+            cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queries.NEXT_DUE, params)
+            next_due = cur.fetchone()[0][0]["Plan"]
+            conn.rollback()
+        read = _rows_read(claim, "webhook_deliveries"), _rows_read(next_due, "webhook_deliveries")
+        assert read[0] < 100 and read[1] < 100, read
+        assert world.sql("SELECT count(*) FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id"
+                         " WHERE w.tenant_id = %s AND d.state = 'pending'", (world.tenant,))[0][0] == 2000
+    finally:
+        receiver.close()
+
+
+def test_the_bounded_claim_keeps_order_per_subject_and_the_tenant_cap(world: World) -> None:
+    """A backlog over several subjects, and more events of them committed while it drains: each
+    subject's events arrive in id order, each only once the one before it was answered, and the
+    tenant never holds more leases than its cap (2) when a request arrives."""
+    leased: list[tuple[int, int]] = []  # at each request: the tenant's leases, and its subject's
+
+    def answer(event: dict[str, Any], attempt: int) -> int:
+        leased.append(world.sql(
+            """SELECT count(*), count(*) FILTER (WHERE d.subject = %s)
+               FROM webhook_leases l JOIN webhook_deliveries d USING (webhook_id, event_id)
+               WHERE l.tenant_id = %s AND l.leased_until > compute_now()""",
+            (event["subject"], world.tenant))[0])
+        return 200
+
+    receiver = Receiver(answer)
+    subjects = [f"test/s{n}" for n in range(5)]
+    try:
+        create_hook(world, receiver.url)
+        _backlog(world, subjects, 6)
+        eventually(lambda: receiver.of())
+        _backlog(world, subjects, 6)  # while the first batch drains
+        eventually(lambda: len(receiver.of()) >= 60, timeout=60)
+        ids = {s: [row[0] for row in world.sql(
+            "SELECT id FROM events WHERE tenant_id = %s AND subject = %s ORDER BY id", (world.tenant, s))]
+            for s in subjects}
+        for s in subjects:
+            assert [h.event["id"] for h in receiver.of(s)] == ids[s]  # in order, each once
+        assert len(leased) == 60
+        assert max(tenant for tenant, _ in leased) == 2  # the cap, reached and never passed
+        assert {subject for _, subject in leased} == {1}  # one attempt of a subject at a time
+    finally:
+        receiver.close()

@@ -35,3 +35,51 @@ LANGUAGE sql VOLATILE AS $$
     WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid >= 1000000000
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 $$;
+
+-- The claim reads only what it claims (controlplane/webhooks/queries.py): it read every due
+-- pending delivery, every tenant's, to rank them, so a tenant with a long backlog (one subject
+-- queued behind a failing receiver) made every claim of every worker read all of it. A delivery
+-- now carries its tenant and whether it is the head of its webhook and subject's queue (the
+-- earliest pending one: the only one that may be attempted), and the claim reads, per tenant with
+-- pending deliveries, at most its free slots' worth of due heads from one index.
+ALTER TABLE webhook_deliveries ADD COLUMN tenant_id text;
+ALTER TABLE webhook_deliveries ADD COLUMN head boolean NOT NULL DEFAULT false;
+UPDATE webhook_deliveries d SET tenant_id = w.tenant_id FROM webhooks w WHERE w.id = d.webhook_id;
+ALTER TABLE webhook_deliveries ALTER COLUMN tenant_id SET NOT NULL;
+UPDATE webhook_deliveries d SET head = true
+WHERE d.state = 'pending' AND NOT EXISTS (
+    SELECT 1 FROM webhook_deliveries p
+    WHERE p.webhook_id = d.webhook_id AND p.subject = d.subject AND p.state = 'pending' AND p.event_id < d.event_id);
+CREATE INDEX webhook_deliveries_heads ON webhook_deliveries (tenant_id, next_attempt_at, event_id)
+    WHERE state = 'pending' AND head;
+DROP INDEX webhook_deliveries_due;  -- read by nothing now
+
+-- A new delivery is the head when no delivery of its webhook and subject is pending. The latest
+-- pending one is locked FOR SHARE until this transaction ends, so its outcome (which makes the
+-- next one the head, in a statement of its own) waits for this delivery to be visible; and if
+-- that outcome came first, the lock waits for it and finds the row no longer pending.
+CREATE OR REPLACE FUNCTION webhook_fan_out() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    hook_id text;
+    fanned boolean := false;
+BEGIN
+    FOR hook_id IN
+        SELECT w.id FROM webhooks w
+        WHERE w.tenant_id = NEW.tenant_id AND event_type_matches(w.event_types, NEW.type)
+        ORDER BY w.id
+    LOOP
+        PERFORM 1 FROM webhook_deliveries p
+        WHERE p.webhook_id = hook_id AND p.subject = NEW.subject AND p.state = 'pending'
+        ORDER BY p.event_id DESC
+        LIMIT 1
+        FOR SHARE;
+        INSERT INTO webhook_deliveries (webhook_id, event_id, subject, next_attempt_at, tenant_id, head)
+        VALUES (hook_id, NEW.id, NEW.subject, compute_now(), NEW.tenant_id, NOT FOUND);
+        fanned := true;
+    END LOOP;
+    IF fanned THEN
+        PERFORM pg_notify('bc_webhooks', NEW.tenant_id);
+    END IF;
+    RETURN NULL;
+END $$;

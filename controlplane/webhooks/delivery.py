@@ -101,6 +101,8 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
 
     async def work(conn: psycopg.AsyncConnection) -> None:
         await conn.execute(query, params)
+        # Its own statement: it must see a later delivery whose fan-out waited for this outcome.
+        await conn.execute(queries.PROMOTE, {"webhook_id": row["webhook_id"], "subject": row["subject"]})
 
     await db.run_in_transaction(rt.pool, work)
     rt.metrics.webhook("delivered" if outcome.delivered else "dead" if params.get("dead") else "failed")
