@@ -17,7 +17,9 @@ would never see it. The hub therefore streams only up to a *safe frontier*: an i
 every event at or below it has either committed or will never exist.
 
 Every event writer holds a shared advisory lock from before it takes an id until it ends
-(`next_event_id()`, migration 0005), and releases it only after its commit is visible. One
+(`next_event_id()`, migration 0005), and releases it only after its commit is visible. (A second
+one, keyed by a floor of its ids, lets the webhook claim read the same frontier statelessly:
+`events_final_below()`, migration 0050.) One
 statement reads M = max(id) of the visible events and, after its snapshot was taken, W = the
 transactions holding that lock (pg_locks). A transaction holding an id below M took the lock
 before M's writer took its id, so it has either ended (its event is visible from now on, or

@@ -7,6 +7,10 @@ A process runs at most Settings.webhook_concurrency attempts at a time, and a te
 Settings.webhook_tenant_concurrency across all processes (the claim counts its leases), so one
 tenant's slow receivers cannot hold every slot. A 2xx answer marks it delivered. Anything else is retried with exponential back-off and jitter
 until `max_attempts`, then the delivery is dead and the next event of its subject may go.
+A delivery is claimed only once every smaller event id has committed or never will (migration
+0050), as Watch streams: an event committing after a client got a larger id by webhook would be
+behind the point where that client resumes Watch. While one waits for a writer still open, the
+worker re-checks at RECHECK_SECONDS.
 Before sending, the attempt is decided as a Watch by the webhook's creator would be (`authority`):
 refused, the delivery is dead at once with the refusal as its error, and nothing is sent.
 Woken by NOTIFY bc_webhooks (the fan-out trigger) and by its own timer for retries.
@@ -97,17 +101,27 @@ async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
 
     async def work(conn: psycopg.AsyncConnection) -> None:
         await conn.execute(query, params)
+        # Its own statement: it must see a later delivery whose fan-out waited for this outcome.
+        await conn.execute(queries.PROMOTE, {"webhook_id": row["webhook_id"], "subject": row["subject"]})
 
     await db.run_in_transaction(rt.pool, work)
     rt.metrics.webhook("delivered" if outcome.delivered else "dead" if params.get("dead") else "failed")
     return outcome
 
 
-async def seconds_until_due(rt: Runtime) -> float | None:
+# While a delivery waits for an event writer still open (queries._FINAL), re-check at this pace,
+# backing off: the writer's end wakes no worker.
+RECHECK_SECONDS = (0.02, 0.5)
+
+
+async def seconds_until_due(rt: Runtime) -> tuple[float | None, bool]:
+    """Seconds until a claim may find something (None: nothing pending), and whether a delivery
+    waits for an event writer still open (a smaller event id not yet final)."""
     async with db.read_only(rt.pool) as conn:
         row = await (await conn.execute(queries.NEXT_DUE, {
             "tenant_limit": rt.settings.webhook_tenant_concurrency})).fetchone()
-    return None if row is None or row["seconds"] is None else max(0.0, row["seconds"])
+    assert row is not None
+    return (None if row["seconds"] is None else max(0.0, row["seconds"])), row["held"]
 
 
 class Worker:
@@ -115,6 +129,7 @@ class Worker:
         self.rt = rt
         self.wake = asyncio.Event()
         self.in_flight: set[asyncio.Task] = set()
+        self.recheck = RECHECK_SECONDS[0]
 
     async def run(self, conninfo: str, stop: asyncio.Event) -> None:
         listener = asyncio.create_task(self._listen(conninfo, stop), name="webhook-listen")
@@ -155,8 +170,13 @@ class Worker:
         if len(self.in_flight) >= self.rt.settings.webhook_concurrency:
             timeout: float | None = None  # only a finished attempt frees a slot
         else:
-            due = await seconds_until_due(self.rt)
+            due, held = await seconds_until_due(self.rt)
             timeout = POLICY.poll_seconds if due is None else min(POLICY.poll_seconds, max(due, 0.02))
+            if held:
+                timeout = min(timeout, self.recheck)
+                self.recheck = min(self.recheck * 2, RECHECK_SECONDS[1])
+            else:
+                self.recheck = RECHECK_SECONDS[0]
         try:
             await asyncio.wait_for(self.wake.wait(), timeout)
         except TimeoutError:

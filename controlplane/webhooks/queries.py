@@ -49,6 +49,12 @@ busy AS (
     GROUP BY tenant_id
 )"""
 
+# Every event id below `final.below` has committed or never will (migration 0050): a delivery goes
+# out only then, so no event with a smaller id than one a client was sent commits after it (a
+# client resuming Events.Watch after that id misses nothing).
+_FINAL = """
+final AS MATERIALIZED (SELECT events_final_below() AS below)"""
+
 # Not waiting behind an earlier pending delivery of its webhook and subject (order per subject).
 _FIRST_OF_SUBJECT = """NOT EXISTS (
           SELECT 1 FROM webhook_deliveries p
@@ -67,29 +73,53 @@ _AUTHORITY = """c.event_types, c.created_by, i.kind AS creator_kind, i.delegator
                     WHERE pi.id = i.delegator_id AND pi.offboarded_at IS NULL AND pm.tenant_id = c.tenant_id)),
                 false) AS creator_active"""
 
-# Due deliveries that are the earliest pending one of their webhook and subject, oldest due first,
-# at most `tenant_limit` leases per tenant counting those already held. The claim counts the
-# attempt, leases the row and writes the lease (dropping leases that ended): if the worker dies,
-# the row is due again when the lease ends. Two rows of one webhook and subject are never claimed
-# together, nor while the earlier one is leased (it stays pending).
+# The tenants with a pending delivery (each queue of a webhook and subject with a pending delivery
+# has a head): a skip scan of webhook_deliveries_heads, one index probe per tenant.
+_TENANTS = """
+tenant_scan(tenant_id) AS (
+    (SELECT tenant_id FROM webhook_deliveries WHERE state = 'pending' AND head ORDER BY tenant_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT d.tenant_id FROM webhook_deliveries d
+            WHERE d.state = 'pending' AND d.head AND d.tenant_id > s.tenant_id
+            ORDER BY d.tenant_id LIMIT 1)
+    FROM tenant_scan s WHERE s.tenant_id IS NOT NULL
+),
+tenants AS (
+    SELECT tenant_id FROM tenant_scan WHERE tenant_id IS NOT NULL
+)"""
+
+# A tenant's due heads, oldest due first: the earliest pending delivery of its webhook and subject
+# (`head`, kept by the fan-out trigger and PROMOTE; the NOT EXISTS guards the order should two
+# writers of one subject have raced), below every event writer still open (_FINAL).
+_DUE_HEADS = f"""
+        FROM webhook_deliveries d
+        WHERE d.tenant_id = t.tenant_id AND d.state = 'pending' AND d.head
+          AND d.next_attempt_at <= compute_now() AND d.event_id < (SELECT below FROM final)
+          AND {_FIRST_OF_SUBJECT}
+        ORDER BY d.next_attempt_at, d.event_id"""
+
+# Due heads, oldest due first, at most `tenant_limit` leases per tenant counting those already
+# held; per tenant with pending deliveries it reads at most its free slots' worth of rows, however
+# long its backlog. The claim counts the attempt, leases the row and writes the lease (dropping
+# leases that ended): if the worker dies, the row is due again when the lease ends. Two rows of one
+# webhook and subject are never claimed together, nor while the earlier one is leased (it stays
+# pending, and the head).
 CLAIM = f"""
-WITH {_BUSY},
-ranked AS (
-    SELECT d.webhook_id, d.event_id, d.next_attempt_at,
-           coalesce(b.leased, 0)
-             + row_number() OVER (PARTITION BY w.tenant_id ORDER BY d.next_attempt_at, d.event_id) AS slot
-    FROM webhook_deliveries d
-    JOIN webhooks w ON w.id = d.webhook_id
-    LEFT JOIN busy b ON b.tenant_id = w.tenant_id
-    WHERE d.state = 'pending' AND d.next_attempt_at <= compute_now()
-      AND {_FIRST_OF_SUBJECT}
+WITH RECURSIVE {_BUSY},{_FINAL},{_TENANTS},
+candidates AS (
+    SELECT c.webhook_id, c.event_id, c.next_attempt_at
+    FROM tenants t
+    LEFT JOIN busy b ON b.tenant_id = t.tenant_id
+    CROSS JOIN LATERAL (
+        SELECT d.webhook_id, d.event_id, d.next_attempt_at{_DUE_HEADS}
+        LIMIT greatest(%(tenant_limit)s - coalesce(b.leased, 0), 0)
+    ) c
 ),
 due AS (
     SELECT d.webhook_id, d.event_id
     FROM webhook_deliveries d
-    JOIN ranked r ON r.webhook_id = d.webhook_id AND r.event_id = d.event_id
-    WHERE r.slot <= %(tenant_limit)s
-    ORDER BY r.next_attempt_at, r.event_id
+    JOIN candidates c ON c.webhook_id = d.webhook_id AND c.event_id = d.event_id
+    ORDER BY c.next_attempt_at, c.event_id
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
 ),
@@ -150,17 +180,36 @@ WHERE webhook_id = %(webhook_id)s AND event_id = %(event_id)s
   AND state = 'pending' AND attempts = %(attempt)s
 """
 
+# After an outcome, in a statement of its own (so it sees a delivery whose fan-out waited for the
+# outcome: see webhook_fan_out, migration 0050): the earliest pending delivery of the webhook and
+# subject is the head. Nothing changes when the attempt's row is still pending.
+PROMOTE = """
+UPDATE webhook_deliveries d SET head = true
+WHERE d.webhook_id = %(webhook_id)s AND d.subject = %(subject)s AND d.state = 'pending' AND NOT d.head
+  AND d.event_id = (SELECT min(p.event_id) FROM webhook_deliveries p
+                    WHERE p.webhook_id = %(webhook_id)s AND p.subject = %(subject)s AND p.state = 'pending')
+"""
+
 # Seconds until the next claim may find something (NULL: nothing pending): the earliest due
 # delivery of a tenant under its cap, or the end of a lease (a tenant at its cap gets a slot back
-# by then at the latest; a finished attempt wakes its own worker sooner).
+# by then at the latest; a finished attempt wakes its own worker sooner). `held`: a pending
+# delivery waits for an event writer still open (see _FINAL), whose end notifies nothing here.
 NEXT_DUE = f"""
-WITH {_BUSY}
+WITH RECURSIVE {_BUSY},{_FINAL},{_TENANTS}
 SELECT extract(epoch FROM least(
-    (SELECT min(d.next_attempt_at)
-     FROM webhook_deliveries d
-     JOIN webhooks w ON w.id = d.webhook_id
-     LEFT JOIN busy b ON b.tenant_id = w.tenant_id
-     WHERE d.state = 'pending' AND coalesce(b.leased, 0) < %(tenant_limit)s AND {_FIRST_OF_SUBJECT}),
+    (SELECT min(n.next_attempt_at)
+     FROM tenants t
+     LEFT JOIN busy b ON b.tenant_id = t.tenant_id
+     CROSS JOIN LATERAL (
+         SELECT d.next_attempt_at
+         FROM webhook_deliveries d
+         WHERE d.tenant_id = t.tenant_id AND d.state = 'pending' AND d.head
+           AND d.event_id < (SELECT below FROM final) AND {_FIRST_OF_SUBJECT}
+         ORDER BY d.next_attempt_at, d.event_id
+         LIMIT 1) n
+     WHERE coalesce(b.leased, 0) < %(tenant_limit)s),
     (SELECT min(leased_until) FROM webhook_leases WHERE leased_until > compute_now())
-) - compute_now())::float8 AS seconds
+) - compute_now())::float8 AS seconds,
+EXISTS (SELECT 1 FROM webhook_deliveries d
+        WHERE d.event_id >= (SELECT below FROM final) AND d.state = 'pending') AS held
 """

@@ -15,7 +15,11 @@ a name whose DNS never answers blocks its thread inside the C library until the 
 timeouts (seconds to minutes), long after the caller's deadline gave up on it. A tenant has at
 most LOOKUPS_PER_TENANT lookups running, abandoned ones included (another is refused as timed
 out at once), so one tenant's black-hole names cannot hold every lookup thread, and none of the
-process's own lookups (a database host) ever waits behind them.
+process's own lookups (a database host) ever waits behind them. A few tenants together cannot
+either: names with no recent answer (new or dead ones) hold at most UNPROVEN_LOOKUPS threads in
+all, so a delivery to a host that resolved before (at least when its webhook was created) always
+finds a thread; and a name whose lookup hung is refused at once for a while instead of taking a
+thread at every attempt (docs/decisions.md).
 
 Refusals carry one generic message: what a name resolves to, or whether it resolves at all, is
 not told to the tenant (it would be an oracle for internal DNS); the reason goes to the log.
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import re
 import socket
 import threading
+import time
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +73,15 @@ _REFUSED_V6 = tuple((ipaddress.IPv6Network(net), why) for net, why in (
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: the last 32 bits are IPv4
 LOOKUP_THREADS = 32
 LOOKUPS_PER_TENANT = 4  # running at once, each until the C library answers or gives up
+# Lookups of names with no answer within KNOWN_SECONDS (new names, dead ones) share at most this
+# many threads, all tenants together: the others are kept for names known to resolve.
+UNPROVEN_LOOKUPS = LOOKUP_THREADS // 2
+KNOWN_SECONDS = 3600.0
+KNOWN_NAMES = 4096  # the names known to resolve that are remembered (least recently answered leave first)
+# A name whose lookup outlived its caller's deadline, or failed after SLOW_SECONDS, is refused at
+# once (no thread) while that lookup runs and for STUCK_SECONDS after it ends.
+STUCK_SECONDS = 60.0
+SLOW_SECONDS = 1.0
 
 _INET_ATON = re.compile(r"^[0-9][0-9a-fx.]*$")
 _INET_ATON_PART = re.compile(r"^(?:0x([0-9a-f]+)|0([0-7]+)|([1-9][0-9]*|0))$")
@@ -192,38 +208,79 @@ def judge(host: str, addresses: Iterable[Address], allow: Sequence[Network]) -> 
 
 
 class _Lookups:
-    """getaddrinfo on threads of its own, with the lookups still running counted per tenant."""
+    """getaddrinfo on threads of its own: lookups still running counted per tenant and, for names
+    not known to resolve, in total; names whose lookup hung refused at once for a while."""
 
     def __init__(self) -> None:
         self.threads = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="webhook-dns")
         self.lock = threading.Lock()
         self.running: dict[str, int] = {}
+        self.unproven = 0  # running lookups of names not known to resolve
+        self.known: OrderedDict[str, float] = OrderedDict()  # name: its last answer (monotonic)
+        self.stuck: dict[str, float] = {}  # name: refused until (inf while its hung lookup runs)
 
     async def getaddrinfo(self, key: str, host: str, port: int) -> list[Any]:
-        """What the system resolver answers; TimeoutError at once when `key` (a tenant) already
-        has LOOKUPS_PER_TENANT lookups running."""
+        """What the system resolver answers; TimeoutError at once, without a thread, when `key`
+        (a tenant) already has LOOKUPS_PER_TENANT lookups running, when `host` is not known to
+        resolve and UNPROVEN_LOOKUPS such lookups run, or when `host` hung within STUCK_SECONDS."""
+        name = host.lower().rstrip(".")
+        started = time.monotonic()
         with self.lock:
+            until = self.stuck.get(name)
+            if until is not None and until > started:
+                raise TimeoutError(f"{host}: its last lookup hung (refused for {STUCK_SECONDS:g} s after it ended)")
+            self.stuck.pop(name, None)
             if self.running.get(key, 0) >= LOOKUPS_PER_TENANT:
                 raise TimeoutError(f"{host}: {LOOKUPS_PER_TENANT} lookups of this tenant still running")
+            seen = self.known.get(name)
+            proven = seen is not None and started - seen < KNOWN_SECONDS
+            if not proven and self.unproven >= UNPROVEN_LOOKUPS:
+                raise TimeoutError(f"{host}: {UNPROVEN_LOOKUPS} lookups of names not known to resolve still running")
             self.running[key] = self.running.get(key, 0) + 1
+            self.unproven += not proven
         try:
             future = self.threads.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM,
                                          proto=socket.IPPROTO_TCP)
         except BaseException:
-            self._finished(key)
+            self._release(key, proven)
             raise
         # When the thread returns (or the lookup is dropped before it started), not when the
         # caller stops waiting: a cancelled wait leaves a running lookup running.
-        future.add_done_callback(lambda _: self._finished(key))
-        return await asyncio.wrap_future(future)
+        future.add_done_callback(lambda done: self._finished(key, name, proven, started, done))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller's deadline: the name is refused while it hangs
+            with self.lock:
+                if not future.done():
+                    self.stuck[name] = math.inf
+            raise
 
-    def _finished(self, key: str) -> None:
+    def _release(self, key: str, proven: bool) -> None:
         with self.lock:
             left = self.running[key] - 1
             if left:
                 self.running[key] = left
             else:
                 del self.running[key]
+            self.unproven -= not proven
+
+    def _finished(self, key: str, name: str, proven: bool, started: float, done: Future[Any]) -> None:
+        self._release(key, proven)
+        now = time.monotonic()
+        with self.lock:
+            if done.cancelled():  # dropped before it started (its caller gave up): nothing learnt
+                if self.stuck.get(name) == math.inf:
+                    del self.stuck[name]
+                return
+            if done.exception() is None:
+                self.stuck.pop(name, None)
+                self.known[name] = now
+                self.known.move_to_end(name)
+                while len(self.known) > KNOWN_NAMES:
+                    self.known.popitem(last=False)
+            elif name in self.stuck or now - started >= SLOW_SECONDS:  # hung, or failed slowly
+                self.stuck[name] = now + STUCK_SECONDS
+                self.known.pop(name, None)
 
 
 LOOKUPS = _Lookups()
