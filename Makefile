@@ -8,6 +8,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# make test's workers: each runs whole test files (module fixtures stay per file); 1 runs serially.
+TEST_WORKERS ?= 2
 
 .PHONY: venv dev test bench proto proto-check clean
 
@@ -35,7 +37,7 @@ dev: $(STAMP)
 	$(PY) -m controlplane.cli dev
 
 test: $(STAMP) proto-check
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench
