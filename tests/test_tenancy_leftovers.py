@@ -290,6 +290,38 @@ def outcome_of(future: Any) -> str:
         return error_info(exc).reason
 
 
+@pytest.mark.parametrize("ending", ["token-revoked", "membership-removed"])
+def test_a_wait_handed_its_answer_by_the_batch_ends_when_its_caller_no_longer_can_act(world: World,
+                                                                                       ending: str) -> None:
+    """The batch of the wait's own process hands it the reservation as committed, and the wait
+    answered that without reading: a token revoked (or a membership removed) after the wait's
+    last read still got the answer. Here the batch's own transaction revokes the token (or deletes
+    the membership; a test trigger), so every read before it found the token live and the next
+    answer is the hand-off: UNAUTHENTICATED (ACCESS_DENIED), as a read would have answered."""
+    lease_pool(world)
+    ident, _ = world.identity()
+    token = world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=ident, ttl="1h"))
+    key = f"handed-{ending}"
+    rid = draft_id(world.tenant, ident, key)
+    action = ("UPDATE api_tokens SET revoked_at = now() WHERE id = '%s'" % token.id if ending == "token-revoked" else
+              "DELETE FROM memberships WHERE identity_id = '%s' AND tenant_id = '%s'" % (ident, world.tenant))
+    fn = f"test_end_caller_{uuid.uuid4().hex[:8]}"
+    world.sql(f"CREATE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN {action}; RETURN NEW; END $$")
+    world.sql(f"CREATE TRIGGER {fn} AFTER UPDATE ON reservations FOR EACH ROW "
+              f"WHEN (NEW.id = '{rid}' AND OLD.state = 'queued' AND NEW.state <> 'queued') EXECUTE FUNCTION {fn}()")
+    caller = Client(world.endpoint, token.secret)
+    try:
+        answer = outcome_of(caller._r.Create.future(world.create_request(
+            key=key, count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000)),
+            metadata=caller.metadata, timeout=60))
+    finally:
+        world.sql(f"DROP TRIGGER {fn} ON reservations")
+        world.sql(f"DROP FUNCTION {fn}()")
+        caller.close()
+    assert answer == ("UNAUTHENTICATED" if ending == "token-revoked" else "ACCESS_DENIED")
+    assert world.sql("SELECT state FROM reservations WHERE id = %s", (rid,))[0][0] in ("placed", "binding")
+
+
 def test_a_wait_whose_caller_is_removed_from_the_tenant_ends_access_denied(world: World) -> None:
     """The wait read the reservation with the token's state only: removed from the tenant (its
     queued reservation passed to the successor), the caller kept waiting and was answered the

@@ -217,6 +217,8 @@ VIEW_FOR_TOKEN = f"""
 SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations,{_CALLER_STATE}
 FROM reservations r WHERE r.id = %(id)s
 """
+# The same caller state alone: for a wait handed its answer by a batch of its process, not read.
+CALLER_STATE = f"SELECT{_CALLER_STATE}"
 
 # Release: bookings that have not begun are deleted, running ones end now.
 # The end of bookings and window: at %(at)s (epoch ms) when given (a lapse the reconciler reaches

@@ -8,7 +8,9 @@ reads, the pauses between them, and whether it was handed its answer.
 A wait ends with its caller's token, as a Watch stream does (docs/decisions.md): each read reads
 the token's state in the same statement, and a token revoked or expired (on the product clock)
 since the call authenticated ends the wait UNAUTHENTICATED instead of answering that read; a
-caller removed from the tenant since (Admin.RemoveMembership) ends it ACCESS_DENIED. The reservation stays as created; a retry of its key with a live token answers it."""
+caller removed from the tenant since (Admin.RemoveMembership) ends it ACCESS_DENIED. An answer
+handed over by a batch is not read, so the token and membership are read alone before it is
+given. The reservation stays as created; a retry of its key with a live token answers it."""
 
 from __future__ import annotations
 
@@ -62,6 +64,14 @@ async def read_for(rt: Runtime, caller: Caller | None, rid: str, tenant_id: str)
     return view
 
 
+async def check_handed(rt: Runtime, caller: Caller | None, rid: str, tenant_id: str) -> None:
+    """The caller's token and membership, read alone for an answer a batch handed over: the
+    batch read neither, and the token may have been revoked since the wait's last read."""
+    if caller is not None and caller.token_id:
+        state = await db.fetch_one(rt.pool, queries.CALLER_STATE, _caller_params(caller, tenant_id))
+        _require_acting(caller, tenant_id, rid, dict(state))
+
+
 async def wait_for_operation(
     rt: Runtime, tenant_id: str, rid: str, timeout_ms: int, *, just_queued: bool = False,
     caller: Caller | None = None,
@@ -72,9 +82,8 @@ async def wait_for_operation(
     process it hands the waiter the reservation as it committed it, and the wait answers with
     that instead of reading. `just_queued`: the caller has
     just queued it, so the wait starts with the first pause rather than a read that would find it
-    queued. `caller`: whose token and membership each read checks (None: no check). A handed
-    answer is not read, so a revocation since the last read (or the authentication) is not seen
-    by it: it is the one answer the batch decided, not a further read."""
+    queued. `caller`: whose token and membership each read checks (None: no check); a handed
+    answer is not read, so they are read alone before it is given (check_handed)."""
     started = time.monotonic()
     deadline = started + capped_ms(rt, timeout_ms) / 1000
     delay = FIRST_DELAY_S
@@ -92,6 +101,7 @@ async def wait_for_operation(
                     handed = waiter is not None and waiter.view is not None
                     if handed:
                         view, waiter.view = waiter.view, None  # as this process's batch committed it: no read
+                        await check_handed(rt, caller, rid, tenant_id)
                     else:
                         view = await read_for(rt, caller, rid, tenant_id)
                         reads += 1
