@@ -337,3 +337,25 @@ def test_a_wait_whose_caller_is_removed_from_the_tenant_ends_access_denied(world
             caller.close()
     assert world.sql("SELECT owner_identity_id FROM reservations WHERE id = %s", (rid,)) == [(world.user_id,)]
 
+
+# -- Pool names are labels; ids identify pools --------------------------------------------------
+
+
+def test_two_pools_may_share_a_name_and_every_call_tells_them_apart_by_id(world: World) -> None:
+    """docs/decisions.md "Pool names": a name is a label for people, not an identity. A second
+    pool named like the world's is created, listed beside it with its own id, and a create or a
+    preview names the pool by id, so each lands on the pool it names; nothing a tenant is
+    answered carries the name."""
+    twin = world.root.admin("CreatePool", apb.CreatePoolRequest(owner_tenant_id=world.tenant, name="p", region="eu-1"))
+    listed = world.root.admin("ListPools", apb.ListPoolsRequest(owner_tenant_id=world.tenant)).items
+    assert sorted((p.name, p.id) for p in listed) == sorted([("p", world.pool_id), ("p", twin.id)])
+    assert twin.id != world.pool_id
+
+    empty = world.create(count=1, pool_id=twin.id)  # the twin has no node: pending there
+    placed = world.create(count=1)
+    assert (empty.pool_id, empty.state) == (twin.id, "pending")
+    assert (placed.pool_id, placed.state) == (world.pool_id, "placed")
+    assert world.sql("SELECT DISTINCT n.pool_id FROM allocations a JOIN nodes n ON n.id = a.node_id "
+                     "WHERE a.reservation_id = %s", (placed.id,)) == [(world.pool_id,)]
+    code, reason, details = refused(world.create, count=1, pool_id="p")  # a name is not a pool id
+    assert (code, reason, details["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT", "poolId")
