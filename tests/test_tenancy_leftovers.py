@@ -214,7 +214,8 @@ def test_an_open_watch_stream_in_the_tenant_ends_access_denied_before_its_next_e
     successor_id, _ = world.identity()
     moved = world.create(leaver, count=1, start=world.later(24))
     with Stream(leaver, tenant_id=world.tenant, from_now=True) as stream:
-        stream.quiet(0.3)  # open: it answered nothing so far, and did not fail
+        seen = world.create(count=1, start=world.later(30))  # streamed: the stream is open and reading
+        assert [e.subject for e in stream.take(1)] == [f"reservation/{seen.id}"]
         remove(world, leaver_id, world.tenant, successor_id)
         with pytest.raises(grpc.RpcError) as ended:
             stream.take(1)
