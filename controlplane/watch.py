@@ -95,8 +95,15 @@ FROM events
 _LAST_VISIBLE = "SELECT coalesce(max(id), 0) AS id FROM events WHERE tenant_id = %(tenant_id)s"
 _TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
 
-# Whether the watcher can still act in the tenant (migration 0052), read with each batch's policy.
-_CAN_ACT_IN = "SELECT can_act_in(%s, %s) AS member"
+# Whether the watcher can still act in the tenant (migration 0052), read with each batch's
+# policy, and whether its token is unrevoked (expiry has its own timer): an offboarding revokes
+# the tokens and ends the membership's effect in one commit, and the stream ends UNAUTHENTICATED
+# for it, as when only the hub's revocation notice ended it (which may come after this read).
+_CALLER_NOW = """
+SELECT can_act_in(%(identity_id)s, %(tenant_id)s) AS member,
+       (%(token_id)s = '' OR EXISTS (SELECT 1 FROM api_tokens t WHERE t.id = %(token_id)s
+                                      AND t.revoked_at IS NULL)) AS live
+"""
 _REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND (revoked_at IS NOT NULL OR expires_at <= compute_now())"
 
 _EVENTS = """
@@ -403,11 +410,12 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                     "types": req.types, "limit": BATCH,
                 })).fetchall()
                 policy = await authorize.read_policy(conn, req.tenant_id) if rows else None
-                member = (await (await conn.execute(_CAN_ACT_IN, (caller.identity_id, req.tenant_id))).fetchone()
-                          )["member"] if rows else True
-            if sub.revoked:  # while it read (a send or a wait notices it by itself)
+                now = await (await conn.execute(_CALLER_NOW, {
+                    "identity_id": caller.identity_id, "tenant_id": req.tenant_id, "token_id": caller.token_id,
+                })).fetchone() if rows else {"member": True, "live": True}
+            if sub.revoked or not now["live"]:  # while it read (a send or a wait notices it by itself)
                 raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)
-            if not member:  # removed from the tenant since the stream opened (Admin.RemoveMembership)
+            if not now["member"]:  # removed from the tenant since the stream opened (Admin.RemoveMembership)
                 raise errors.AccessDenied("the caller is not a member of this tenant", tenantId=req.tenant_id)
             if rows:  # the policy as it is now: one tightened since the stream opened holds at once
                 authorize.check(policy, caller, req.tenant_id, EVENTS_READ, "Tenant", req.tenant_id, attributes,
