@@ -13,6 +13,12 @@ INSERT_MEMBERSHIP = """
 INSERT INTO memberships (tenant_id, identity_id) VALUES (%(tenant_id)s, %(identity_id)s)
 ON CONFLICT DO NOTHING
 """
+# A membership removed (controlplane.memberships): its rows locked, then deleted.
+LOCK_MEMBERSHIPS = """
+SELECT identity_id FROM memberships WHERE tenant_id = %(tenant_id)s AND identity_id = ANY(%(ids)s)
+ORDER BY identity_id FOR UPDATE
+"""
+DELETE_MEMBERSHIPS = "DELETE FROM memberships WHERE tenant_id = %(tenant_id)s AND identity_id = ANY(%(ids)s)"
 IDENTITY = """
 SELECT i.*, coalesce(array_agg(m.tenant_id ORDER BY m.tenant_id)
                      FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids

@@ -72,6 +72,7 @@ UPDATE confirmations c SET state = 'withdrawn', decided_at = compute_now()
 WHERE c.id IN (
     SELECT c2.id FROM confirmations c2 JOIN reservations r ON r.id = c2.reservation_id
     WHERE (c2.agent_identity_id = ANY(%(ids)s) OR c2.person_identity_id = ANY(%(ids)s))
+      AND (%(tenant_id)s::text IS NULL OR c2.tenant_id = %(tenant_id)s)
       AND (c2.state = 'pending' OR (c2.state = 'approved' AND r.state = 'awaiting-confirmation'))
     ORDER BY c2.id FOR UPDATE OF c2
 )
@@ -163,8 +164,11 @@ async def decide(rt: Runtime, caller: Caller, tenant_id: str, cid: str, approve:
     return await db.run_in_transaction(rt.pool, work)
 
 
-async def withdraw_of_identities(conn: AsyncConnection, identity_ids: list[str]) -> list[str]:
-    """Withdraw the open confirmations asked of, or asked by, these identities (offboarding): the
-    pending ones, and the approved ones whose request was not retried yet. Their ids."""
-    rows = await (await conn.execute(_WITHDRAW_OF_IDENTITIES, {"ids": identity_ids})).fetchall()
+async def withdraw_of_identities(conn: AsyncConnection, identity_ids: list[str],
+                                 tenant_id: str | None = None) -> list[str]:
+    """Withdraw the open confirmations asked of, or asked by, these identities (offboarding; in
+    `tenant_id` only when given, for a membership removed): the pending ones, and the approved
+    ones whose request was not retried yet. Their ids."""
+    rows = await (await conn.execute(_WITHDRAW_OF_IDENTITIES, {"ids": identity_ids,
+                                                               "tenant_id": tenant_id})).fetchall()
     return [r["id"] for r in rows]

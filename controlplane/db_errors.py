@@ -20,6 +20,8 @@ BOOKINGS_NO_OVERLAP = "bookings_no_overlap"
 # A draft for an identity offboarded since its call authenticated: the name migration 0013's
 # insert trigger raises its check violation under (a trigger's, not a pg_constraint row).
 OWNER_OFFBOARDED = "reservations_owner_not_offboarded"
+# A draft for an identity removed from the tenant since its call authenticated (migration 0052).
+OWNER_NOT_MEMBER = "reservations_owner_still_member"
 # The live-drafts cap per identity, held by draft_room in a draft's insert (migration 0046): full,
 # or near enough that the insert runs again under the identity's exclusive lock.
 DRAFT_ROOM = "reservations_draft_room"

@@ -39,7 +39,7 @@ REASSIGNABLE = sorted({states.PENDING, states.QUEUED} | states.BOOKED)
 
 # tenant_ids: where the identity can act. An agent acts only where its person is a member too
 # (controlplane.auth), so a successor agent's tenants are the two memberships' intersection.
-_LOCK_IDENTITIES = """
+LOCK_IDENTITIES = """
 SELECT i.id, i.kind, i.delegator_id, i.successor_id, epoch_ms(i.offboarded_at) AS offboarded_ms,
        coalesce(array(SELECT m.tenant_id FROM memberships m WHERE m.identity_id = i.id
                         AND (i.delegator_id IS NULL
@@ -49,7 +49,7 @@ SELECT i.id, i.kind, i.delegator_id, i.successor_id, epoch_ms(i.offboarded_at) A
 FROM identities i WHERE i.id = ANY(%(ids)s) ORDER BY i.id FOR UPDATE OF i
 """
 
-_LOCK_AGENTS = """
+LOCK_AGENTS = """
 SELECT id FROM identities WHERE delegator_id = %(id)s AND offboarded_at IS NULL ORDER BY id FOR UPDATE
 """
 
@@ -75,7 +75,7 @@ async def offboard(rt: Runtime, identity_id: str, successor_id: str) -> dict[str
 
 
 async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) -> dict[str, Any]:
-    rows = await (await conn.execute(_LOCK_IDENTITIES, {"ids": [identity_id, successor_id]})).fetchall()
+    rows = await (await conn.execute(LOCK_IDENTITIES, {"ids": [identity_id, successor_id]})).fetchall()
     found = {r["id"]: r for r in rows}
     leaving, successor = found.get(identity_id), found.get(successor_id)
     if leaving is None:
@@ -89,7 +89,7 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
         return _answer(identity_id, successor_id, leaving["offboarded_ms"], changed=False)
     if successor["offboarded_ms"] is not None:
         raise errors.InvalidState("the successor is offboarded", successorIdentityId=successor_id, state=OFFBOARDED)
-    agents = [r["id"] for r in await (await conn.execute(_LOCK_AGENTS, {"id": identity_id})).fetchall()]
+    agents = [r["id"] for r in await (await conn.execute(LOCK_AGENTS, {"id": identity_id})).fetchall()]
     if successor_id in agents:
         raise errors.InvalidInput("successorIdentityId", "is an agent acting for the identity offboarded, "
                                   "and is disabled with it")

@@ -97,6 +97,15 @@ FROM events
 _LAST_VISIBLE = "SELECT coalesce(max(id), 0) AS id FROM events WHERE tenant_id = %(tenant_id)s"
 _TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
 
+# Whether the watcher can still act in the tenant (migration 0052), read with each batch's
+# policy, and whether its token is unrevoked (expiry has its own timer): an offboarding revokes
+# the tokens and ends the membership's effect in one commit, and the stream ends UNAUTHENTICATED
+# for it, as when only the hub's revocation notice ended it (which may come after this read).
+_CALLER_NOW = """
+SELECT can_act_in(%(identity_id)s, %(tenant_id)s) AS member,
+       (%(token_id)s = '' OR EXISTS (SELECT 1 FROM api_tokens t WHERE t.id = %(token_id)s
+                                      AND t.revoked_at IS NULL)) AS live
+"""
 _REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND (revoked_at IS NOT NULL OR expires_at <= compute_now())"
 
 _EVENTS = """
@@ -379,7 +388,8 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
     The stream holds a slot (see StreamSlots) from before IAM is asked until it ends, however it
     ends; membership is checked first, so no outsider can use up a tenant's slots. IAM decides
     again on each batch of events, with the policy read beside them: a stream the tenant's policy
-    no longer allows ends ACCESS_DENIED before its next event."""
+    no longer allows, or whose caller was removed from the tenant, ends ACCESS_DENIED before its
+    next event."""
     req = parse_watch(raw)
     caller.require_member(req.tenant_id)
     release = hub.slots.acquire(caller.identity_id, req.tenant_id)
@@ -402,8 +412,13 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                     "types": req.types, "limit": BATCH,
                 })).fetchall()
                 policy = await authorize.read_policy(conn, req.tenant_id) if rows else None
-            if sub.revoked:  # while it read (a send or a wait notices it by itself)
+                now = await (await conn.execute(_CALLER_NOW, {
+                    "identity_id": caller.identity_id, "tenant_id": req.tenant_id, "token_id": caller.token_id,
+                })).fetchone() if rows else {"member": True, "live": True}
+            if sub.revoked or not now["live"]:  # while it read (a send or a wait notices it by itself)
                 raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)
+            if not now["member"]:  # removed from the tenant since the stream opened (Admin.RemoveMembership)
+                raise errors.AccessDenied("the caller is not a member of this tenant", tenantId=req.tenant_id)
             if rows:  # the policy as it is now: one tightened since the stream opened holds at once
                 authorize.check(policy, caller, req.tenant_id, EVENTS_READ, "Tenant", req.tenant_id, attributes,
                                 tenantId=req.tenant_id)

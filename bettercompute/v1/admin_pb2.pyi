@@ -1219,6 +1219,83 @@ class OffboardIdentityResponse(_message.Message):
 Global___OffboardIdentityResponse: _TypeAlias = OffboardIdentityResponse  # noqa: Y015
 
 @_typing.final
+class RemoveMembershipRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    identity_id: _builtins.str
+    tenant_id: _builtins.str
+    successor_identity_id: _builtins.str
+    """Who takes the live reservations moved: someone who can act in the tenant, not offboarded.
+    Optional when the identity (and its agents) own none there.
+    """
+    def __init__(
+        self,
+        *,
+        identity_id: _builtins.str = ...,
+        tenant_id: _builtins.str = ...,
+        successor_identity_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity_id", b"identity_id", "successor_identity_id", b"successor_identity_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveMembershipRequest: _TypeAlias = RemoveMembershipRequest  # noqa: Y015
+
+@_typing.final
+class RemoveMembershipResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    REASSIGNED_RESERVATION_IDS_FIELD_NUMBER: _builtins.int
+    EXPIRED_RESERVATION_IDS_FIELD_NUMBER: _builtins.int
+    WITHDRAWN_CONFIRMATION_IDS_FIELD_NUMBER: _builtins.int
+    REMOVED_AGENT_IDS_FIELD_NUMBER: _builtins.int
+    identity_id: _builtins.str
+    tenant_id: _builtins.str
+    successor_identity_id: _builtins.str
+    changed: _builtins.bool
+    """False when the identity was not a member of the tenant: nothing changed now."""
+    @_builtins.property
+    def reassigned_reservation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def expired_reservation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Reservations that were awaiting a withdrawn confirmation and expired with it."""
+
+    @_builtins.property
+    def withdrawn_confirmation_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def removed_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The agents acting for the identity, removed from the tenant with it."""
+
+    def __init__(
+        self,
+        *,
+        identity_id: _builtins.str = ...,
+        tenant_id: _builtins.str = ...,
+        successor_identity_id: _builtins.str = ...,
+        changed: _builtins.bool = ...,
+        reassigned_reservation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        expired_reservation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        withdrawn_confirmation_ids: _abc.Iterable[_builtins.str] | None = ...,
+        removed_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "expired_reservation_ids", b"expired_reservation_ids", "identity_id", b"identity_id", "reassigned_reservation_ids", b"reassigned_reservation_ids", "removed_agent_ids", b"removed_agent_ids", "successor_identity_id", b"successor_identity_id", "tenant_id", b"tenant_id", "withdrawn_confirmation_ids", b"withdrawn_confirmation_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveMembershipResponse: _TypeAlias = RemoveMembershipResponse  # noqa: Y015
+
+@_typing.final
 class NodeProfileVersion(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -134,6 +134,11 @@ class AdminStub:
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.SerializeToString,
                 response_deserializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.FromString,
                 _registered_method=True)
+        self.RemoveMembership = channel.unary_unary(
+                '/bettercompute.v1.Admin/RemoveMembership',
+                request_serializer=bettercompute_dot_v1_dot_admin__pb2.RemoveMembershipRequest.SerializeToString,
+                response_deserializer=bettercompute_dot_v1_dot_admin__pb2.RemoveMembershipResponse.FromString,
+                _registered_method=True)
         self.CreateNodeProfile = channel.unary_unary(
                 '/bettercompute.v1.Admin/CreateNodeProfile',
                 request_serializer=bettercompute_dot_v1_dot_admin__pb2.CreateNodeProfileRequest.SerializeToString,
@@ -298,6 +303,19 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveMembership(self, request, context):
+        """Removes an identity from one tenant; it stays in its others. From the commit its tokens no
+        longer act in that tenant (a call there, an open Watch stream or a create's wait there is
+        ACCESS_DENIED). What OffboardIdentity does for every tenant is done for this one: the live
+        reservations of the identity there, and of the agents acting for it (removed from the tenant
+        with it), pass to the successor (reservation.reassigned), their drafts there are deleted and
+        their open confirmations there withdrawn. The successor is needed only when something moves.
+        Removing an identity that is not a member changes nothing (changed false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateNodeProfile(self, request, context):
         """Whole-machine lease profiles (binding "node"). A profile is created once (again with the same
         id changes nothing); each version names an image and its checksum and never changes: adding
@@ -428,6 +446,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.OffboardIdentity,
                     request_deserializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.FromString,
                     response_serializer=bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.SerializeToString,
+            ),
+            'RemoveMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveMembership,
+                    request_deserializer=bettercompute_dot_v1_dot_admin__pb2.RemoveMembershipRequest.FromString,
+                    response_serializer=bettercompute_dot_v1_dot_admin__pb2.RemoveMembershipResponse.SerializeToString,
             ),
             'CreateNodeProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateNodeProfile,
@@ -990,6 +1013,33 @@ class Admin:
             '/bettercompute.v1.Admin/OffboardIdentity',
             bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityRequest.SerializeToString,
             bettercompute_dot_v1_dot_admin__pb2.OffboardIdentityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bettercompute.v1.Admin/RemoveMembership',
+            bettercompute_dot_v1_dot_admin__pb2.RemoveMembershipRequest.SerializeToString,
+            bettercompute_dot_v1_dot_admin__pb2.RemoveMembershipResponse.FromString,
             options,
             channel_credentials,
             insecure,

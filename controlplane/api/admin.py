@@ -7,7 +7,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bettercompute.v1 import admin_pb2 as pb
 from bettercompute.v1 import admin_pb2_grpc as rpc
-from controlplane import admin, clock, offboarding, tokens
+from controlplane import admin, clock, memberships, offboarding, tokens
 from controlplane.api import convert
 from controlplane.api.interceptor import caller
 from controlplane.metal import profiles
@@ -119,6 +119,11 @@ class AdminServicer(rpc.AdminServicer):
         _root()
         return pb.OffboardIdentityResponse(
             **await offboarding.offboard(self.rt, request.identity_id, request.successor_identity_id))
+
+    async def RemoveMembership(self, request: pb.RemoveMembershipRequest, context: Ctx) -> pb.RemoveMembershipResponse:
+        _root()
+        return pb.RemoveMembershipResponse(**await memberships.remove(
+            self.rt, request.identity_id, request.tenant_id, request.successor_identity_id))
 
     async def CreateNodeProfile(self, request: pb.CreateNodeProfileRequest, context: Ctx) -> pb.NodeProfile:
         _root()

@@ -47,6 +47,9 @@ async def insert(conn: AsyncConnection, rt: Runtime, live: dict[str, Any],
             if db_errors.violates(exc, db_errors.OWNER_OFFBOARDED):  # since the call authenticated
                 raise errors.Unauthenticated("this identity was offboarded",
                                              identityId=params["identity_id"]) from None
+            if db_errors.violates(exc, db_errors.OWNER_NOT_MEMBER):  # removed from the tenant since
+                raise errors.AccessDenied("the caller is not a member of this tenant",
+                                          tenantId=params["tenant_id"]) from None
             if db_errors.violates(exc, db_errors.DRAFT_ROOM_NEAR) and seen < cap:
                 seen = cap
                 continue

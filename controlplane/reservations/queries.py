@@ -205,15 +205,20 @@ FROM reservations r WHERE r.id = %(id)s
 """
 
 # VIEW_BY_ID for a create's wait, with the state of the caller's token in the same read
-# ('live', 'revoked' or 'expired' on the product clock): a wait ends with its token, as a Watch
-# stream does.
-VIEW_FOR_TOKEN = f"""
-SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations,
+# ('live', 'revoked' or 'expired' on the product clock) and whether the caller can still act in
+# the tenant (can_act_in, migration 0052): a wait ends with its token, as a Watch stream does,
+# and with its caller's membership of the tenant.
+_CALLER_STATE = """
        (SELECT CASE WHEN t.revoked_at IS NOT NULL THEN 'revoked'
                     WHEN t.expires_at <= compute_now() THEN 'expired' ELSE 'live' END
-        FROM api_tokens t WHERE t.id = %(token_id)s) AS token_state
+        FROM api_tokens t WHERE t.id = %(token_id)s) AS token_state,
+       can_act_in(%(identity_id)s, %(tenant_id)s) AS member"""
+VIEW_FOR_TOKEN = f"""
+SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations,{_CALLER_STATE}
 FROM reservations r WHERE r.id = %(id)s
 """
+# The same caller state alone: for a wait handed its answer by a batch of its process, not read.
+CALLER_STATE = f"SELECT{_CALLER_STATE}"
 
 # Release: bookings that have not begun are deleted, running ones end now.
 # The end of bookings and window: at %(at)s (epoch ms) when given (a lapse the reconciler reaches
@@ -527,6 +532,17 @@ ORDER BY r.id FOR UPDATE
 """
 
 DELETE_DRAFTS_OF = "DELETE FROM reservations WHERE owner_identity_id = ANY(%(ids)s) AND state = 'draft'"
+
+# The same two for one tenant (an identity removed from it: controlplane.memberships).
+OWNED_BY_IN_TENANT_FOR_UPDATE = f"""
+SELECT {COLUMNS} FROM reservations r
+WHERE r.owner_identity_id = ANY(%(ids)s) AND r.tenant_id = %(tenant_id)s AND r.state = ANY(%(states)s)
+ORDER BY r.id FOR UPDATE
+"""
+
+DELETE_DRAFTS_OF_IN_TENANT = """
+DELETE FROM reservations WHERE owner_identity_id = ANY(%(ids)s) AND tenant_id = %(tenant_id)s AND state = 'draft'
+"""
 
 REASSIGN_OWNER = """
 UPDATE reservations
