@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> None:
-    server, port, state = await serve(args.listen)
+    server, port, state, _ = await serve(args.listen)
     for spec in args.reservation:
         account, name, flavor, region, total = spec.split("/")
         state.put_reservation(account, name, flavor, region, int(total))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +27,16 @@ class Faults:
         self.failure_rate = 0.0
         self.stall_ms = 0
         self.lost_answer_rate = 0.0
+        self.held: Counter[str] = Counter()  # calls being stalled now, by what they do (a test waits for its call)
         self._random = random.Random(seed)
 
-    async def apply(self, context: grpc.aio.ServicerContext) -> None:
+    async def apply(self, context: grpc.aio.ServicerContext, what: str) -> None:
         if self.stall_ms > 0:
-            await asyncio.sleep(self.stall_ms / 1000)
+            self.held[what] += 1
+            try:
+                await asyncio.sleep(self.stall_ms / 1000)
+            finally:
+                self.held[what] -= 1
         if self.failure_rate > 0 and self._random.random() < self.failure_rate:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "simulated provider failure")
 
@@ -58,36 +64,36 @@ class ProviderServicer(rpc.ProviderServicer):
         self.state = state
         self.faults = faults
 
-    async def _call(self, context: grpc.aio.ServicerContext, call: Callable[[], Any]) -> Any:
-        await self.faults.apply(context)
+    async def _call(self, context: grpc.aio.ServicerContext, what: str, call: Callable[[], Any]) -> Any:
+        await self.faults.apply(context, what)
         answer = await _answer(context, call)
         await self.faults.answered(context)
         return answer
 
     async def ListReservations(self, request: pb.ListReservationsRequest, context: Any) -> pb.ListReservationsResponse:
-        found = await self._call(context, lambda: self.state.list_reservations(request.account))
+        found = await self._call(context, "list_reservations", lambda: self.state.list_reservations(request.account))
         return pb.ListReservationsResponse(
             items=[reservation_pb(r, self.state.in_use(r.account, r.name)) for r in found])
 
     async def CreateInstance(self, request: pb.CreateInstanceRequest, context: Any) -> pb.Instance:
-        return instance_pb(await self._call(context, lambda: self.state.create_instance(
+        return instance_pb(await self._call(context, "create_instance", lambda: self.state.create_instance(
             request.account, request.name, request.flavor, request.region, request.reservation)))
 
     async def GetInstance(self, request: pb.InstanceRef, context: Any) -> pb.Instance:
-        return instance_pb(await self._call(context, lambda: self.state.get_instance(request.account, request.name)))
+        return instance_pb(await self._call(context, "get_instance", lambda: self.state.get_instance(request.account, request.name)))
 
     async def ListInstances(self, request: pb.ListInstancesRequest, context: Any) -> pb.ListInstancesResponse:
-        found = await self._call(context, lambda: self.state.list_instances(request.account))
+        found = await self._call(context, "list_instances", lambda: self.state.list_instances(request.account))
         return pb.ListInstancesResponse(items=[instance_pb(i) for i in found])
 
     async def StopInstance(self, request: pb.InstanceRef, context: Any) -> pb.Instance:
-        return instance_pb(await self._call(context, lambda: self.state.stop_instance(request.account, request.name)))
+        return instance_pb(await self._call(context, "stop_instance", lambda: self.state.stop_instance(request.account, request.name)))
 
     async def StartInstance(self, request: pb.InstanceRef, context: Any) -> pb.Instance:
-        return instance_pb(await self._call(context, lambda: self.state.start_instance(request.account, request.name)))
+        return instance_pb(await self._call(context, "start_instance", lambda: self.state.start_instance(request.account, request.name)))
 
     async def DeleteInstance(self, request: pb.InstanceRef, context: Any) -> pb.Instance:
-        return instance_pb(await self._call(context, lambda: self.state.delete_instance(request.account, request.name)))
+        return instance_pb(await self._call(context, "delete_instance", lambda: self.state.delete_instance(request.account, request.name)))
 
 class SimulatorServicer(rpc.SimulatorServicer):
     def __init__(self, state: Provider, faults: Faults) -> None:
@@ -117,8 +123,8 @@ class SimulatorServicer(rpc.SimulatorServicer):
         return pb.Faults(failure_rate=self.faults.failure_rate, stall_ms=self.faults.stall_ms,
                          lost_answer_rate=self.faults.lost_answer_rate)
 
-async def serve(listen: str = "127.0.0.1:0", *, seed: int | None = None) -> tuple[grpc.aio.Server, int, Provider]:
-    """Start the simulated provider on `listen`; returns the server, its port and its state."""
+async def serve(listen: str = "127.0.0.1:0", *, seed: int | None = None) -> tuple[grpc.aio.Server, int, Provider, Faults]:
+    """Start the simulated provider on `listen`; returns the server, its port, its state and its faults."""
     state, faults = Provider(), Faults(seed)
     server = grpc.aio.server()
     rpc.add_ProviderServicer_to_server(ProviderServicer(state, faults), server)
@@ -127,4 +133,4 @@ async def serve(listen: str = "127.0.0.1:0", *, seed: int | None = None) -> tupl
     if port == 0:
         raise RuntimeError(f"cannot listen on {listen}")
     await server.start()
-    return server, port, state
+    return server, port, state, faults

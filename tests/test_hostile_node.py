@@ -225,6 +225,7 @@ def test_sizes_beyond_any_host_read_as_zero_and_never_break_the_pools_creates(
     inventory.numa_nodes[0].memory_bytes = sizes["memory_bytes"]
     session.send(pb.NodeMessage(inventory=inventory))
     eventually(lambda: node_row(gateway.conninfo, node.node_id)["inventory_generation"] == 2, what="inventory")
+    cp.server.call(cp.server.app.runtime.capacity.barrier())  # the create plans with the new sizes
     r = cp.create(count=1)
     cp.drain()
     assert cp.get(r.id).state == "binding"

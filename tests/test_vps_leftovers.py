@@ -123,8 +123,7 @@ def test_a_retry_that_the_provider_answered_while_the_first_create_gave_up_keeps
         with ThreadPoolExecutor(1) as pool:
             began = time.monotonic()
             first = pool.submit(lambda: v.instance(key="retried", name="vm-retried"))
-            until(lambda: v.world.sql("SELECT count(*) FROM instances WHERE tenant_id = %s",
-                                      (v.world.tenant,)) == [(1,)])  # the first call awaits the provider
+            until(lambda: v.sim.stalls.held["create_instance"] == 1)  # the first create is held at the provider
             v.sim.faults()
             retry = v.instance(key="retried", name="vm-retried")
             assert retry.state == "running" and at_provider(v, retry.id) == "running"

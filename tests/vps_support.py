@@ -45,7 +45,7 @@ class SimThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         started = asyncio.run_coroutine_threadsafe(serve("127.0.0.1:0"), self.loop)
-        self.server, self.port, self.state = started.result(10)
+        self.server, self.port, self.state, self.stalls = started.result(10)
         self.endpoint = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.endpoint)
         self.sim = ppb_grpc.SimulatorStub(self.channel)
