@@ -30,12 +30,11 @@ import structlog
 from psycopg import AsyncConnection
 
 from controlplane import admin_queries as q
-from controlplane import bootstrap, confirmations, db, errors, events
+from controlplane import bootstrap, confirmations, db, errors
 from controlplane.common.names import IDENTITY_ID, TENANT_ID, match
-from controlplane.offboarding import LOCK_AGENTS, LOCK_IDENTITIES, OFFBOARDED, REASSIGNABLE, WITHDRAWN_REASON
+from controlplane.offboarding import LOCK_AGENTS, LOCK_IDENTITIES, OFFBOARDED, REASSIGNABLE, hand_over
 from controlplane.reservations import queries as reservation_queries
 from controlplane.reservations import states
-from controlplane.reservations.transitions import move
 from controlplane.runtime import Runtime
 
 log = structlog.get_logger(__name__)
@@ -97,18 +96,9 @@ async def _remove(conn: AsyncConnection, identity_id: str, tenant_id: str, succe
                                   tenantIds=[tenant_id])
     withdrawn = await confirmations.withdraw_of_identities(conn, ids, tenant_id)
 
-    expired = []
-    for row in owned:
-        if row["state"] == states.AWAITING_CONFIRMATION:
-            await move(conn, row, states.EXPIRED, operation_state="failed", end_reason=WITHDRAWN_REASON)
-            await events.emit_reservation(conn, row, "reservation.expired", reason=WITHDRAWN_REASON)
-            expired.append(row["id"])
+    expired = await hand_over(conn, owned, moving, successor_id, lambda owner: (
+        REMOVED if owner == identity_id else DELEGATOR_REMOVED))
     await conn.execute(reservation_queries.DELETE_DRAFTS_OF_IN_TENANT, {"ids": ids, "tenant_id": tenant_id})
-    for row in moving:
-        await conn.execute(reservation_queries.REASSIGN_OWNER, {"id": row["id"], "to": successor_id})
-        reason = REMOVED if row["owner_identity_id"] == identity_id else DELEGATOR_REMOVED
-        await events.emit_reservation(conn, row, "reservation.reassigned", reservationId=row["id"],
-                                      **{"from": row["owner_identity_id"], "to": successor_id, "reason": reason})
     await conn.execute(q.DELETE_MEMBERSHIPS, {"tenant_id": tenant_id, "ids": ids})
     return _answer(identity_id, tenant_id, successor_id, changed=True, reassigned=[r["id"] for r in moving],
                    expired=expired, withdrawn=withdrawn, agents=sorted(members - {identity_id}))

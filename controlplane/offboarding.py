@@ -17,7 +17,7 @@ no booking changes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -107,18 +107,9 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
         raise errors.InvalidInput("successorIdentityId", "is not a member of every tenant where the identity "
                                   "owns live reservations", tenantIds=missing)
 
-    expired = []
-    for row in owned:
-        if row["state"] == states.AWAITING_CONFIRMATION:
-            await move(conn, row, states.EXPIRED, operation_state="failed", end_reason=WITHDRAWN_REASON)
-            await events.emit_reservation(conn, row, "reservation.expired", reason=WITHDRAWN_REASON)
-            expired.append(row["id"])
+    expired = await hand_over(conn, owned, moving, successor_id, lambda owner: (
+        OFFBOARDED if owner == identity_id else DELEGATOR_OFFBOARDED))
     await conn.execute(reservation_queries.DELETE_DRAFTS_OF, {"ids": ids})
-    for row in moving:
-        await conn.execute(reservation_queries.REASSIGN_OWNER, {"id": row["id"], "to": successor_id})
-        reason = OFFBOARDED if row["owner_identity_id"] == identity_id else DELEGATOR_OFFBOARDED
-        await events.emit_reservation(conn, row, "reservation.reassigned", reservationId=row["id"],
-                                      **{"from": row["owner_identity_id"], "to": successor_id, "reason": reason})
 
     await conn.execute(_MARK_OFFBOARDED, {"ids": [identity_id], "successor": successor_id, "reason": OFFBOARDED})
     if agents:
@@ -129,6 +120,25 @@ async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) 
     return _answer(identity_id, successor_id, at, changed=True, reassigned=[r["id"] for r in moving],
                    expired=expired, withdrawn=withdrawn, revoked=[r["id"] for r in revoked], agents=agents)
 
+
+
+async def hand_over(conn: AsyncConnection, owned: Sequence[dict[str, Any]], moving: Sequence[dict[str, Any]],
+                    successor_id: str, reason: Callable[[str], str]) -> list[str]:
+    """What leaving does to the rows an identity and its agents owned (locked by the caller): the
+    requests awaiting confirmation expire (their confirmations were withdrawn), and the live
+    reservations `moving` pass to the successor with a `reservation.reassigned` event whose reason
+    is `reason(owner)`. Returns the ids expired. Offboarding and the removal of one membership."""
+    expired = []
+    for row in owned:
+        if row["state"] == states.AWAITING_CONFIRMATION:
+            await move(conn, row, states.EXPIRED, operation_state="failed", end_reason=WITHDRAWN_REASON)
+            await events.emit_reservation(conn, row, "reservation.expired", reason=WITHDRAWN_REASON)
+            expired.append(row["id"])
+    for row in moving:
+        await conn.execute(reservation_queries.REASSIGN_OWNER, {"id": row["id"], "to": successor_id})
+        await events.emit_reservation(conn, row, "reservation.reassigned", reservationId=row["id"], **{
+            "from": row["owner_identity_id"], "to": successor_id, "reason": reason(row["owner_identity_id"])})
+    return expired
 
 def _answer(identity_id: str, successor_id: str, at_ms: int, *, changed: bool, reassigned: Sequence[str] = (),
             expired: Sequence[str] = (), withdrawn: Sequence[str] = (), revoked: Sequence[str] = (),
