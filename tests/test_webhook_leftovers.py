@@ -17,7 +17,7 @@ import pytest
 from controlplane.webhooks import queries, targets
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
-from tests.test_hostile_webhooks_watch import Resolver
+from tests.test_hostile_webhooks_watch import Resolver, resolver  # noqa: F401 - names under blackhole.test never answer
 from tests.test_watch import Stream, _begin_event, kinds
 from tests.test_webhooks import LOOPBACK, Receiver, create_hook, eventually, reserve
 
@@ -91,16 +91,6 @@ def short(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
     yield from module_stack(pg_uri, webhook_allow=LOOPBACK, webhook_attempt_seconds=1)
 
 
-@pytest.fixture
-def dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[Resolver]:
-    """test_hostile_webhooks_watch's resolver: names under blackhole.test never answered."""
-    r = Resolver(monkeypatch)
-    try:
-        yield r
-    finally:
-        r.release.set()
-
-
 def _hang(world: World, names: list[str]) -> set[str]:
     """Webhooks created at names whose DNS never answers, all at once: the error codes."""
     def create(name: str) -> str:
@@ -113,7 +103,7 @@ def _hang(world: World, names: list[str]) -> set[str]:
 
 
 def test_a_few_tenants_dead_names_cannot_starve_other_tenants_deliveries(
-        short: tuple[ServerThread, Client], dns: Resolver) -> None:
+        short: tuple[ServerThread, Client], resolver: Resolver) -> None:
     """Attack: eight tenants each look up names whose DNS never answers (webhooks created at
     them, retried): at four lookups each they held all 32 lookup threads until the resolver gave
     up, and every other tenant's delivery timed out waiting for a thread. Names not known to
@@ -133,13 +123,13 @@ def test_a_few_tenants_dead_names_cannot_starve_other_tenants_deliveries(
         subject = reserve(victim)
         hit = eventually(lambda: receiver.of(subject))[0]  # its lookup found a thread
         assert hit.signed and hit.status == 200
-        assert dns.blocked == targets.UNPROVEN_LOOKUPS  # the rest were refused without a thread
+        assert resolver.blocked == targets.UNPROVEN_LOOKUPS  # the rest were refused without a thread
         # A new name is one of those not known to resolve: refused while their share is taken.
         with pytest.raises(grpc.RpcError) as exc:
             create_hook(victim, f"http://new.loop.test:{port}/hook")
         assert rpc_error(exc)[1] == "INVALID_INPUT"
     finally:
-        dns.release.set()
+        resolver.release.set()
         receiver.close()
         victim.close()
         for w in hostile:
@@ -147,7 +137,7 @@ def test_a_few_tenants_dead_names_cannot_starve_other_tenants_deliveries(
 
 
 def test_a_name_whose_lookup_hung_is_refused_without_a_thread_for_a_while(
-        short: tuple[ServerThread, Client], dns: Resolver) -> None:
+        short: tuple[ServerThread, Client], resolver: Resolver) -> None:
     """A webhook whose host stopped answering DNS took a thread at every attempt, each held until
     the resolver gave up; now the name is refused at once while its lookup hangs and a while after."""
     server, root = short
@@ -155,13 +145,13 @@ def test_a_name_whose_lookup_hung_is_refused_without_a_thread_for_a_while(
     try:
         for _ in range(3):  # one after another: each waits out its deadline
             assert _hang(world, ["again"]) == {"INVALID_INPUT"}
-        assert dns.blocked == 1
-        dns.release.set()  # the resolver gives up: still refused for STUCK_SECONDS
+        assert resolver.blocked == 1
+        resolver.release.set()  # the resolver gives up: still refused for STUCK_SECONDS
         eventually(lambda: targets.LOOKUPS.stuck.get("again.blackhole.test", 0) < float("inf"))
         assert _hang(world, ["again"]) == {"INVALID_INPUT"}
-        assert dns.blocked == 1
+        assert resolver.blocked == 1
     finally:
-        dns.release.set()
+        resolver.release.set()
         world.close()
 
 
