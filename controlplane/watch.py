@@ -38,6 +38,17 @@ reconnect). Skipping snapshots is safe: a candidate is any (M, W) read in one st
 resolves on any later read that shows W gone, however long after. A watcher reads nothing
 before the hub's frontier is fresh again (`ready()`), so it pays one snapshot, not a stale read
 and a wake-up.
+
+"From now" (`_from_now`) means: every event that the stream's start snapshot does not show is
+streamed, and none that it shows. Starting after the tenant's largest visible id lost an event
+that a writer open at the start committed later with a smaller id. The stream starts instead at B,
+read before that snapshot: the smaller of `events_final_below()` and one more than the largest id
+that its statement's own (earlier) snapshot shows. Every id below B has committed before the
+start snapshot or never will: a writer gone from pg_locks has ended, visibly, and one not yet
+holding its floor lock takes ids above every id taken so far, so above that max(id). The stream
+reads the ids from B up and skips the ones the start snapshot showed. The
+response headers are sent once that start is fixed, so a client that has them knows that whatever
+commits from then on reaches it.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +104,6 @@ FROM events
 """
 
 # The safety net: tenants with events above a frontier (a range scan of the primary key).
-# "From now": the tenant's last committed event (the hub's frontier may still trail it).
-_LAST_VISIBLE = "SELECT coalesce(max(id), 0) AS id FROM events WHERE tenant_id = %(tenant_id)s"
 _TENANTS_SINCE = "SELECT DISTINCT tenant_id FROM events WHERE id > %s"
 
 # Whether the watcher can still act in the tenant (migration 0052), read with each batch's
@@ -108,15 +117,20 @@ SELECT can_act_in(%(identity_id)s, %(tenant_id)s) AS member,
 """
 _REVOKED = "SELECT id FROM api_tokens WHERE id = ANY(%s) AND (revoked_at IS NOT NULL OR expires_at <= compute_now())"
 
-_EVENTS = """
+_FILTER = """tenant_id = %(tenant_id)s
+  AND (%(subject)s = '' OR subject = %(subject)s)
+  AND event_type_matches(%(types)s::text[], type)"""
+_EVENTS = f"""
 SELECT id, type, subject, tenant_id, epoch_ms(time) AS time_ms, data
 FROM events
-WHERE tenant_id = %(tenant_id)s AND id > %(after)s AND id <= %(upto)s
-  AND (%(subject)s = '' OR subject = %(subject)s)
-  AND event_type_matches(%(types)s::text[], type)
+WHERE {_FILTER} AND id > %(after)s AND id <= %(upto)s AND id <> ALL(%(skip)s::bigint[])
 ORDER BY id
 LIMIT %(limit)s
 """
+# "From now" (module docstring): every id below `below` is final, as pg_locks is read after the
+# snapshot of max(id); then, in a later snapshot (the start), the matching ids from there up.
+_FROM_NOW_BELOW = "SELECT least(events_final_below(), (SELECT coalesce(max(id), 0) FROM events) + 1) AS below"
+_FROM_NOW_SEEN = f"SELECT id FROM events WHERE {_FILTER} AND id >= %(below)s ORDER BY id"
 
 
 
@@ -382,8 +396,10 @@ def parse_watch(raw: dict[str, Any]) -> WatchInput:
     return WatchInput(tenant_id, after_id, from_now, parse_types("types", list(raw.get("types") or [])), subject)
 
 
-async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """Yield the tenant's matching events after `after_id` (or from now) until cancelled.
+async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any],
+                opened: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Yield the tenant's matching events after `after_id` (or from now) until cancelled;
+    `opened()` is awaited once the stream is allowed and its start fixed, before any event.
 
     The stream holds a slot (see StreamSlots) from before IAM is asked until it ends, however it
     ends; membership is checked first, so no outsider can use up a tenant's slots. IAM decides
@@ -397,19 +413,18 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
     attributes = {"types": req.types, "subject": req.subject}
     try:
         await authorize_tenant(rt, caller, req.tenant_id, EVENTS_READ, attributes)
-        last = 0
-        if req.from_now:  # skip what committed before the call, even past the hub's frontier
-            async with db.read_only(rt.pool) as conn:
-                last = (await (await conn.execute(_LAST_VISIBLE, {"tenant_id": req.tenant_id})).fetchone())["id"]
-        frontier = await hub.ready()  # after an idle stretch: once the snapshot this watcher asked for is in
-        after = max(frontier, last) if req.from_now else req.after_id
+        # skip: ids above `after` already committed at the start (from now only), never streamed
+        after, skip = await _from_now(rt, req) if req.from_now else (req.after_id, [])
+        await hub.ready()  # after an idle stretch: once the snapshot this watcher asked for is in
+        if opened is not None:
+            await opened()
         while True:
             sub.woken.clear()  # before reading: a wake-up during the read is kept
             upto = hub.safe_id
             async with db.read_only(rt.pool) as conn:
                 rows = await (await conn.execute(_EVENTS, {
                     "tenant_id": req.tenant_id, "after": after, "upto": upto, "subject": req.subject,
-                    "types": req.types, "limit": BATCH,
+                    "types": req.types, "skip": skip, "limit": BATCH,
                 })).fetchall()
                 policy = await authorize.read_policy(conn, req.tenant_id) if rows else None
                 now = await (await conn.execute(_CALLER_NOW, {
@@ -429,15 +444,26 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any])
                 finally:
                     timer.cancel()
                     sub.end = None
-            if len(rows) == BATCH:
-                after = rows[-1]["id"]
-                continue
-            # Every id <= upto is final and none left matches: skip the filtered-out ones too.
-            after = max(after, upto)
-            await _wait(sub, caller)
+            full = len(rows) == BATCH
+            # Else every id <= upto is final and none left matches: skip the filtered-out ones too.
+            after = rows[-1]["id"] if full else max(after, upto)
+            skip = [i for i in skip if i > after]
+            if not full:
+                await _wait(sub, caller)
     finally:
         hub.unsubscribe(sub)
         release()
+
+
+async def _from_now(rt: Runtime, req: WatchInput) -> tuple[int, list[int]]:
+    """A from-now stream's start (module docstring): after B - 1, but not the matching ids that
+    the start snapshot shows from B up. Read committed: each statement reads its own snapshot, the
+    second one taken after the first statement's read of the open writers."""
+    filters = {"tenant_id": req.tenant_id, "subject": req.subject, "types": req.types}
+    async with db.read_only(rt.pool) as conn:
+        below = (await (await conn.execute(_FROM_NOW_BELOW)).fetchone())["below"]
+        rows = await (await conn.execute(_FROM_NOW_SEEN, {**filters, "below": below})).fetchall()
+    return below - 1, [row["id"] for row in rows]
 
 
 def _end_if_stalled(sub: _Subscription, caller: Caller, send_seconds: float) -> asyncio.TimerHandle:

@@ -38,7 +38,10 @@ class WatchRequest(_message.Message):
     after_id: _builtins.int
     """Resume after this event id (exclusive); 0 streams from the first stored event."""
     from_now: _builtins.bool
-    """Skip the stored events: stream only those that commit from now on. Excludes after_id."""
+    """Skip the stored events: stream only those that commit from now on, that is every event the
+    stream's start does not see committed, whatever its id, and none it does. The response
+    headers are sent once that start is fixed. Excludes after_id.
+    """
     subject: _builtins.str
     """Only events of this exact subject, e.g. "reservation/rsv_…"; empty for all."""
     @_builtins.property

@@ -47,7 +47,8 @@ class EventsServicer(rpc.EventsServicer):
     async def Watch(self, request: pb.WatchRequest, context: Ctx) -> AsyncIterator[pb.Event]:  # type: ignore[override]
         raw = {"tenant_id": request.tenant_id, "after_id": request.after_id, "from_now": request.from_now,
                "types": list(request.types), "subject": request.subject}
-        async for row in watch.watch(self.rt, self.hub, caller(), raw):
+        # The response headers tell the client that the stream is open and its start fixed.
+        async for row in watch.watch(self.rt, self.hub, caller(), raw, lambda: context.send_initial_metadata(())):
             yield event(row)
 
 
