@@ -16,8 +16,9 @@ from psycopg.types.json import Jsonb
 from controlplane import admin_queries as q
 from controlplane import db, db_errors, errors, iam, quota, tokens
 from controlplane.common import devices
-from controlplane.common.names import GPU_UUID, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
-from controlplane.ids import new_id
+from controlplane.common.names import (GPU_UUID, IDEMPOTENCY_KEY, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID,
+                                       TENANT_ID, match)
+from controlplane.ids import keyed_id, new_id, request_hash
 from controlplane.nodes import connectivity as node_connectivity
 from controlplane.nodes import health as node_health
 from controlplane.nodes import registry as node_registry
@@ -34,9 +35,14 @@ async def create_tenant(rt: Runtime, tenant_id: str, name: str) -> dict[str, Any
     if tenant_id.startswith(tokens.SECRET_PREFIX):  # the per-call log shows such a value as a token's prefix
         raise errors.InvalidInput("id", f"must not start with {tokens.SECRET_PREFIX!r}, the prefix of API tokens")
 
+    name = name or tenant_id
+
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name or tenant_id})
-        return await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone()
+        await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name})
+        row = await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone()
+        if row["name"] != name:  # a retry answers the tenant; another tenant under its id is refused
+            raise errors.Conflict("a tenant with this id exists with another name", tenantId=tenant_id)
+        return row
 
     return await db.run_in_transaction(rt.pool, work)
 
@@ -126,21 +132,39 @@ def _host_policy(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
+async def create_pool(rt: Runtime, raw: dict[str, Any], caller_id: str = "") -> dict[str, Any]:
+    """A pool. With an idempotency key its id is derived from the caller and the key and the
+    normalised request's hash is stored: a retry answers the same pool, another request under the
+    key is CONFLICT. Without one (not retry-safe) every call makes a pool."""
     owner = match("ownerTenantId", raw.get("owner_tenant_id", ""), TENANT_ID)
     name = match("name", raw.get("name", ""), NODE_NAME)
     policy = _policy(raw.get("policy") or {}, rt.settings.max_sharing_replicas, rt.settings.default_placer,
                      rt.settings.max_spot_notice_seconds)
-    pool_id = new_id("pool")
+    region = raw.get("region") or ""
+    key = raw.get("idempotency_key") or ""
+    if key:
+        match("idempotencyKey", key, IDEMPOTENCY_KEY)
+    pool_id = keyed_id("pool", 52, "CreatePool", caller_id, key) if key else new_id("pool")
+    digest = request_hash({"ownerTenantId": owner, "name": name, "region": region, "policy": policy}) if key else None
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.INSERT_POOL, {"id": pool_id, "owner": owner, "name": name,
-                                           "region": raw.get("region") or "", "policy": Jsonb(policy)})
+        made = await (await conn.execute(q.INSERT_POOL, {
+            "id": pool_id, "owner": owner, "name": name, "region": region, "policy": Jsonb(policy),
+            "request_hash": digest})).fetchone()
+        if made is None:  # the key's pool exists (ON CONFLICT (id) DO NOTHING waited for its writer)
+            return await _keyed_pool(conn, pool_id, digest)
         await lease.announce(conn, pool_id, policy)
         return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
     with db_errors.mapped(tenantId=owner):
         return await db.run_in_transaction(rt.pool, work)
+
+
+async def _keyed_pool(conn: AsyncConnection, pool_id: str, digest: str | None) -> dict[str, Any]:
+    row = await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
+    if row["request_hash"] != digest:
+        raise errors.Conflict("this idempotency key was used with another request", poolId=pool_id)
+    return row
 
 
 async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any]:
