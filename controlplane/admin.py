@@ -57,6 +57,8 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     if (kind == "agent") != (person is not None):
         raise errors.InvalidInput("delegation", "an agent, and only an agent, names the person it acts for")
     tenant_ids = [match("tenantIds", t, TENANT_ID) for t in raw.get("tenant_ids", [])]
+    name = raw.get("name") or identity_id
+    confirm = list(delegation.get("confirm_actions") or [])
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         if person is not None:  # an agent acts for a person: never for another agent
@@ -64,13 +66,16 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
             if named is not None and named["kind"] == "agent":
                 raise errors.InvalidInput("delegation.personIdentityId", "names an agent: an agent acts for a person")
         await conn.execute(q.INSERT_IDENTITY, {
-            "id": identity_id, "kind": kind, "name": raw.get("name") or identity_id, "delegator_id": person,
-            "confirm_actions": list(delegation.get("confirm_actions") or [])})
+            "id": identity_id, "kind": kind, "name": name, "delegator_id": person, "confirm_actions": confirm})
         for tenant_id in tenant_ids:
             await conn.execute(q.INSERT_MEMBERSHIP, {"tenant_id": tenant_id, "identity_id": identity_id})
         row = await (await conn.execute(q.IDENTITY, {"id": identity_id})).fetchone()
         if row["kind"] != kind:
             raise errors.Conflict("an identity with this id exists with another kind", identityId=identity_id)
+        if (row["name"], row["delegator_id"], list(row["confirm_actions"] or [])) != (name, person, confirm):
+            # a retry answers the identity; another identity under its id is refused
+            raise errors.Conflict("an identity with this id exists with another name or delegation",
+                                  identityId=identity_id)
         return row
 
     with db_errors.mapped(personIdentityId=person, tenantIds=",".join(tenant_ids)):

@@ -103,3 +103,20 @@ def test_create_tenant_again_answers_it_and_with_another_name_is_conflict(world:
     code, reason, details = refused(world.root.admin, "CreateTenant", apb.CreateTenantRequest(id=tenant, name="Other"))
     assert (code, reason) == (grpc.StatusCode.ABORTED, "CONFLICT")
     assert details["tenantId"] == tenant
+
+
+def test_create_identity_again_answers_it_and_with_another_name_or_delegation_is_conflict(world: World) -> None:
+    person = f"p-{uuid.uuid4().hex[:10]}"
+    request = apb.CreateIdentityRequest(id=person, kind="user", name="Ada", tenant_ids=[world.tenant])
+    first = world.root.admin("CreateIdentity", request)
+    assert world.root.admin("CreateIdentity", request) == first
+    code, reason, details = refused(world.root.admin, "CreateIdentity", apb.CreateIdentityRequest(
+        id=person, kind="user", name="Bob", tenant_ids=[world.tenant]))
+    assert (code, reason, details["identityId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", person)
+    agent = f"a-{uuid.uuid4().hex[:10]}"
+    request = apb.CreateIdentityRequest(id=agent, kind="agent", name=agent, tenant_ids=[world.tenant],
+                                        delegation=apb.Delegation(person_identity_id=person))
+    assert world.root.admin("CreateIdentity", request) == world.root.admin("CreateIdentity", request)
+    request.delegation.person_identity_id = world.user_id
+    code, reason, details = refused(world.root.admin, "CreateIdentity", request)
+    assert (code, reason, details["identityId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", agent)
