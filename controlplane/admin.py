@@ -72,8 +72,11 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
         row = await (await conn.execute(q.IDENTITY, {"id": identity_id})).fetchone()
         if row["kind"] != kind:
             raise errors.Conflict("an identity with this id exists with another kind", identityId=identity_id)
-        if (row["name"], row["delegator_id"], list(row["confirm_actions"] or [])) != (name, person, confirm):
-            # a retry answers the identity; another identity under its id is refused
+        # A retry answers the identity (and adds the memberships it names: again with only the id,
+        # kind and tenants adds a membership); a name, person or confirm actions given that differ
+        # from the identity's are another identity under its id, refused.
+        if ((raw.get("name") and row["name"] != name) or row["delegator_id"] != person
+                or (confirm and list(row["confirm_actions"] or []) != confirm)):
             raise errors.Conflict("an identity with this id exists with another name or delegation",
                                   identityId=identity_id)
         return row

@@ -117,6 +117,14 @@ def test_create_identity_again_answers_it_and_with_another_name_or_delegation_is
     request = apb.CreateIdentityRequest(id=agent, kind="agent", name=agent, tenant_ids=[world.tenant],
                                         delegation=apb.Delegation(person_identity_id=person))
     assert world.root.admin("CreateIdentity", request) == world.root.admin("CreateIdentity", request)
-    request.delegation.person_identity_id = world.user_id
-    code, reason, details = refused(world.root.admin, "CreateIdentity", request)
-    assert (code, reason, details["identityId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", agent)
+    for change in ({"person_identity_id": world.user_id}, {"confirm_actions": ["compute:reservations:create"]}):
+        other = apb.CreateIdentityRequest()
+        other.CopyFrom(request)
+        other.delegation.CopyFrom(apb.Delegation(**{"person_identity_id": person, **change}))
+        code, reason, details = refused(world.root.admin, "CreateIdentity", other)
+        assert (code, reason, details["identityId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", agent)
+    # Again with only the id, kind and tenants (no name): the identity, with the membership added.
+    guest = f"t{uuid.uuid4().hex[:10]}"
+    world.root.admin("CreateTenant", apb.CreateTenantRequest(id=guest))
+    again = world.root.admin("CreateIdentity", apb.CreateIdentityRequest(id=person, kind="user", tenant_ids=[guest]))
+    assert again.name == "Ada" and sorted(again.tenant_ids) == sorted([world.tenant, guest])
