@@ -5,6 +5,7 @@ request under the key is CONFLICT; CreateTenant again with another name is CONFL
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -32,6 +33,15 @@ def test_create_pool_retried_with_its_key_answers_the_same_pool(world: World) ->
     # The same request spelled with the alias and defaults filled is the same request.
     request.policy.sharing.mode = "time-slice"
     assert world.root.admin("CreatePool", request).id == first.id
+
+
+def test_concurrent_retries_of_a_keyed_create_pool_make_one_pool(world: World) -> None:
+    before = len(_pools(world))
+    request = apb.CreatePoolRequest(owner_tenant_id=world.tenant, name="gpu-c", idempotency_key=_key())
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: world.root.admin("CreatePool", request), range(4)))
+    assert len({a.id for a in answers}) == 1
+    assert len(_pools(world)) == before + 1
 
 
 def test_create_pool_with_a_used_key_and_another_request_is_conflict(world: World) -> None:
