@@ -35,12 +35,10 @@ async def create_tenant(rt: Runtime, tenant_id: str, name: str) -> dict[str, Any
     if tenant_id.startswith(tokens.SECRET_PREFIX):  # the per-call log shows such a value as a token's prefix
         raise errors.InvalidInput("id", f"must not start with {tokens.SECRET_PREFIX!r}, the prefix of API tokens")
 
-    name = name or tenant_id
-
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name})
+        await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name or tenant_id})
         row = await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone()
-        if row["name"] != name:  # a retry answers the tenant; another tenant under its id is refused
+        if name and row["name"] != name:  # a retry answers the tenant; another name under its id is refused
             raise errors.Conflict("a tenant with this id exists with another name", tenantId=tenant_id)
         return row
 

@@ -165,7 +165,7 @@ class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateTenant(self, request, context):
-        """Again with the same id and name answers the tenant unchanged; with another name it is
+        """Again with the same id answers the tenant unchanged; with another name given it is
         CONFLICT (details.tenantId).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
