@@ -16,8 +16,9 @@ from psycopg.types.json import Jsonb
 from controlplane import admin_queries as q
 from controlplane import db, db_errors, errors, iam, quota, tokens
 from controlplane.common import devices
-from controlplane.common.names import GPU_UUID, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID, TENANT_ID, match
-from controlplane.ids import new_id
+from controlplane.common.names import (GPU_UUID, IDEMPOTENCY_KEY, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID,
+                                       TENANT_ID, match)
+from controlplane.ids import keyed_id, new_id, request_hash
 from controlplane.nodes import connectivity as node_connectivity
 from controlplane.nodes import health as node_health
 from controlplane.nodes import registry as node_registry
@@ -36,7 +37,10 @@ async def create_tenant(rt: Runtime, tenant_id: str, name: str) -> dict[str, Any
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         await conn.execute(q.INSERT_TENANT, {"id": tenant_id, "name": name or tenant_id})
-        return await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone()
+        row = await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone()
+        if name and row["name"] != name:  # a retry answers the tenant; another name under its id is refused
+            raise errors.Conflict("a tenant with this id exists with another name", tenantId=tenant_id)
+        return row
 
     return await db.run_in_transaction(rt.pool, work)
 
@@ -51,6 +55,8 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     if (kind == "agent") != (person is not None):
         raise errors.InvalidInput("delegation", "an agent, and only an agent, names the person it acts for")
     tenant_ids = [match("tenantIds", t, TENANT_ID) for t in raw.get("tenant_ids", [])]
+    name = raw.get("name") or identity_id
+    confirm = list(delegation.get("confirm_actions") or [])
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         if person is not None:  # an agent acts for a person: never for another agent
@@ -58,13 +64,19 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
             if named is not None and named["kind"] == "agent":
                 raise errors.InvalidInput("delegation.personIdentityId", "names an agent: an agent acts for a person")
         await conn.execute(q.INSERT_IDENTITY, {
-            "id": identity_id, "kind": kind, "name": raw.get("name") or identity_id, "delegator_id": person,
-            "confirm_actions": list(delegation.get("confirm_actions") or [])})
+            "id": identity_id, "kind": kind, "name": name, "delegator_id": person, "confirm_actions": confirm})
         for tenant_id in tenant_ids:
             await conn.execute(q.INSERT_MEMBERSHIP, {"tenant_id": tenant_id, "identity_id": identity_id})
         row = await (await conn.execute(q.IDENTITY, {"id": identity_id})).fetchone()
         if row["kind"] != kind:
             raise errors.Conflict("an identity with this id exists with another kind", identityId=identity_id)
+        # A retry answers the identity (and adds the memberships it names: again with only the id,
+        # kind and tenants adds a membership); a name, person or confirm actions given that differ
+        # from the identity's are another identity under its id, refused.
+        if ((raw.get("name") and row["name"] != name) or row["delegator_id"] != person
+                or (confirm and list(row["confirm_actions"] or []) != confirm)):
+            raise errors.Conflict("an identity with this id exists with another name or delegation",
+                                  identityId=identity_id)
         return row
 
     with db_errors.mapped(personIdentityId=person, tenantIds=",".join(tenant_ids)):
@@ -126,21 +138,39 @@ def _host_policy(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def create_pool(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
+async def create_pool(rt: Runtime, raw: dict[str, Any], caller_id: str = "") -> dict[str, Any]:
+    """A pool. With an idempotency key its id is derived from the caller and the key and the
+    normalised request's hash is stored: a retry answers the same pool, another request under the
+    key is CONFLICT. Without one (not retry-safe) every call makes a pool."""
     owner = match("ownerTenantId", raw.get("owner_tenant_id", ""), TENANT_ID)
     name = match("name", raw.get("name", ""), NODE_NAME)
     policy = _policy(raw.get("policy") or {}, rt.settings.max_sharing_replicas, rt.settings.default_placer,
                      rt.settings.max_spot_notice_seconds)
-    pool_id = new_id("pool")
+    region = raw.get("region") or ""
+    key = raw.get("idempotency_key") or ""
+    if key:
+        match("idempotencyKey", key, IDEMPOTENCY_KEY)
+    pool_id = keyed_id("pool", 52, "CreatePool", caller_id, key) if key else new_id("pool")
+    digest = request_hash({"ownerTenantId": owner, "name": name, "region": region, "policy": policy}) if key else None
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.INSERT_POOL, {"id": pool_id, "owner": owner, "name": name,
-                                           "region": raw.get("region") or "", "policy": Jsonb(policy)})
+        made = await (await conn.execute(q.INSERT_POOL, {
+            "id": pool_id, "owner": owner, "name": name, "region": region, "policy": Jsonb(policy),
+            "request_hash": digest})).fetchone()
+        if made is None:  # the key's pool exists (ON CONFLICT (id) DO NOTHING waited for its writer)
+            return await _keyed_pool(conn, pool_id, digest)
         await lease.announce(conn, pool_id, policy)
         return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
     with db_errors.mapped(tenantId=owner):
         return await db.run_in_transaction(rt.pool, work)
+
+
+async def _keyed_pool(conn: AsyncConnection, pool_id: str, digest: str | None) -> dict[str, Any]:
+    row = await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
+    if row["request_hash"] != digest:
+        raise errors.Conflict("this idempotency key was used with another request", poolId=pool_id)
+    return row
 
 
 async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any]:

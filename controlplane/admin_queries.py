@@ -28,8 +28,9 @@ WHERE i.id = %(id)s GROUP BY i.id
 
 
 INSERT_POOL = """
-INSERT INTO pools (id, owner_tenant_id, name, region, policy)
-VALUES (%(id)s, %(owner)s, %(name)s, %(region)s, %(policy)s)
+INSERT INTO pools (id, owner_tenant_id, name, region, policy, request_hash)
+VALUES (%(id)s, %(owner)s, %(name)s, %(region)s, %(policy)s, %(request_hash)s)
+ON CONFLICT (id) DO NOTHING RETURNING id
 """
 INSERT_OFFER = """
 INSERT INTO pool_offers (pool_id, tenant_id) VALUES (%(pool_id)s, %(tenant_id)s) ON CONFLICT DO NOTHING

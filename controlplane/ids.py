@@ -43,6 +43,13 @@ def draft_id(tenant_id: str, identity_id: str, idempotency_key: str) -> str:
     return "rsv_" + b32(digest)
 
 
+def keyed_id(prefix: str, length: int, *parts: str) -> str:
+    """An id derived from `parts` (e.g. the kind of call, the caller and its idempotency key):
+    `prefix`_ + the first `length` base32 characters of their length-prefixed SHA-256, so a retry
+    with the same key names the same row (operator creates, controlplane.admin and tokens)."""
+    return f"{prefix}_" + b32(hashlib.sha256(_length_prefixed(*parts)).digest())[:length]
+
+
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

@@ -18,8 +18,8 @@ from psycopg import AsyncConnection
 
 from controlplane import db, db_errors, errors
 from controlplane.durations import parse_duration_ms
-from controlplane.ids import new_id, token_hash
-from controlplane.common.names import match
+from controlplane.ids import keyed_id, new_id, request_hash, token_hash
+from controlplane.common.names import IDEMPOTENCY_KEY, match
 from controlplane.runtime import Runtime
 
 SECRET_PREFIX = "bct_"
@@ -33,9 +33,19 @@ _COLUMNS = """id, identity_id, prefix, epoch_ms(created_at) AS created_ms, epoch
        coalesce(epoch_ms(revoked_at), 0) AS revoked_ms"""
 
 MINT = f"""
-INSERT INTO api_tokens (id, token_hash, prefix, identity_id, expires_at)
-VALUES (%(id)s, %(hash)s, %(prefix)s, %(identity_id)s, compute_now() + %(ttl_ms)s * interval '1 millisecond')
+INSERT INTO api_tokens (id, token_hash, prefix, identity_id, expires_at, request_hash)
+VALUES (%(id)s, %(hash)s, %(prefix)s, %(identity_id)s, compute_now() + %(ttl_ms)s * interval '1 millisecond',
+        %(request_hash)s)
+ON CONFLICT (id) DO NOTHING
 RETURNING {_COLUMNS}
+"""
+
+# A retry under an idempotency key: the token's row, locked (a concurrent retry waits for this one).
+_KEYED = f"SELECT {_COLUMNS}, request_hash, (revoked_at IS NULL AND expires_at > compute_now()) AS live" \
+         " FROM api_tokens WHERE id = %(id)s FOR UPDATE"
+# ... whose secret the lost answer carried is replaced: that secret stops working now.
+_RESECRET = f"""
+UPDATE api_tokens SET token_hash = %(hash)s, prefix = %(prefix)s WHERE id = %(id)s RETURNING {_COLUMNS}
 """
 
 
@@ -76,10 +86,11 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 
 
-def _mint_params(identity_id: str, ttl_ms: int) -> tuple[str, dict[str, Any]]:
+def _mint_params(identity_id: str, ttl_ms: int, token_id: str | None = None,
+                 digest: str | None = None) -> tuple[str, dict[str, Any]]:
     secret = new_secret()
-    return secret, {"id": new_id("tok"), "hash": token_hash(secret), "prefix": secret[:PREFIX_LENGTH],
-                    "identity_id": identity_id, "ttl_ms": ttl_ms}
+    return secret, {"id": token_id or new_id("tok"), "hash": token_hash(secret), "prefix": secret[:PREFIX_LENGTH],
+                    "identity_id": identity_id, "ttl_ms": ttl_ms, "request_hash": digest}
 
 
 def mint_sync(conn: psycopg.Connection, identity_id: str, ttl_ms: int) -> str:
@@ -119,9 +130,26 @@ def _ttl_ms(rt: Runtime, now_ms: int, expires_at_ms: int, ttl: str) -> int:
     return ttl_ms
 
 
-async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str = "") -> dict[str, Any]:
-    """A new token for the identity; the answer holds the secret, shown this once."""
+def _request_hash(identity_id: str, expires_at_ms: int, ttl: str) -> str:
+    """What a keyed CreateToken asked for: the identity and the expiry as given (an absolute time,
+    or a lifetime in ms, so "8h" and "480m" are one request; neither: the default)."""
+    return request_hash({"identityId": identity_id, "expiresAt": expires_at_ms or None,
+                         "ttlMs": parse_duration_ms(ttl) if ttl else None})
+
+
+async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str = "", key: str = "",
+               caller_id: str = "") -> dict[str, Any]:
+    """A new token for the identity; the answer holds the secret, shown this once.
+
+    With an idempotency key the token's id is derived from the caller and the key: a retry with
+    the same request answers that token with a new secret (the earlier one stops working), or as it
+    is, without a secret, once it is revoked or expired; another request is CONFLICT."""
     match("identityId", identity_id, IDENTITY_ID)
+    token_id = digest = None
+    if key:
+        match("idempotencyKey", key, IDEMPOTENCY_KEY)
+        _ttl_ms(rt, 0, 0, ttl)  # the ttl's own checks before it is hashed (expiresAt is checked below)
+        token_id, digest = keyed_id("tok", 26, "CreateToken", caller_id, key), _request_hash(identity_id, expires_at_ms, ttl)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         identity = await (await conn.execute(_IDENTITY_OFFBOARDED, (identity_id,))).fetchone()
@@ -129,13 +157,31 @@ async def mint(rt: Runtime, identity_id: str, expires_at_ms: int = 0, ttl: str =
             raise errors.NotFound("no such identity", identityId=identity_id)
         if identity["offboarded"]:
             raise errors.InvalidState("this identity is offboarded", identityId=identity_id, state="offboarded")
+        if token_id is not None and (found := await (await conn.execute(_KEYED, {"id": token_id})).fetchone()):
+            return await _again(conn, found, digest)
         now_ms = await db.now_ms(conn)
-        secret, params = _mint_params(identity_id, _ttl_ms(rt, now_ms, expires_at_ms, ttl))
+        secret, params = _mint_params(identity_id, _ttl_ms(rt, now_ms, expires_at_ms, ttl), token_id, digest)
         row = await (await conn.execute(MINT, params)).fetchone()
+        if row is None:  # a concurrent call with the key wrote the row first: it is read locked now
+            return await _again(conn, await (await conn.execute(_KEYED, {"id": token_id})).fetchone(), digest)
         return {**row, "secret": secret}
 
     with db_errors.mapped(identityId=identity_id):  # api_tokens_identity_id_fkey: deleted meanwhile
         return await db.run_in_transaction(rt.pool, work)
+
+
+async def _again(conn: AsyncConnection, found: dict[str, Any], digest: str | None) -> dict[str, Any]:
+    """A keyed CreateToken again: the token under a new secret (the old one revoked by the
+    replacement, so its open Watch streams end), or as it is when no longer live."""
+    if found["request_hash"] != digest:
+        raise errors.Conflict("this idempotency key was used with another request", tokenId=found["id"])
+    if not found["live"]:
+        return found
+    secret = new_secret()
+    row = await (await conn.execute(_RESECRET, {"id": found["id"], "hash": token_hash(secret),
+                                                "prefix": secret[:PREFIX_LENGTH]})).fetchone()
+    await _notify_revoked(conn, [row])
+    return {**row, "secret": secret}
 
 
 async def list_(rt: Runtime, identity_id: str, include_inactive: bool) -> list[dict[str, Any]]:

@@ -164,22 +164,32 @@ class CreateTokenRequest(_message.Message):
     IDENTITY_ID_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     identity_id: _builtins.str
     expires_at: _builtins.int
     """At most one of: an absolute expiry (epoch ms) or a lifetime ("8h", "30d"). Neither: the
     server's default lifetime. Either is bounded by the server's maximum lifetime.
     """
     ttl: _builtins.str
+    idempotency_key: _builtins.str
+    """Optional; ^[A-Za-z0-9._:-]{1,128}$, scoped to the caller. A retry with the same key and
+    request answers the same token (same id and expiry) with a NEW secret, and the secret the
+    lost answer carried stops working in the same transaction: the secret is never stored, so it
+    cannot be shown again, and one key never leaves two live secrets. Once that token is revoked
+    or expired, the retry answers it as it is, without a secret. Another request under the key
+    is CONFLICT (details.tokenId). Without a key every call mints a token.
+    """
     def __init__(
         self,
         *,
         identity_id: _builtins.str = ...,
         expires_at: _builtins.int = ...,
         ttl: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "identity_id", b"identity_id", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "idempotency_key", b"idempotency_key", "identity_id", b"identity_id", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,9 +499,14 @@ class CreatePoolRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     owner_tenant_id: _builtins.str
     name: _builtins.str
     region: _builtins.str
+    idempotency_key: _builtins.str
+    """Optional; ^[A-Za-z0-9._:-]{1,128}$, scoped to the caller. The pool's id is derived from the
+    caller and the key, and the normalised request's hash is kept with it.
+    """
     @_builtins.property
     def policy(self) -> Global___PoolPolicy: ...
     def __init__(
@@ -501,10 +516,11 @@ class CreatePoolRequest(_message.Message):
         name: _builtins.str = ...,
         region: _builtins.str = ...,
         policy: Global___PoolPolicy | None = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "owner_tenant_id", b"owner_tenant_id", "policy", b"policy", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "name", b"name", "owner_tenant_id", b"owner_tenant_id", "policy", b"policy", "region", b"region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

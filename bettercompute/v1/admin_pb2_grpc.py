@@ -165,7 +165,9 @@ class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateTenant(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Again with the same id answers the tenant unchanged; with another name given it is
+        CONFLICT (details.tenantId).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -179,7 +181,8 @@ class AdminServicer:
 
     def CreateToken(self, request, context):
         """Issues a bearer token for an identity; the secret is shown once. The token expires after
-        the configured default lifetime unless the request names an expiry.
+        the configured default lifetime unless the request names an expiry. Retry-safe only with an
+        idempotency_key (see CreateTokenRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,7 +204,10 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreatePool(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Retry-safe only with an idempotency_key: a retry with the same key and request answers the
+        same pool; with another request it is CONFLICT (details.poolId). Without a key every call
+        creates a pool.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

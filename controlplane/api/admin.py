@@ -44,7 +44,8 @@ class AdminServicer(rpc.AdminServicer):
 
     async def CreateToken(self, request: pb.CreateTokenRequest, context: Ctx) -> pb.Token:
         _root()
-        return _token(await tokens.mint(self.rt, request.identity_id, request.expires_at, request.ttl))
+        return _token(await tokens.mint(self.rt, request.identity_id, request.expires_at, request.ttl,
+                                        request.idempotency_key, caller().identity_id))
 
     async def ListTokens(self, request: pb.ListTokensRequest, context: Ctx) -> pb.ListTokensResponse:
         _root()
@@ -58,7 +59,7 @@ class AdminServicer(rpc.AdminServicer):
 
     async def CreatePool(self, request: pb.CreatePoolRequest, context: Ctx) -> pb.Pool:
         _root()
-        return convert.pool(await admin.create_pool(self.rt, _plain(request)))
+        return convert.pool(await admin.create_pool(self.rt, _plain(request), caller().identity_id))
 
     async def OfferPool(self, request: pb.OfferPoolRequest, context: Ctx) -> pb.Pool:
         _root()
