@@ -1,4 +1,11 @@
-"""The event outbox: events are rows written in the same transaction as the change."""
+"""The event outbox: events are rows written in the same transaction as the change.
+
+Ids come from a sequence (next_event_id(), migration 0050), and Watch and webhooks give a
+subject's events in id order. That is the order they happened only because every writer of a
+subject's events holds the subject's row lock (the reservation, the grant, the provider
+reservation FOR UPDATE, or the UPDATE that changes it) from before it takes the event's id until
+it commits: a writer that took its id first and waited for the lock after would commit an event
+of a later state under a smaller id. Lock the subject, then emit (tests/test_event_order.py)."""
 
 from __future__ import annotations
 
