@@ -38,9 +38,8 @@ def _length_prefixed(*parts: str) -> bytes:
 
 
 def draft_id(tenant_id: str, identity_id: str, idempotency_key: str) -> str:
-    """rsv_ + base32(SHA-256) of the three, length-prefixed so no two triples collide."""
-    digest = hashlib.sha256(_length_prefixed(tenant_id, identity_id, idempotency_key)).digest()
-    return "rsv_" + b32(digest)
+    """rsv_ + base32(SHA-256) of the three, length-prefixed so no two triples collide (all 52 characters)."""
+    return keyed_id("rsv", 52, tenant_id, identity_id, idempotency_key)
 
 
 def keyed_id(prefix: str, length: int, *parts: str) -> str:
