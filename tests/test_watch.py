@@ -29,6 +29,10 @@ class Stream:
     def __init__(self, client: Client, timeout: float = 60, **request: Any) -> None:
         stub = events_pb2_grpc.EventsStub(client.channel)
         self.call = stub.Watch(epb.WatchRequest(**request), metadata=client.metadata, timeout=timeout)
+        if request.get("from_now"):
+            # "Now" is fixed when the server sends the headers: an event committed before them may
+            # be in the start snapshot, and so never streamed. Callers act after it.
+            self.call.initial_metadata()
         self.items: queue.Queue[Any] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
