@@ -58,8 +58,10 @@ def retried(world: World) -> None:
     """Wake the pool's pending retry as freed capacity does, and wait until it has tried them."""
     with capture_logs() as logs:
         world.sql("SELECT pg_notify('bc_pool_freed', %s)", (world.pool_id,))
+        # 30 s: the worker may be in the middle of a safety-net retry of every pool of the module's
+        # server when the wake comes (10 s ran out once in CI on a slow machine).
         poll(lambda: [e for e in list(logs) if e.get("event") == "pending retried"
-                      and e.get("pool_id") == world.pool_id], what="the pending retry")
+                      and e.get("pool_id") == world.pool_id], seconds=30, what="the pending retry")
 
 
 # "no report within 5 minutes, or an AllocationFailed report: the bookings are released and the

@@ -47,8 +47,14 @@ WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
 # The new draft as BY_ID reads it, with its IAM attributes (authz_projection) in the same
 # statement; no row when a concurrent twin inserted it first. draft_room (migration 0046) first
 # holds the identity's live-drafts cap under its lock: a refusal is its check violation.
+# The draft's commit does not wait for its WAL flush (synchronous_commit off for this statement's
+# transaction only): no answer of a create rests on the draft alone. Every path that answers after
+# it commits again with a flush (the decision, the placement, the refusal), which makes the draft
+# durable too (WAL is flushed in order), or answers an error whose retry writes the draft again;
+# a crash can lose only drafts no caller was told about (docs/decisions.md).
 INSERT_DRAFT_WITH_AUTHZ = f"""
-WITH room AS MATERIALIZED (SELECT draft_room(%(identity_id)s::text, %(cap)s::integer, %(seen)s::integer) AS ok),
+WITH room AS MATERIALIZED (SELECT draft_room(%(identity_id)s::text, %(cap)s::integer, %(seen)s::integer) AS ok,
+                                  set_config('synchronous_commit', 'off', true) AS unflushed),
 d AS (
     INSERT INTO reservations AS r
         (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
