@@ -7,6 +7,7 @@ order (the pool lock before the reservation's row)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -260,3 +261,43 @@ def test_a_preemptor_whose_lease_lapses_waits_for_the_pool_lock_before_its_row(c
         check_invariants(w.conninfo, w.tenant)
     finally:
         w.close()
+
+
+def test_a_retry_that_waited_past_the_cut_ends_the_victim_instead_of_placing_it(clocked: World) -> None:
+    """A pending retry read the clock before the victim's cut, then waited for the victim's row
+    while the cut came. It planned the window again at the clock it read under the locks, which past
+    the cut is the request's whole length (the window is capped at the cut only when it begins
+    before it): the victim was placed for 8 h on a free node, and later preempted again with its
+    notice ending at that moment (a CI run saw noticeUntil 4 s after the cut). It checks the notice
+    again at that clock and ends the victim, preempted at the cut."""
+    w = clocked
+    spot, preemptor, _ = repaired_to_pending(w)
+    cut = preemptor.during.start
+    w.sql("DELETE FROM work_items WHERE subject = %s", (spot.id,))  # nothing but the retry ends it
+    readied: list[BaseException | str] = []
+
+    def make_room() -> None:  # may wait for the pool lock the retry holds while it waits for the row
+        try:
+            readied.append(ready_node(w))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            readied.append(exc)
+
+    with psycopg.connect(w.conninfo) as holder, holder.transaction():
+        holder.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (spot.id,))
+        room = threading.Thread(target=make_room, daemon=True)
+        room.start()  # wakes the retry: it reads the clock (before the cut), plans, waits for the row
+        deadline = time.monotonic() + 30
+        while w.sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE %s", ("%FOR UPDATE%",)) == [(0,)]:
+            assert time.monotonic() < deadline, "the retry never waited for the victim's row"
+            time.sleep(0.02)
+        advance(w, cut - clock_now(w) + 1_000)
+    room.join(60)
+    assert len(readied) == 1 and isinstance(readied[0], str), readied
+    ended = eventually(w, spot.id, lambda r: r.state == "released", seconds=30)
+    assert [e["reason"] for e in events_of(w, spot.id, "reservation.released")] == ["preempted"]
+    (preempted,) = events_of(w, spot.id, "reservation.preempted")
+    assert preempted["noticeUntil"] == cut
+    assert ended.during.end == cut and not booking_ends(w, spot.id)
+    assert charged(w, spot.id) == 0 and notices(w, spot.id) == []
+    check_invariants(w.conninfo, w.tenant)

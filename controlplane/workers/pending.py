@@ -74,6 +74,11 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     # window without a start, or one whose start passed meanwhile, begins at placement.
     fresh = await (await conn.execute(queries.CLOCK_MS_FRESH)).fetchone()
     now_ms = max(now_ms, fresh["now_ms"])
+    # A victim's cut may have come while the retry waited: planned again at this clock its window
+    # would be the request's whole length (ask_for caps it at the cut only when it begins before).
+    if preemption.notice_over(row, now_ms):
+        await lifecycle.end_pending_victim(conn, row)
+        return False
     return await placing.place_locked(conn, rt, row, placing.at_clock(prepared, row, now_ms), now_ms) is not None
 
 
