@@ -62,12 +62,18 @@ class CapacityIndex:
                 if item is TICK:
                     continue
                 if item is RECONNECTED:
+                    # A barrier waiting now may have been notified while no one listened; the build
+                    # reads every change committed before it was asked, so it answers it.
+                    waiting = list(self._barriers.values())
                     try:
                         await self.build()
                     except Exception as exc:  # noqa: BLE001 - logged; the next reconnect rebuilds
                         log.warning("capacity index build failed", error=str(exc))
                         self.ready = False
                         await listener.reset()
+                        continue
+                    for event in waiting:
+                        event.set()
                     continue
                 notes = [item, *listener.received()]
                 try:
@@ -216,7 +222,7 @@ class CapacityIndex:
         if rest:
             await self.refresh(conn, rest)
 
-    async def barrier(self, timeout: float = 10.0) -> None:
+    async def barrier(self, timeout: float = 30.0) -> None:
         """Return once every change committed before this call is in the index."""
         token = uuid.uuid4().hex
         event = self._barriers[token] = asyncio.Event()
