@@ -236,7 +236,11 @@ def test_a_delivery_is_dead_after_the_last_attempt_and_its_subject_moves_on(worl
             world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=3_600_001))
         eventually(lambda: receiver.of(subject, "reservation.released"))
         assert [h.status for h in receiver.of(subject)] == [500, 500, 500, 200]
-        by_type = {d.event_type: d for d in deliveries(world, hook).values()}
+        def recorded() -> dict | None:  # the receiver answers before the delivery's row records it
+            found = {d.event_type: d for d in deliveries(world, hook).values()}
+            return found if found["reservation.released"].state == "delivered" else None
+
+        by_type = eventually(recorded)
         dead, sent = by_type["reservation.placed"], by_type["reservation.released"]
         assert (dead.state, dead.attempts, dead.last_status) == ("dead", 3, 500)
         assert not dead.HasField("next_attempt_at")
