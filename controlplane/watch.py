@@ -223,7 +223,7 @@ class EventHub:
         self._by_token: dict[str, set[_Subscription]] = {}
         self._checked_to = 0  # the safety net has looked at every event id up to here
         self.safety_net_runs = 0
-        self.snapshots = 0  # frontier snapshots taken (each one query on the listening connection)
+        self.snapshots = 0  # frontier snapshots taken (each one query on the hub's own connection)
         self.notifications = 0  # bc_events notifications heard, read or not
 
     @property
@@ -264,7 +264,7 @@ class EventHub:
 
     async def run(self, stop: asyncio.Event) -> None:
         async with listen(self._conninfo, [CHANNEL, tokens.REVOKED_CHANNEL], stop, name="event-hub",
-                          interruptible=True) as listener:
+                          interruptible=True, own_connection=True) as listener:
             self._listener = listener
             recheck = RECHECK_SECONDS[0]
             try:
@@ -285,7 +285,7 @@ class EventHub:
                 self._listener = None
 
     async def _handle(self, listener: Listener, item: Item) -> set[str]:
-        """One round: the tenants it woke or will wake. Queries run on the listening connection
+        """One round: the tenants it woke or will wake. Queries run on the listener's own connection
         (free between items; notifications that arrive meanwhile are kept for the next round)."""
         conn = listener.connection
         assert conn is not None

@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import bootstrap
+from controlplane import bootstrap, listen
 from controlplane.common.status import error_info
 from controlplane.devtools import devstack
 from tests.conftest import clone_database, module_stack
@@ -426,7 +426,8 @@ def own(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 
 
 def listener(conninfo: str, name: str) -> list[int]:
-    return backends(conninfo, f"application_name = 'bc-listen:{name}'")
+    """The backend of the LISTEN connection serving the listener `name` (one per process, shared)."""
+    return listen.backend_pids(conninfo, name)
 
 
 def held_in_index(server: ServerThread, pool_id: str) -> set[tuple[str, int, int]]:
@@ -464,7 +465,9 @@ def test_changes_while_the_index_and_placer_listeners_are_down_reach_them_once_b
     assert held_in_index(server, world.pool_id) == booked_in_rows(world, world.pool_id)
 
     dbname = world.sql("SELECT current_database()")[0][0]
-    listeners = listener(world.conninfo, "capacity-index") + listener(world.conninfo, "placer-lease")
+    listeners = sorted({*listener(world.conninfo, "capacity-index"), *listener(world.conninfo, "placer-lease")})
+    assert len(listeners) == 1  # the process's one LISTEN connection serves both
+    listeners += backends(world.conninfo, "application_name = 'bc-listen:placer-lease/queries'")  # its lease ticks
     assert len(listeners) == 2
     admin = psycopg.connect(pg_uri, autocommit=True)  # from another database: it may not close its own
     admin.execute(f"ALTER DATABASE {dbname} ALLOW_CONNECTIONS false")

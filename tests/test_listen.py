@@ -37,11 +37,9 @@ WAIT = 30  # seconds: a bound on waiting for a positive signal, never a pause
 
 
 def backends(conninfo: str, name: str) -> list[int]:
-    """The pids of the listener `name`'s connections to this database."""
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        return [pid for (pid,) in conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND datname = current_database()",
-            (listen_module.APPLICATION_NAME.format(name=name),))]
+    """The backends of the LISTEN connections serving the listener `name` on this database (the
+    listeners of one process share one)."""
+    return listen_module.backend_pids(conninfo, name)
 
 
 def until(check: Callable[[], Any], what: str) -> Any:
@@ -171,7 +169,7 @@ def test_interrupt_ends_a_wait_with_no_timeout_and_the_connection_goes_on_listen
         async with listen(database, ["bc_t_a"], stopping, name="t-woken", interruptible=True) as listener:
             assert await take(listener) is RECONNECTED
             waiting = asyncio.ensure_future(take(listener))  # no timeout: only a notification ends it
-            while not listener.connection or not listener.connection.lock.locked():
+            while not listener.waiting:
                 await asyncio.sleep(0.01)  # a positive signal: it is waiting for notifications
             listener.interrupt()
             assert await waiting is WOKEN

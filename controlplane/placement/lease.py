@@ -163,7 +163,7 @@ class LeaseWorker:
         next_tick = 0.0
         try:
             async with listen(conninfo, [QUEUED_CHANNEL, PLACED_CHANNEL, LEASES_CHANNEL], stopping,
-                              name="placer-lease", timeout=self.interval) as listener:
+                              name="placer-lease", timeout=self.interval, own_connection=True) as listener:
                 async for item in listener:
                     due = item is RECONNECTED or item is TICK or time.monotonic() >= next_tick
                     if isinstance(item, psycopg.Notify):
