@@ -305,6 +305,10 @@ class _Hub:
         return {"listener": ",".join(sorted({lst.name for lst in self.listeners})),
                 "channels": sorted({c for lst in self.listeners for c in lst.channels})}
 
+    def _application_name(self) -> str:
+        """The prefix and the names of the listeners it serves (PostgreSQL keeps 63 bytes of it)."""
+        return APPLICATION_NAME.format(name=",".join(sorted({lst.name for lst in self.listeners})))[:63]
+
     def _wanted(self) -> set[str]:
         return {c for lst in self.listeners for c in lst.channels}
 
@@ -317,6 +321,8 @@ class _Hub:
             if missing:
                 try:
                     await self._listen(self.connection, missing)
+                    await self.connection.execute("SELECT set_config('application_name', %s, false)",
+                                                  (self._application_name(),))
                 except psycopg.Error as exc:
                     await self._lost(exc)
                     continue
@@ -358,9 +364,9 @@ class _Hub:
             if self.backoff.delay:
                 await asyncio.sleep(self.backoff.delay)
             wanted = self._wanted()
-            name = APPLICATION_NAME.format(name=",".join(sorted({lst.name for lst in self.listeners})))[:63]
             try:
-                conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True, application_name=name)
+                conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
+                                                             application_name=self._application_name())
                 try:
                     await self._listen(conn, wanted)
                 except BaseException:
