@@ -103,6 +103,10 @@ class Node:
     host: dict[str, float] = field(default_factory=dict)  # resource -> allocatable
     host_booked: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)  # sorted per resource
     ticket: int = 0  # the refresh that wrote this node (a later read never loses to an earlier one)
+    # usable() by (model, kind, profile), sorted by id, each atom with its planner view. A node's atoms
+    # are fixed once built (a change replaces the node), so this is filled once per shape asked.
+    _sorted: dict[tuple[str, str, str], tuple[tuple[Atom, planner.FreeAtom], ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def schedulable(self) -> bool:
@@ -123,6 +127,16 @@ class Node:
 
     def usable(self, model: str, kind: str = GPU, profile: str = "") -> list[Atom]:
         return [a for a in self.atoms.values() if a.usable(model, kind, profile)]
+
+    def usable_sorted(self, model: str, kind: str, profile: str) -> tuple[tuple[Atom, planner.FreeAtom], ...]:
+        """usable(), sorted by id, each atom with its planner view (kept: see `_sorted`)."""
+        key = (model, kind, profile)
+        found = self._sorted.get(key)
+        if found is None:
+            found = self._sorted[key] = tuple(
+                (a, planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain))
+                for a in sorted(self.usable(model, kind, profile), key=lambda a: a.id))
+        return found
 
     def bookable_count(self) -> int:
         """Healthy bookable atoms of any kind (its pool books one kind)."""
@@ -320,11 +334,9 @@ class PoolIndex:
         return {self._touching[rng.randrange(lo, hi)][2] for _ in range(BUSY_SAMPLE)}
 
     def candidate(self, node: Node, window: Window) -> planner.Candidate:
-        free = tuple(
-            planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain)
-            for a in sorted(node.usable(window.model, window.device_class, window.profile), key=lambda a: a.id)
-            if a.free_for(window.start_ms, window.end_ms)
-        )
+        start, end = window.start_ms, window.end_ms
+        free = tuple(view for a, view in node.usable_sorted(window.model, window.device_class, window.profile)
+                     if a.free_for(start, end))
         return planner.Candidate(node.id, node.name, free)
 
     def candidates(
@@ -362,7 +374,7 @@ class PoolIndex:
                 if not node.matches(window) or not node.host_fits(window):
                     continue
                 cand = self.candidate(node, window)
-                if planner.plan_node(cand, window.count, window.topology) is None:
+                if not planner.fits_node(cand, window.count, window.topology):
                     continue
                 out.append(cand)
                 found += 1

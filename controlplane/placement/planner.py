@@ -73,21 +73,38 @@ def _pick_in_group(group: list[FreeAtom], count: int) -> tuple[str, ...]:
     return tuple(a.id for a in chosen[:count])
 
 
-def plan_node(candidate: Candidate, count: int, topology: str) -> Plan | None:
-    """The atoms this node would give, or None when it cannot satisfy the request.
+def _best_group(candidate: Candidate, count: int, topology: str) -> tuple[list[FreeAtom], float] | None:
+    """The group of free atoms the node would give from, and the plan's score; None when it
+    cannot satisfy the request.
 
     Bin-pack score: the fewer free atoms left on the node (and in the chosen group) afterwards,
     the better, so large requests keep finding whole nodes.
     """
+    if len(candidate.free) < count:
+        return None
     groups = [g for g in _groups(candidate.free, topology) if len(g) >= count]
     if not groups:
         return None
     # Prefer a group that can hold the request on one NUMA node, then the tightest group.
-    group = min(groups, key=lambda g: (not _fits_one_numa(g, count), len(g), min(a.id for a in g)))
-    atoms = _pick_in_group(group, count)
+    group = groups[0] if len(groups) == 1 else min(
+        groups, key=lambda g: (not _fits_one_numa(g, count), len(g), min(a.id for a in g)))
     left_on_node = len(candidate.free) - count
     left_in_group = len(group) - count
-    return Plan(candidate.node_id, atoms, score=-(left_on_node * 1000 + left_in_group))
+    return group, -(left_on_node * 1000 + left_in_group)
+
+
+def fits_node(candidate: Candidate, count: int, topology: str) -> bool:
+    """Whether plan_node would find a plan (without picking its atoms)."""
+    return _best_group(candidate, count, topology) is not None
+
+
+def plan_node(candidate: Candidate, count: int, topology: str) -> Plan | None:
+    """The atoms this node would give (see `_best_group`), or None when it cannot satisfy the request."""
+    best = _best_group(candidate, count, topology)
+    if best is None:
+        return None
+    group, score = best
+    return Plan(candidate.node_id, _pick_in_group(group, count), score=score)
 
 
 def choose(
@@ -100,17 +117,18 @@ def choose(
     exclude: frozenset[str] = frozenset(),
 ) -> Plan | None:
     """The plan picked at random among the best `top_n` nodes, or None when no node fits."""
-    plans = [
-        plan
+    scored = [
+        (best[1], candidate.node_id, best[0])
         for candidate in candidates
         if candidate.node_id not in exclude
-        for plan in [plan_node(candidate, count, topology)]
-        if plan is not None
+        for best in [_best_group(candidate, count, topology)]
+        if best is not None
     ]
-    if not plans:
+    if not scored:
         return None
-    plans.sort(key=lambda p: (-p.score, p.node_id))
-    return rng.choice(plans[: max(1, top_n)])
+    scored.sort(key=lambda s: (-s[0], s[1]))
+    score, node_id, group = rng.choice(scored[: max(1, top_n)])  # atoms are picked for the chosen node only
+    return Plan(node_id, _pick_in_group(group, count), score=score)
 
 
 _NOUNS = {"gpu": "GPU", "gpu.mig": "MIG instance", "gpu.slot": "GPU slot"}
