@@ -36,6 +36,7 @@ from controlplane import db, iam, metrics, watch
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
 from controlplane.api.events import EventsServicer, WebhooksServicer
+from controlplane.api.handlers import GenericOnly
 from controlplane.api.node_admin import NodeAdminServicer
 from controlplane.api.interceptor import ApiInterceptor, server_options
 from controlplane.api.reservations import ConfirmationsServicer, ReservationsServicer
@@ -123,22 +124,23 @@ async def start_app(
     leases.drain = lambda pool_id, holder, epoch: queued.drain(rt, pool_id, holder, epoch)
     server = grpc.aio.server(interceptors=[ApiInterceptor(pool, settings, rt.metrics)],
                              options=server_options(settings))
-    reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), server)
-    reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), server)
-    capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), server)
-    nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), server)
+    served = GenericOnly(server)  # reflection (below) registers its one method: it needs the server itself
+    reservations_pb2_grpc.add_ReservationsServicer_to_server(ReservationsServicer(rt), served)
+    reservations_pb2_grpc.add_ConfirmationsServicer_to_server(ConfirmationsServicer(rt), served)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), served)
+    capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), served)
+    nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), served)
     hub = watch.EventHub(conninfo, watch.StreamSlots(settings.watch_streams_per_identity,
                                                      settings.watch_streams_per_tenant))
-    events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), server)
-    events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), server)
-    providers_pb2_grpc.add_ProviderAccountsServicer_to_server(ProviderAccountsServicer(rt), server)
-    providers_pb2_grpc.add_ProjectsServicer_to_server(ProjectsServicer(rt), server)
-    grants_pb2_grpc.add_ReservationGrantsServicer_to_server(ReservationGrantsServicer(rt), server)
-    instances_pb2_grpc.add_InstancesServicer_to_server(InstancesServicer(rt), server)
-    usage_pb2_grpc.add_UsageServicer_to_server(UsageServicer(rt), server)
+    events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), served)
+    events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), served)
+    providers_pb2_grpc.add_ProviderAccountsServicer_to_server(ProviderAccountsServicer(rt), served)
+    providers_pb2_grpc.add_ProjectsServicer_to_server(ProjectsServicer(rt), served)
+    grants_pb2_grpc.add_ReservationGrantsServicer_to_server(ReservationGrantsServicer(rt), served)
+    instances_pb2_grpc.add_InstancesServicer_to_server(InstancesServicer(rt), served)
+    usage_pb2_grpc.add_UsageServicer_to_server(UsageServicer(rt), served)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, served)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         credentials = _server_credentials(settings, listen)
