@@ -6,6 +6,7 @@ a SHA-256 of the tenant, the caller's identity and the idempotency key.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -13,14 +14,14 @@ import time
 from typing import Any
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+# RFC 4648's base32 writes the same bits in the same order (most significant first, the last
+# group padded with zero bits, then "="): only the alphabet differs.
+_FROM_RFC4648 = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ALPHABET.encode())
 
 
 def b32(data: bytes) -> str:
     """Crockford base32 of `data`, most significant bits first, padded with zero bits."""
-    bits = len(data) * 8
-    n = int.from_bytes(data, "big") << ((5 - bits % 5) % 5)
-    length = (bits + 4) // 5
-    return "".join(_ALPHABET[(n >> (5 * i)) & 31] for i in reversed(range(length)))
+    return base64.b32encode(data).rstrip(b"=").translate(_FROM_RFC4648).decode()
 
 
 def new_id(prefix: str) -> str:

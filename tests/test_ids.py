@@ -153,6 +153,18 @@ def test_b32_round_trips(data: bytes) -> None:
     assert _decode(encoded) >> pad == int.from_bytes(data, "big") if data else encoded == ""
 
 
+def _b32_bit_by_bit(data: bytes) -> str:
+    """The encoding as first written (five bits at a time): stored ids depend on every character."""
+    bits = len(data) * 8
+    n = int.from_bytes(data, "big") << ((5 - bits % 5) % 5)
+    return "".join(CROCKFORD[(n >> (5 * i)) & 31] for i in reversed(range((bits + 4) // 5)))
+
+
+@given(st.binary(min_size=0, max_size=64))
+def test_b32_writes_exactly_the_characters_it_always_wrote(data: bytes) -> None:
+    assert b32(data) == _b32_bit_by_bit(data)
+
+
 # Request hash --------------------------------------------------------------------------
 
 JSON_LEAF = st.none() | st.booleans() | st.integers() | st.text(max_size=8)
