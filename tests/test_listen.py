@@ -229,6 +229,58 @@ def test_stopping_ends_it_promptly_and_leaves_no_connection_or_task(database: st
     asyncio.run(scenario())
 
 
+def test_the_listeners_of_one_process_share_one_connection_and_each_hears_only_its_channels(
+        database: str) -> None:
+    """One LISTEN backend for both; each gets its own channels' notifications, in order; a
+    listener that joins later with a channel of its own gets its marker once that channel is
+    listened, and the first one neither loses a notification nor gets a second marker."""
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        async with listen(database, ["bc_t_a"], stopping, name="t-first") as first:
+            assert await take(first) is RECONNECTED
+            async with listen(database, ["bc_t_b", "bc_t_a"], stopping, name="t-second") as second:
+                assert await take(second) is RECONNECTED
+                shared = await pids(database, "t-first")
+                assert len(shared) == 1 and shared == await pids(database, "t-second")
+                await asyncio.to_thread(notify, database, ("bc_t_a", "1"), ("bc_t_b", "2"), ("bc_t_a", "3"))
+                assert [(n.channel, n.payload) for n in [await take(first), await take(first)]] == [
+                    ("bc_t_a", "1"), ("bc_t_a", "3")]
+                assert [(n.channel, n.payload) for n in [await take(second) for _ in range(3)]] == [
+                    ("bc_t_a", "1"), ("bc_t_b", "2"), ("bc_t_a", "3")]
+                assert (first.connects, second.connects) == (1, 1)
+            # The second left: the first goes on, on the same connection.
+            await asyncio.to_thread(notify, database, ("bc_t_b", "unheard"), ("bc_t_a", "4"))
+            assert (await take(first)).payload == "4"
+            assert await pids(database, "t-first") == shared
+        assert await pids(database, "t-first") == []  # the last to leave closed it
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_shared_connection_gives_every_listener_the_marker_and_a_reset_only_its_own(
+        database: str) -> None:
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        async with listen(database, ["bc_t_a"], stopping, name="t-one") as one, \
+                listen(database, ["bc_t_a"], stopping, name="t-two", own_connection=True) as two:
+            assert (await take(one), await take(two)) == (RECONNECTED, RECONNECTED)
+            [old] = await pids(database, "t-one")
+            assert two.connection is not None and two.connection.info.backend_pid != old  # its queries' own
+            async with await psycopg.AsyncConnection.connect(database, autocommit=True) as conn:
+                await conn.execute("SELECT pg_terminate_backend(%s)", (old,))
+            assert (await take(one), await take(two)) == (RECONNECTED, RECONNECTED)
+            # A reset: that listener starts over (a new connection of its own), the other is untouched.
+            queries = two.connection.info.backend_pid
+            await two.reset()
+            assert await take(two) is RECONNECTED
+            assert two.connection is not None and two.connection.info.backend_pid != queries
+            await asyncio.to_thread(notify, database, ("bc_t_a", "after"))
+            assert (await take(one)).payload == "after" and (await take(two)).payload == "after"
+            assert (one.connects, two.connects) == (2, 3)
+
+    asyncio.run(scenario())
+
+
 # Its consumers ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
