@@ -126,6 +126,18 @@ def test_a_pending_victim_whose_preemptor_goes_away_gets_its_window_back(clocked
     check_invariants(w.conninfo, w.tenant)
 
 
+def assert_ended_preempted_at(w: World, spot_id: str, cut: int) -> None:
+    """The victim ended as a booked victim does at the cut: released, reason preempted, its notice
+    ending at the cut, no booking left, quota refunded, its notice's row gone."""
+    ended = eventually(w, spot_id, lambda r: r.state == "released", seconds=30)
+    assert [e["reason"] for e in events_of(w, spot_id, "reservation.released")] == ["preempted"]
+    (preempted,) = events_of(w, spot_id, "reservation.preempted")
+    assert preempted["noticeUntil"] == cut
+    assert ended.during.end == cut and not booking_ends(w, spot_id)
+    assert charged(w, spot_id) == 0 and notices(w, spot_id) == []
+    check_invariants(w.conninfo, w.tenant)
+
+
 @pytest.mark.parametrize("by", ["reconciler", "retry"])
 def test_a_pending_victim_whose_notice_ends_is_released_preempted(clocked: World, by: str) -> None:
     """Nothing had room for the victim before its cut: once the notice's end comes there is
@@ -141,13 +153,7 @@ def test_a_pending_victim_whose_notice_ends_is_released_preempted(clocked: World
     advance(w, cut - clock_now(w) + 1_000)
     if by == "retry":
         ready_node(w)
-    ended = eventually(w, spot.id, lambda r: r.state == "released", seconds=30)
-    assert [e["reason"] for e in events_of(w, spot.id, "reservation.released")] == ["preempted"]
-    (preempted,) = events_of(w, spot.id, "reservation.preempted")
-    assert preempted["noticeUntil"] == cut
-    assert ended.during.end == cut and not booking_ends(w, spot.id)
-    assert charged(w, spot.id) == 0 and notices(w, spot.id) == []
-    check_invariants(w.conninfo, w.tenant)
+    assert_ended_preempted_at(w, spot.id, cut)
 
 
 # -- A victim's end takes its notices -------------------------------------------------------------
@@ -294,10 +300,4 @@ def test_a_retry_that_waited_past_the_cut_ends_the_victim_instead_of_placing_it(
         advance(w, cut - clock_now(w) + 1_000)
     room.join(60)
     assert len(readied) == 1 and isinstance(readied[0], str), readied
-    ended = eventually(w, spot.id, lambda r: r.state == "released", seconds=30)
-    assert [e["reason"] for e in events_of(w, spot.id, "reservation.released")] == ["preempted"]
-    (preempted,) = events_of(w, spot.id, "reservation.preempted")
-    assert preempted["noticeUntil"] == cut
-    assert ended.during.end == cut and not booking_ends(w, spot.id)
-    assert charged(w, spot.id) == 0 and notices(w, spot.id) == []
-    check_invariants(w.conninfo, w.tenant)
+    assert_ended_preempted_at(w, spot.id, cut)
