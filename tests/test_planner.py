@@ -98,6 +98,7 @@ def test_a_node_that_can_satisfy_the_request_gets_a_plan(candidate: Candidate, c
     feasible = brute_force(candidate.free, count, topology)
     plan = planner.plan_node(candidate, count, topology)
     assert (plan is not None) == feasible, (feasible, plan)
+    assert planner.fits_node(candidate, count, topology) == feasible  # the check without the pick
 
 
 @pytest.mark.parametrize("topology", [ANY, NVLINK_ALL, NUMA])
