@@ -167,8 +167,10 @@ class Listener:
 
     async def reset(self) -> None:
         """Start over: its own connection (if any) is dropped and the next item is RECONNECTED,
-        after the back-off (a consumer that fails at every marker does not spin)."""
+        after the back-off (a consumer that fails at every marker does not spin). Notifications
+        received and not yet taken are dropped: the re-read the marker asks for covers them."""
         await self._close_own()
+        self._received.clear()
         self._own_backoff.lost("reset by its consumer", listener=self.name, channels=self.channels)
         self._need_marker = self._pause = True
         self._wake()
