@@ -58,9 +58,10 @@ def main() -> None:
                                     start + rng.choice((1, 2, 4, 8)) * HOUR_MS))
     chosen = []
     started = time.perf_counter()
-    for window in windows:
-        candidates = pool.candidates(window, enough=args.top_n, rng=rng)
-        plan = planner.choose(candidates, window.count, window.topology, top_n=args.top_n, rng=rng)
+    for i, window in enumerate(windows):
+        draws = random.Random(args.seed * 1_000_003 + i)  # per plan: a version that draws less for one plan
+        candidates = pool.candidates(window, enough=args.top_n, rng=draws)  # does not shift the next
+        plan = planner.choose(candidates, window.count, window.topology, top_n=args.top_n, rng=draws)
         chosen.append(None if plan is None else (plan.node_id, plan.atom_ids, plan.score))
     seconds = time.perf_counter() - started
     digest = hashlib.sha256(repr(chosen).encode()).hexdigest()[:16]

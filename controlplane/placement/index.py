@@ -107,6 +107,7 @@ class Node:
     # are fixed once built (a change replaces the node), so this is filled once per shape asked.
     _sorted: dict[tuple[str, str, str], tuple[tuple[Atom, planner.FreeAtom], ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
+    _room: dict[tuple[str, str, str, str], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def schedulable(self) -> bool:
@@ -136,6 +137,17 @@ class Node:
             found = self._sorted[key] = tuple(
                 (a, planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain))
                 for a in sorted(self.usable(model, kind, profile), key=lambda a: a.id))
+        return found
+
+    def room(self, window: Window) -> int:
+        """The most atoms one plan for the window's shape could take here with nothing booked (all
+        its usable atoms; with a topology, the most in one NUMA node or NVLink domain): a node with
+        less cannot take the window whatever its bookings (kept: see `_sorted`)."""
+        key = (window.model, window.device_class, window.profile, window.topology)
+        found = self._room.get(key)
+        if found is None:
+            views = [view for _, view in self.usable_sorted(window.model, window.device_class, window.profile)]
+            found = self._room[key] = planner.largest_group(views, window.topology)
         return found
 
     def bookable_count(self) -> int:
@@ -184,10 +196,12 @@ class PoolIndex:
         self._touching: SortedList = SortedList()  # (start, end, node, atom), by start
         self._long: set[tuple[int, int, str, str]] = set()
         self._classes: dict[int, dict[str, None]] = defaultdict(dict)  # usable GPU count -> ordered node ids
+        self._class_lists: dict[int, list[str]] = {}  # _classes[n] as a list, until the class changes
         self._class_of: dict[str, int] = {}
         self._models: dict[str, int] = defaultdict(int)  # GPU model -> whole-GPU atoms of it
         self._share_of: dict[str, tuple[int, float | None, float | None]] = {}  # node -> (GPUs, vcpu, memoryGiB)
         self._share: dict[str, Fraction] | None = None  # host_share_per_gpu, until a node's inputs change
+        self._room: dict[tuple[str, str, str, str], int] = {}  # the most any node has room for, by shape
 
     # -- keeping it current ------------------------------------------------------------------
 
@@ -244,6 +258,7 @@ class PoolIndex:
         old = self.nodes.pop(node_id, None)
         if old is None:
             return
+        self._room.clear()
         for entry in old.bookings():
             self._drop_entry(entry)
         for atom in old.atoms.values():
@@ -253,14 +268,17 @@ class PoolIndex:
                     del self._models[atom.model]
         usable = self._class_of.pop(node_id)
         self._classes[usable].pop(node_id, None)
+        self._class_lists.pop(usable, None)
 
     def _hold(self, node: Node) -> None:
         self.nodes[node.id] = node
+        self._room.clear()
         for atom in node.atoms.values():
             if atom.kind == GPU and node.state != LEASED:  # a leased machine's models are its tenant's word
                 self._models[atom.model] += 1
         usable = node.bookable_count()
         self._classes[usable][node.id] = None
+        self._class_lists.pop(usable, None)
         self._class_of[node.id] = usable
         # A leased machine's inventory is its tenant's word: left out of the share (migration 0036).
         inputs = ((node.gpu_count(), node.host.get("vcpu"), node.host.get("memoryGiB")) if node.state != LEASED
@@ -312,6 +330,15 @@ class PoolIndex:
         """Every GPU model of the pool's whole GPUs (any health; leased machines' left out), sorted."""
         return sorted(self._models)
 
+    def room(self, window: Window) -> int:
+        """The most atoms any node of the pool has room for in one plan of the window's shape, with
+        nothing booked (see Node.room); kept until a node changes."""
+        key = (window.model, window.device_class, window.profile, window.topology)
+        found = self._room.get(key)
+        if found is None:
+            found = self._room[key] = max((node.room(window) for node in self.nodes.values()), default=0)
+        return found
+
     def touched(self, start: int, end: int) -> set[str]:
         """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
         starting after start - LONG_MS and before end), a scan of the few long ones."""
@@ -351,18 +378,23 @@ class PoolIndex:
         well-booked pool (see `_busy`) a sample of the nodes with bookings around the window
         stands for them all, so a partly booked node is preferred when the sample finds it."""
         rng = rng or random.Random()
-        busy = self._busy(window, rng)
         out: list[planner.Candidate] = []
+        if self.room(window) < window.count:
+            return out  # no node could take this shape even empty: nothing to visit
+        busy = self._busy(window, rng)
         for node_id in busy:
             node = self.nodes.get(node_id)
-            if node is None or node_id in exclude or not node.matches(window) or not node.host_fits(window):
+            if (node is None or node_id in exclude or node.room(window) < window.count or not node.matches(window)
+                    or not node.host_fits(window)):
                 continue
             cand = self.candidate(node, window)
             if len(cand.free) >= window.count:
                 out.append(cand)
         found = 0
         for usable in sorted(c for c in self._classes if c >= window.count):
-            members = list(self._classes[usable])
+            members = self._class_lists.get(usable)
+            if members is None:
+                members = self._class_lists[usable] = list(self._classes[usable])
             if not members:
                 continue
             begin, stride = rng.randrange(len(members)), _stride(len(members), rng)
@@ -371,7 +403,7 @@ class PoolIndex:
                 if node_id in busy or node_id in exclude:
                     continue
                 node = self.nodes[node_id]
-                if not node.matches(window) or not node.host_fits(window):
+                if node.room(window) < window.count or not node.matches(window) or not node.host_fits(window):
                     continue
                 cand = self.candidate(node, window)
                 if not planner.fits_node(cand, window.count, window.topology):

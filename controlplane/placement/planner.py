@@ -50,6 +50,11 @@ def _groups(free: Sequence[FreeAtom], topology: str) -> list[list[FreeAtom]]:
     return list(grouped.values())
 
 
+def largest_group(free: Sequence[FreeAtom], topology: str) -> int:
+    """The most atoms one plan for `topology` could take from `free`."""
+    return max((len(g) for g in _groups(free, topology)), default=0)
+
+
 def _fits_one_numa(group: list[FreeAtom], count: int) -> bool:
     per_numa: dict[int, int] = defaultdict(int)
     for atom in group:
