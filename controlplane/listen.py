@@ -106,7 +106,8 @@ class _Backoff:
 
 
 class Listener:
-    """An async iterator of Notify, RECONNECTED, TICK and WOKEN; made by `listen()`."""
+    """An async iterator of Notify, RECONNECTED, TICK and WOKEN; made by `listen()`. A marker
+    that is due comes before any notification; WOKEN after the notifications already received."""
 
     def __init__(self, channels: Iterable[str], stopping: asyncio.Event, *, name: str, timeout: float | None,
                  interruptible: bool = False, own_connection: bool = False, conninfo: str = "") -> None:
@@ -187,9 +188,7 @@ class Listener:
         while True:
             if self._stopping.is_set():
                 raise _Stopped
-            if self._received:
-                return self._received.popleft()
-            if self._need_marker and self._ready:
+            if self._need_marker and self._ready:  # before any notification: see `_lost`
                 if self._pause:
                     self._pause = False
                     await self._sleep(self._own_backoff.delay)
@@ -201,6 +200,8 @@ class Listener:
                 self._need_marker = False
                 self.connects += 1
                 return RECONNECTED
+            if self._received:
+                return self._received.popleft()
             if self._interrupted:
                 self._interrupted = False
                 return WOKEN
@@ -253,8 +254,13 @@ class Listener:
             self._wake()
 
     def _lost(self) -> None:
+        """The shared connection is gone: the next item is RECONNECTED once it is back. What was
+        received and not yet handed out is dropped (the re-read the marker asks for covers it), and
+        what arrives after the new LISTENs comes after the marker, so a consumer with a connection
+        of its own never gets a notification while that connection is being reopened."""
         self._ready = False
         self._need_marker = True
+        self._received.clear()
         self._wake()
 
     async def _watch_stopping(self) -> None:

@@ -281,6 +281,28 @@ def test_a_lost_shared_connection_gives_every_listener_the_marker_and_a_reset_on
     asyncio.run(scenario())
 
 
+def test_after_a_reset_the_marker_comes_before_any_notification_with_the_connection_back(database: str) -> None:
+    """A consumer with a connection of its own resets; a notification arrives during the back-off:
+    the marker comes first, with a new connection open, then the notification (never a
+    notification while its connection is closed)."""
+    async def scenario() -> None:
+        stopping = asyncio.Event()
+        async with listen(database, ["bc_t_a"], stopping, name="t-reset", own_connection=True) as listener:
+            assert await take(listener) is RECONNECTED
+            await asyncio.to_thread(notify, database, ("bc_t_a", "before"))
+            while not listener._received:  # a positive signal: delivered, not yet taken
+                await asyncio.sleep(0.01)
+            await listener.reset()
+            await asyncio.to_thread(notify, database, ("bc_t_a", "during"))
+            while not listener._received:  # delivered while the marker is due
+                await asyncio.sleep(0.01)
+            assert await take(listener) is RECONNECTED
+            assert listener.connection is not None and not listener.connection.closed
+            assert (await take(listener)).payload == "during"  # "before" is covered by the re-read
+
+    asyncio.run(scenario())
+
+
 # Its consumers ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
