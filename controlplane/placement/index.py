@@ -65,6 +65,11 @@ class Window:
     # Host resources booked on the node with the atoms: (resource, amount), amounts above 0.
     host: tuple[tuple[str, int], ...] = ()
 
+    @property
+    def shape(self) -> tuple[str, str, str, str]:
+        """What decides where the window could fit on an empty node: model, class, profile, topology."""
+        return (self.model, self.device_class, self.profile, self.topology)
+
 
 @dataclass
 class Atom:
@@ -143,7 +148,7 @@ class Node:
         """The most atoms one plan for the window's shape could take here with nothing booked (all
         its usable atoms; with a topology, the most in one NUMA node or NVLink domain): a node with
         less cannot take the window whatever its bookings (kept: see `_sorted`)."""
-        key = (window.model, window.device_class, window.profile, window.topology)
+        key = window.shape
         found = self._room.get(key)
         if found is None:
             views = [view for _, view in self.usable_sorted(window.model, window.device_class, window.profile)]
@@ -333,7 +338,7 @@ class PoolIndex:
     def room(self, window: Window) -> int:
         """The most atoms any node of the pool has room for in one plan of the window's shape, with
         nothing booked (see Node.room); kept until a node changes."""
-        key = (window.model, window.device_class, window.profile, window.topology)
+        key = window.shape
         found = self._room.get(key)
         if found is None:
             found = self._room[key] = max((node.room(window) for node in self.nodes.values()), default=0)
