@@ -162,12 +162,12 @@ coalesce((SELECT jsonb_agg(jsonb_build_object('id', a.id, 'node_id', a.node_id, 
 TRANSITION_WAKE_EMIT = f"""
 WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease=_PLACED_LEASE).strip()} RETURNING {COLUMNS}),
 woken AS (
-    SELECT schedule_work('reservation', moved.id, due)
-    FROM moved, LATERAL (
-        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
+    SELECT schedule_moments('reservation', moved.id, ARRAY(
+        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now())
         FROM unnest(%(moments)s::bigint[]
                     || CASE WHEN %(lease_deadline)s::bigint IS NULL THEN NULL ELSE moved.lease_deadline_ms END) AS m
-        WHERE m IS NOT NULL) moments
+        WHERE m IS NOT NULL))
+    FROM moved
 ),
 emitted AS (
     INSERT INTO events (tenant_id, type, subject, data)
@@ -352,9 +352,8 @@ WHERE id = %(id)s
 # included) and starve them while creates keep coming.
 # One statement (it runs inside create's pool-locked commit, where every round trip counts).
 WAKE_AT = """
-SELECT schedule_work('reservation', %(id)s, due)
-FROM (SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) AS due
-      FROM unnest(%(moments)s::bigint[]) AS m) moments
+SELECT schedule_moments('reservation', %(id)s, ARRAY(
+    SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) FROM unnest(%(moments)s::bigint[]) AS m))
 """
 
 
