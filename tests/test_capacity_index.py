@@ -119,6 +119,17 @@ def _brute_force(conn: psycopg.Connection, pool: str, w: Window) -> set[str]:
         "topology": w.topology, "count": w.count})}
 
 
+def _free_atoms(conn: psycopg.Connection, node_id: str, w: Window) -> set[str]:
+    """The node's healthy bookable GPUs of the window's model with no booking overlapping it."""
+    return {r["id"] for r in _sql(conn, """
+        SELECT a.id FROM atoms a
+        WHERE a.node_id = %(node)s AND a.kind = 'gpu' AND a.health = 'healthy' AND a.bookable
+          AND (%(model)s = '' OR a.model = %(model)s)
+          AND NOT EXISTS (SELECT 1 FROM bookings b WHERE b.atom_id = a.id
+                          AND b.during && tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)'))""",
+        {"node": node_id, "model": w.model, "start": w.start_ms, "end": w.end_ms})}
+
+
 async def _built(conninfo: str, pool: str) -> PoolIndex:
     async with await psycopg.AsyncConnection.connect(conninfo) as conn:
         index = PoolIndex(pool)
@@ -148,6 +159,8 @@ def test_the_index_answers_what_sql_answers(world: World, fleet: list[dict], ask
                        if planner.plan_node(c, w.count, w.topology) is not None}
             assert offered <= expected
             assert bool(offered) == bool(expected)
+            for c in index.candidates(w, enough=len(fleet)):  # each offered with its atoms free then
+                assert {a.id for a in c.free} == _free_atoms(conn, c.node_id, w), (ask, json.dumps(fleet))
 
 
 # Changes after the build, each in its own statement; `same_tx` joins it to the previous one's

@@ -113,6 +113,8 @@ class Node:
     _sorted: dict[tuple[str, str, str], tuple[tuple[Atom, planner.FreeAtom], ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
     _room: dict[tuple[str, str, str, str], int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _whole: dict[tuple[str, str, str], planner.Candidate] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def schedulable(self) -> bool:
@@ -142,6 +144,15 @@ class Node:
             found = self._sorted[key] = tuple(
                 (a, planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain))
                 for a in sorted(self.usable(model, kind, profile), key=lambda a: a.id))
+        return found
+
+    def all_free(self, window: Window) -> planner.Candidate:
+        """This node as a candidate for a window none of its atoms is booked in (kept: see `_sorted`)."""
+        key = (window.model, window.device_class, window.profile)
+        found = self._whole.get(key)
+        if found is None:
+            found = self._whole[key] = planner.Candidate(
+                self.id, self.name, tuple(view for _, view in self.usable_sorted(*key)))
         return found
 
     def room(self, window: Window) -> int:
@@ -345,30 +356,46 @@ class PoolIndex:
         return found
 
     def touched(self, start: int, end: int) -> set[str]:
-        """Nodes with a booking overlapping [start, end): bisection over the short bookings (those
-        starting after start - LONG_MS and before end), a scan of the few long ones."""
+        """Nodes with a booking overlapping [start, end)."""
+        return set(self.booked_atoms(start, end))
+
+    def booked_atoms(self, start: int, end: int) -> dict[str, set[str]]:
+        """Per node with a booking overlapping [start, end), its atoms booked then: bisection over
+        the short bookings (those starting after start - LONG_MS and before end), a scan of the few
+        long ones."""
         lo, hi = self._around(start, end)
-        nodes = {e[2] for e in self._touching[lo:hi] if e[1] > start}
-        nodes.update(e[2] for e in self._long if e[0] < end and e[1] > start)
-        return nodes
+        booked: dict[str, set[str]] = defaultdict(set)
+        for _, e_end, node_id, atom_id in self._touching[lo:hi]:
+            if e_end > start:
+                booked[node_id].add(atom_id)
+        for e_start, e_end, node_id, atom_id in self._long:
+            if e_start < end and e_end > start:
+                booked[node_id].add(atom_id)
+        return booked
 
     def _around(self, start: int, end: int) -> tuple[int, int]:
         """The positions in `_touching` of the short bookings that may overlap [start, end)."""
         return self._touching.bisect_left((start - LONG_MS,)), self._touching.bisect_left((end,))
 
-    def _busy(self, window: Window, rng: random.Random) -> set[str]:
-        """The nodes with a booking in the window; or, when more than BUSY_EXACT bookings start
-        around it, the nodes of a random sample of those (each node is checked exactly anyway:
-        this only says which to visit first)."""
+    def _busy(self, window: Window, rng: random.Random) -> tuple[dict[str, set[str] | None], bool]:
+        """The nodes with a booking in the window, each with its atoms booked then, and True; or,
+        when more than BUSY_EXACT bookings start around it, the nodes of a random sample of those
+        (their atoms not known: each is checked exactly; the sample only says which nodes to
+        visit first), and False."""
         lo, hi = self._around(window.start_ms, window.end_ms)
         if hi - lo <= BUSY_EXACT:
-            return self.touched(window.start_ms, window.end_ms)
-        return {self._touching[rng.randrange(lo, hi)][2] for _ in range(BUSY_SAMPLE)}
+            return dict(self.booked_atoms(window.start_ms, window.end_ms)), True
+        return {self._touching[rng.randrange(lo, hi)][2]: None for _ in range(BUSY_SAMPLE)}, False
 
-    def candidate(self, node: Node, window: Window) -> planner.Candidate:
-        start, end = window.start_ms, window.end_ms
-        free = tuple(view for a, view in node.usable_sorted(window.model, window.device_class, window.profile)
-                     if a.free_for(start, end))
+    def candidate(self, node: Node, window: Window, booked: set[str] | None = None) -> planner.Candidate:
+        """The node with its usable atoms free in the window: those not in `booked` when the atoms
+        booked in the window are known, else each checked against its intervals."""
+        usable = node.usable_sorted(window.model, window.device_class, window.profile)
+        if booked is not None:
+            free = tuple(view for a, view in usable if a.id not in booked)
+        else:
+            start, end = window.start_ms, window.end_ms
+            free = tuple(view for a, view in usable if a.free_for(start, end))
         return planner.Candidate(node.id, node.name, free)
 
     def candidates(
@@ -386,13 +413,13 @@ class PoolIndex:
         out: list[planner.Candidate] = []
         if self.room(window) < window.count:
             return out  # no node could take this shape even empty: nothing to visit
-        busy = self._busy(window, rng)
-        for node_id in busy:
+        busy, exact = self._busy(window, rng)
+        for node_id, booked in busy.items():
             node = self.nodes.get(node_id)
             if (node is None or node_id in exclude or node.room(window) < window.count or not node.matches(window)
                     or not node.host_fits(window)):
                 continue
-            cand = self.candidate(node, window)
+            cand = self.candidate(node, window, booked)
             if len(cand.free) >= window.count:
                 out.append(cand)
         found = 0
@@ -410,9 +437,12 @@ class PoolIndex:
                 node = self.nodes[node_id]
                 if node.room(window) < window.count or not node.matches(window) or not node.host_fits(window):
                     continue
-                cand = self.candidate(node, window)
-                if not planner.fits_node(cand, window.count, window.topology):
-                    continue
+                if exact:  # not busy: every usable atom is free, and room says a plan fits
+                    cand = node.all_free(window)
+                else:
+                    cand = self.candidate(node, window)
+                    if not planner.fits_node(cand, window.count, window.topology):
+                        continue
                 out.append(cand)
                 found += 1
                 if found >= enough:
