@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
@@ -290,6 +291,46 @@ def test_the_commit_rereads_the_label_under_the_lock(world: World, server: Serve
         booked = conn.execute(placement_queries.INSERT_PLACEMENT, params).fetchall()
         assert booked == []
         conn.rollback()
+
+
+def test_an_index_that_missed_host_bookings_proposes_and_the_one_statement_commit_decides(
+        world: World, server: ServerThread) -> None:
+    """A create with host resources is one statement (place_inline books them with its devices).
+    The index believes the node's vCPUs are free (as if a notification were still on its way):
+    the statement's host booking is refused, nothing of it stays (no allocation, no device or host
+    booking), the node is read again under the lock and, with nothing else fitting, the create goes
+    pending: the node is never overbooked."""
+    node = host_world(world, server, vcpu=66)[0]  # 64 can be given
+    world.quota(1000, "vcpu")
+    start = world.later(300)
+    first = world.create(count=1, start=start, duration="2h", resources=resources(vcpu=40))
+    assert first.state == "placed" and host_bookings(world, first.id)["vcpu"] == 40
+    capacity = server.app.runtime.capacity
+    server.call(capacity.barrier())
+    pool = capacity.pool(world.pool_id)
+    assert pool is not None
+    stale = pool.nodes[node.id].with_bookings(
+        [{"atom_id": a, "start_ms": s, "end_ms": e} for a, s, e in world.sql(
+            "SELECT b.atom_id, epoch_ms(lower(b.during)), epoch_ms(upper(b.during)) FROM bookings b"
+            " JOIN allocations a ON a.id = b.allocation_id WHERE a.reservation_id = %s", (first.id,))],
+        pool.nodes[node.id].ticket, host_rows=[])
+
+    async def forget() -> None:
+        pool.put(stale)
+    server.call(forget())
+    before = capacity.planned
+
+    with capture_logs() as logs:
+        second = world.create(count=1, start=start + HOUR, duration="2h", resources=resources(vcpu=40))
+    assert second.state == "pending" and "40 vcpu" in second.conditions[0].message
+    lost = [e for e in logs if e["event"] == "placement race lost"]
+    assert lost and '"host"' in (lost[0].get("detail") or ""), lost  # in place_inline, on the host booking
+    assert capacity.planned > before  # the stale index proposed the node
+    assert world.sql("SELECT count(*) FROM allocations WHERE reservation_id = %s", (second.id,)) == [(0,)]
+    assert world.sql("SELECT coalesce(sum(amount), 0) FROM host_bookings WHERE node_id = %s AND resource = 'vcpu'",
+                     (node.id,)) == [(40,)]
+    refreshed = capacity.pool(world.pool_id).nodes[node.id]
+    assert refreshed.host_peak("vcpu", start + HOUR, start + 3 * HOUR) == 40  # read again under the lock
 
 
 # -- the guard ----------------------------------------------------------------------------------

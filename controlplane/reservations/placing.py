@@ -208,20 +208,19 @@ RACE_LOST = "BCP01"  # place_inline (migration 0032): a booking it planned was t
 
 
 def at_once(row: dict[str, Any], prepared: Prepared) -> bool:
-    """Whether `place_at_once` can place it: a plan on one node for devices alone (a gang, a
-    whole-machine lease, host resources to book, or nothing planned take the general path)."""
+    """Whether `place_at_once` can place it: a plan on one node, its devices and host resources
+    (a gang, a whole-machine lease, or nothing planned take the general path)."""
     return (isinstance(prepared.planned, placer.Planned) and prepared.planned.plan is not None
-            and not is_node_lease(row["request"]) and gang.Gang.of(row["request"]) is None
-            and not prepared.ask.host_amounts())
+            and not is_node_lease(row["request"]) and gang.Gang.of(row["request"]) is None)
 
 
 async def place_at_once(
     conn: AsyncConnection, rt: Runtime, row: dict[str, Any], prepared: Prepared, now_ms: int, admitted: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The whole locked part of an inline create in one statement, in autocommit (place_inline:
-    the pool lock, the row, `admitted`'s decision and charge, the allocation and its bookings, the
-    move to placed with its wake-ups and event): nothing goes back and forth while the pool lock
-    is held. Its row: `outcome` ('placed': the rest is the reservation as moved with its
+    the pool lock, the row, `admitted`'s decision and charge, the allocation, its bookings and
+    host resources, the move to placed with its wake-ups and event): nothing goes back and forth
+    while the pool lock is held. Its row: `outcome` ('placed': the rest is the reservation as moved with its
     allocations; 'decided', 'missing'). None when the race was lost (nothing of it committed; the
     index has read that node again: the caller takes the general path, which plans again). A
     quota refusal raises as charge_all raised it."""
@@ -237,6 +236,7 @@ async def place_at_once(
             moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),
             from_states=states.sources_of(states.PLACED),
             data=Jsonb(placed_data(row["pool_id"], [chosen.node_id], ask)),
+            limits=Jsonb(placer.limits_of(host)) if (host := ask.host_amounts()) else None,
         ))).fetchone()
     except psycopg.Error as exc:
         if exc.sqlstate != RACE_LOST:

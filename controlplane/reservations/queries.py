@@ -180,8 +180,9 @@ SELECT moved.*, {ALLOCATIONS_JSON.format(ref="moved.id").strip()} AS allocations
 FROM moved
 """
 
-# The inline placer's common case in one statement (migration 0032): the pool lock, the row, the
-# decision and the charge, the allocation and its bookings, the move with its wake-ups and event.
+# The inline placer's common case in one statement (migrations 0032, 0056): the pool lock, the row,
+# the decision and the charge, the allocation, its bookings and host resources, the move with its
+# wake-ups and event.
 # `outcome` is 'placed' (the rest is the reservation as moved with its allocations, as VIEW_BY_ID
 # reads them), 'decided' or 'missing' (the rest NULL); a lost race raises BCP01.
 PLACE_INLINE = f"""
@@ -193,7 +194,8 @@ FROM place_inline(
     p_allocation_id => %(allocation_id)s, p_node_id => %(node_id)s, p_pool_id => %(pool_id)s,
     p_device_ids => %(device_ids)s::text[], p_atom_ids => %(atom_ids)s::text[], p_selector => %(selector)s,
     p_start => %(start)s, p_end => %(end)s, p_lease_deadline => %(lease_deadline)s::bigint,
-    p_moments => %(moments)s::bigint[], p_from_states => %(from_states)s, p_event_data => %(data)s
+    p_moments => %(moments)s::bigint[], p_from_states => %(from_states)s, p_event_data => %(data)s,
+    p_host => %(host)s, p_limits => %(limits)s
 ) p
 LEFT JOIN LATERAL (SELECT (p.reservation).*) r ON true
 """
