@@ -233,7 +233,7 @@ async def place_at_once(
             allocation_id=new_id("alloc"), node_id=chosen.node_id, atom_ids=list(chosen.atom_ids),
             device_ids=[planned.uuids[a] for a in chosen.atom_ids], lease_deadline=lease_deadline,
             # The deadline's wake-up is place_inline's: it counts the lease from under the lock.
-            moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),
+            moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None, now_ms),
             from_states=states.sources_of(states.PLACED),
             data=Jsonb(placed_data(row["pool_id"], [chosen.node_id], ask)),
             limits=Jsonb(placer.limits_of(host)) if (host := ask.host_amounts()) else None,
@@ -301,7 +301,7 @@ async def place_locked(
     return await move_wake_emit(
         conn, row, states.PLACED, operation_state="succeeded", conditions=_notice(row),  # a victim keeps its notice
         window=(ask.start_ms, ask.end_ms), lease_deadline=lease_deadline,  # counted again under the lock
-        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None),  # the deadline's wake-up: its own
+        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None, now_ms),  # the deadline's wake-up: its own
         event_type="reservation.placed", nodeIds=node_ids, start=ask.start_ms, end=ask.end_ms,
     )
 

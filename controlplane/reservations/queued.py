@@ -124,7 +124,7 @@ async def _batch(conn: Any, rt: Runtime, batch: batches.Batch, holder: str,
             data = placing.placed_data(pool_id, [placement.node_id], ask)
             _append(moves, states.PLACED, [], ask.start_ms, ask.end_ms, lease_deadline, "reservation.placed", data)
             # The lease deadline's wake-up is MOVE_BATCH's, which counts the lease from its clock.
-            for moment in schedule.booked_moment_list(ask.start_ms, ask.end_ms, None):
+            for moment in schedule.booked_moment_list(ask.start_ms, ask.end_ms, None, now_ms):
                 moves["wake_ids"].append(row["id"])
                 moves["wake_at"].append(moment)
         else:
