@@ -18,17 +18,10 @@ async def at(conn: AsyncConnection, rid: str, *moments: int | None) -> None:
         await conn.execute(queries.WAKE_AT, {"id": rid, "moments": wanted})
 
 
-async def booked_moments(
-    conn: AsyncConnection, rid: str, start_ms: int, end_ms: int, lease_deadline_ms: int | None
-) -> None:
-    """start - 15 min, start, end and the lease deadline of a placed reservation."""
-    await at(conn, rid, *booked_moment_list(start_ms, end_ms, lease_deadline_ms))
-
-
 def booked_moment_list(start_ms: int, end_ms: int, lease_deadline_ms: int | None,
                        now_ms: int | None = None) -> list[int]:
-    """The moments of `booked_moments`, for a caller that schedules them in its own statement.
-    Given the clock it places at, the repair check's moment is left out when it has passed: it
+    """start - 15 min (BookingRepair's check), start, end and the lease deadline of a placed
+    reservation, for a caller that schedules them in its own statement. Given the clock it places at, the repair check's moment is left out when it has passed: it
     would be due at once, in a pass that finds the start not reached (the nodes were just placed
     on), and the pass at the start runs the repair check first anyway."""
     lead = start_ms - REPAIR_LEAD_MS
