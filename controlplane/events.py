@@ -14,18 +14,21 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-_INSERT = """
-INSERT INTO events (tenant_id, type, subject, data)
-VALUES (%(tenant_id)s, %(type)s, %(subject)s, %(data)s)
+# The row and its notification in one statement (delivered at commit, as ever).
+_INSERT_NOTIFY = """
+WITH e AS (
+    INSERT INTO events (tenant_id, type, subject, data)
+    VALUES (%(tenant_id)s, %(type)s, %(subject)s, %(data)s)
+    RETURNING tenant_id
+)
+SELECT pg_notify('bc_events', e.tenant_id) FROM e
 """
-_NOTIFY = "SELECT pg_notify('bc_events', %(tenant_id)s)"
 
 
 async def emit(conn: AsyncConnection, tenant_id: str, type_: str, subject: str, data: dict[str, Any]) -> None:
     await conn.execute(
-        _INSERT, {"tenant_id": tenant_id, "type": type_, "subject": subject, "data": Jsonb(data)}
+        _INSERT_NOTIFY, {"tenant_id": tenant_id, "type": type_, "subject": subject, "data": Jsonb(data)}
     )
-    await conn.execute(_NOTIFY, {"tenant_id": tenant_id})
 
 
 async def emit_reservation(

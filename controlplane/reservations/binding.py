@@ -13,11 +13,10 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
-from controlplane.nodes import desired
 from controlplane.placement import gang
 from controlplane.reservations import placing, preemption, queries, reports, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, end_bookings, end_over, free_capacity
-from controlplane.reservations.transitions import condition, move, set_conditions
+from controlplane.reservations.transitions import condition, move, move_emit, set_conditions
 from controlplane.runtime import Runtime
 
 MAX_BIND_FAILURES = 3
@@ -32,30 +31,32 @@ async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     deadline = row["during_start"] + schedule.BIND_TIMEOUT_MS
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full five minutes
         deadline = now_ms + schedule.BIND_TIMEOUT_MS
-    nodes = await (await conn.execute(queries.START_BINDING, {"id": row["id"], "deadline": deadline})).fetchall()
-    for node in nodes:
-        await desired.bump(conn, node["node_id"])
-    await move(conn, row, states.BINDING, operation_state="succeeded")
-    await events.emit_reservation(conn, row, "reservation.binding")
-    await schedule.at(conn, row["id"], deadline)
-    await progress(conn, rt, row, now_ms, may_place=may_place)  # a report that arrived while placed is judged now
+    await conn.execute(queries.START_BINDING, {"id": row["id"], "deadline": deadline})
+    await move_emit(conn, row, states.BINDING, operation_state="succeeded", event_type="reservation.binding",
+                    wake=(deadline,))
+    # A report that arrived while placed is judged now; with none, every allocation is binding
+    # until a deadline still ahead: nothing more to do.
+    await progress(conn, rt, row, now_ms, may_place=may_place, unchanged_unless_judged=True)
 
 
-async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool) -> None:
+async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, *, may_place: bool,
+                   unchanged_unless_judged: bool = False) -> None:
     """Judge the nodes' reports; active once every allocation is bound; a verified
     AllocationFailed or the bind deadline passing is a binding failure."""
-    failed = await reports.judge(conn, rt, row, now_ms)
-    if failed:
+    judged = await reports.judge(conn, rt, row, now_ms)
+    if judged.failures:
         if not may_place:
             raise NeedsPoolLock
+        failed = judged.failures
         await bind_failed(conn, rt, row, now_ms, failed[0][1], [node for node, _ in failed])
+        return
+    if unchanged_unless_judged and not judged.count:
         return
     allocations = await (await conn.execute(queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
     if allocations and all(a["state"] == "bound" for a in allocations):
-        await move(conn, row, states.ACTIVE, operation_state="succeeded")
-        await events.emit_reservation(conn, row, "reservation.active")
+        await move_emit(conn, row, states.ACTIVE, operation_state="succeeded", event_type="reservation.active",
+                        wake=(now_ms + schedule.ACTIVE_RECHECK_MS,))
         await node_conditions(conn, row, now_ms)  # a change while binding woke it before it was active
-        await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
         return
     late = [a for a in allocations if a["state"] == "binding" and a["bind_deadline_ms"] <= now_ms]
     if late:
@@ -122,9 +123,9 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
 async def node_conditions(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> None:
     """Set or clear NodeUnreachable and DeviceUnhealthy from the reservation's nodes and atoms (a
     booked atom quarantined, or gone from its node's inventory)."""
-    facts = await (await conn.execute(queries.NODE_FACTS, {"id": row["id"]})).fetchall()
-    unreachable = [f["name"] for f in facts if f["connectivity"] == "unreachable"]
-    sick = await (await conn.execute(queries.UNHEALTHY_NODES, {"id": row["id"]})).fetchall()
+    facts = await (await conn.execute(queries.NODE_CONDITION_FACTS, {"id": row["id"]})).fetchone()
+    unreachable = facts["unreachable"]
+    sick = sorted(facts["sick"], key=lambda s: (s["name"], s["device_uuid"]))
     kept = [c for c in row["conditions"] if c.get("type") not in ("NodeUnreachable", "DeviceUnhealthy")]
     if unreachable:
         kept.append(_same_or_new(row, "NodeUnreachable", f"unreachable: {', '.join(unreachable)}", now_ms))

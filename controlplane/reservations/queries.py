@@ -11,6 +11,9 @@ COLUMNS = """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
+# BY_ID_FOR_UPDATE with the product clock (as db.now_ms reads it: compute_now() counts from the
+# transaction's start) in `now_ms`, for the reconciler's first pass: one round trip.
+BY_ID_LOCKED_NOW = f"SELECT {COLUMNS}, epoch_ms(compute_now()) AS now_ms FROM reservations r WHERE r.id = %(id)s FOR UPDATE"
 # The product clock now, in its own statement (clock_ms_fresh, migration 0046): read after a lock
 # wait, it is the clock once the lock is held.
 CLOCK_MS_FRESH = "SELECT clock_ms_fresh() AS now_ms"
@@ -138,6 +141,25 @@ SET state = %(state)s,
 WHERE id = %(id)s AND state = ANY(%(from_states)s)
 """
 TRANSITION = f"UPDATE reservations {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()}\nRETURNING id"
+# TRANSITION with the reservation's event (as events.emit_reservation writes it) and, when
+# `moments` is not empty, its wake-ups (as WAKE_AT): one statement, nothing emitted or woken unless
+# the row moved. For the reconciler's moves (binding, active); no row: the state table forbids it.
+TRANSITION_EMIT = f"""
+WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()} RETURNING r.id),
+woken AS (
+    SELECT schedule_moments('reservation', moved.id, ARRAY(
+        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) FROM unnest(%(moments)s::bigint[]) AS m))
+    FROM moved WHERE cardinality(%(moments)s::bigint[]) > 0
+),
+emitted AS (
+    INSERT INTO events (tenant_id, type, subject, data)
+    SELECT %(tenant_id)s, %(event_type)s, %(subject)s, %(data)s FROM moved
+    RETURNING tenant_id
+)
+SELECT moved.id, (SELECT count(*) FROM woken) AS woken,
+       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified
+FROM moved
+"""
 # The product clock (compute_now()) as of the statement that reads it, not the transaction's start:
 # a time taken after a wait for a lock.
 CLOCK_NOW = "clock_timestamp() + (SELECT offset_ms FROM clock) * interval '1 millisecond'"
@@ -361,10 +383,14 @@ SELECT schedule_moments('reservation', %(id)s, ARRAY(
 
 # binding ---------------------------------------------------------------------------------------
 
+# The placed allocations move to binding and their nodes' desired state is bumped (in node order).
 START_BINDING = """
-UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
-WHERE reservation_id = %(id)s AND state = 'placed'
-RETURNING node_id
+WITH started AS (
+    UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
+    WHERE reservation_id = %(id)s AND state = 'placed'
+    RETURNING node_id
+)
+SELECT bump_desired(node_id) FROM (SELECT DISTINCT node_id FROM started ORDER BY node_id) nodes
 """
 
 LIVE_ALLOCATIONS = """
@@ -374,13 +400,6 @@ FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')
 
 FAILED_NODES = "SELECT DISTINCT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'failed'"
 
-NODE_FACTS = """
-SELECT n.id, n.name, n.connectivity FROM nodes n
-WHERE n.id IN (SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound'))
-ORDER BY n.id
-"""
-
-# Booked atoms an operator quarantined, or that their node no longer reports (gone: not bookable).
 # Extend: the first started allocation (binding or bound) on hardware taken out of service, a
 # revoked node first, then a cordoned one, then a node with a booked GPU quarantined; none: the
 # extension may be decided. Placed allocations are BookingRepair's before their start.
@@ -401,14 +420,19 @@ ORDER BY n.revoked_at IS NULL, n.state <> 'cordoned', n.id
 LIMIT 1
 """
 
-UNHEALTHY_NODES = """
-SELECT DISTINCT n.name, at.device_uuid, NOT at.bookable AS gone
-FROM allocations a
-JOIN bookings b ON b.allocation_id = a.id
-JOIN atoms at ON at.id = b.atom_id
-JOIN nodes n ON n.id = at.node_id
-WHERE a.reservation_id = %(id)s AND a.state IN ('binding', 'bound') AND (at.health = 'unhealthy' OR NOT at.bookable)
-ORDER BY n.name, at.device_uuid
+# The conditions' facts of a reservation's live (binding or bound) allocations, in one read: the
+# names of their unreachable nodes, and their booked atoms an operator quarantined or that their
+# node no longer reports (gone: not bookable), each {name, device_uuid, gone}.
+NODE_CONDITION_FACTS = """
+WITH live AS (
+    SELECT id, node_id FROM allocations WHERE reservation_id = %(id)s AND state IN ('binding', 'bound')
+)
+SELECT array(SELECT n.name FROM nodes n WHERE n.id IN (SELECT node_id FROM live) AND n.connectivity = 'unreachable'
+             ORDER BY n.id) AS unreachable,
+       array(SELECT DISTINCT jsonb_build_object('name', n.name, 'device_uuid', at.device_uuid, 'gone', NOT at.bookable)
+             FROM live JOIN bookings b ON b.allocation_id = live.id JOIN atoms at ON at.id = b.atom_id
+             JOIN nodes n ON n.id = at.node_id
+             WHERE at.health = 'unhealthy' OR NOT at.bookable) AS sick
 """
 
 # A later wake-up already due within the recheck interval (the one being handled is due now).

@@ -34,14 +34,18 @@ async def reconcile(conn: AsyncConnection, rt: Runtime, rid: str) -> None:
 
 
 async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place: bool) -> None:
-    row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+    # The first pass locks the row at once, reading the clock with it (one round trip); the pass
+    # that may place reads it unlocked first, to take the pool lock before the row's.
+    row = await (await conn.execute(queries.BY_ID if may_place else queries.BY_ID_LOCKED_NOW, {"id": rid})).fetchone()
     if row is None:
         return
+    now_ms = row.pop("now_ms", None)
     if row["state"] == states.AWAITING_CONFIRMATION:
         await expire_confirmation(conn, row)
         return
     if row["state"] == states.PENDING:  # woken at the cut of a victim pending since BookingRepair
-        if preemption.cut_of(row) is None or not preemption.notice_over(row, await db.now_ms(conn)):
+        if preemption.cut_of(row) is None or not preemption.notice_over(
+                row, now_ms if now_ms is not None else await db.now_ms(conn)):
             return
         if not may_place:
             raise binding.NeedsPoolLock  # its end takes its notices: the pool lock first
@@ -51,10 +55,10 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
         return
     if may_place:
         await pool_lock(conn, row["pool_id"])  # lock order: pool, then reservation
-    row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
-    if row is None or row["state"] not in states.BOOKED:
-        return
-    now_ms = await db.now_ms(conn)
+        row = await (await conn.execute(queries.BY_ID_FOR_UPDATE, {"id": rid})).fetchone()
+        if row is None or row["state"] not in states.BOOKED:
+            return
+        now_ms = await db.now_ms(conn)
 
     over = over_at(row, now_ms)
     if over is not None:
@@ -72,9 +76,10 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
             bad = await repair.bad_nodes(conn, rid)
             if bad and not may_place:
                 raise binding.NeedsPoolLock
-            if bad and not await repair.repair(conn, rt, row, bad, now_ms):
-                return
-            row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
+            if bad:
+                if not await repair.repair(conn, rt, row, bad, now_ms):
+                    return
+                row = await (await conn.execute(queries.BY_ID, {"id": rid})).fetchone()
         if now_ms >= row["during_start"]:
             await binding.start(conn, rt, row, now_ms, may_place=may_place)
     elif row["state"] == states.BINDING:

@@ -17,6 +17,7 @@ bound_sig_kid, bound_sig: the bytes of the report that made the binding).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -41,9 +42,16 @@ from controlplane.runtime import Runtime
 
 
 
-async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> list[tuple[str, str]]:
-    """Judge every unjudged report of the reservation's live allocations, oldest first. Returns
-    the (node id, reason) of each verified AllocationFailed, for the caller's failure path."""
+@dataclass
+class Judged:
+    """What judging found: how many reports it judged, and the (node id, reason) of each verified
+    AllocationFailed, for the caller's failure path."""
+    count: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int) -> Judged:
+    """Judge every unjudged report of the reservation's live allocations, oldest first."""
     failures: list[tuple[str, str]] = []
     pki = PkiSettings()
     node_lease = is_node_lease(row["request"])
@@ -78,7 +86,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     await _clear_binding_lost_when_all_bound(conn, row)
     if unjudged:  # only what judging needs stays (storage bounded whatever the node sends)
         await stored_reports.prune_judged(conn, row["id"])
-    return failures
+    return Judged(len(unjudged), failures)
 
 
 async def _check(conn: AsyncConnection, rt: Runtime, pki: PkiSettings, rep: dict[str, Any]):

@@ -17,6 +17,28 @@ def condition(type_: str, reason: str, message: str, now_ms: int, status: str = 
             "lastTransitionTime": now_ms}
 
 
+def _transition(row: dict[str, Any], target: str, operation_state: str,
+                conditions: list[dict[str, Any]] | None, window: tuple[int, int] | None,
+                lease_deadline: int | None, end_reason: str | None, attempt: bool) -> dict[str, Any]:
+    """TRANSITION's parameters."""
+    return {
+        "id": row["id"],
+        "state": target,
+        "operation_state": operation_state,
+        "conditions": Jsonb(conditions if conditions is not None else row["conditions"]),
+        "start": window[0] if window else None,
+        "end": window[1] if window else None,
+        "lease_deadline": lease_deadline,
+        "end_reason": end_reason,
+        "attempt": 1 if attempt else 0,
+        "from_states": states.sources_of(target),
+    }
+
+
+def _refused(row: dict[str, Any], target: str) -> errors.InvalidState:
+    return errors.InvalidState(f"a {row['state']} reservation cannot become {target}", state=row["state"])
+
+
 async def move(
     conn: AsyncConnection,
     row: dict[str, Any],
@@ -30,25 +52,33 @@ async def move(
     attempt: bool = False,
 ) -> None:
     """Move `row` (locked by the caller) to `target`; refuses a move the state table forbids."""
-    cur = await conn.execute(
-        queries.TRANSITION,
-        {
-            "id": row["id"],
-            "state": target,
-            "operation_state": operation_state,
-            "conditions": Jsonb(conditions if conditions is not None else row["conditions"]),
-            "start": window[0] if window else None,
-            "end": window[1] if window else None,
-            "lease_deadline": lease_deadline,
-            "end_reason": end_reason,
-            "attempt": 1 if attempt else 0,
-            "from_states": states.sources_of(target),
-        },
-    )
+    cur = await conn.execute(queries.TRANSITION, _transition(
+        row, target, operation_state, conditions, window, lease_deadline, end_reason, attempt))
     if await cur.fetchone() is None:  # the row, not rowcount: also right in pipeline mode
-        raise errors.InvalidState(
-            f"a {row['state']} reservation cannot become {target}", state=row["state"]
-        )
+        raise _refused(row, target)
+    row["state"] = target
+
+
+async def move_emit(
+    conn: AsyncConnection,
+    row: dict[str, Any],
+    target: str,
+    *,
+    operation_state: str,
+    event_type: str,
+    wake: tuple[int, ...] = (),
+    **extra: Any,
+) -> None:
+    """`move`, then events.emit_reservation(event_type, **extra) and schedule.at(*wake), in one
+    statement (TRANSITION_EMIT): the reconciler's moves, one round trip each."""
+    data = {"state": target, "poolId": row["pool_id"], **extra}
+    params = _transition(row, target, operation_state, None, None, None, None, False)
+    found = await (await conn.execute(queries.TRANSITION_EMIT, {
+        **params, "moments": list(wake), "tenant_id": row["tenant_id"], "event_type": event_type,
+        "subject": f"reservation/{row['id']}", "data": Jsonb(data),
+    })).fetchone()
+    if found is None:
+        raise _refused(row, target)
     row["state"] = target
 
 
@@ -69,30 +99,13 @@ async def move_wake_emit(
     **extra), in one statement: what a placement does while it holds the pool lock. Returns the
     reservation as moved, with its allocations (as reads.load_view reads it)."""
     data = {"state": target, "poolId": row["pool_id"], **extra}
-    result = await (await conn.execute(
-        queries.TRANSITION_WAKE_EMIT,
-        {
-            "id": row["id"],
-            "state": target,
-            "operation_state": operation_state,
-            "conditions": Jsonb(conditions),
-            "start": window[0],
-            "end": window[1],
-            "lease_deadline": lease_deadline,
-            "end_reason": None,
-            "attempt": 1,
-            "from_states": states.sources_of(target),
-            "moments": moments,
-            "tenant_id": row["tenant_id"],
-            "event_type": event_type,
-            "subject": f"reservation/{row['id']}",
-            "data": Jsonb(data),
-        },
-    )).fetchone()
+    params = _transition(row, target, operation_state, conditions, window, lease_deadline, None, True)
+    result = await (await conn.execute(queries.TRANSITION_WAKE_EMIT, {
+        **params, "moments": moments, "tenant_id": row["tenant_id"], "event_type": event_type,
+        "subject": f"reservation/{row['id']}", "data": Jsonb(data),
+    })).fetchone()
     if result is None:
-        raise errors.InvalidState(
-            f"a {row['state']} reservation cannot become {target}", state=row["state"]
-        )
+        raise _refused(row, target)
     row["state"] = target
     return result
 
