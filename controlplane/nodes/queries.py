@@ -216,26 +216,41 @@ ORDER BY d.id
 
 # Node reports ------------------------------------------------------------------------------------
 
-REPORTED_ALLOCATION = "SELECT reservation_id FROM allocations WHERE id = %(allocation_id)s AND node_id = %(node_id)s"
-# The allocation's reports not judged yet, counted up to the cap (the partial index
-# node_reports_unjudged): a report past it is dropped. Those of an allocation no longer live are
-# never judged, so without it a node could write one row per message about it for ever.
-UNJUDGED_HELD = """
-SELECT count(*) AS held FROM (SELECT 1 FROM node_reports
-                              WHERE allocation_id = %(allocation_id)s AND judged_at IS NULL LIMIT %(cap)s) r
+# What intake decides on, in one read: the allocation when it is the reporting node's (no row:
+# ignored), and the certificate of the report's key id (NULL columns: none) for
+# attest.signing_key_in. `held`: the allocation's reports not judged yet, counted up to the cap
+# (the partial index node_reports_unjudged): a report past it is dropped. Those of an allocation
+# no longer live are never judged, so without the cap a node could write one row per message
+# about it for ever.
+INTAKE_FACTS = """
+SELECT a.reservation_id,
+       (SELECT count(*) FROM (SELECT 1 FROM node_reports
+                              WHERE allocation_id = a.id AND judged_at IS NULL LIMIT %(cap)s) r) AS held,
+       c.node_id AS cert_node_id, c.signing_key
+FROM allocations a
+LEFT JOIN node_certs c ON c.key_id = %(key_id)s
+WHERE a.id = %(allocation_id)s AND a.node_id = %(node_id)s
 """
-# Moves the key's high-water mark only forwards; no row back means not newer (a replay).
-ADVANCE_SEQUENCE = """
-INSERT INTO report_sequences AS s (signing_key, sequence) VALUES (%(signing_key)s, %(sequence)s)
-ON CONFLICT (signing_key) DO UPDATE SET sequence = excluded.sequence, updated_at = now()
-WHERE s.sequence < excluded.sequence
-RETURNING s.sequence
+# Intake's write, in one statement: the signing key's high-water mark moves only forwards
+# (`signing_key` NULL: the node's own key did not sign it, nothing to order it by), the report is
+# kept unless the mark did not move (not newer: a replay), and its reservation wakes. `kept` 0: a
+# replay.
+INTAKE_KEEP = """
+WITH advanced AS (
+    INSERT INTO report_sequences AS s (signing_key, sequence)
+    SELECT %(signing_key)s::bytea, %(sequence)s WHERE %(signing_key)s::bytea IS NOT NULL
+    ON CONFLICT (signing_key) DO UPDATE SET sequence = excluded.sequence, updated_at = now()
+    WHERE s.sequence < excluded.sequence
+    RETURNING s.sequence
+),
+kept AS (
+    INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)
+    SELECT %(node_id)s, %(allocation_id)s, %(kind)s, %(body)s, %(key_id)s, %(signature)s
+    WHERE %(signing_key)s::bytea IS NULL OR EXISTS (SELECT 1 FROM advanced)
+    RETURNING allocation_id
+)
+SELECT count(*) AS kept, count(wake_reservation(%(reservation_id)s)) AS woken FROM kept
 """
-KEEP_REPORT = """
-INSERT INTO node_reports (node_id, allocation_id, kind, body, key_id, signature)
-VALUES (%(node_id)s, %(allocation_id)s, %(kind)s, %(body)s, %(key_id)s, %(signature)s)
-"""
-WAKE_RESERVATION = "SELECT wake_reservation(%(reservation_id)s)"
 
 # The reservation worker's side: the unjudged reports of a reservation's live allocations, its
 # verdicts, and the newest sequence accepted about an allocation from the node that signed with

@@ -81,24 +81,21 @@ async def intake(pool: AsyncConnectionPool, node_id: str, attested: node_pb2.Att
 
     async def work(conn: AsyncConnection) -> int:
         nonlocal full
-        row = await (await conn.execute(queries.REPORTED_ALLOCATION, params)).fetchone()
-        if row is None:
+        facts = await (await conn.execute(queries.INTAKE_FACTS, params)).fetchone()
+        if facts is None:
             return IGNORED
-        held = await (await conn.execute(queries.UNJUDGED_HELD, params)).fetchone()
-        full = held["held"] >= max_unjudged
+        full = facts["held"] >= max_unjudged
         if full:
             return IGNORED
-        signing_key = await attest.signing_key_of(conn, node_id, attested.body, attested.key_id, attested.signature)
-        if signing_key is not None:
-            advanced = await (await conn.execute(
-                queries.ADVANCE_SEQUENCE, {**params, "signing_key": signing_key})).fetchone()
-            if advanced is None:
-                return REPLAYED
-        await conn.execute(queries.KEEP_REPORT, params)
-        await conn.execute(queries.WAKE_RESERVATION, row)
-        return STORED
+        cert = {"node_id": facts["cert_node_id"], "signing_key": facts["signing_key"]} if facts["signing_key"] else None
+        signing_key = attest.signing_key_in(cert, node_id, attested.body, attested.signature)
+        kept = await (await conn.execute(queries.INTAKE_KEEP, {
+            **params, "signing_key": signing_key, "reservation_id": facts["reservation_id"]})).fetchone()
+        return STORED if kept["kept"] else REPLAYED
 
-    ack.outcome = await db.run_in_transaction(pool, work)
+    # Two statements, each its own transaction: the read decides, the write is atomic in SQL (the
+    # cap and the allocation's node are as racy under READ COMMITTED in one transaction).
+    ack.outcome = await db.run_autocommit(pool, work)
     if full:
         _log_drop(node_id, params["allocation_id"], max_unjudged)
     return ack

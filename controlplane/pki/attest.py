@@ -10,7 +10,7 @@ report counts only when (spec "Attested bindings"):
 The signature is Ed25519 over PURPOSE || body, by the certificate's report-signing key.
 Rejection reasons are stable strings (they go into reservation.binding-rejected events).
 
-`signing_key_of` only asks whether the node's own key made a signature: the gateway orders the
+`signing_key_in` only asks whether the node's own key made a signature: the gateway orders the
 reports it stores by it (replays), and decides nothing else.
 """
 
@@ -112,14 +112,12 @@ async def verify_report(
     return True, "", report
 
 
-async def signing_key_of(conn: AsyncConnection, node_id: str, body: bytes, key_id: str,
-                         signature: bytes) -> bytes | None:
-    """The raw Ed25519 key of the node's signing certificate `key_id` when it made `signature`
-    over `body` (revoked or expired certificates too: this says who signed, not what counts)."""
-    if not body or not key_id or not signature:
-        return None
-    cert = await store.certificate_by_key_id(conn, key_id)
-    if cert is None or cert["node_id"] != node_id or not _signed_by(cert, body, signature):
+def signing_key_in(cert: dict[str, Any] | None, node_id: str, body: bytes, signature: bytes) -> bytes | None:
+    """The raw Ed25519 key of the node's signing certificate `cert` (the one the report's key id
+    names: its `node_id` and `signing_key`, read by the caller; None: no such certificate) when it
+    made `signature` over `body` (revoked or expired certificates too: this says who signed, not
+    what counts)."""
+    if cert is None or not body or not signature or cert["node_id"] != node_id or not _signed_by(cert, body, signature):
         return None
     return bytes(cert["signing_key"])
 
