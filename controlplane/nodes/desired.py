@@ -11,6 +11,7 @@ from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
+from controlplane import db
 from controlplane.nodes import hosts, queries
 
 # Sent by the SQL function bump_desired (controlplane/migrations/0002_work_queue.sql).
@@ -37,7 +38,7 @@ def _limits(raw: dict[str, Any], cpuset: tuple[str, str] = ("", "")) -> node_pb2
 
 
 def assignment(row: dict[str, Any], facts: dict[str, Any] | None = None) -> node_pb2.DeviceAssignment:
-    """The assignment of an allocation row; with the node's facts (CPUSET_FACTS), a hold booking
+    """The assignment of an allocation row; with the node's facts (DESIRED_STATE's pin_inventory and pin_reserve), a hold booking
     host resources is pinned to the CPUs and memory of its devices' NUMA nodes."""
     raw = row["limits"] or {}
     cpuset = ("", "")
@@ -55,15 +56,14 @@ def assignment(row: dict[str, Any], facts: dict[str, Any] | None = None) -> node
 
 
 async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState:
-    """One statement (one snapshot, no explicit isolation level): each push of a node's state
-    costs one query (two for a node with pinned holds), not four statements in a repeatable-read
-    transaction."""
-    async with pool.connection() as conn:
-        async with conn.transaction():
-            rows = await (await conn.execute(queries.DESIRED_STATE, {"node_id": node_id})).fetchall()
-            live = [r for r in rows if r["id"] is not None]
-            facts = None  # a hold booking host resources is pinned: its node's NUMA facts
-            if any(r["limits"] for r in live):
-                facts = await (await conn.execute(queries.CPUSET_FACTS, {"node_id": node_id})).fetchone()
+    """One statement in autocommit (one snapshot, one round trip): the generation, the
+    assignments, and for pinned holds their node's NUMA facts."""
+    async def work(conn: AsyncConnection) -> list[dict[str, Any]]:
+        return await (await conn.execute(queries.DESIRED_STATE, {"node_id": node_id})).fetchall()
+
+    rows = await db.run_autocommit(pool, work)
+    live = [r for r in rows if r["id"] is not None]
+    pinned = next((r for r in live if r["pin_reserve"] is not None), None)
+    facts = {"inventory": pinned["pin_inventory"], "reserve": pinned["pin_reserve"]} if pinned else None
     return node_pb2.DesiredState(generation=rows[0]["desired_generation"] if rows else 0,
                                  assignments=[assignment(r, facts) for r in live])

@@ -111,11 +111,6 @@ WHERE node_id = %(node_id)s
 # The capacity.hosts reconciler (controlplane.nodes.hosts; SQL functions of migration 0018).
 SYNC_HOST_RESOURCES = "SELECT sync_host_resources(%(node_id)s) AS changed"
 HOSTS_OUT_OF_STEP = "SELECT n.id, n.pool_id FROM nodes n WHERE n.id IN (SELECT host_resources_out_of_step())"
-# What a hold's cpuset is made from: the node's applied inventory and its pool's host reserve.
-CPUSET_FACTS = """
-SELECT n.inventory, host_reserve_vcpu(p.policy) AS reserve
-FROM nodes n JOIN pools p ON p.id = n.pool_id WHERE n.id = %(node_id)s
-"""
 
 # Inventory (what the node says about itself) ---------------------------------------------------
 
@@ -206,9 +201,15 @@ ORDER BY a.id
 """
 # The generation and the assignments in one statement, so in one snapshot: one row per
 # assignment, or one row with a NULL id when there is none (and none when the node is unknown).
+# A hold booking host resources (its limits not empty) is pinned to its devices' NUMA nodes: its
+# row carries the node's facts for that (pin_inventory, pin_reserve; NULL on the other rows and
+# for a node in no pool).
 DESIRED_STATE = f"""
-SELECT n.desired_generation, d.*
+SELECT n.desired_generation, d.*,
+       CASE WHEN d.limits <> '{{}}'::jsonb AND p.id IS NOT NULL THEN n.inventory END AS pin_inventory,
+       CASE WHEN d.limits <> '{{}}'::jsonb AND p.id IS NOT NULL THEN host_reserve_vcpu(p.policy) END AS pin_reserve
 FROM nodes n
+LEFT JOIN pools p ON p.id = n.pool_id
 LEFT JOIN LATERAL ({DESIRED_ASSIGNMENTS}) d ON true
 WHERE n.id = %(node_id)s
 ORDER BY d.id
