@@ -109,7 +109,10 @@ class Settings:
     work_max_attempts: int = field(default_factory=lambda: env_int("BC_WORK_MAX_ATTEMPTS", 20))
     # Work items handled at once per process, each in its own transaction (the passes of one
     # reservation still take turns on its row lock); each holds a pool connection while it runs.
-    work_concurrency: int = field(default_factory=lambda: env_int("BC_WORK_CONCURRENCY", 8))
+    # As many as the pool's connections: while the worker has a backlog, API calls take turns with
+    # its passes for connections, so placed -> active stays bounded under a burst of creates
+    # (docs/benchmarks-fleet.md, "Round 4"). No handler takes a second connection of the pool.
+    work_concurrency: int = field(default_factory=lambda: env_int("BC_WORK_CONCURRENCY", 16))
     # The work queue's safety poll: each runner re-reads when its next item is due at least this
     # often, though the NOTIFY bc_work that comes with every new item already tells it.
     work_safety_poll_seconds: float = field(
