@@ -94,6 +94,10 @@ def test_a_calendar_reservation_stays_placed_until_its_start_then_binds(world: W
                          (bound.allocations[0].id,))[0][0]
     assert deadline == start + 5 * MIN
     assert event_types(world, r.id) == ["reservation.placed", "reservation.binding"]
+    # The move to binding wakes it at the bind deadline, in the same statement: without that wake-up
+    # a node that never reports would hold it binding for ever.
+    wakes = world.sql("SELECT epoch_ms(run_at) FROM work_items WHERE subject = %s AND dead_at IS NULL", (r.id,))
+    assert deadline in [ms for (ms,) in wakes]
 
 
 def test_a_placement_wakes_at_the_repair_check_only_while_it_is_ahead(world: World) -> None:

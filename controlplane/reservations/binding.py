@@ -13,6 +13,7 @@ from typing import Any
 from psycopg import AsyncConnection
 
 from controlplane import events
+from controlplane.nodes import desired
 from controlplane.placement import gang
 from controlplane.reservations import placing, preemption, queries, reports, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, end_bookings, end_over, free_capacity
@@ -32,6 +33,7 @@ async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full five minutes
         deadline = now_ms + schedule.BIND_TIMEOUT_MS
     await conn.execute(queries.START_BINDING, {"id": row["id"], "deadline": deadline})
+    await desired.bump_live_of(conn, row["id"])  # one statement for all its nodes
     await move_emit(conn, row, states.BINDING, operation_state="succeeded", event_type="reservation.binding",
                     wake=(deadline,))
     # A report that arrived while placed is judged now; with none, every allocation is binding

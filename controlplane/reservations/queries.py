@@ -383,14 +383,9 @@ SELECT schedule_moments('reservation', %(id)s, ARRAY(
 
 # binding ---------------------------------------------------------------------------------------
 
-# The placed allocations move to binding and their nodes' desired state is bumped (in node order).
 START_BINDING = """
-WITH started AS (
-    UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
-    WHERE reservation_id = %(id)s AND state = 'placed'
-    RETURNING node_id
-)
-SELECT bump_desired(node_id) FROM (SELECT DISTINCT node_id FROM started ORDER BY node_id) nodes
+UPDATE allocations SET state = 'binding', bind_deadline = from_epoch_ms(%(deadline)s)
+WHERE reservation_id = %(id)s AND state = 'placed'
 """
 
 LIVE_ALLOCATIONS = """
