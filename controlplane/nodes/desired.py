@@ -38,8 +38,9 @@ def _limits(raw: dict[str, Any], cpuset: tuple[str, str] = ("", "")) -> node_pb2
 
 
 def assignment(row: dict[str, Any], facts: dict[str, Any] | None = None) -> node_pb2.DeviceAssignment:
-    """The assignment of an allocation row; with the node's facts (DESIRED_STATE's pin_inventory and pin_reserve), a hold booking
-    host resources is pinned to the CPUs and memory of its devices' NUMA nodes."""
+    """The assignment of an allocation row; with the node's facts (DESIRED_STATE's pin_inventory
+    and pin_reserve), a hold booking host resources is pinned to the CPUs and memory of its
+    devices' NUMA nodes."""
     raw = row["limits"] or {}
     cpuset = ("", "")
     if facts is not None and (raw.get("vcpu") or raw.get("memoryGiB")):

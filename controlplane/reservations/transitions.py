@@ -39,6 +39,23 @@ def _refused(row: dict[str, Any], target: str) -> errors.InvalidState:
     return errors.InvalidState(f"a {row['state']} reservation cannot become {target}", state=row["state"])
 
 
+def _emitting(params: dict[str, Any], row: dict[str, Any], event_type: str, moments: Any,
+              extra: dict[str, Any]) -> dict[str, Any]:
+    """TRANSITION's parameters with the wake-ups and the event (as events.emit_reservation writes it)."""
+    data = {"state": params["state"], "poolId": row["pool_id"], **extra}
+    return {**params, "moments": list(moments), "tenant_id": row["tenant_id"], "event_type": event_type,
+            "subject": f"reservation/{row['id']}", "data": Jsonb(data)}
+
+
+async def _moved(conn: AsyncConnection, sql: str, params: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """Run a transition statement; no row back: the state table forbids the move."""
+    found = await (await conn.execute(sql, params)).fetchone()  # the row, not rowcount: also right in pipeline mode
+    if found is None:
+        raise _refused(row, params["state"])
+    row["state"] = params["state"]
+    return found
+
+
 async def move(
     conn: AsyncConnection,
     row: dict[str, Any],
@@ -52,11 +69,8 @@ async def move(
     attempt: bool = False,
 ) -> None:
     """Move `row` (locked by the caller) to `target`; refuses a move the state table forbids."""
-    cur = await conn.execute(queries.TRANSITION, _transition(
-        row, target, operation_state, conditions, window, lease_deadline, end_reason, attempt))
-    if await cur.fetchone() is None:  # the row, not rowcount: also right in pipeline mode
-        raise _refused(row, target)
-    row["state"] = target
+    await _moved(conn, queries.TRANSITION, _transition(
+        row, target, operation_state, conditions, window, lease_deadline, end_reason, attempt), row)
 
 
 async def move_emit(
@@ -71,15 +85,8 @@ async def move_emit(
 ) -> None:
     """`move`, then events.emit_reservation(event_type, **extra) and schedule.at(*wake), in one
     statement (TRANSITION_EMIT): the reconciler's moves, one round trip each."""
-    data = {"state": target, "poolId": row["pool_id"], **extra}
     params = _transition(row, target, operation_state, None, None, None, None, False)
-    found = await (await conn.execute(queries.TRANSITION_EMIT, {
-        **params, "moments": list(wake), "tenant_id": row["tenant_id"], "event_type": event_type,
-        "subject": f"reservation/{row['id']}", "data": Jsonb(data),
-    })).fetchone()
-    if found is None:
-        raise _refused(row, target)
-    row["state"] = target
+    await _moved(conn, queries.TRANSITION_EMIT, _emitting(params, row, event_type, wake, extra), row)
 
 
 async def move_wake_emit(
@@ -98,16 +105,8 @@ async def move_wake_emit(
     """`move` with attempt=True, then schedule.at(moments) and events.emit_reservation(event_type,
     **extra), in one statement: what a placement does while it holds the pool lock. Returns the
     reservation as moved, with its allocations (as reads.load_view reads it)."""
-    data = {"state": target, "poolId": row["pool_id"], **extra}
     params = _transition(row, target, operation_state, conditions, window, lease_deadline, None, True)
-    result = await (await conn.execute(queries.TRANSITION_WAKE_EMIT, {
-        **params, "moments": moments, "tenant_id": row["tenant_id"], "event_type": event_type,
-        "subject": f"reservation/{row['id']}", "data": Jsonb(data),
-    })).fetchone()
-    if result is None:
-        raise _refused(row, target)
-    row["state"] = target
-    return result
+    return await _moved(conn, queries.TRANSITION_WAKE_EMIT, _emitting(params, row, event_type, moments, extra), row)
 
 
 async def set_conditions(conn: AsyncConnection, row: dict[str, Any], conditions: list[dict[str, Any]]) -> None:
