@@ -141,25 +141,6 @@ SET state = %(state)s,
 WHERE id = %(id)s AND state = ANY(%(from_states)s)
 """
 TRANSITION = f"UPDATE reservations {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()}\nRETURNING id"
-# TRANSITION with the reservation's event (as events.emit_reservation writes it) and, when
-# `moments` is not empty, its wake-ups (as WAKE_AT): one statement, nothing emitted or woken unless
-# the row moved. For the reconciler's moves (binding, active); no row: the state table forbids it.
-TRANSITION_EMIT = f"""
-WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()} RETURNING r.id),
-woken AS (
-    SELECT schedule_moments('reservation', moved.id, ARRAY(
-        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) FROM unnest(%(moments)s::bigint[]) AS m))
-    FROM moved WHERE cardinality(%(moments)s::bigint[]) > 0
-),
-emitted AS (
-    INSERT INTO events (tenant_id, type, subject, data)
-    SELECT %(tenant_id)s, %(event_type)s, %(subject)s, %(data)s FROM moved
-    RETURNING tenant_id
-)
-SELECT moved.id, (SELECT count(*) FROM woken) AS woken,
-       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified
-FROM moved
-"""
 # The product clock (compute_now()) as of the statement that reads it, not the transaction's start:
 # a time taken after a wait for a lock.
 CLOCK_NOW = "clock_timestamp() + (SELECT offset_ms FROM clock) * interval '1 millisecond'"
@@ -176,29 +157,40 @@ coalesce((SELECT jsonb_agg(jsonb_build_object('id', a.id, 'node_id', a.node_id, 
           FROM allocations a WHERE a.reservation_id = {ref}), '[]')
 """
 
-# TRANSITION, the wake-ups of schedule.at and the event of events.emit in one statement, for the
-# locked part of a placement: nothing is scheduled or emitted unless the row moved. Its row is the
-# reservation as moved, with its allocations (those this transaction inserted included), as
-# VIEW_BY_ID reads it; no row: the state table forbids the move, and the caller raises. The lease
-# deadline is counted here (_PLACED_LEASE) and woken at besides `moments`.
-TRANSITION_WAKE_EMIT = f"""
-WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease=_PLACED_LEASE).strip()} RETURNING {COLUMNS}),
-woken AS (
+# The wake-ups and the event of a row TRANSITION moved, as the CTEs after its `moved`: nothing is
+# scheduled or emitted unless the row moved. `{moments}`: the bigint[] of moments (epoch ms) to wake
+# it at (WAKE_AT's rule: one past is now; NULLs are none); the event as events.emit writes it.
+_WAKE_EMIT = """woken AS (
     SELECT schedule_moments('reservation', moved.id, ARRAY(
-        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now())
-        FROM unnest(%(moments)s::bigint[]
-                    || CASE WHEN %(lease_deadline)s::bigint IS NULL THEN NULL ELSE moved.lease_deadline_ms END) AS m
-        WHERE m IS NOT NULL))
+        SELECT DISTINCT greatest(from_epoch_ms(m), compute_now()) FROM unnest({moments}) AS m WHERE m IS NOT NULL))
     FROM moved
 ),
 emitted AS (
     INSERT INTO events (tenant_id, type, subject, data)
     SELECT %(tenant_id)s, %(event_type)s, %(subject)s, %(data)s FROM moved
     RETURNING tenant_id
-)
+)"""
+_WOKEN_NOTIFIED = """(SELECT count(*) FROM woken) AS woken,
+       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified"""
+
+# TRANSITION with its wake-ups (`moments`) and its event in one statement, for the reconciler's
+# moves (binding, active); no row: the state table forbids the move.
+TRANSITION_EMIT = f"""
+WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease='from_epoch_ms(%(lease_deadline)s)').strip()} RETURNING r.id),
+{_WAKE_EMIT.format(moments="%(moments)s::bigint[]")}
+SELECT moved.id, {_WOKEN_NOTIFIED}
+FROM moved
+"""
+
+# The same for the locked part of a placement. Its row is the reservation as moved, with its
+# allocations (those this transaction inserted included), as VIEW_BY_ID reads it; no row: the state
+# table forbids the move, and the caller raises. The lease deadline is counted here
+# (_PLACED_LEASE) and woken at besides `moments`.
+TRANSITION_WAKE_EMIT = f"""
+WITH moved AS (UPDATE reservations r {_TRANSITION_BODY.format(lease=_PLACED_LEASE).strip()} RETURNING {COLUMNS}),
+{_WAKE_EMIT.format(moments="%(moments)s::bigint[] || CASE WHEN %(lease_deadline)s::bigint IS NULL THEN NULL ELSE moved.lease_deadline_ms END")}
 SELECT moved.*, {ALLOCATIONS_JSON.format(ref="moved.id").strip()} AS allocations,
-       (SELECT count(*) FROM woken) AS woken,
-       (SELECT count(pg_notify('bc_events', tenant_id)) FROM emitted) AS notified
+       {_WOKEN_NOTIFIED}
 FROM moved
 """
 

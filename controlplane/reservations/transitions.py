@@ -3,6 +3,7 @@ transitions that own a second table's row with them (a confirmation expiring wit
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -39,9 +40,10 @@ def _refused(row: dict[str, Any], target: str) -> errors.InvalidState:
     return errors.InvalidState(f"a {row['state']} reservation cannot become {target}", state=row["state"])
 
 
-def _emitting(params: dict[str, Any], row: dict[str, Any], event_type: str, moments: Any,
+def _emitting(params: dict[str, Any], row: dict[str, Any], event_type: str, moments: Iterable[int],
               extra: dict[str, Any]) -> dict[str, Any]:
-    """TRANSITION's parameters with the wake-ups and the event (as events.emit_reservation writes it)."""
+    """TRANSITION's parameters with the wake-ups and the event (queries._WAKE_EMIT; the event as
+    events.emit_reservation writes it)."""
     data = {"state": params["state"], "poolId": row["pool_id"], **extra}
     return {**params, "moments": list(moments), "tenant_id": row["tenant_id"], "event_type": event_type,
             "subject": f"reservation/{row['id']}", "data": Jsonb(data)}
