@@ -7,7 +7,10 @@ person is not in gives it nothing there)."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -47,6 +50,48 @@ class Caller:
                                       identityId=self.identity_id)
 
 
+@dataclass
+class Unverified:
+    """A bearer token this process has seen authenticate before, not yet checked for this call:
+    who it named then (a token never changes identity), so a call can read its first facts for
+    that identity and verify the token in the same statement (`CALLER_COLUMN`) before it acts on
+    anything it read. `verify` sets `caller`."""
+
+    token_hash: bytes
+    identity_id: str
+    caller: Caller | None = None
+
+
+class TokenIdentities:
+    """Token hash -> the identity it authenticated as, for the calls that verify the token in their
+    first statement (Reservations.Create). Only a successful authentication adds an entry; an entry
+    proves nothing about the token now. Least recently used entries leave first beyond `entries`."""
+
+    def __init__(self, entries: int = 4096) -> None:
+        self.entries = entries
+        self._known: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()  # servers in threads of one process (tests) share it
+
+    def remember(self, token_hash: bytes, identity_id: str) -> None:
+        with self._lock:
+            self._known[token_hash] = identity_id
+            self._known.move_to_end(token_hash)
+            while len(self._known) > self.entries:
+                self._known.popitem(last=False)
+
+    def unverified(self, secret: str) -> Unverified | None:
+        digest = token_hash(secret)
+        identity_id = self._known.get(digest)
+        return None if identity_id is None else Unverified(digest, identity_id)
+
+    def forget(self, token_hash: bytes) -> None:
+        with self._lock:
+            self._known.pop(token_hash, None)
+
+
+KNOWN = TokenIdentities()
+
+
 _CALLER_SQL = """
 SELECT i.id, i.kind, i.delegator_id, i.confirm_actions, t.id AS token_id,
        epoch_ms(t.expires_at - (compute_now() - now())) AS expires_ms, t.expires_at <= compute_now() AS expired,
@@ -70,8 +115,33 @@ def bearer_secret(metadata: dict[str, str]) -> str:
     return secret.strip()
 
 
+# The caller of `%(hash)s` as one JSON value (NULL: the token does not authenticate), for a call's
+# first statement to verify an Unverified caller in (its parameter `hash` is the token's hash).
+CALLER_COLUMN = f"(SELECT to_jsonb(c) FROM ({_CALLER_SQL.strip()}) c) AS caller"
+
+
 async def authenticate(pool: AsyncConnectionPool, secret: str) -> Caller:
-    row = await db.fetch_one(pool, _CALLER_SQL, {"hash": token_hash(secret)})
+    return await authenticate_hash(pool, token_hash(secret))
+
+
+async def authenticate_hash(pool: AsyncConnectionPool, digest: bytes) -> Caller:
+    """The caller of the token with SHA-256 `digest`, read in its own statement."""
+    found = _caller_of(await db.fetch_one(pool, _CALLER_SQL, {"hash": digest}))
+    KNOWN.remember(digest, found.identity_id)
+    return found
+
+
+def verify(unverified: Unverified, row: dict[str, Any] | None) -> Caller:
+    """The caller `unverified` names, from its CALLER_COLUMN read in the call's first statement:
+    UNAUTHENTICATED exactly as `authenticate` would answer now (revoked, expired, offboarded)."""
+    if row is not None and row["id"] != unverified.identity_id:  # a token never changes identity
+        KNOWN.forget(unverified.token_hash)
+        row = None
+    unverified.caller = _caller_of(row)
+    return unverified.caller
+
+
+def _caller_of(row: dict[str, Any] | None) -> Caller:
     if row is None:
         raise errors.Unauthenticated("invalid or revoked token")
     if row["expired"]:

@@ -8,7 +8,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import reservations_pb2_grpc as rpc
 from controlplane import confirmations
 from controlplane.api import convert
-from controlplane.api.interceptor import caller
+from controlplane.api.interceptor import caller, caller_or_unverified
 from controlplane.reservations import admission, extend, lifecycle, reads
 from controlplane.runtime import Runtime
 
@@ -20,7 +20,9 @@ class ReservationsServicer(rpc.ReservationsServicer):
         self.rt = rt
 
     async def Create(self, request: pb.CreateReservationRequest, context: Ctx) -> pb.Reservation:
-        return convert.reservation(await admission.create(self.rt, caller(), convert.create_input(request)))
+        return convert.reservation(
+            await admission.create(self.rt, caller_or_unverified(), convert.create_input(request))
+        )
 
     async def Get(self, request: pb.GetReservationRequest, context: Ctx) -> pb.Reservation:
         return convert.reservation(await reads.get(self.rt, caller(), request.tenant_id, request.reservation_id))

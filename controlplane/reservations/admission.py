@@ -18,7 +18,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
-from controlplane.auth import Caller
+from controlplane.auth import Caller, Unverified, verify
 from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
@@ -39,6 +39,7 @@ class Draft:
     """What transaction 1 found or wrote."""
 
     row: dict[str, Any]
+    caller: Caller  # verified by the facts read
     decide: bool = False
     policy: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
@@ -49,16 +50,20 @@ class Draft:
     now_ms: int = 0  # the database clock as transaction 1 read it: transaction 2 plans from it
 
 
-async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, Any]:
+async def create(rt: Runtime, who: Caller | Unverified, raw: dict[str, Any]) -> dict[str, Any]:
+    """`who`: the caller, or a token this process knew, verified by the facts read (the first
+    statement) before anything read is used; nothing before it reads or writes the database."""
     limits = TimeLimits.of(rt.settings)
     inp = validate_create(raw, limits, max_gang_size=rt.settings.max_gang_size)
-    caller.require_member(inp.tenant_id)
-    rid = draft_id(inp.tenant_id, caller.identity_id, inp.idempotency_key)
+    if isinstance(who, Caller):
+        who.require_member(inp.tenant_id)
+    rid = draft_id(inp.tenant_id, who.identity_id, inp.idempotency_key)
     digest = request_hash(inp.request)
     if inp.request.get("startEarliest"):  # the earliest start is searched on an index holding every commit
         await earliest.caught_up(rt)
 
-    draft = await db.run_autocommit(rt.pool, lambda c: _transaction_1(c, rt, caller, inp, rid, digest))
+    draft = await db.run_autocommit(rt.pool, lambda c: _transaction_1(c, rt, who, inp, rid, digest))
+    caller = draft.caller
     if draft.decide:
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
@@ -95,6 +100,7 @@ class Facts:
     """What transaction 1 reads before it decides anything: the stored row, and the rest in one
     statement (queries.DRAFT_FACTS)."""
 
+    caller: Caller
     row: dict[str, Any] | None  # the stored reservation of this key, if any
     now_ms: int
     pool: dict[str, Any] | None  # the pool as the tenant sees it (None: not visible)
@@ -102,31 +108,46 @@ class Facts:
     policy: str | None  # the tenant's Cedar policy
 
 
-async def _read_facts(conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str) -> Facts:
+async def _read_facts(conn: AsyncConnection, rt: Runtime, who: Caller | Unverified, inp: CreateInput,
+                      rid: str) -> Facts:
     """The stored row, the clock, the pool, the identity's drafts and the policy: one statement (a
-    retry of a stored row reads a little it may not need; a new request needs all of it)."""
+    retry of a stored row reads a little it may not need; a new request needs all of it). An
+    Unverified caller's token is verified in it, and its membership checked, before any of it is
+    used: UNAUTHENTICATED or ACCESS_DENIED as the interceptor and `create` would have answered."""
     index = _pool_index(rt, inp.request["poolId"])
-    read = await (await conn.execute(queries.DRAFT_FACTS if index is not None else queries.DRAFT_FACTS_READING_MODELS, {
-        "id": rid, "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": caller.identity_id,
+    verifying = isinstance(who, Unverified)
+    if verifying:
+        sql = queries.DRAFT_FACTS_VERIFYING if index is not None else queries.DRAFT_FACTS_READING_MODELS_VERIFYING
+    else:
+        sql = queries.DRAFT_FACTS if index is not None else queries.DRAFT_FACTS_READING_MODELS
+    read = await (await conn.execute(sql, {
+        "id": rid, "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": who.identity_id,
         "cap": rt.settings.max_drafts_per_identity, "retention_s": rt.settings.draft_retention_hours * 3600,
+        **({"hash": who.token_hash} if verifying else {}),
     })).fetchone()
     assert read is not None
+    if isinstance(who, Unverified):
+        caller = verify(who, read.pop("caller"))
+        caller.require_member(inp.tenant_id)
+    else:
+        caller = who
     facts = {key: read.pop(key) for key in queries.DRAFT_FACT_COLUMNS}
     stored = read if read["id"] is not None else None  # the rest is BY_ID's row, or NULLs
     pool = facts["facts_pool"]
     if pool is not None and index is not None:
         pool = {**pool, "single_model": index.single_model()}
-    return Facts(stored, facts["facts_now_ms"], pool,
+    return Facts(caller, stored, facts["facts_now_ms"], pool,
                  {"n": facts["facts_drafts"], "expires_in_s": facts["facts_drafts_expire_in_s"]}, facts["facts_policy"])
 
 
 async def _transaction_1(
-    conn: AsyncConnection, rt: Runtime, caller: Caller, inp: CreateInput, rid: str, digest: str
+    conn: AsyncConnection, rt: Runtime, who: Caller | Unverified, inp: CreateInput, rid: str, digest: str
 ) -> Draft:
     """Runs in autocommit: its one write for a new request, the draft with its IAM attributes, is
-    one statement, so a new request costs three round trips (the stored row, the facts, the
+    one statement, so a new request costs two round trips (the facts with the stored row, the
     insert) and no BEGIN or COMMIT. A stored row's confirmation expiry takes a transaction."""
-    facts = await _read_facts(conn, rt, caller, inp, rid)
+    facts = await _read_facts(conn, rt, who, inp, rid)
+    caller = facts.caller
     row, pool, attributes = facts.row, facts.pool, None  # attributes: of the draft inserted here
     if row is None:
         check_start(inp, facts.now_ms, TimeLimits.of(rt.settings))
@@ -154,7 +175,7 @@ async def _transaction_1(
     state = row["state"]
     if state == states.DENIED:
         raise errors.AccessDenied("this request was refused", reservationId=rid)
-    draft = Draft(row, now_ms=facts.now_ms)
+    draft = Draft(row, caller, now_ms=facts.now_ms)
     if state == states.AWAITING_CONFIRMATION:
         confirmation = await _latest_confirmation(conn, rid)
         if confirmation is not None and confirmation["expired"]:

@@ -1,5 +1,7 @@
 """Reservation SQL, in one place."""
 
+from controlplane import auth
+
 COLUMNS = """
     r.*,
     epoch_ms(lower(r.during)) AS during_start,
@@ -515,9 +517,10 @@ FROM (SELECT created_at, state FROM reservations
 DRAFT_FACT_COLUMNS = ("facts_now_ms", "facts_pool", "facts_drafts", "facts_drafts_expire_in_s", "facts_policy")
 
 
-def draft_facts(pool_sql: str) -> str:
+def draft_facts(pool_sql: str, caller_sql: str = "") -> str:
+    """`caller_sql`: a column verifying the caller's token in the same read (auth.CALLER_COLUMN)."""
     return f"""
-SELECT epoch_ms(compute_now()) AS facts_now_ms,
+SELECT epoch_ms(compute_now()) AS facts_now_ms, {caller_sql + "," if caller_sql else ""}
        (SELECT to_jsonb(p) FROM ({pool_sql.strip()}) p) AS facts_pool,
        d.n AS facts_drafts, d.expires_in_s AS facts_drafts_expire_in_s,
        (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS facts_policy,
@@ -528,6 +531,9 @@ FROM ({LIVE_DRAFTS.strip()}) d LEFT JOIN LATERAL ({BY_ID}) stored ON true
 
 DRAFT_FACTS = draft_facts(VISIBLE_POOL_FACTS)  # with the capacity index, which knows the pool's models
 DRAFT_FACTS_READING_MODELS = draft_facts(VISIBLE_POOL)  # without it
+# The same two verifying a known token (auth.Unverified) in the read: its `caller` column
+DRAFT_FACTS_VERIFYING = draft_facts(VISIBLE_POOL_FACTS, auth.CALLER_COLUMN)
+DRAFT_FACTS_READING_MODELS_VERIFYING = draft_facts(VISIBLE_POOL, auth.CALLER_COLUMN)
 
 
 # Draft expiry: one batch of drafts past the retention window (wall-clock, like created_at); rows
