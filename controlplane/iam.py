@@ -7,6 +7,7 @@ one transaction, call `decide` outside it, and act on the decision in another.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -105,13 +106,16 @@ def nesting_depth(text: str) -> int:
     return deepest
 
 
+_PLAIN = frozenset({bool, int, str})  # passed to Cedar as they are
+
+
 def _cedar_value(value: Any) -> Any:
     if isinstance(value, bool) or isinstance(value, int) or isinstance(value, str):
         return value
     if isinstance(value, float):
         return {"__extn": {"fn": "decimal", "arg": f"{value:.4f}"}}
     if isinstance(value, dict):
-        return {k: _cedar_value(v) for k, v in value.items() if v is not None}
+        return {k: v if type(v) in _PLAIN else _cedar_value(v) for k, v in value.items() if v is not None}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_cedar_value(v) for v in value]
     raise TypeError(f"no Cedar value for {type(value).__name__}")
@@ -170,23 +174,18 @@ def decide(
 
 def _authorize(policies: cedarpy.PolicySet | str, principal_id: str, kind: str, action: str, resource_type: str,
                resource_id: str, attributes: dict[str, Any], context: dict[str, Any]) -> Any:
-    """Cedar's answer for one principal."""
-    entities = [
-        {
-            "uid": {"__entity": {"type": "Identity", "id": principal_id}},
-            "attrs": {"kind": kind},
-            "parents": [],
-        },
-        {
-            "uid": {"__entity": {"type": resource_type, "id": resource_id}},
-            "attrs": _cedar_value(attributes),
-            "parents": [],
-        },
-    ]
+    """Cedar's answer for one principal. Entity references go as `{"type", "id"}` objects, not
+    Cedar text Cedar would parse again at each call, and the entities as one JSON text."""
+    principal = {"type": "Identity", "id": principal_id}
+    resource = {"type": resource_type, "id": resource_id}
+    entities = json.dumps([
+        {"uid": principal, "attrs": {"kind": kind}, "parents": []},
+        {"uid": resource, "attrs": _cedar_value(attributes), "parents": []},
+    ])
     request = {
-        "principal": f'Identity::"{principal_id}"',
-        "action": f'Action::"{action}"',
-        "resource": f'{resource_type}::"{resource_id}"',
+        "principal": principal,
+        "action": {"type": "Action", "id": action},
+        "resource": resource,
         "context": _cedar_value(context),
     }
     return cedarpy.is_authorized(request, policies, entities)
