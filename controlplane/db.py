@@ -8,7 +8,7 @@ import os
 import pathlib
 import re
 import select
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 import warnings
@@ -256,6 +256,24 @@ async def _retrying(once: Callable[[], Awaitable[T]], attempts: int, what: str) 
             log.info(what, sqlstate=exc.sqlstate, attempt=attempt)
             await asyncio.sleep(0.005 * attempt)
     raise AssertionError("unreachable")
+
+
+def array_literal(values: Iterable[str | int | bool | None]) -> str:
+    """`values` as one PostgreSQL array literal, for a parameter the statement casts (`::text[]`,
+    `::bigint[]`, `::boolean[]`): a string costs psycopg one C dump, where a list costs a walk in
+    Python to find its element type at every call. Text elements are double-quoted with `\\` and
+    `"` escaped, so any string round-trips; None is NULL."""
+    return "{" + ",".join(_array_element(v) for v in values) + "}"
+
+
+def _array_element(value: str | int | bool | None) -> str:
+    if value is None:
+        return "NULL"
+    if value is True or value is False:
+        return "t" if value else "f"
+    if isinstance(value, int):
+        return str(value)
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 async def now_ms(conn: psycopg.AsyncConnection) -> int:

@@ -7,6 +7,10 @@ one work item per moment and wakes the queue once, for the earliest.
 from __future__ import annotations
 
 import psycopg
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane import db
 
 # The definitions before 0056, as references.
 REFERENCE_EPOCH_MS = "(extract(epoch FROM t) * 1000)::bigint"
@@ -65,3 +69,18 @@ def test_schedule_moments_inserts_each_moment_and_wakes_once_for_the_earliest(da
         assert notes == ["reservation 90"], notes
         left = conn.execute("SELECT count(*) FROM work_items WHERE subject = 'res-2'").fetchone()
         assert left == (0,)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.one_of(st.none(), st.text(alphabet=st.characters(blacklist_characters="\x00"))), max_size=8),
+       numbers=st.lists(st.integers(min_value=-2**63, max_value=2**63 - 1), max_size=8),
+       flags=st.lists(st.booleans(), max_size=8))
+def test_an_array_literal_round_trips_any_text_numbers_and_flags(database: str, texts: list[str | None],
+                                                               numbers: list[int], flags: list[bool]) -> None:
+    """db.array_literal (PLACE_INLINE's array parameters): whatever a node names its devices, the
+    array PostgreSQL reads back is the list given, element for element (quotes, backslashes,
+    braces, commas, spaces, "NULL" as text, empty strings)."""
+    with psycopg.connect(database, autocommit=True) as conn:
+        row = conn.execute("SELECT %s::text[], %s::bigint[], %s::boolean[]",
+                           (db.array_literal(texts), db.array_literal(numbers), db.array_literal(flags))).fetchone()
+    assert row == (texts, numbers, flags)

@@ -16,7 +16,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
-from controlplane import events
+from controlplane import db, events
 from controlplane.common.locks import pool_lock
 from controlplane.ids import new_id
 from controlplane.nodes.inventory import CAP_PREFIX, SYSTEM
@@ -205,6 +205,9 @@ def placed_data(pool_id: str, node_ids: list[str], ask: placer.Ask) -> dict[str,
 
 
 RACE_LOST = "BCP01"  # place_inline (migration 0032): a booking it planned was taken meanwhile
+# PLACE_INLINE's array parameters, passed as array literals (db.array_literal)
+_PLACE_INLINE_ARRAYS = ("resources", "amounts", "pers", "lenient", "unnamed", "atom_ids", "device_ids", "moments",
+                        "from_states")
 
 
 def at_once(row: dict[str, Any], prepared: Prepared) -> bool:
@@ -227,17 +230,20 @@ async def place_at_once(
     assert isinstance(prepared.planned, placer.Planned) and prepared.planned.plan is not None
     ask, planned, chosen = prepared.ask, prepared.planned, prepared.planned.plan
     lease_deadline = lease_deadline_of(row, now_ms)
+    params = ask.params(
+        **admitted, id=row["id"], version=row["version"],
+        allocation_id=new_id("alloc"), node_id=chosen.node_id, atom_ids=chosen.atom_ids,
+        device_ids=[planned.uuids[a] for a in chosen.atom_ids], lease_deadline=lease_deadline,
+        # The deadline's wake-up is place_inline's: it counts the lease from under the lock.
+        moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None, now_ms),
+        from_states=states.sources_of(states.PLACED),
+        data=Jsonb(placed_data(row["pool_id"], [chosen.node_id], ask)),
+        limits=Jsonb(placer.limits_of(host)) if (host := ask.host_amounts()) else None,
+    )
+    for key in _PLACE_INLINE_ARRAYS:  # PLACE_INLINE casts each
+        params[key] = db.array_literal(params[key])
     try:
-        found = await (await conn.execute(queries.PLACE_INLINE, ask.params(
-            **admitted, id=row["id"], version=row["version"],
-            allocation_id=new_id("alloc"), node_id=chosen.node_id, atom_ids=list(chosen.atom_ids),
-            device_ids=[planned.uuids[a] for a in chosen.atom_ids], lease_deadline=lease_deadline,
-            # The deadline's wake-up is place_inline's: it counts the lease from under the lock.
-            moments=schedule.booked_moment_list(ask.start_ms, ask.end_ms, None, now_ms),
-            from_states=states.sources_of(states.PLACED),
-            data=Jsonb(placed_data(row["pool_id"], [chosen.node_id], ask)),
-            limits=Jsonb(placer.limits_of(host)) if (host := ask.host_amounts()) else None,
-        ))).fetchone()
+        found = await (await conn.execute(queries.PLACE_INLINE, params)).fetchone()
     except psycopg.Error as exc:
         if exc.sqlstate != RACE_LOST:
             raise

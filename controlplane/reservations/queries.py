@@ -210,7 +210,7 @@ FROM place_inline(
     p_allocation_id => %(allocation_id)s, p_node_id => %(node_id)s, p_pool_id => %(pool_id)s,
     p_device_ids => %(device_ids)s::text[], p_atom_ids => %(atom_ids)s::text[], p_selector => %(selector)s,
     p_start => %(start)s, p_end => %(end)s, p_lease_deadline => %(lease_deadline)s::bigint,
-    p_moments => %(moments)s::bigint[], p_from_states => %(from_states)s, p_event_data => %(data)s,
+    p_moments => %(moments)s::bigint[], p_from_states => %(from_states)s::text[], p_event_data => %(data)s,
     p_host => %(host)s, p_limits => %(limits)s
 ) p
 LEFT JOIN LATERAL (SELECT (p.reservation).*) r ON true
