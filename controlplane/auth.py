@@ -131,6 +131,13 @@ async def authenticate_hash(pool: AsyncConnectionPool, digest: bytes) -> Caller:
     return found
 
 
+async def verify_now(pool: AsyncConnectionPool, unverified: Unverified) -> Caller:
+    """The caller `unverified` names, read in a statement of its own (a handler that must wait
+    before its first statement verifies the token first)."""
+    unverified.caller = await authenticate_hash(pool, unverified.token_hash)
+    return unverified.caller
+
+
 def verify(unverified: Unverified, row: dict[str, Any] | None) -> Caller:
     """The caller `unverified` names, from its CALLER_COLUMN read in the call's first statement:
     UNAUTHENTICATED exactly as `authenticate` would answer now (revoked, expired, offboarded)."""

@@ -150,3 +150,18 @@ def test_a_verified_row_naming_another_identity_is_refused_and_forgotten() -> No
     assert type(exc.value).__name__ == "Unauthenticated"
     assert auth.KNOWN.unverified("s") is None and unverified.caller is None
     assert auth.verify(auth.Unverified(digest, "i-two"), row).identity_id == "i-two"
+
+
+def test_an_earliest_start_create_verifies_a_known_token_before_it_waits_on_the_index(
+        world: World, reads: list[bytes]) -> None:
+    """A create asking for the earliest start waits for the capacity index first: a known token is
+    read before that wait, so a revoked one is refused without it, and a good one still books."""
+    ident, client = world.identity()
+    world.create(client)
+    mine = _digest(client)
+    placed = world.create(client, duration="30m", start_earliest=True)
+    assert placed.state == "placed" and reads.count(mine) == 2
+    world.root.admin("RevokeTokens", apb.RevokeTokensRequest(identity_id=ident))
+    code, reason, _ = _refused(lambda: world.create(client, duration="30m", start_earliest=True))
+    assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert reads.count(mine) == 3 and _rows_of(world, ident) == 2

@@ -18,7 +18,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
-from controlplane.auth import Caller, Unverified, verify
+from controlplane.auth import Caller, Unverified, verify, verify_now
 from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
@@ -55,6 +55,8 @@ async def create(rt: Runtime, who: Caller | Unverified, raw: dict[str, Any]) -> 
     statement) before anything read is used; nothing before it reads or writes the database."""
     limits = TimeLimits.of(rt.settings)
     inp = validate_create(raw, limits, max_gang_size=rt.settings.max_gang_size)
+    if inp.request.get("startEarliest") and isinstance(who, Unverified):  # verified before it waits below
+        who = await verify_now(rt.pool, who)
     if isinstance(who, Caller):
         who.require_member(inp.tenant_id)
     rid = draft_id(inp.tenant_id, who.identity_id, inp.idempotency_key)
