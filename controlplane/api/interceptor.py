@@ -237,7 +237,7 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         if unverified is None or unverified.caller is not None or isinstance(exc, errors.Unauthenticated):
             return exc
         try:
-            _caller.set(await auth.authenticate_hash(self._pool, unverified.token_hash))
+            _caller.set(await auth.verify_now(self._pool, unverified))
         except errors.Unauthenticated as refused:
             return refused
         except Exception:  # the database failed meanwhile: the handler's error stands
@@ -250,7 +250,7 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
         unverified = _unverified.get()
         if unverified is not None and unverified.caller is None:
             log.error("a handler answered without verifying its caller's token")
-            _caller.set(await auth.authenticate_hash(self._pool, unverified.token_hash))
+            _caller.set(await auth.verify_now(self._pool, unverified))
 
     def _wrap(self, method: str, metadata: dict[str, str], metadata_bytes: int, behavior: Any,
               deserializer: Any) -> Any:
