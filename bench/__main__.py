@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="open loop: calls started at R per second regardless of answers; 'half' first "
                         "measures the closed-loop maximum, then runs at half of it")
     p.add_argument("--replicas", type=int, default=1, help="control-plane processes on the one database")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the echo floor, the raw-SQL floor and the closed-loop creates this many times "
+                        "in turn and report each round's ratios and their median (default 1)")
     p.add_argument("--no-pg-stat", action="store_true",
                    help="do not load pg_stat_statements (saves a restart of PostgreSQL)")
     p.add_argument("--resources", action="store_true",
@@ -78,6 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.rounds > 1 and (args.no_baselines or isinstance(args.rate, float)):
+        p.error("--rounds above 1 needs the floors and the closed loop (no --no-baselines, no numeric --rate)")
     if args.server == "inprocess" and (args.replicas > 1 or args.profile_server):
         p.error("--replicas and --profile-server need --server subprocess")
     if args.wait_ms is None:
@@ -141,6 +148,7 @@ class Run:
     hostres: Result | None = None  # --resources: the create phase again with host resources booked
     gang: str = ""  # the gang phase's report (--gang)
     earliest: str = ""  # the earliest-fit phase's report (--earliest)
+    rounds: list[phases.Round] = field(default_factory=list)  # --rounds: the first round and each after it
 
 
 async def start_replicas(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str) -> tuple[list, str]:
@@ -220,6 +228,11 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
         out.pg_log_offset = diag.log_offset(out.pg_log)
         out.creates = await phases.create_phases(args, channels, seeded, work, conninfo, watch, servers, tmp, out)
         out.create = out.creates[0]
+        if args.rounds > 1:
+            assert out.echo and out.sql
+            out.rounds.append(phases.Round(out.echo, out.sql, out.create))
+            for n in range(2, args.rounds + 1):
+                out.rounds.append(await phases.another_round(n, args, tmp, conninfo, channels, seeded, work, watch))
         if args.resources:
             out.hostres = await hostres.resources_phase(args, channels[0], seeded, work, conninfo, watch)
         if args.gang:
@@ -273,6 +286,8 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
     blocks.append(report.cpu_table(out.results))
     if out.create.name == "Reservations.Create":  # ratios of the closed loop's rate, the maximum
         blocks.append(report.ratios(out.create, out.echo, out.sql))
+    if out.rounds:
+        blocks.append(report.rounds_table(out.rounds))
     blocks += [pgstat.summary(stats, name=name, calls=next(r.calls for r in out.creates if r.name == name))
                for name, stats in out.statements.items()]
     blocks.append(report.server_log_summary(out.server_logs))

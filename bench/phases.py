@@ -8,6 +8,7 @@ import os
 import pathlib
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -17,12 +18,32 @@ from bench.load import Result, drive, drive_open, warm_up
 from bench.seed import Seeded
 
 
+# Call numbers make idempotency keys and requests: round n's calls start at (n - 1) * ROUND_CALLS,
+# each phase's warm-up WARM_UP_OFFSET above that, so no two calls of a run share a number.
+ROUND_CALLS = 100_000_000
+WARM_UP_OFFSET = 90_000_000
+
+
 def say(text: str) -> None:
     print(text, flush=True)
 
 
+def round_first_call(n: int) -> int:
+    """The first call number of round n (1-based): 0 for the first round, as without --rounds."""
+    return (n - 1) * ROUND_CALLS
+
+
+@dataclass
+class Round:
+    """One turn of the two floors and the closed-loop creates (--rounds): the ratios of each turn
+    come from phases run minutes apart at most, so a machine whose speed drifts shows as spread."""
+    echo: Result
+    sql: Result
+    create: Result
+
+
 async def echo_phase(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str,
-                     watch: procstat.Watch) -> Result:
+                     watch: procstat.Watch, first_call: int = 0) -> Result:
     server = await stack.start_echo(args.server, tmp, conninfo)
     try:
         if server.pid is not None:
@@ -35,27 +56,29 @@ async def echo_phase(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str,
                 reply = await method(payload, timeout=30)
                 return "ok" if reply == payload else "mismatch"
 
-            await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 20, first_call=0)
+            await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 20,
+                          first_call=first_call + WARM_UP_OFFSET)
             say(f"echo baseline: {args.concurrency} in flight, up to {args.baseline_seconds:.0f}s")
-            return await drive("grpc echo (bytes)", call, concurrency=args.concurrency,
+            return await drive("grpc echo (bytes)", call, concurrency=args.concurrency, first_call=first_call,
                                max_calls=args.max_calls, max_seconds=args.baseline_seconds, cpu_of=watch)
     finally:
         await server.stop()
 
 
 async def sql_phase(args: argparse.Namespace, conninfo: str, work: creates.Workload,
-                    watch: procstat.Watch) -> Result:
+                    watch: procstat.Watch, first_call: int = 0) -> Result:
     sqlpath.setup(conninfo)
     pool = await sqlpath.open_pool(conninfo, args.concurrency)
     try:
         call = sqlpath.sql_call(pool, work, nodes=args.nodes, gpus_per_node=8,
                                 now_ms=int(time.time() * 1000), pool_lock=args.sql_pool_lock)
-        await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=90_000_000)
+        await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5,
+                      first_call=first_call + WARM_UP_OFFSET)
         say(f"raw SQL baseline: 3 transactions per create, {args.concurrency} in flight, "
             f"up to {args.baseline_seconds:.0f}s{' (pool lock)' if args.sql_pool_lock else ''}")
         name = "raw SQL 3-tx create" + (" +lock" if args.sql_pool_lock else "")
         return await drive(name, call, concurrency=args.concurrency, max_calls=args.max_calls,
-                           max_seconds=args.baseline_seconds, cpu_of=watch)
+                           max_seconds=args.baseline_seconds, first_call=first_call, cpu_of=watch)
     finally:
         await pool.close()
         sqlpath.teardown(conninfo)
@@ -68,7 +91,7 @@ async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channe
     results: list[Result] = []
     call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms)
     stat = not args.no_pg_stat
-    await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=90_000_000)
+    await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=WARM_UP_OFFSET)
 
     async def measured(name: str, drive_it) -> Result:
         if stat:
@@ -111,6 +134,24 @@ async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channe
         await measured(name, lambda: drive_open(name, call, rate=rate, max_calls=args.max_calls,
                                                 max_seconds=args.seconds, first_call=50_000_000, cpu_of=watch))
     return results
+
+
+async def another_round(n: int, args: argparse.Namespace, tmp: pathlib.Path, conninfo: str,
+                        channels: list[grpc.aio.Channel], seeded: Seeded, work: creates.Workload,
+                        watch: procstat.Watch) -> Round:
+    """Round n (2 and on) of --rounds: the echo floor, the raw-SQL floor, then the closed-loop
+    creates, as in the first round, each phase numbering its calls apart from every other round's
+    (a create repeated with the same idempotency key would be a replay, not a create)."""
+    first = round_first_call(n)
+    say(f"round {n} of {args.rounds}")
+    echo_result = await echo_phase(args, tmp, conninfo, watch, first_call=first)
+    sql_result = await sql_phase(args, conninfo, work, watch, first_call=first)
+    call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms)
+    await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=first + WARM_UP_OFFSET)
+    say(f"creates: {args.concurrency} in flight, up to {args.seconds:.0f}s or {args.max_calls} calls")
+    create = await drive("Reservations.Create", call, concurrency=args.concurrency, max_calls=args.max_calls,
+                         max_seconds=args.seconds, first_call=first, cpu_of=watch)
+    return Round(echo_result, sql_result, create)
 
 
 async def _written(paths: list[pathlib.Path], timeout: float = 30) -> None:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
 
 from bench.load import Result
+
+if TYPE_CHECKING:
+    from bench.phases import Round
 
 OTHER_WARN = 0.15  # of one core: above it, another workload shared the machine during a phase
 
@@ -67,6 +72,29 @@ def ratios(create: Result, echo: Result | None, sql: Result | None) -> str:
     if sql and sql.rate:
         parts.append(f"create/sql = {create.rate / sql.rate:.3f}")
     return "ratios: " + ", ".join(parts) if parts else ""
+
+
+def rounds_table(rounds: list[Round]) -> str:
+    """--rounds: each round's three rates, its two ratios and the machine's CPU per create, then
+    the median ratio with the range. A machine whose speed drifts by the minute moves a single
+    round's ratios; the median over rounds, each ratio taken from phases seconds apart, less."""
+    head = (f"{'round':<7}{'creates/s':>11}{'echo/s':>9}{'SQL/s':>8}{'create/echo':>13}{'create/sql':>12}"
+            f"{'machine ms/create':>19}")
+    lines = ["rounds: the echo floor, the raw-SQL floor and the closed-loop creates, in turn", head, "-" * len(head)]
+    by_echo, by_sql = [], []
+    for n, r in enumerate(rounds, 1):
+        echo_ratio = r.create.rate / r.echo.rate if r.echo.rate else float("nan")
+        sql_ratio = r.create.rate / r.sql.rate if r.sql.rate else float("nan")
+        by_echo.append(echo_ratio)
+        by_sql.append(sql_ratio)
+        machine = r.create.cpu.get("machine")
+        cell = f"{1000 * machine / max(r.create.calls, 1):>19.2f}" if machine is not None else f"{'-':>19}"
+        lines.append(f"{n:<7}{r.create.rate:>11.0f}{r.echo.rate:>9.0f}{r.sql.rate:>8.0f}"
+                     f"{echo_ratio:>13.3f}{sql_ratio:>12.3f}{cell}")
+    lines.append(f"median of {len(rounds)} rounds: create/echo = {statistics.median(by_echo):.3f} "
+                 f"({min(by_echo):.3f}-{max(by_echo):.3f}), create/sql = {statistics.median(by_sql):.3f} "
+                 f"({min(by_sql):.3f}-{max(by_sql):.3f})")
+    return "\n".join(lines)
 
 
 def server_log_summary(paths: list[pathlib.Path], top: int = 8) -> str:

@@ -15,9 +15,10 @@ import grpc
 import psycopg
 import pytest
 
-from bench import preload, stack
+from bench import phases, preload, report, stack
 from bench.__main__ import parse_args
-from bench.load import drive_open
+from bench.creates import Workload, make_request
+from bench.load import Result, drive_open
 from bench.seed import seed
 from tests.invariants import check_invariants
 
@@ -36,8 +37,15 @@ def test_new_flags_parse() -> None:
         1000, None, 0, None, 1)
 
 
+def test_rounds_flag() -> None:
+    assert parse_args([]).rounds == 1
+    assert parse_args(["--rounds", "5", "--rate", "half"]).rounds == 5
+
+
 @pytest.mark.parametrize("argv", [["--rate", "fast"], ["--rate", "0"], ["--replicas", "0"],
-                                  ["--placer", "batch"], ["--server", "inprocess", "--replicas", "2"]])
+                                  ["--placer", "batch"], ["--server", "inprocess", "--replicas", "2"],
+                                  ["--rounds", "0"], ["--rounds", "2", "--no-baselines"],
+                                  ["--rounds", "2", "--rate", "50"]])
 def test_bad_flags_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -58,6 +66,44 @@ def test_open_loop_starts_calls_on_time_whatever_the_answers() -> None:
     assert result.outcomes == {"ok": 40}
     assert result.concurrency >= 15, "calls overlapped: the driver did not wait for answers"
     assert min(result.latencies) >= 0.5
+
+
+def test_each_round_numbers_its_creates_apart() -> None:
+    """No two calls of a run share a number, so no create of a later round replays an earlier
+    one's idempotency key: every round's measured and warm-up calls, and the first round's open
+    loop (50,000,000 and 91,000,000 on), fall in ranges of their own."""
+    max_calls = parse_args([]).max_calls
+    ranges = [(50_000_000, 50_000_000 + max_calls), (91_000_000, 91_000_000 + max_calls)]
+    for n in range(1, 11):
+        first = phases.round_first_call(n)
+        ranges += [(first, first + max_calls), (first + phases.WARM_UP_OFFSET, first + phases.WARM_UP_OFFSET + 1000)]
+    ranges.sort()
+    assert phases.round_first_call(1) == 0, "one round numbers its calls as a run without --rounds"
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), ranges
+    work = Workload("t", "p", "run", horizon_days=60)
+    keys = {make_request(work, phases.round_first_call(n), 0).idempotency_key for n in range(1, 6)}
+    assert len(keys) == 5
+
+
+def _result(name: str, calls: int, seconds: float, machine: float | None = None) -> Result:
+    res = Result(name, 16, calls=calls, seconds=seconds)
+    if machine is not None:
+        res.cpu = {"machine": machine}
+    return res
+
+
+def test_rounds_table_gives_each_rounds_ratios_and_their_median() -> None:
+    rounds = [phases.Round(_result("echo", 2000, 10), _result("sql", 300, 10), _result("create", 3600, 20, 36.0)),
+              phases.Round(_result("echo", 2500, 10), _result("sql", 400, 10), _result("create", 3000, 20)),
+              phases.Round(_result("echo", 2000, 10), _result("sql", 250, 10), _result("create", 4000, 20, 30.0))]
+    text = report.rounds_table(rounds)
+    rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
+    assert [row[:6] for row in rows] == [
+        ["1", "180", "200", "30", "0.900", "6.000"],
+        ["2", "150", "250", "40", "0.600", "3.750"],
+        ["3", "200", "200", "25", "1.000", "8.000"]]
+    assert [row[6] for row in rows] == ["10.00", "-", "7.50"], "machine CPU ms per create, '-' when not watched"
+    assert "median of 3 rounds: create/echo = 0.900 (0.600-1.000), create/sql = 6.000 (3.750-8.000)" in text
 
 
 def test_layout_spreads_the_bookings_over_the_horizon() -> None:
@@ -107,7 +153,7 @@ def test_tiny_run_with_every_new_flag() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "bench", "--quick", "--nodes", "20", "--seconds", "2", "--baseline-seconds", "1",
             "--concurrency", "4", "--bookings", "2000", "--rate", "half", "--replicas", "2", "--placer", "inline",
-            "--profile-server"]
+            "--profile-server", "--rounds", "2"]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
     out = done.stdout
     assert done.returncode == 0, f"exit {done.returncode}\n{out[-6000:]}\n{done.stderr[-3000:]}"
@@ -119,5 +165,6 @@ def test_tiny_run_with_every_new_flag() -> None:
     assert re.search(r"PostgreSQL per create, Reservations\.Create \(\d+ creates.*: [0-9.]+ statements", out), out
     assert "control plane profile over the create phase" in out, out
     assert "ratios: create/echo" in out, out
+    assert "round 2 of 2" in out and re.search(r"^median of 2 rounds: create/echo = [0-9.]+ \(", out, re.M), out
     temp = re.search(r"^temp dir (\S+)$", out, re.M)
     assert temp and not pathlib.Path(temp.group(1)).exists(), out
