@@ -33,6 +33,7 @@ from bettercompute.v1 import (
     usage_pb2_grpc,
 )
 from controlplane import db, iam, metrics, watch
+from controlplane.common import gc_pauses
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
 from controlplane.api.events import EventsServicer, WebhooksServicer
@@ -193,8 +194,17 @@ def _server_credentials(settings: Settings, listen: str) -> grpc.ServerCredentia
 _LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 
+def collect_as_a_server(app: App, settings: Settings) -> None:
+    """This process is the control plane: its collector freezes the survivors of each full
+    collection and its event loop's stalls are logged (controlplane.common.gc_pauses). Not done
+    in start_app: a process that embeds a control plane (the tests) keeps its collector as it is."""
+    collections = gc_pauses.install(settings.gc_unfreeze_seconds, structlog.get_logger("controlplane.gc"))
+    app.tasks.append(asyncio.create_task(gc_pauses.watch(collections), name="gc-pauses"))
+
+
 async def run_forever(settings: Settings, conninfo: str, listen: str) -> None:
     app = await start_app(settings, conninfo, listen=listen)
+    collect_as_a_server(app, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

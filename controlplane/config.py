@@ -113,6 +113,11 @@ class Settings:
     # its passes for connections, so placed -> active stays bounded under a burst of creates
     # (docs/benchmarks-fleet.md, "Round 4"). No handler takes a second connection of the pool.
     work_concurrency: int = field(default_factory=lambda: env_int("BC_WORK_CONCURRENCY", 16))
+    # After each full garbage collection the survivors (the capacity index, caches, imports) are
+    # frozen, so the next one scans only what came since; this often they are unfrozen, so one full
+    # collection frees what became garbage meanwhile (controlplane.common.gc_pauses). Only a process
+    # that is the control plane (serve, the dev stack) does this, never one that embeds it. 0: no freezing.
+    gc_unfreeze_seconds: float = field(default_factory=lambda: env_float("BC_GC_UNFREEZE_SECONDS", 600))
     # The work queue's safety poll: each runner re-reads when its next item is due at least this
     # often, though the NOTIFY bc_work that comes with every new item already tells it.
     work_safety_poll_seconds: float = field(

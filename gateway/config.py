@@ -45,7 +45,7 @@ class GatewaySettings:
     http2_bdp_probe: bool = field(default_factory=lambda: os.environ.get("BC_GATEWAY_HTTP2_BDP_PROBE", "0") == "1")
     # After each full garbage collection the survivors are frozen (the next one scans only what came
     # since); this often they are unfrozen, so one full collection frees what became garbage
-    # meanwhile (gateway.session_gc). 0: no freezing.
+    # meanwhile (controlplane.common.gc_pauses). 0: no freezing.
     gc_unfreeze_seconds: float = field(
         default_factory=lambda: env_float("BC_GATEWAY_GC_UNFREEZE_SECONDS", 600))
     # A node's hellos, inventories and reports taken in per second, and at once (gateway.throttle);

@@ -15,11 +15,12 @@ from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import db
+from controlplane.common import gc_pauses
 from controlplane.metrics import GatewayMetrics, MetricsServer
 from controlplane.metrics import serve as serve_metrics
 from controlplane.nodes import connectivity
 from controlplane.pki import enrolment, store
-from gateway import session_gc, sweeper
+from gateway import sweeper
 from gateway.config import GatewaySettings
 from gateway.hub import Hub
 from gateway.interceptor import GatewayInterceptor
@@ -30,6 +31,7 @@ from gateway.throttle import Throttle
 from gateway.tls import ServerTls
 
 log = structlog.get_logger("gateway")
+GC_LOG = structlog.get_logger("gateway.gc")  # the pause log's name, as before it moved to controlplane.common
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Gateway:
 
 async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str | None = None,
                         enrol_listen: str | None = None) -> Gateway:
-    collections = session_gc.install(settings.gc_unfreeze_seconds)
+    collections = gc_pauses.install(settings.gc_unfreeze_seconds, GC_LOG)
     pool = await db.open_pool(conninfo, size=settings.db_pool_size)
     ca = await enrolment.load_ca(pool, settings.pki)
     server_tls = ServerTls(pool, ca, settings.pki, settings.hosts)
@@ -89,7 +91,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     tasks.append(asyncio.create_task(
         sweeper.run(liveness, settings.sweep_seconds, stopping), name="gateway-sweeper"))
     tasks.append(asyncio.create_task(server_tls.keep_fresh(stopping), name="gateway-tls"))
-    tasks.append(asyncio.create_task(session_gc.watch(collections), name="gateway-gc"))
+    tasks.append(asyncio.create_task(gc_pauses.watch(collections), name="gateway-gc"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)
     return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks,

@@ -48,7 +48,7 @@ class GatewayThread:
                  enrol_listen: str = "127.0.0.1:0") -> None:
         self.conninfo = conninfo
         # Embedded in the test process: the gateway leaves that process's heap unfrozen;
-        # tests/test_session_gc.py covers the freezing.
+        # tests/test_gc_pauses.py covers the freezing.
         self.settings = dataclasses.replace(settings or GatewaySettings(), gc_unfreeze_seconds=0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

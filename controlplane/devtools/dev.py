@@ -221,7 +221,7 @@ async def _serve(
     settings: Settings, conninfo: str, listen: str, root_token: str, user_token: str | None,
     connection_path: pathlib.Path, sim: int,
 ) -> int:
-    from controlplane.app import start_app
+    from controlplane.app import collect_as_a_server, start_app
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -233,6 +233,7 @@ async def _serve(
     except RuntimeError as exc:  # grpc's bind failure, e.g. the port is taken
         log.error("cannot start the control plane", listen=listen, error=str(exc))
         return 1
+    collect_as_a_server(app, settings)
     endpoint = f"{_client_host(listen)}:{app.port}"
     fleet = Fleet(pathlib.Path(settings.data_dir), conninfo, free_ports=listen.endswith(":0"))
     try:

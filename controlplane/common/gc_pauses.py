@@ -1,18 +1,22 @@
-"""What stops the event loop stops every session at once: garbage collection and loop stalls.
+"""What stops the event loop stops every call at once: garbage collection and loop stalls.
 
-With thousands of node sessions the heap holds hundreds of thousands of long-lived objects (the
-sessions' calls, tasks and timers), and a full collection scans them all: 0.3-0.35 s of CPU at
-5,000 sessions, and on a busy machine twice that in wall time, during which no desired state is
-pushed and no report taken in (docs/benchmarks-fleet.md, "Round 3"). So, once per process:
+A long-lived asyncio server (the gateway with thousands of node sessions, the control plane with
+its capacity index, caches and imports) holds hundreds of thousands of long-lived objects, and a
+full collection scans them all: 0.3-0.35 s of CPU at 5,000 gateway sessions; 50-115 ms every
+11-13 s in a control plane at 1,000 nodes under creates, while it answers nothing (at half load
+the creates waiting behind one such pause are the p99; docs/benchmarks-fleet.md, "Round 3", and
+docs/benchmarks.md, "The sixteenth session"). So, once per process:
 
 - after each full collection, the survivors are frozen (`gc.freeze`): they are not garbage, and
   the next full collection scans only what came since, a few milliseconds;
 - every `unfreeze_seconds` they are unfrozen, so one full collection scans everything again and
-  frees what of it has become cyclic garbage meanwhile (sessions that ended): one long pause per
-  period instead of one every few seconds. 0 turns the freezing off.
+  frees what of it has become cyclic garbage meanwhile (sessions that ended, index entries
+  replaced): one long pause per period instead of one every few seconds. 0 turns the freezing off.
 
 Collections of `long_seconds` or more, and stalls of the loop itself (a timer that fires late,
 whatever the cause: a collection, a burst of work, or the process waiting for a CPU), are logged.
+The gateway and the control plane each install it (`BC_GATEWAY_GC_UNFREEZE_SECONDS`,
+`BC_GC_UNFREEZE_SECONDS`); nodesim, a separate program, has its own (nodesim.pauses).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 import structlog
 
-log = structlog.get_logger("gateway.gc")
+log = structlog.get_logger(__name__)
 
 LONG_SECONDS = 0.2  # a collection worth a log line
 LAG_INTERVAL = 0.05  # how often the watch's timer fires
@@ -72,10 +76,11 @@ class Collections:
 _installed: list[Collections] = []
 
 
-def install(unfreeze_seconds: float) -> Collections:
-    """Once per process (tests start many gateways in one): later calls get the first one."""
+def install(unfreeze_seconds: float, logger: Any = log) -> Collections:
+    """Once per process (tests start many gateways and control planes in one): later calls get the
+    first one, with its period and logger."""
     if not _installed:
-        collections = Collections(unfreeze_seconds)
+        collections = Collections(unfreeze_seconds, logger=logger)
         gc.callbacks.append(collections.callback)
         _installed.append(collections)
     return _installed[0]
