@@ -8,9 +8,11 @@ import os
 import pathlib
 import re
 import select
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 import warnings
 from typing import Any, TypeVar
 
@@ -31,6 +33,52 @@ T = TypeVar("T")
 
 # The connection whose transaction this task has open through run_in_transaction or read_only.
 _OPEN: ContextVar[psycopg.AsyncConnection | None] = ContextVar("open_transaction", default=None)
+
+
+@dataclass
+class Spent:
+    """Where one call's database work went (`spent_here`): seconds waiting for a pooled connection
+    (`waited`), seconds holding one (`held`: its statements, lock waits and round trips, and the
+    event loop's delay in reading their answers), and how many times one was lent."""
+
+    waited: float = 0.0
+    held: float = 0.0
+    lent: int = 0
+
+
+_SPENT: ContextVar[Spent | None] = ContextVar("database_time", default=None)
+
+
+def spent_here() -> Spent:
+    """From now on, count this task's database time (and that of tasks it starts) in a new Spent:
+    the interceptor does so for each unary RPC, and its log line carries the figures."""
+    spent = Spent()
+    _SPENT.set(spent)
+    return spent
+
+
+def spent() -> Spent | None:
+    """The task's Spent, if `spent_here` started one."""
+    return _SPENT.get()
+
+
+@asynccontextmanager
+async def lent(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
+    """`pool.connection()`, its wait and its hold counted in the task's Spent, if any."""
+    spent = _SPENT.get()
+    if spent is None:
+        async with pool.connection() as conn:
+            yield conn
+        return
+    asked = time.perf_counter()
+    async with pool.connection() as conn:
+        got = time.perf_counter()
+        try:
+            yield conn
+        finally:
+            spent.waited += got - asked
+            spent.held += time.perf_counter() - got
+            spent.lent += 1
 
 
 def open_transaction() -> psycopg.AsyncConnection | None:
@@ -191,7 +239,7 @@ async def run_in_transaction(
 ) -> T:
     """Run `work` in one transaction, retrying deadlocks and serialization failures."""
     async def once() -> T:
-        async with pool.connection() as conn:
+        async with lent(pool) as conn:
             async with conn.transaction():
                 token = _OPEN.set(conn)
                 try:
@@ -213,7 +261,7 @@ async def run_autocommit(
     SQL), or statements that need no atomicity together; deadlocks and serialization failures
     are retried as in run_in_transaction."""
     async def once() -> T:
-        async with pool.connection() as conn:
+        async with lent(pool) as conn:
             await conn.set_autocommit(True)
             try:
                 return await work(conn)
@@ -293,7 +341,7 @@ async def _fetch_one(conn: psycopg.AsyncConnection, sql: str, params: dict[str, 
 
 @asynccontextmanager
 async def read_only(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection]:
-    async with pool.connection() as conn:
+    async with lent(pool) as conn:
         async with conn.transaction():
             await conn.execute("SET TRANSACTION READ ONLY")
             token = _OPEN.set(conn)

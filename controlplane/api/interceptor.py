@@ -18,7 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import auth, errors, tokens
+from controlplane import auth, db, errors, tokens
 from controlplane.common import inputs
 from controlplane.common.names import TENANT_ID
 from controlplane.common.status import failure, to_status
@@ -256,6 +256,7 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
               deserializer: Any) -> Any:
         async def handle(raw: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
+            db.spent_here()
             try:
                 request = await self._prologue(method, metadata, metadata_bytes, raw, deserializer)
                 context.set_trailing_metadata((("x-request-id", _request_id()),))
@@ -334,12 +335,18 @@ def _refused(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
 
 def _log_rpc(code: str, started: float, metrics: RpcMetrics) -> None:
     """The one canonical line per RPC, and its metrics; the request id, method and tenant come
-    from contextvars."""
+    from contextvars. A unary RPC that used the database says where that time went (db.Spent):
+    `db_wait_ms` waiting for a pooled connection, `db_ms` holding one, `db_lent` how many times;
+    the rest of `duration_ms` was this process's own (its CPU, or its event loop busy elsewhere)."""
     bound = structlog.contextvars.get_contextvars()
     seconds = time.perf_counter() - started
     metrics.rpc(bound.get("method", ""), code, seconds)
+    spent = db.spent()
+    database = ({"db_wait_ms": round(spent.waited * 1000, 2), "db_ms": round(spent.held * 1000, 2),
+                 "db_lent": spent.lent} if spent is not None and spent.lent else {})
     log.info("rpc", request_id=bound.get("request_id", ""), method=bound.get("method", ""),
-             tenant=bound.get("tenant", ""), identity=_identity(), code=code, duration_ms=round(seconds * 1000, 2))
+             tenant=bound.get("tenant", ""), identity=_identity(), code=code, duration_ms=round(seconds * 1000, 2),
+             **database)
 
 
 def _request_id() -> str:
