@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed-concurrency", type=int, default=16,
                    help="RegisterNode calls in flight (default 16)")
     p.add_argument("--no-analyze", action="store_true",
-                   help="skip ANALYZE after seeding (planner statistics then depend on autovacuum)")
+                   help="skip ANALYZE after seeding, and with --rate half the VACUUM (ANALYZE) between the "
+                        "closed and the open loop (statistics and vacuuming then left to autovacuum)")
     p.add_argument("--pg-statements", action="store_true",
                    help="diagnostic: log every SQL statement during the creates and summarise (slower)")
     p.add_argument("--profile-server", action="store_true",
@@ -149,6 +150,8 @@ class Run:
     gang: str = ""  # the gang phase's report (--gang)
     earliest: str = ""  # the earliest-fit phase's report (--earliest)
     rounds: list[phases.Round] = field(default_factory=list)  # --rounds: the first round and each after it
+    # phase name -> each measured control plane's log lines written during it: (path, from byte, to byte)
+    server_spans: dict[str, list[tuple[pathlib.Path, int, int]]] = field(default_factory=dict)
 
 
 async def start_replicas(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str) -> tuple[list, str]:
@@ -291,6 +294,7 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
     blocks += [pgstat.summary(stats, name=name, calls=next(r.calls for r in out.creates if r.name == name))
                for name, stats in out.statements.items()]
     blocks.append(report.server_log_summary(out.server_logs))
+    blocks += [report.phase_split(name, spans) for name, spans in out.server_spans.items()]
     if args.pg_statements:
         blocks.append(diag.statement_summary(out.pg_log, out.pg_log_offset, calls=out.creates[0].calls))
     if out.profiled:

@@ -102,9 +102,12 @@ async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channe
                 os.kill(server.pid, signal.SIGUSR1)
         if args.pg_statements and not results:
             diag.enable_statement_log(conninfo)
+        logs = [s.log_path for s in servers if s.log_path]
+        before = [_size(path) for path in logs]
         try:
             res = await drive_it()
         finally:
+            out.server_spans[name] = [(path, start, _size(path)) for path, start in zip(logs, before)]
             if args.pg_statements and not results:
                 diag.disable_statement_log(conninfo)
             if profiling:
@@ -130,6 +133,15 @@ async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channe
         name = f"Create open loop {rate:.0f}/s"
         say(f"creates, open loop: {rate:.1f} calls/s{' (half the closed-loop rate)' if args.rate == 'half' else ''}, "
             f"up to {args.seconds:.0f}s")
+        if closed is not None and not args.no_analyze:
+            # The closed loop has just filled tables that were empty (thousands of reservations,
+            # bookings, charges): autovacuum would visit each within its next minute, in the
+            # middle of the open loop, and every backend then plans its statements again under
+            # the pool lock. A table of a running fleet is large and visited once per tenth of
+            # growth (hours apart at these rates): done here, as ANALYZE after seeding is.
+            started = time.perf_counter()
+            stack.vacuum_analyze(conninfo)
+            say(f"  VACUUM (ANALYZE) after the closed loop: {time.perf_counter() - started:.1f}s")
         await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 2, first_call=91_000_000)
         await measured(name, lambda: drive_open(name, call, rate=rate, max_calls=args.max_calls,
                                                 max_seconds=args.seconds, first_call=50_000_000, cpu_of=watch))
@@ -165,3 +177,7 @@ async def _written(paths: list[pathlib.Path], timeout: float = 30) -> None:
             return
         sizes = now
         await asyncio.sleep(0.3)
+
+
+def _size(path: pathlib.Path) -> int:
+    return path.stat().st_size if path.exists() else 0

@@ -126,7 +126,7 @@ def server_log_summary(paths: list[pathlib.Path], top: int = 8) -> str:
     lines = [f"server log ({names}), measured phases and warm-ups; server-side time of each RPC:"]
     for method, values in sorted(rpcs.items(), key=lambda kv: -len(kv[1])):
         values.sort()
-        pct = {q: values[min(len(values) - 1, int(len(values) * q / 100))] for q in (50, 95, 99)}
+        pct = _percentiles(values)
         code_text = ", ".join(f"{c} {n}" for c, n in codes[method].most_common())
         lines.append(f"  {method:<36}{len(values):>7}  p50 {pct[50]:8.2f}  p95 {pct[95]:8.2f}  "
                      f"p99 {pct[99]:8.2f} ms  ({code_text})")
@@ -135,6 +135,50 @@ def server_log_summary(paths: list[pathlib.Path], top: int = 8) -> str:
     if other:
         lines.append(f"  {other:>7}  lines that are not JSON")
     return "\n".join(lines)
+
+
+def phase_split(name: str, spans: list[tuple[pathlib.Path, int, int]], method: str = "Create") -> str:
+    """The server's side of one measured phase (its `rpc` lines for `method`, warm-ups not
+    included): the duration's percentiles, and where the time of the slowest 1 % went against all
+    calls': waiting for a pooled connection (db_wait_ms), holding one (db_ms), the rest."""
+    calls = sorted(
+        (float(e["duration_ms"]), float(e.get("db_wait_ms", 0.0)), float(e.get("db_ms", 0.0)))
+        for e in _entries(spans)
+        if e.get("event") == "rpc" and str(e.get("method", "")).endswith("/" + method)
+        and isinstance(e.get("duration_ms"), (int, float)))
+    if not calls:
+        return ""
+    pct = _percentiles([c[0] for c in calls])
+
+    def means(part: list[tuple[float, float, float]]) -> str:
+        total, wait, held = (sum(c[i] for c in part) / len(part) for i in range(3))
+        return f"{total:.1f} = {wait:.1f} + {held:.1f} + {total - wait - held:.1f}"
+
+    slowest = calls[-max(1, len(calls) // 100):]
+    return (f"server side of {name}: {len(calls)} {method} calls, p50 {pct[50]:.2f}, p95 {pct[95]:.2f}, "
+            f"p99 {pct[99]:.2f} ms\n"
+            f"  mean ms = waiting for a connection + holding one + the rest: slowest 1 % {means(slowest)}; "
+            f"all {means(calls)}")
+
+
+def _percentiles(ordered: list[float]) -> dict[int, float]:
+    return {q: ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] for q in (50, 95, 99)}
+
+
+def _entries(spans: list[tuple[pathlib.Path, int, int]]):
+    """The JSON objects of each log's lines between two byte offsets."""
+    for path, start, end in spans:
+        if not path.exists():
+            continue
+        with path.open("rb") as handle:
+            handle.seek(start)
+            for raw in handle.read(max(0, end - start)).splitlines():
+                try:
+                    entry = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict):
+                    yield entry
 
 
 def _lines(paths: list[pathlib.Path]):

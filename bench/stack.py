@@ -105,6 +105,11 @@ def analyze(conninfo: str) -> None:
         conn.execute("ANALYZE")
 
 
+def vacuum_analyze(conninfo: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("VACUUM (ANALYZE)")
+
+
 def count_rows(conninfo: str, sql: str, params: tuple = ()) -> list[tuple]:
     with psycopg.connect(conninfo) as conn:
         return list(conn.execute(sql, params).fetchall())

@@ -106,6 +106,26 @@ def test_rounds_table_gives_each_rounds_ratios_and_their_median() -> None:
     assert "median of 3 rounds: create/echo = 0.900 (0.600-1.000), create/sql = 6.000 (3.750-8.000)" in text
 
 
+def test_the_server_side_of_a_phase_splits_the_slowest_creates_time(tmp_path: pathlib.Path) -> None:
+    """The rpc lines' database figures (db_wait_ms, db_ms) of the lines a phase wrote: the
+    slowest 1 % against all calls."""
+    import json
+
+    lines = [{"event": "rpc", "method": "/bettercompute.v1.Reservations/Create", "code": "OK",
+              "duration_ms": 10.0, "db_wait_ms": 1.0, "db_ms": 6.0, "db_lent": 3} for _ in range(199)]
+    lines.append({"event": "rpc", "method": "/bettercompute.v1.Reservations/Create", "code": "OK",
+                  "duration_ms": 110.0, "db_wait_ms": 30.0, "db_ms": 70.0, "db_lent": 3})
+    lines.append({"event": "rpc", "method": "/bettercompute.v1.Reservations/Create", "code": "OK",
+                  "duration_ms": 90.0, "db_wait_ms": 0.0, "db_ms": 80.0, "db_lent": 3})
+    warm_up = json.dumps({**lines[-1], "duration_ms": 900.0}) + "\nnot json\n"
+    log = tmp_path / "controlplane-1.log"
+    log.write_text(warm_up + "\n".join(json.dumps(e) for e in lines) + "\n")
+    text = report.phase_split("the phase", [(log, len(warm_up), log.stat().st_size)])
+    assert "201 Create calls" in text  # the warm-up's line before the phase is not counted
+    assert "slowest 1 % 100.0 = 15.0 + 75.0 + 10.0" in text  # the two slowest of 201
+    assert f"all {(199 * 10 + 200) / 201:.1f} = {(199 + 30) / 201:.1f} + {(199 * 6 + 150) / 201:.1f}" in text
+
+
 def test_layout_spreads_the_bookings_over_the_horizon() -> None:
     lay = preload.layout(1_000_000, 1000, 60 * 86_400_000, 0.25)
     assert lay.slots == 125
@@ -159,6 +179,9 @@ def test_tiny_run_with_every_new_flag() -> None:
     assert done.returncode == 0, f"exit {done.returncode}\n{out[-6000:]}\n{done.stderr[-3000:]}"
     assert re.search(r"^Reservations\.Create\s+4\s+\d+", out, re.M), out
     assert re.search(r"^Create open loop \d+/s\s+\d+\s+\d+", out, re.M), out
+    assert re.search(r"VACUUM \(ANALYZE\) after the closed loop: [0-9.]+s", out), out
+    assert re.search(r"^server side of Create open loop \d+/s: \d+ Create calls, p50 [0-9.]+", out, re.M), out
+    assert re.search(r"slowest 1 % [0-9.]+ = [0-9.]+ \+ [0-9.]+ \+ -?[0-9.]+; all", out), out
     assert re.search(r"^grpc echo \(bytes\)", out, re.M) and re.search(r"^raw SQL 3-tx create", out, re.M), out
     assert re.search(r"preloaded: \d+ bookings in \d+ reservations", out), out
     assert re.search(r"control plane start \(2 processes.*gRPC ready after [0-9.]+s, capacity index built", out), out
