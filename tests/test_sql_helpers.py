@@ -72,7 +72,11 @@ def test_schedule_moments_inserts_each_moment_and_wakes_once_for_the_earliest(da
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(texts=st.lists(st.one_of(st.none(), st.text(alphabet=st.characters(blacklist_characters="\x00"))), max_size=8),
+# Any text a request can carry: no NUL (PostgreSQL's text has none) and no lone surrogate (not UTF-8:
+# protobuf refuses it before a handler sees it, and psycopg cannot send it).
+@given(texts=st.lists(st.one_of(st.none(), st.text(alphabet=st.characters(blacklist_characters="\x00",
+                                                                          blacklist_categories=("Cs",)))),
+                      max_size=8),
        numbers=st.lists(st.integers(min_value=-2**63, max_value=2**63 - 1), max_size=8),
        flags=st.lists(st.booleans(), max_size=8))
 def test_an_array_literal_round_trips_any_text_numbers_and_flags(database: str, texts: list[str | None],
