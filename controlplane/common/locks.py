@@ -2,12 +2,23 @@
 
 Lock order, everywhere (DESIGN §17):
 
-    pool advisory lock -> reservation row -> quota rows -> allocation rows -> node rows
+    pool advisory lock -> (a node's advisory lock) -> reservation row -> quota rows
+        -> allocation rows -> node rows
 
 A reservation's confirmation request hangs off its row: release, cancel, admission, the
 reconciler's expiry (`expire_confirmation`) and offboarding all lock the reservation row before
 its confirmation (the expiry and offboarding took the confirmation first and deadlocked with a
 release; tests/test_surface_leftovers.py).
+
+A one-node inline placement (place_inline, migration 0057) takes the pool lock SHARED and then
+its node's own advisory lock (SQL `node_lock_key`: 'node:' and the id) exclusively: one-node
+placements on different nodes of a pool go on beside each other, two on one node wait for each
+other, and every holder of the pool lock in its exclusive mode (everything below, the general
+path, gangs, repairs, extends, preemption, the lease holder's batches) still excludes them all.
+Nothing else takes a node's lock, and nothing takes it before the pool lock. Its quota charge
+comes last, after its allocation and bookings: before it the placement holds only key-share
+locks on the node's and the atoms' rows (its foreign keys), which only a deletion or a key
+change waits for, and those are made under the pool lock held exclusively.
 
 A transaction that needs the pool lock takes it first. Placement re-reads node state, labels and
 atom health under it, so every change that affects placement (inventory, atoms, host resources,

@@ -221,9 +221,9 @@ async def place_at_once(
     conn: AsyncConnection, rt: Runtime, row: dict[str, Any], prepared: Prepared, now_ms: int, admitted: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The whole locked part of an inline create in one statement, in autocommit (place_inline:
-    the pool lock, the row, `admitted`'s decision and charge, the allocation, its bookings and
-    host resources, the move to placed with its wake-ups and event): nothing goes back and forth
-    while the pool lock is held. Its row: `outcome` ('placed': the rest is the reservation as moved with its
+    the pool lock shared and the node's lock, the row, `admitted`'s decision, the allocation, its
+    bookings and host resources, the move to placed with its wake-ups and event, the charge last;
+    controlplane.common.locks): nothing goes back and forth while the locks are held. Its row: `outcome` ('placed': the rest is the reservation as moved with its
     allocations; 'decided', 'missing'). None when the race was lost (nothing of it committed; the
     index has read that node again: the caller takes the general path, which plans again). A
     quota refusal raises as charge_all raised it."""

@@ -196,9 +196,9 @@ SELECT moved.*, {ALLOCATIONS_JSON.format(ref="moved.id").strip()} AS allocations
 FROM moved
 """
 
-# The inline placer's common case in one statement (migrations 0032, 0056): the pool lock, the row,
-# the decision and the charge, the allocation, its bookings and host resources, the move with its
-# wake-ups and event.
+# The inline placer's common case in one statement (migrations 0032, 0056, 0057): the pool lock
+# shared and the node's lock, the row, the decision, the allocation, its bookings and host
+# resources, the move with its wake-ups and event, the charge last.
 # `outcome` is 'placed' (the rest is the reservation as moved with its allocations, as VIEW_BY_ID
 # reads them), 'decided' or 'missing' (the rest NULL); a lost race raises BCP01.
 PLACE_INLINE = f"""
