@@ -113,9 +113,6 @@ BEGIN
     INSERT INTO events (tenant_id, type, subject, data)
     VALUES (r.tenant_id, 'reservation.placed', 'reservation/' || p_id, p_event_data);
     PERFORM pg_notify('bc_events', r.tenant_id);
-    -- Last: the tenant's quota rows stay locked from here to the commit only. A refusal raises
-    -- and undoes everything above (the statement is its transaction).
-    PERFORM charge_all(r.tenant_id, p_id, p_resources, p_amounts, p_pers, p_lenient, p_unnamed_models);
 
     outcome := 'placed';
     reservation := r;
@@ -124,4 +121,7 @@ BEGIN
                                             'state', a.state, 'binding', a.binding, 'limits', a.limits)
                          ORDER BY a.created_at, a.id)
         FROM allocations a WHERE a.reservation_id = p_id), '[]');
+    -- Last: the tenant's quota rows stay locked from here to the commit only (the answer is read
+    -- above). A refusal raises and undoes everything above (the statement is its transaction).
+    PERFORM charge_all(r.tenant_id, p_id, p_resources, p_amounts, p_pers, p_lenient, p_unnamed_models);
 END $$;
