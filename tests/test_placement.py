@@ -142,7 +142,8 @@ def wait_for_state(world: World, rid: str, *states: str, seconds: float = 10) ->
 
 def test_freed_capacity_wakes_pending_reservations_at_once(world: World) -> None:
     holders = [world.create(count=8) for _ in range(2)]
-    assert [h.state for h in holders] == ["placed", "placed"]
+    # They start now: the binding worker may be first (a lease pool's answer is read after its batch).
+    assert [h.state in ("placed", "binding") for h in holders] == [True, True], holders
     waiting = world.create(count=8)
     assert waiting.state == "pending"
     started = time.monotonic()
