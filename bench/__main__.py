@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="open loop: calls started at R per second regardless of answers; 'half' first "
                         "measures the closed-loop maximum, then runs at half of it")
     p.add_argument("--replicas", type=int, default=1, help="control-plane processes on the one database")
+    p.add_argument("--tenants", type=int, default=1,
+                   help="tenants booking the pool (the first owns it, it is offered to the others; each has its "
+                        "own identity, token and quota); create n is tenant n mod N's (default 1)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the echo floor, the raw-SQL floor and the closed-loop creates this many times "
                         "in turn and report each round's ratios and their median (default 1)")
@@ -84,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--replicas must be at least 1")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.tenants < 1:
+        p.error("--tenants must be at least 1")
     if args.rounds > 1 and (args.no_baselines or isinstance(args.rate, float)):
         p.error("--rounds above 1 needs the floors and the closed loop (no --no-baselines, no numeric --rate)")
     if args.server == "inprocess" and (args.replicas > 1 or args.profile_server):
@@ -194,7 +199,7 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
         async with grpc.aio.insecure_channel(f"127.0.0.1:{seeder.port}") as channel:
             say(f"seeding {args.nodes} nodes x 8 H100 through the Admin API")
             seeded = await seed(channel, root_token, nodes=args.nodes, concurrency=args.seed_concurrency,
-                                placer=args.placer or "")
+                                placer=args.placer or "", tenants=args.tenants)
             if args.bookings:
                 prepared = await preload.prepare(
                     channel, conninfo, root_token, pool_id=seeded.pool_id, bookings=args.bookings,
@@ -245,8 +250,8 @@ async def run(args: argparse.Namespace, tmp: pathlib.Path, conninfo: str, root_t
             out.earliest = await earliest_bench.earliest_phase(args, channels[0], seeded, conninfo, slot)
         out.states = stack.count_rows(
             conninfo,
-            "SELECT state, count(*) FROM reservations WHERE tenant_id = %s GROUP BY 1 ORDER BY 2 DESC",
-            (seeded.tenant_id,),
+            "SELECT state, count(*) FROM reservations WHERE tenant_id = ANY(%s) GROUP BY 1 ORDER BY 2 DESC",
+            ([tenant for tenant, _ in seeded.callers],),
         )
         out.bookings = stack.count_rows(conninfo, "SELECT count(*) FROM bookings")[0][0]
     finally:
@@ -267,6 +272,9 @@ def print_report(args: argparse.Namespace, conninfo: str, tmp: pathlib.Path, out
         f"starts over {args.horizon_days:.0f} days, 1-8 h, 1/2/4/8 GPUs")
     say(f"placer: asked {args.placer or '(server default)'}, the pool has {seeded.placer or '(server default)'!r}"
         + (f"; Create waits up to {args.wait_ms} ms for placement" if args.wait_ms else ""))
+    if len(seeded.callers) > 1:
+        say(f"tenants: {len(seeded.callers)} ({seeded.tenant_id!r} owns the pool, offered to the others), "
+            f"each with its own quota; create n is tenant n mod {len(seeded.callers)}'s")
     if args.placer and seeded.placer != args.placer:
         say(f"note: the server did not keep placer={args.placer!r} (a build without it): "
             "the figures are its default placer's")

@@ -70,14 +70,16 @@ def error_label(exc: grpc.aio.AioRpcError) -> str:
 
 
 def create_call(channels: grpc.aio.Channel | list[grpc.aio.Channel], token: str, work: Workload, *,
-                timeout: float = 30, wait_ms: int = 0) -> Call:
-    """Call number n goes to channel n mod len(channels) (one per control-plane replica). With
+                timeout: float = 30, wait_ms: int = 0, callers: list[tuple[str, str]] | None = None) -> Call:
+    """Call number n goes to channel n mod len(channels) (one per control-plane replica), as the
+    tenant n mod len(callers) with its token when `callers` ((tenant, token) pairs) are given, else
+    as `work.tenant_id` with `token`. With
     `wait_ms` the call asks the server to hold the answer until the reservation is placed (or
     pending) for up to that long: a `queued` answer (the lease placer) then counts when placed,
     and one still `queued` at the end of the wait is labelled so."""
     channels = channels if isinstance(channels, list) else [channels]
     stubs = [reservations_pb2_grpc.ReservationsStub(channel) for channel in channels]
-    md = bearer(token)
+    as_whom = [(tenant, bearer(secret)) for tenant, secret in callers or [(work.tenant_id, token)]]
     now_ms = int(time.time() * 1000)
     wait = r.Wait(timeout_ms=wait_ms) if wait_ms else None
     if wait_ms:
@@ -85,6 +87,8 @@ def create_call(channels: grpc.aio.Channel | list[grpc.aio.Channel], token: str,
 
     async def call(number: int) -> str:
         request = make_request(work, number, now_ms)
+        tenant, md = as_whom[number % len(as_whom)]
+        request.tenant_id = tenant
         if wait is not None:
             request.wait.CopyFrom(wait)
         try:

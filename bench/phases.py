@@ -89,7 +89,7 @@ async def create_phases(args: argparse.Namespace, channels: list[grpc.aio.Channe
                         servers: list[stack.Running], tmp: pathlib.Path, out: Any) -> list[Result]:
     """The closed loop (unless --rate is a number), then the open loop (with --rate)."""
     results: list[Result] = []
-    call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms)
+    call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms, callers=seeded.callers)
     stat = not args.no_pg_stat
     await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=WARM_UP_OFFSET)
 
@@ -158,7 +158,7 @@ async def another_round(n: int, args: argparse.Namespace, tmp: pathlib.Path, con
     say(f"round {n} of {args.rounds}")
     echo_result = await echo_phase(args, tmp, conninfo, watch, first_call=first)
     sql_result = await sql_phase(args, conninfo, work, watch, first_call=first)
-    call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms)
+    call = creates.create_call(channels, seeded.token, work, wait_ms=args.wait_ms, callers=seeded.callers)
     await warm_up(call, concurrency=args.concurrency, calls=args.concurrency * 5, first_call=first + WARM_UP_OFFSET)
     say(f"creates: {args.concurrency} in flight, up to {args.seconds:.0f}s or {args.max_calls} calls")
     create = await drive("Reservations.Create", call, concurrency=args.concurrency, max_calls=args.max_calls,

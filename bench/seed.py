@@ -1,12 +1,13 @@
 """Seeding through the real Admin API: a tenant, its user and token, a pool of H100 nodes, a large
-quota and a permissive Cedar policy. Nothing is written to the database directly."""
+quota and a permissive Cedar policy (with --tenants, more tenants alike, the pool offered to them).
+Nothing is written to the database directly."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -31,6 +32,12 @@ class Seeded:
     gpus: int
     seconds: float
     placer: str = ""  # pool.policy.placer as the server answered it ("" = its default)
+    callers: list[tuple[str, str]] = field(default_factory=list)  # (tenant, token) of every booking tenant
+
+
+def tenant_name(k: int) -> str:
+    """The k-th booking tenant (0: the pool's owner)."""
+    return TENANT if k == 0 else f"{TENANT}-{k + 1}"
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -67,17 +74,13 @@ async def seed(
     gpus_per_node: int = 8,
     concurrency: int = 16,
     placer: str = "",
+    tenants: int = 1,
 ) -> Seeded:
     admin = admin_pb2_grpc.AdminStub(channel)
     md = bearer(root_token)
     started = time.perf_counter()
 
-    await admin.CreateTenant(a.CreateTenantRequest(id=TENANT, name="Benchmark tenant"), metadata=md)
-    await admin.CreateIdentity(
-        a.CreateIdentityRequest(id=IDENTITY, kind="user", name="Benchmark user", tenant_ids=[TENANT]),
-        metadata=md,
-    )
-    token = (await admin.CreateToken(a.CreateTokenRequest(identity_id=IDENTITY), metadata=md)).secret
+    token = await _tenant(admin, md, 0)
     pool = await admin.CreatePool(
         a.CreatePoolRequest(
             owner_tenant_id=TENANT,
@@ -87,9 +90,11 @@ async def seed(
         ),
         metadata=md,
     )
-    for resource, limit in QUOTA.items():
-        await admin.SetQuota(a.SetQuotaRequest(tenant_id=TENANT, resource=resource, limit=limit), metadata=md)
-    await admin.PutPolicy(a.PutPolicyRequest(tenant_id=TENANT, cedar=POLICY), metadata=md)
+    callers = [(TENANT, token)]
+    for k in range(1, tenants):  # the others book the pool through its offer
+        other = tenant_name(k)
+        callers.append((other, await _tenant(admin, md, k)))
+        await admin.OfferPool(a.OfferPoolRequest(pool_id=pool.id, tenant_id=other), metadata=md)
 
     next_index = iter(range(nodes))
     done = 0
@@ -114,4 +119,19 @@ async def seed(
         reporter.cancel()
     elapsed = time.perf_counter() - started
     print(f"  seeding: {nodes}/{nodes} nodes, {nodes * gpus_per_node} GPUs in {elapsed:.1f}s", flush=True)
-    return Seeded(TENANT, pool.id, token, nodes, nodes * gpus_per_node, elapsed, pool.policy.placer)
+    return Seeded(TENANT, pool.id, token, nodes, nodes * gpus_per_node, elapsed, pool.policy.placer, callers)
+
+
+async def _tenant(admin: admin_pb2_grpc.AdminStub, md: tuple[tuple[str, str], ...], k: int) -> str:
+    """The k-th booking tenant with its user, quota and permissive policy; the user's token."""
+    tenant, identity = tenant_name(k), IDENTITY if k == 0 else f"{IDENTITY}-{k + 1}"
+    await admin.CreateTenant(a.CreateTenantRequest(id=tenant, name=f"Benchmark tenant {k + 1}"), metadata=md)
+    await admin.CreateIdentity(
+        a.CreateIdentityRequest(id=identity, kind="user", name=f"Benchmark user {k + 1}", tenant_ids=[tenant]),
+        metadata=md,
+    )
+    token = (await admin.CreateToken(a.CreateTokenRequest(identity_id=identity), metadata=md)).secret
+    for resource, limit in QUOTA.items():
+        await admin.SetQuota(a.SetQuotaRequest(tenant_id=tenant, resource=resource, limit=limit), metadata=md)
+    await admin.PutPolicy(a.PutPolicyRequest(tenant_id=tenant, cedar=POLICY), metadata=md)
+    return token

@@ -17,9 +17,9 @@ import pytest
 
 from bench import phases, preload, report, stack
 from bench.__main__ import parse_args
-from bench.creates import Workload, make_request
+from bench.creates import Workload, create_call, make_request
 from bench.load import Result, drive_open
-from bench.seed import seed
+from bench.seed import Seeded, seed
 from tests.invariants import check_invariants
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -42,10 +42,15 @@ def test_rounds_flag() -> None:
     assert parse_args(["--rounds", "5", "--rate", "half"]).rounds == 5
 
 
+def test_tenants_flag() -> None:
+    assert parse_args([]).tenants == 1
+    assert parse_args(["--tenants", "4"]).tenants == 4
+
+
 @pytest.mark.parametrize("argv", [["--rate", "fast"], ["--rate", "0"], ["--replicas", "0"],
                                   ["--placer", "batch"], ["--server", "inprocess", "--replicas", "2"],
                                   ["--rounds", "0"], ["--rounds", "2", "--no-baselines"],
-                                  ["--rounds", "2", "--rate", "50"]])
+                                  ["--rounds", "2", "--rate", "50"], ["--tenants", "0"]])
 def test_bad_flags_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -167,13 +172,50 @@ def test_preloaded_bookings_keep_the_invariants(database: str, tmp_path: pathlib
         assert future == 0, "no preloaded window starts within the hour"
 
 
+def test_tenants_each_book_the_pool_as_themselves(database: str, tmp_path: pathlib.Path) -> None:
+    """--tenants 3: the owner and two tenants the pool is offered to, each with its own token and
+    quota; create n is tenant n mod 3's, placed and charged to that tenant."""
+    root = stack.ensure_root(database)
+
+    async def scenario() -> tuple[Seeded, dict[str, int]]:
+        server = await stack.start_controlplane("subprocess", tmp_path, database, name="cp-tenants")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                seeded = await seed(channel, root, nodes=4, tenants=3)
+                call = create_call(channel, seeded.token, Workload(seeded.tenant_id, seeded.pool_id, "tenants"),
+                                   callers=seeded.callers)
+                outcomes: dict[str, int] = {}
+                for number in range(6):
+                    outcome = await call(number)
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        finally:
+            await server.stop()
+        return seeded, outcomes
+
+    seeded, outcomes = asyncio.run(scenario())
+    assert [tenant for tenant, _ in seeded.callers] == ["bench", "bench-2", "bench-3"]
+    assert len({token for _, token in seeded.callers}) == 3
+    assert outcomes == {"placed": 6}
+    with psycopg.connect(database) as conn:
+        keys = conn.execute("SELECT tenant_id, array_agg(idempotency_key ORDER BY idempotency_key) FROM reservations"
+                            " GROUP BY 1 ORDER BY 1").fetchall()
+        assert keys == [("bench", ["tenants-00000000", "tenants-00000003"]),
+                        ("bench-2", ["tenants-00000001", "tenants-00000004"]),
+                        ("bench-3", ["tenants-00000002", "tenants-00000005"])]
+        owners = conn.execute("SELECT DISTINCT r.tenant_id, i.tenant_id FROM reservations r"
+                              " JOIN memberships i ON i.identity_id = r.owner_identity_id ORDER BY 1").fetchall()
+        assert owners == [("bench", "bench"), ("bench-2", "bench-2"), ("bench-3", "bench-3")]
+        charged = conn.execute("SELECT DISTINCT tenant_id FROM quota_charges ORDER BY 1").fetchall()
+        assert charged == [("bench",), ("bench-2",), ("bench-3",)]
+
+
 @pytest.mark.bench
 @pytest.mark.timeout(400)
 def test_tiny_run_with_every_new_flag() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "bench", "--quick", "--nodes", "20", "--seconds", "2", "--baseline-seconds", "1",
             "--concurrency", "4", "--bookings", "2000", "--rate", "half", "--replicas", "2", "--placer", "inline",
-            "--profile-server", "--rounds", "2"]
+            "--profile-server", "--rounds", "2", "--tenants", "2"]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
     out = done.stdout
     assert done.returncode == 0, f"exit {done.returncode}\n{out[-6000:]}\n{done.stderr[-3000:]}"
@@ -188,6 +230,7 @@ def test_tiny_run_with_every_new_flag() -> None:
     assert re.search(r"PostgreSQL per create, Reservations\.Create \(\d+ creates.*: [0-9.]+ statements", out), out
     assert "control plane profile over the create phase" in out, out
     assert "ratios: create/echo" in out, out
+    assert re.search(r"^tenants: 2 \('bench' owns the pool", out, re.M), out
     assert "round 2 of 2" in out and re.search(r"^median of 2 rounds: create/echo = [0-9.]+ \(", out, re.M), out
     temp = re.search(r"^temp dir (\S+)$", out, re.M)
     assert temp and not pathlib.Path(temp.group(1)).exists(), out
