@@ -93,6 +93,10 @@ class Metrics(RpcMetrics):
             "bc_work_queue_queries", "Queries the work queue runner sent, by query: claim (take a due item) and"
             " next_due (read when the next item is due); an item due later costs none until it is due",
             ["query"], registry=self.registry)
+        self.drafts = Counter(
+            "bc_create_drafts", "New drafts Reservations.Create wrote, by how: ahead (checked against the pool as"
+            " the tenant saw it before and inserted with the facts read: one round trip) or after_read (checked"
+            " against the facts read, then inserted)", ["how"], registry=self.registry)
         self._pool = pool
         self._refresh_seconds = refresh_seconds
         self._refreshed = float("-inf")
@@ -107,6 +111,9 @@ class Metrics(RpcMetrics):
         self.placer_statements.inc(statements)
         self.placer_reservations.labels("placed").inc(placed)
         self.placer_reservations.labels("pending").inc(pending)
+
+    def draft_written(self, ahead: bool) -> None:
+        self.drafts.labels("ahead" if ahead else "after_read").inc()
 
     def report_judged(self, ok: bool, reason: str) -> None:
         self.reports.labels(*(("accepted", "") if ok else ("rejected", reason_class(reason)))).inc()

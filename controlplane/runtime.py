@@ -10,6 +10,7 @@ from controlplane.config import Settings
 from controlplane.metrics import Metrics
 from controlplane.placement.index_sync import CapacityIndex
 from controlplane.placement.lease import LeaseWorker
+from controlplane.common.seen_pools import SeenPools
 
 
 @dataclass(frozen=True)
@@ -19,3 +20,4 @@ class Runtime:
     metrics: Metrics = field(default_factory=Metrics)  # the process's own registry
     capacity: CapacityIndex | None = None  # the placement engine's index (None: plan with SQL)
     leases: LeaseWorker | None = None  # the pool-lease placer's worker (and the waits it wakes)
+    seen_pools: SeenPools = field(default_factory=SeenPools)  # pools as tenants saw them (draft_ahead)

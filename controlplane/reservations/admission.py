@@ -24,7 +24,7 @@ from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
-from controlplane.reservations import (devices, draft_room, earliest, hostshare, kubernetes, placing, queries, queued,
+from controlplane.reservations import (devices, draft_ahead, draft_room, earliest, hostshare, kubernetes, placing, queries, queued,
                                        queued_queries, schedule, states)
 from controlplane.reservations.reads import fetch_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
@@ -108,38 +108,51 @@ class Facts:
     pool: dict[str, Any] | None  # the pool as the tenant sees it (None: not visible)
     drafts: dict[str, Any]  # the identity's live drafts (LIVE_DRAFTS)
     policy: str | None  # the tenant's Cedar policy
+    inserted: bool = False  # `row` is the draft the statement inserted (draft_ahead)
 
 
 async def _read_facts(conn: AsyncConnection, rt: Runtime, who: Caller | Unverified, inp: CreateInput,
-                      rid: str) -> Facts:
+                      rid: str, ahead: draft_ahead.Ahead | None = None) -> Facts:
     """The stored row, the clock, the pool, the identity's drafts and the policy: one statement (a
-    retry of a stored row reads a little it may not need; a new request needs all of it). An
-    Unverified caller's token is verified in it, and its membership checked, before any of it is
-    used: UNAUTHENTICATED or ACCESS_DENIED as the interceptor and `create` would have answered."""
+    retry of a stored row reads a little it may not need; a new request needs all of it), which
+    inserts `ahead`'s draft when its guard holds (draft_ahead). An Unverified caller's token is
+    verified in it, and its membership checked, before any of it is used: UNAUTHENTICATED or
+    ACCESS_DENIED as the interceptor and `create` would have answered."""
     index = _pool_index(rt, inp.request["poolId"])
     verifying = isinstance(who, Unverified)
-    if verifying:
+    if ahead is not None:
+        sql = draft_ahead.SQL_VERIFYING if verifying else draft_ahead.SQL
+    elif verifying:
         sql = queries.DRAFT_FACTS_VERIFYING if index is not None else queries.DRAFT_FACTS_READING_MODELS_VERIFYING
     else:
         sql = queries.DRAFT_FACTS if index is not None else queries.DRAFT_FACTS_READING_MODELS
     read = await (await conn.execute(sql, {
+        **(_insert_params(ahead.params) if ahead is not None else {}),
         "id": rid, "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": who.identity_id,
         "cap": rt.settings.max_drafts_per_identity, "retention_s": rt.settings.draft_retention_hours * 3600,
         **({"hash": who.token_hash} if verifying else {}),
     })).fetchone()
     assert read is not None
+    inserted = bool(read.pop("facts_inserted", False))
     if isinstance(who, Unverified):
         caller = verify(who, read.pop("caller"))
         caller.require_member(inp.tenant_id)
     else:
         caller = who
     facts = {key: read.pop(key) for key in queries.DRAFT_FACT_COLUMNS}
-    stored = read if read["id"] is not None else None  # the rest is BY_ID's row, or NULLs
+    stored = read if read["id"] is not None else None  # the rest is BY_ID's row (or the draft inserted), or NULLs
     pool = facts["facts_pool"]
     if pool is not None and index is not None:
+        rt.seen_pools.remember(inp.tenant_id, pool)
         pool = {**pool, "single_model": index.single_model()}
     return Facts(caller, stored, facts["facts_now_ms"], pool,
-                 {"n": facts["facts_drafts"], "expires_in_s": facts["facts_drafts_expire_in_s"]}, facts["facts_policy"])
+                 {"n": facts["facts_drafts"], "expires_in_s": facts["facts_drafts_expire_in_s"]}, facts["facts_policy"],
+                 inserted)
+
+
+def _insert_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The draft's columns as the insert takes them (JSON values wrapped)."""
+    return {**params, **{k: Jsonb(params[k]) for k in ("request", "host_share", "attributes")}}
 
 
 async def _transaction_1(
@@ -147,28 +160,37 @@ async def _transaction_1(
 ) -> Draft:
     """Runs in autocommit: its one write for a new request, the draft with its IAM attributes, is
     one statement, so a new request costs two round trips (the facts with the stored row, the
-    insert) and no BEGIN or COMMIT. A stored row's confirmation expiry takes a transaction."""
-    facts = await _read_facts(conn, rt, who, inp, rid)
+    insert) and no BEGIN or COMMIT; one when the request was checked against the pool as this
+    tenant saw it before and the facts read finds it unchanged (draft_ahead). A stored row's
+    confirmation expiry takes a transaction."""
+    ahead = await draft_ahead.prepare(rt, who, inp, rid, digest, lambda seen: _checked(
+        conn, rt, inp, who.identity_id, _with_single_model(rt, seen)))
+    try:
+        facts = await _read_facts(conn, rt, who, inp, rid, ahead)
+    except psycopg.errors.IntegrityError:  # the draft room or the owner's rows refused the insert:
+        if ahead is None:
+            raise
+        facts = await _read_facts(conn, rt, who, inp, rid)  # the insert after the read says why
     caller = facts.caller
     row, pool, attributes = facts.row, facts.pool, None  # attributes: of the draft inserted here
-    if row is None:
+    if facts.inserted:  # checked against the pool the statement found unchanged
+        assert ahead is not None
+        pool, attributes = ahead.pool, ahead.attributes
+        rt.metrics.draft_written(ahead=True)
+    elif row is None:
         check_start(inp, facts.now_ms, TimeLimits.of(rt.settings))
-        resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id, pool=pool)
-        pool, request, share = resolved.pool, resolved.request, resolved.share
-        draft_room.require(rt, facts.drafts)
-        if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
-            request = await earliest.choose_start(conn, rt, request, facts.now_ms)
-        pool = await _with_models(conn, rt, request, pool)
-        attributes = _attributes({"tenant_id": inp.tenant_id, "owner_identity_id": caller.identity_id,
-                                  "pool_id": inp.request["poolId"], "request": request, "host_share": share}, pool)
+        pool, request, share, attributes = await _checked(conn, rt, inp, caller.identity_id, pool,
+                                                          live=facts.drafts, now_ms=facts.now_ms)
         row = await draft_room.insert(conn, rt, facts.drafts, {
             "id": rid, "tenant_id": inp.tenant_id, "pool_id": inp.request["poolId"],
             "identity_id": caller.identity_id, "key": inp.idempotency_key, "request": Jsonb(request),
-            "hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(attributes),
+            "request_hash": digest, "host_share": Jsonb(share), "attributes": Jsonb(attributes),
         })
         if row is None:  # a concurrent twin's draft: its attributes are upserted below
             attributes = None
             row = await _fetch(conn, rid)
+        else:
+            rt.metrics.draft_written(ahead=False)
         assert row is not None
     if row["request_hash"] != digest:
         raise errors.Conflict(
@@ -202,6 +224,28 @@ async def _transaction_1(
     draft.policy = facts.policy
     draft.decide = True
     return draft
+
+
+async def _checked(conn: AsyncConnection, rt: Runtime, inp: CreateInput, identity_id: str, pool: dict[str, Any] | None,
+                   *, live: dict[str, Any] | None = None, now_ms: int = 0) -> tuple[dict, dict, dict, dict]:
+    """A new request checked against the pool and resolved as its draft stores it: the pool with
+    its models, the request, its host share and its IAM attributes. `live`: the identity's drafts
+    when read (the draft's insert guards the cap in any case)."""
+    resolved = await resolve_request(conn, rt, inp.request, inp.tenant_id, pool=pool)
+    pool, request, share = resolved.pool, resolved.request, resolved.share
+    if live is not None:
+        draft_room.require(rt, live)
+    if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
+        request = await earliest.choose_start(conn, rt, request, now_ms)
+    pool = await _with_models(conn, rt, request, pool)
+    attributes = _attributes({"tenant_id": inp.tenant_id, "owner_identity_id": identity_id,
+                              "pool_id": inp.request["poolId"], "request": request, "host_share": share}, pool)
+    return pool, request, share, attributes
+
+
+def _with_single_model(rt: Runtime, pool: dict[str, Any]) -> dict[str, Any]:
+    index = _pool_index(rt, pool["id"])
+    return {**pool, "single_model": index.single_model() if index is not None else None}
 
 
 async def _with_models(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:

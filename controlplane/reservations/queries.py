@@ -57,13 +57,11 @@ WHERE r.id = %(id)s AND r.tenant_id = %(tenant_id)s AND r.state <> 'draft'
 # it commits again with a flush (the decision, the placement, the refusal), which makes the draft
 # durable too (WAL is flushed in order), or answers an error whose retry writes the draft again;
 # a crash can lose only drafts no caller was told about (docs/decisions.md).
-INSERT_DRAFT_WITH_AUTHZ = f"""
-WITH room AS MATERIALIZED (SELECT draft_room(%(identity_id)s::text, %(cap)s::integer, %(seen)s::integer) AS ok,
-                                  set_config('synchronous_commit', 'off', true) AS unflushed),
-d AS (
+# The draft and its attributes when `room` (a CTE before them) says ok: `d` is the row inserted.
+DRAFT_INSERT_CTES = f"""d AS (
     INSERT INTO reservations AS r
         (id, tenant_id, pool_id, owner_identity_id, idempotency_key, request, request_hash, host_share)
-    SELECT %(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(hash)s, %(host_share)s
+    SELECT %(id)s, %(tenant_id)s, %(pool_id)s, %(identity_id)s, %(key)s, %(request)s, %(request_hash)s, %(host_share)s
     FROM room WHERE room.ok
     ON CONFLICT DO NOTHING
     RETURNING {COLUMNS}
@@ -71,7 +69,11 @@ d AS (
 a AS (
     INSERT INTO authz_projection (reservation_id, attributes) SELECT d.id, %(attributes)s FROM d
     ON CONFLICT (reservation_id) DO UPDATE SET attributes = EXCLUDED.attributes
-)
+)"""
+INSERT_DRAFT_WITH_AUTHZ = f"""
+WITH room AS MATERIALIZED (SELECT draft_room(%(identity_id)s::text, %(cap)s::integer, %(seen)s::integer) AS ok,
+                                  set_config('synchronous_commit', 'off', true) AS unflushed),
+{DRAFT_INSERT_CTES}
 SELECT * FROM d
 """
 
