@@ -14,6 +14,7 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.workers import pending
 from tests.invariants import check_invariants, snapshot
 from tests.promise_support import pool_locked
 from tests.support import ServerThread, World, clock_now, eventually, get, gpus, make_world
@@ -217,6 +218,11 @@ def test_a_spot_booking_that_starts_after_the_notice_does_not_hold_off_a_regular
         assert [d["reason"] for d in events_of(w, s.id, "reservation.pending")] == ["Preempted"]
         assert w.sql("SELECT count(*) FROM quota_charges WHERE reservation_id = %s AND refunded_at IS NULL"
                      " AND resource = 'gpu'", (s.id,))[0][0] == 1  # a pending reservation keeps its charge
+    # A retry that still finds no room keeps the message that names the preemptor.
+    w.server.call(pending.retry_pool(w.server.app.runtime, w.pool_id))
+    for s in taken:
+        (why,) = get(w, s.id).conditions
+        assert why.reason == "Preempted" and r.id in why.message, why
     assert get(w, chain[2].id).state == "placed" and get(w, chain[2].id).during == chain[2].during
     check_invariants(w.conninfo, w.tenant)
     end_it(w, "cancel", r.id)  # the pool's pending reservations are woken: both fit again

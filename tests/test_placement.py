@@ -238,7 +238,6 @@ def test_nothing_planned_before_the_pool_lock_is_planned_again_under_it(world: W
     assert [b.state for b in blockers] == ["placed"] * len(world.nodes)
     waiting = world.create(count=1, start=start, duration="1h")
     assert waiting.state == "pending"
-    world.sql("DELETE FROM bookings WHERE allocation_id = %s", (blockers[0].allocations[0].id,))  # no wake-up
 
     async def place_on_a_stale_plan() -> dict | None:
         pool = await db.open_pool(world.conninfo, size=1)
@@ -246,7 +245,11 @@ def test_nothing_planned_before_the_pool_lock_is_planned_again_under_it(world: W
             rt = Runtime(pool, Settings(database_url=world.conninfo))
             async with pool.connection() as conn, conn.transaction():
                 await pool_lock(conn, world.pool_id)
+                # Freed with no wake-up of its own, while the lock holds off any pending retry (a
+                # wake-up still due from the nodes' registration, paced, may come at any time).
+                world.sql("DELETE FROM bookings WHERE allocation_id = %s", (blockers[0].allocations[0].id,))
                 row = await (await conn.execute(rq.BY_ID_FOR_UPDATE, {"id": waiting.id})).fetchone()
+                assert row["state"] == "pending"
                 now_ms = await db.now_ms(conn)
                 stale = placing.Prepared(placing.ask_for(row, now_ms), placer.Planned(None))
                 return await placing.place_locked(conn, rt, row, stale, now_ms)

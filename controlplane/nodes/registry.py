@@ -29,7 +29,8 @@ async def list_pool(pool: AsyncConnectionPool, pool_id: str) -> list[dict[str, A
 
 async def register(pool: AsyncConnectionPool, *, pool_id: str, name: str, labels: dict[str, Any],
                    capabilities: list[str], gpus: list[dict[str, Any]]) -> dict[str, Any]:
-    """A node and its GPU atoms, under the pool's lock (new atoms are new capacity)."""
+    """A node and its GPU atoms, under the pool's lock (new atoms are new capacity: the pool's
+    pending reservations retry at once)."""
     node_id = new_id("node")
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
@@ -44,6 +45,7 @@ async def register(pool: AsyncConnectionPool, *, pool_id: str, name: str, labels
                  "numa_node": g.get("numa_node") or 0, "nvlink_domain": g.get("nvlink_domain") or ""}
                 for g in gpus])
         await shared_atoms.apply(conn, node_id, pool_id, [shared_atoms.GpuParts(g["uuid"]) for g in gpus])
+        await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": pool_id})
         return await node(conn, node_id)
 
     with db_errors.mapped(poolId=pool_id, name=name):  # nodes_pool_id_fkey, nodes_pool_id_name_key

@@ -293,9 +293,10 @@ async def place_locked(
         reason = why or await explain(conn, row, ask)
         if row["state"] == states.PENDING:
             # A retry that still finds nothing keeps the reason it went pending for (NoFit, or
-            # BookingRepairFailed after a repair) and only refreshes the message.
+            # BookingRepairFailed after a repair) and only refreshes the message; a preempted
+            # one keeps its message too, which names what preempted it.
             held = next((c for c in row["conditions"] if c.get("type") == "Unschedulable"), None)
-            if held is None or held.get("message") != reason:
+            if held is None or (held.get("message") != reason and held.get("reason") != "Preempted"):
                 why = held.get("reason", "NoFit") if held else "NoFit"
                 await set_conditions(conn, row, [condition("Unschedulable", why, reason, now_ms), *_notice(row)])
             return None
