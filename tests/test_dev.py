@@ -280,7 +280,7 @@ def test_cli_reserve_get_list_release(dev: Dev) -> None:
     assert placed["idempotencyKey"].startswith("cli-")  # generated when --key is absent
     assert placed["request"]["duration"] == "3600000ms"  # --for defaults to 1h
     assert placed["request"]["devices"] == [
-        {"class": "gpu", "count": 4, "topology": "nvlink-all", "model": "", "profile": ""}]
+        {"class": "gpu", "count": 4, "topology": "nvlink-all", "model": "H100-SXM5-80GB", "profile": ""}]
 
     code, got, err = cli(dev, "get", placed["id"])
     assert code == 0, err

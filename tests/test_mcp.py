@@ -72,7 +72,7 @@ def test_an_agent_books_reads_lists_extends_and_releases(world: World, tmp_path:
         rid = booked["reservation"]["id"]
         assert booked["status"] in ("placed", "binding") and booked["idempotencyKey"].startswith("mcp-")
         assert booked["reservation"]["request"]["devices"] == [
-            {"class": "gpu", "count": 2, "topology": "nvlink-all", "model": "", "profile": ""}]
+            {"class": "gpu", "count": 2, "topology": "nvlink-all", "model": "H100-SXM5-80GB", "profile": ""}]
 
         # The same key answers the same reservation.
         failed, again = await call("reserve_gpus", gpus=2, topology="nvlink-all", duration="2h",

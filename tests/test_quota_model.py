@@ -11,7 +11,7 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import World, gpus, rpc_error
+from tests.support import World, eventually, get, gpus, rpc_error
 
 H100 = "H100-SXM5-80GB"
 A100 = "A100-SXM4-80GB"
@@ -91,3 +91,21 @@ def test_a_request_without_a_model_in_a_pool_of_several_models(world: World, sta
     placed = world.create(count=1, model=A100)
     assert placed.state == "placed" and live_charges(world)[f"gpu:{A100}"] == 1
     assert world.create(count=1, model=H100).state == "placed"
+
+
+def test_a_request_charged_as_the_pools_single_model_books_only_that_model(world: World) -> None:
+    """Charged as the pool's one model (and decided by IAM as that deviceModel), a request without a
+    model is stored with it: once the pool gains another model, its pending retry does not take
+    the new GPUs, which its tenant's model quota and policy were never asked about."""
+    start = world.later()
+    for _ in range(2):  # the pool's two H100 nodes, full for the window
+        assert world.create(count=8, start=start, duration="2h").state == "placed"
+    waiting = world.create(count=8, start=start, duration="2h")
+    assert waiting.state == "pending" and waiting.request.devices[0].model == H100
+    world.quota(8, f"gpu:{A100}")
+    control = world.create(count=8, start=start, duration="2h", model=A100)  # younger: retried after it
+    assert control.state == "pending"
+    world.add_node(gpus("late-a100", model=A100), name="late-a100")  # new inventory wakes the pool
+    eventually(world, control.id, lambda r: r.state == "placed", seconds=20)
+    assert get(world, waiting.id).state == "pending"
+    assert live_charges(world) == {"gpu": 32, f"gpu:{H100}": 24, f"gpu:{A100}": 8}

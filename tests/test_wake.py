@@ -1,9 +1,11 @@
 """Freed capacity wakes the pool's pending reservations at once (DESIGN.md section 9): after a
-BookingRepair and after a binding failure, as after a release or a cancel.
+BookingRepair and after a binding failure, as after a release or a cancel; new capacity too (a
+node registered).
 
 This module's server retries pending reservations only every hour, so a pending reservation that
 is placed within seconds was woken, not retried. Two models in one pool keep the moved
-reservation from taking its old node back: it may go anywhere, the waiting one only where it was.
+reservation from taking its old node back: it may go anywhere (it was created without a model in
+a pool of both), the waiting one only where it was.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ def live_nodes(r) -> list[str]:
 
 def test_a_booking_repair_wakes_the_pools_pending_reservations(world: World) -> None:
     wanted = add_node(world, WANTED)
+    other = add_node(world, OTHER)  # cordoned while the two fill the first node
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="cordoned"))
     start = now(world) + HOUR
     moved = world.create(count=4, start=start, duration="1h")
     world.create(count=4, start=start, duration="1h")  # the other half of the node, same window
-    assert live_nodes(moved) == [wanted.id]
-    other = add_node(world, OTHER)
+    assert live_nodes(moved) == [wanted.id] and moved.request.devices[0].model == ""
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="ready"))
     waiting = world.create(count=2, model=WANTED, start=start, duration="1h")
     assert waiting.state == "pending"
     # One of the moved reservation's GPUs goes bad: the repair moves it to the other model's node
@@ -78,10 +82,12 @@ def test_a_booking_repair_wakes_the_pools_pending_reservations(world: World) -> 
 
 def test_a_binding_failure_wakes_the_pools_pending_reservations(world: World) -> None:
     wanted = add_node(world, WANTED)
+    other = add_node(world, OTHER)  # cordoned while the failing one is placed on the first node
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="cordoned"))
     failing = world.create(count=8, duration="1h")
     assert live_nodes(failing) == [wanted.id]
     eventually(world, failing.id, lambda r: r.state == "binding")
-    other = add_node(world, OTHER)
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="ready"))
     waiting = world.create(count=8, model=WANTED, duration="1h")
     assert waiting.state == "pending"
     # No node reports the binding: at the bind deadline it is placed again on the other node,
@@ -91,3 +97,14 @@ def test_a_binding_failure_wakes_the_pools_pending_reservations(world: World) ->
     assert live_nodes(moved) == [other.id]
     placed = eventually(world, waiting.id, lambda r: r.state in ("placed", "binding"))
     assert live_nodes(placed) == [wanted.id]
+
+
+def test_a_node_registered_wakes_the_pools_pending_reservations(world: World) -> None:
+    add_node(world, WANTED)
+    start = now(world) + HOUR
+    assert world.create(count=8, start=start, duration="1h").state == "placed"
+    waiting = world.create(count=8, start=start, duration="1h")
+    assert waiting.state == "pending"
+    added = add_node(world, WANTED)
+    placed = eventually(world, waiting.id, lambda r: r.state == "placed")
+    assert live_nodes(placed) == [added.id]

@@ -238,6 +238,7 @@ async def _checked(conn: AsyncConnection, rt: Runtime, inp: CreateInput, identit
     if request.get("startEarliest"):  # the start chosen now is stored: a retry finds the same
         request = await earliest.choose_start(conn, rt, request, now_ms)
     pool = await _with_models(conn, rt, request, pool)
+    request = devices.pinned(request, pool)
     attributes = _attributes({"tenant_id": inp.tenant_id, "owner_identity_id": identity_id,
                               "pool_id": inp.request["poolId"], "request": request, "host_share": share}, pool)
     return pool, request, share, attributes

@@ -46,6 +46,18 @@ def model_of(device: dict[str, Any], pool: dict[str, Any]) -> str:
     return device.get("model") or pool.get("single_model") or ""
 
 
+def pinned(request: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
+    """The request as its draft stores it: without a model of its own in a pool of one model, that
+    model. IAM decides on it (deviceModel) and quota charges it (gpu:<model>), so the reservation
+    must book nothing else: a pending retry or a repair after the pool gained another model would
+    otherwise place it on GPUs its tenant's policy or model quota does not allow."""
+    device = request["devices"][0]
+    model = model_of(device, pool)
+    if not model or device.get("model"):
+        return request
+    return {**request, "devices": [{**device, "model": model}, *request["devices"][1:]]}
+
+
 def charges(request: dict[str, Any], pool: dict[str, Any], gang_size: int = 1) -> Charges:
     """`gpu` in GPU equivalents (a MIG instance 1/7, a slot 1/replicas) times the gang size, and
     the same amount on `gpu:<model>` for the model it books. `pool` carries `policy`,
