@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from psycopg_pool import AsyncConnectionPool
 
+from controlplane.common.seen_pools import SeenPools
 from controlplane.config import Settings
 from controlplane.metrics import Metrics
 from controlplane.placement.index_sync import CapacityIndex
 from controlplane.placement.lease import LeaseWorker
-from controlplane.common.seen_pools import SeenPools
 
 
 @dataclass(frozen=True)

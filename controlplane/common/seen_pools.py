@@ -20,9 +20,13 @@ class SeenPools:
         self._lock = threading.Lock()  # servers in threads of one process (tests) share a runtime's
 
     def remember(self, tenant_id: str, pool: dict[str, Any]) -> None:
+        """Every create's facts read calls this: the JSON is made only when the view changed."""
+        key = (tenant_id, pool["id"])
         with self._lock:
-            self._seen[(tenant_id, pool["id"])] = (json.dumps(pool), pool)
-            self._seen.move_to_end((tenant_id, pool["id"]))
+            held = self._seen.get(key)
+            if held is None or held[1] != pool:
+                self._seen[key] = (json.dumps(pool), pool)
+            self._seen.move_to_end(key)
             while len(self._seen) > self.entries:
                 self._seen.popitem(last=False)
 

@@ -18,14 +18,14 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
 from controlplane import authorize, confirmations, db, errors, events, iam, quota
-from controlplane.auth import Caller, Unverified, verify, verify_now
+from controlplane.auth import Caller, Unverified, verify_now
 from controlplane.common import devices as common_devices
 from controlplane.common.locks import pool_lock_key
 from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
-from controlplane.reservations import (devices, draft_ahead, draft_room, earliest, hostshare, kubernetes, placing, queries, queued,
-                                       queued_queries, schedule, states)
+from controlplane.reservations import (create_facts, devices, draft_ahead, draft_room, earliest, hostshare,
+                                       kubernetes, placing, queries, queued, queued_queries, schedule, states)
 from controlplane.reservations.reads import fetch_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
@@ -97,64 +97,6 @@ async def create(rt: Runtime, who: Caller | Unverified, raw: dict[str, Any]) -> 
     return await fetch_view(rt, rid)
 
 
-@dataclass
-class Facts:
-    """What transaction 1 reads before it decides anything: the stored row, and the rest in one
-    statement (queries.DRAFT_FACTS)."""
-
-    caller: Caller
-    row: dict[str, Any] | None  # the stored reservation of this key, if any
-    now_ms: int
-    pool: dict[str, Any] | None  # the pool as the tenant sees it (None: not visible)
-    drafts: dict[str, Any]  # the identity's live drafts (LIVE_DRAFTS)
-    policy: str | None  # the tenant's Cedar policy
-    inserted: bool = False  # `row` is the draft the statement inserted (draft_ahead)
-
-
-async def _read_facts(conn: AsyncConnection, rt: Runtime, who: Caller | Unverified, inp: CreateInput,
-                      rid: str, ahead: draft_ahead.Ahead | None = None) -> Facts:
-    """The stored row, the clock, the pool, the identity's drafts and the policy: one statement (a
-    retry of a stored row reads a little it may not need; a new request needs all of it), which
-    inserts `ahead`'s draft when its guard holds (draft_ahead). An Unverified caller's token is
-    verified in it, and its membership checked, before any of it is used: UNAUTHENTICATED or
-    ACCESS_DENIED as the interceptor and `create` would have answered."""
-    index = _pool_index(rt, inp.request["poolId"])
-    verifying = isinstance(who, Unverified)
-    if ahead is not None:
-        sql = draft_ahead.SQL_VERIFYING if verifying else draft_ahead.SQL
-    elif verifying:
-        sql = queries.DRAFT_FACTS_VERIFYING if index is not None else queries.DRAFT_FACTS_READING_MODELS_VERIFYING
-    else:
-        sql = queries.DRAFT_FACTS if index is not None else queries.DRAFT_FACTS_READING_MODELS
-    read = await (await conn.execute(sql, {
-        **(_insert_params(ahead.params) if ahead is not None else {}),
-        "id": rid, "pool_id": inp.request["poolId"], "tenant_id": inp.tenant_id, "identity_id": who.identity_id,
-        "cap": rt.settings.max_drafts_per_identity, "retention_s": rt.settings.draft_retention_hours * 3600,
-        **({"hash": who.token_hash} if verifying else {}),
-    })).fetchone()
-    assert read is not None
-    inserted = bool(read.pop("facts_inserted", False))
-    if isinstance(who, Unverified):
-        caller = verify(who, read.pop("caller"))
-        caller.require_member(inp.tenant_id)
-    else:
-        caller = who
-    facts = {key: read.pop(key) for key in queries.DRAFT_FACT_COLUMNS}
-    stored = read if read["id"] is not None else None  # the rest is BY_ID's row (or the draft inserted), or NULLs
-    pool = facts["facts_pool"]
-    if pool is not None and index is not None:
-        rt.seen_pools.remember(inp.tenant_id, pool)
-        pool = {**pool, "single_model": index.single_model()}
-    return Facts(caller, stored, facts["facts_now_ms"], pool,
-                 {"n": facts["facts_drafts"], "expires_in_s": facts["facts_drafts_expire_in_s"]}, facts["facts_policy"],
-                 inserted)
-
-
-def _insert_params(params: dict[str, Any]) -> dict[str, Any]:
-    """The draft's columns as the insert takes them (JSON values wrapped)."""
-    return {**params, **{k: Jsonb(params[k]) for k in ("request", "host_share", "attributes")}}
-
-
 async def _transaction_1(
     conn: AsyncConnection, rt: Runtime, who: Caller | Unverified, inp: CreateInput, rid: str, digest: str
 ) -> Draft:
@@ -163,14 +105,14 @@ async def _transaction_1(
     insert) and no BEGIN or COMMIT; one when the request was checked against the pool as this
     tenant saw it before and the facts read finds it unchanged (draft_ahead). A stored row's
     confirmation expiry takes a transaction."""
-    ahead = await draft_ahead.prepare(rt, who, inp, rid, digest, lambda seen: _checked(
-        conn, rt, inp, who.identity_id, _with_single_model(rt, seen)))
+    ahead = await draft_ahead.prepare(rt, who, inp, rid, digest, lambda seen, index: _checked(
+        conn, rt, inp, who.identity_id, create_facts.with_single_model(seen, index)))
     try:
-        facts = await _read_facts(conn, rt, who, inp, rid, ahead)
+        facts = await create_facts.read(conn, rt, who, inp, rid, ahead)
     except psycopg.errors.IntegrityError:  # the draft room or the owner's rows refused the insert:
         if ahead is None:
             raise
-        facts = await _read_facts(conn, rt, who, inp, rid)  # the insert after the read says why
+        facts = await create_facts.read(conn, rt, who, inp, rid)  # the insert after the read says why
     caller = facts.caller
     row, pool, attributes = facts.row, facts.pool, None  # attributes: of the draft inserted here
     if facts.inserted:  # checked against the pool the statement found unchanged
@@ -244,11 +186,6 @@ async def _checked(conn: AsyncConnection, rt: Runtime, inp: CreateInput, identit
     return pool, request, share, attributes
 
 
-def _with_single_model(rt: Runtime, pool: dict[str, Any]) -> dict[str, Any]:
-    index = _pool_index(rt, pool["id"])
-    return {**pool, "single_model": index.single_model() if index is not None else None}
-
-
 async def _with_models(conn: AsyncConnection, rt: Runtime, request: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
     """The pool with its GPU models listed when the request's model is not known from it (a pool
     of several models: a model quota may refuse it)."""
@@ -295,19 +232,15 @@ async def _with_host_resources(
     return {**request, "resources": booked}, share
 
 
-def _pool_index(rt: Runtime, pool_id: str) -> Any:
-    return rt.capacity.pool(pool_id) if rt.capacity is not None else None
-
-
 async def _visible_pool(conn: AsyncConnection, rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any] | None:
     """The pool if the tenant sees it, with its single GPU model (None when it has several or
     none): from the capacity index when built, so no create scans the pool's atoms."""
     params = {"pool_id": pool_id, "tenant_id": tenant_id}
-    index = _pool_index(rt, pool_id)
+    index = create_facts.pool_index(rt, pool_id)
     if index is None:
         return await (await conn.execute(queries.VISIBLE_POOL, params)).fetchone()
     pool = await (await conn.execute(queries.VISIBLE_POOL_FACTS, params)).fetchone()
-    return None if pool is None else {**pool, "single_model": index.single_model()}
+    return None if pool is None else create_facts.with_single_model(pool, index)
 
 
 def _model_known(request: dict[str, Any], pool: dict[str, Any]) -> bool:
@@ -316,7 +249,7 @@ def _model_known(request: dict[str, Any], pool: dict[str, Any]) -> bool:
 
 async def _pool_models(conn: AsyncConnection, rt: Runtime, pool_id: str) -> list[str]:
     """The pool's GPU models: from the capacity index when built, else read."""
-    index = _pool_index(rt, pool_id)
+    index = create_facts.pool_index(rt, pool_id)
     if index is not None:
         return index.models()
     return [r["model"] for r in await (await conn.execute(queries.POOL_MODELS, {"pool_id": pool_id})).fetchall()]

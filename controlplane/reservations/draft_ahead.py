@@ -31,9 +31,8 @@ class Ahead:
     """A draft checked against a pool seen before, to insert in the facts statement."""
 
     pool: dict[str, Any]  # the view it was checked against, with the index's models
-    request: dict[str, Any]  # as stored
     attributes: dict[str, Any]
-    params: dict[str, Any]  # the guard's and the insert's parameters
+    params: dict[str, Any]  # the guard's and the insert's parameters (the request as stored among them)
 
 
 def eligible(request: dict[str, Any]) -> bool:
@@ -55,13 +54,10 @@ def sql(verifying: bool) -> str:
     checks as auth.verify and Caller.require_member would."""
     caller_ok = ("(f.caller->>'id') = %(identity_id)s AND NOT (f.caller->>'expired')::boolean"
                  " AND (f.caller->'tenant_ids') ? %(tenant_id)s") if verifying else "true"
-    caller_col = auth.CALLER_COLUMN + "," if verifying else ""
+    columns = queries.fact_columns(queries.VISIBLE_POOL_FACTS, auth.CALLER_COLUMN if verifying else "")
     return f"""
 WITH facts AS MATERIALIZED (
-    SELECT epoch_ms(compute_now()) AS facts_now_ms, {caller_col}
-           (SELECT to_jsonb(p) FROM ({queries.VISIBLE_POOL_FACTS.strip()}) p) AS facts_pool,
-           d.n AS facts_drafts, d.expires_in_s AS facts_drafts_expire_in_s,
-           (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS facts_policy
+    SELECT {columns}
     FROM ({queries.LIVE_DRAFTS.strip()}) d
 ),
 stored AS MATERIALIZED ({queries.BY_ID}),
@@ -90,21 +86,22 @@ SQL_VERIFYING = sql(verifying=True)
 
 async def prepare(rt: Any, who: auth.Caller | auth.Unverified, inp: Any, rid: str, digest: str,
                   check: Any) -> Ahead | None:
-    """The draft checked against the pool this tenant saw last (`check(pool)`: the request resolved
-    and its attributes, as transaction 1 makes them), or None: no view seen, the request is not
+    """The draft checked against the pool this tenant saw last (`check(pool, index)`: the request
+    resolved and its attributes, as transaction 1 makes them), or None: no view seen, the request is not
     eligible, or a check refused it on that view (the facts read now decide)."""
     request = inp.request
-    if rt.capacity is None or rt.capacity.pool(request["poolId"]) is None or not eligible(request):
+    index = rt.capacity.pool(request["poolId"]) if rt.capacity is not None else None
+    if index is None or not eligible(request):
         return None
     seen = rt.seen_pools.get(inp.tenant_id, request["poolId"])
     if seen is None:
         return None
     text, pool = seen
     try:
-        pool, stored, share, attributes = await check(pool)
+        pool, stored, share, attributes = await check(pool, index)
     except errors.DomainError:
         return None
-    return Ahead(pool, stored, attributes, {
+    return Ahead(pool, attributes, {
         "pool_seen": text, "now_min": now_min(request, TimeLimits.of(rt.settings).max_start_ahead_ms),
         "tenant_id": inp.tenant_id, "pool_id": request["poolId"], "identity_id": who.identity_id,
         "key": inp.idempotency_key, "request": stored, "request_hash": digest, "host_share": share,

@@ -519,13 +519,18 @@ FROM (SELECT created_at, state FROM reservations
 DRAFT_FACT_COLUMNS = ("facts_now_ms", "facts_pool", "facts_drafts", "facts_drafts_expire_in_s", "facts_policy")
 
 
+def fact_columns(pool_sql: str, caller_sql: str = "") -> str:
+    """The `facts_` columns (and `caller` with `caller_sql`), selected from LIVE_DRAFTS as `d`."""
+    return f"""epoch_ms(compute_now()) AS facts_now_ms, {caller_sql + "," if caller_sql else ""}
+       (SELECT to_jsonb(p) FROM ({pool_sql.strip()}) p) AS facts_pool,
+       d.n AS facts_drafts, d.expires_in_s AS facts_drafts_expire_in_s,
+       (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS facts_policy"""
+
+
 def draft_facts(pool_sql: str, caller_sql: str = "") -> str:
     """`caller_sql`: a column verifying the caller's token in the same read (auth.CALLER_COLUMN)."""
     return f"""
-SELECT epoch_ms(compute_now()) AS facts_now_ms, {caller_sql + "," if caller_sql else ""}
-       (SELECT to_jsonb(p) FROM ({pool_sql.strip()}) p) AS facts_pool,
-       d.n AS facts_drafts, d.expires_in_s AS facts_drafts_expire_in_s,
-       (SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s) AS facts_policy,
+SELECT {fact_columns(pool_sql, caller_sql)},
        stored.*
 FROM ({LIVE_DRAFTS.strip()}) d LEFT JOIN LATERAL ({BY_ID}) stored ON true
 """
