@@ -172,6 +172,25 @@ def test_preloaded_bookings_keep_the_invariants(database: str, tmp_path: pathlib
         assert future == 0, "no preloaded window starts within the hour"
 
 
+
+def test_analyze_after_seeding_leaves_the_empty_tables_as_autovacuum_would(database: str) -> None:
+    """Only the tables seeding filled are analyzed: an empty table ANALYZE has seen is planned as
+    empty, and a backend's first generic plans for it (the foreign-key checks' lookups by primary
+    key among them) would be sequential scans kept while the measured creates fill it."""
+    stack.ensure_root(database)
+    analyzed = stack.analyze(database)
+    with psycopg.connect(database, autocommit=True) as conn:
+        filled = [t for (t,) in conn.execute(
+            "SELECT format('%I.%I', schemaname, relname) FROM pg_stat_user_tables ORDER BY 1")
+            if conn.execute(f"SELECT EXISTS (SELECT 1 FROM {t})").fetchone()[0]]
+        assert analyzed == filled and "public.identities" in analyzed
+        assert "public.allocations" not in analyzed
+        assert conn.execute("SELECT reltuples FROM pg_class WHERE oid = 'allocations'::regclass").fetchone()[0] == -1
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute("PREPARE fk_check(text) AS SELECT 1 FROM ONLY allocations x WHERE id = $1 FOR KEY SHARE OF x")
+        plan = "\n".join(r for (r,) in conn.execute("EXPLAIN EXECUTE fk_check('a')"))
+        assert "Index Scan using allocations_pkey" in plan, plan
+
 def test_tenants_each_book_the_pool_as_themselves(database: str, tmp_path: pathlib.Path) -> None:
     """--tenants 3: the owner and two tenants the pool is offered to, each with its own token and
     quota; create n is tenant n mod 3's, placed and charged to that tenant."""
