@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "closed and the open loop (statistics and vacuuming then left to autovacuum)")
     p.add_argument("--pg-statements", action="store_true",
                    help="diagnostic: log every SQL statement during the creates and summarise (slower)")
+    p.add_argument("--pg-plans", action="store_true",
+                   help="diagnostic: count planning too, nested statements included (pg_stat_statements "
+                        "track = all, track_planning) and list the statements planned on most of their calls")
     p.add_argument("--profile-server", action="store_true",
                    help="diagnostic: run the control plane under cProfile and print its hot spots (slower)")
     p.add_argument("--placement-index", choices=["on", "off"], default="on",
@@ -93,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--rounds above 1 needs the floors and the closed loop (no --no-baselines, no numeric --rate)")
     if args.server == "inprocess" and (args.replicas > 1 or args.profile_server):
         p.error("--replicas and --profile-server need --server subprocess")
+    if args.pg_plans and args.no_pg_stat:
+        p.error("--pg-plans needs pg_stat_statements (no --no-pg-stat)")
     if args.wait_ms is None:
         args.wait_ms = 30_000 if args.placer == "lease" else 0
     defaults = (100, 5.0, 3.0) if args.quick else (1000, 25.0, 10.0)
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         conninfo = stack.start_database(tmp, fast=args.fast_db)
         if not args.no_pg_stat:
-            pgstat.enable(conninfo)
+            pgstat.enable(conninfo, plans=args.pg_plans)
             conninfo = stack.restart_database(tmp, fast=args.fast_db)
             if not pgstat.create_extension(conninfo):
                 say("note: pg_stat_statements did not load: no statements per create in this run")

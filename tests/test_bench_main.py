@@ -15,7 +15,7 @@ import grpc
 import psycopg
 import pytest
 
-from bench import phases, preload, report, stack
+from bench import pgstat, phases, preload, report, stack
 from bench.__main__ import parse_args
 from bench.creates import Workload, create_call, make_request
 from bench.load import Result, drive_open
@@ -50,10 +50,23 @@ def test_tenants_flag() -> None:
 @pytest.mark.parametrize("argv", [["--rate", "fast"], ["--rate", "0"], ["--replicas", "0"],
                                   ["--placer", "batch"], ["--server", "inprocess", "--replicas", "2"],
                                   ["--rounds", "0"], ["--rounds", "2", "--no-baselines"],
-                                  ["--rounds", "2", "--rate", "50"], ["--tenants", "0"]])
+                                  ["--rounds", "2", "--rate", "50"], ["--tenants", "0"],
+                                  ["--pg-plans", "--no-pg-stat"]])
 def test_bad_flags_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_the_summary_lists_the_statements_planned_on_most_calls() -> None:
+    """--pg-plans: the statements the plan cache planned on most of their calls, with their
+    planning per create; none listed when planning was not counted."""
+    stats = pgstat.Statements(200, 80.0, 200, 0, [("SELECT place_inline($1)", 100, 70.0)],
+                              [("SELECT c.resource FROM unnest(p_resources)", 100, 99, 29.7)])
+    text = pgstat.summary(stats, name="Reservations.Create", calls=100)
+    assert "planned on most of their calls" in text
+    assert re.search(r"\s100\s+99\s+0\.300\s+0\.297\s+SELECT c\.resource FROM unnest", text), text
+    quiet = pgstat.summary(pgstat.Statements(200, 80.0, 200, 0, stats.rows), name="Reservations.Create", calls=100)
+    assert "planned on most" not in quiet
 
 
 def test_open_loop_starts_calls_on_time_whatever_the_answers() -> None:
@@ -234,7 +247,7 @@ def test_tiny_run_with_every_new_flag() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "bench", "--quick", "--nodes", "20", "--seconds", "2", "--baseline-seconds", "1",
             "--concurrency", "4", "--bookings", "2000", "--rate", "half", "--replicas", "2", "--placer", "inline",
-            "--profile-server", "--rounds", "2", "--tenants", "2"]
+            "--profile-server", "--rounds", "2", "--tenants", "2", "--pg-plans"]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
     out = done.stdout
     assert done.returncode == 0, f"exit {done.returncode}\n{out[-6000:]}\n{done.stderr[-3000:]}"
@@ -246,7 +259,8 @@ def test_tiny_run_with_every_new_flag() -> None:
     assert re.search(r"^grpc echo \(bytes\)", out, re.M) and re.search(r"^raw SQL 3-tx create", out, re.M), out
     assert re.search(r"preloaded: \d+ bookings in \d+ reservations", out), out
     assert re.search(r"control plane start \(2 processes.*gRPC ready after [0-9.]+s, capacity index built", out), out
-    assert re.search(r"PostgreSQL per create, Reservations\.Create \(\d+ creates.*: [0-9.]+ statements", out), out
+    per_create = re.search(r"PostgreSQL per create, Reservations\.Create \(\d+ creates.*: ([0-9.]+) statements", out)
+    assert per_create and float(per_create.group(1)) < 10, "--pg-plans counts nested statements; top-level only here"
     assert "control plane profile over the create phase" in out, out
     assert "ratios: create/echo" in out, out
     assert re.search(r"^tenants: 2 \('bench' owns the pool", out, re.M), out
