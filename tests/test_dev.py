@@ -28,6 +28,7 @@ import grpc
 import psutil
 import pytest
 
+from bench.stack import free_port
 from bettercompute.v1 import admin_pb2, admin_pb2_grpc, providers_pb2, providers_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
 from bettercompute.v1 import reservations_pb2_grpc
@@ -77,16 +78,20 @@ def scratch_dir() -> Iterator[pathlib.Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _dev_env(data_dir: pathlib.Path) -> dict[str, str]:
+def _dev_env(data_dir: pathlib.Path, provider_listen: str = "") -> dict[str, str]:
     env = dict(os.environ, BC_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     env.pop("DATABASE_URL", None)
     env.pop("BC_LISTEN", None)
+    env.pop("BC_PROVIDERSIM_LISTEN", None)
+    if provider_listen:
+        env["BC_PROVIDERSIM_LISTEN"] = provider_listen
     return env
 
 
 @contextmanager
-def running_dev(data_dir: pathlib.Path, run: str) -> Iterator[Dev]:
-    """`python -m controlplane.cli dev --listen 127.0.0.1:0` until connection.json appears.
+def running_dev(data_dir: pathlib.Path, run: str, provider_listen: str = "") -> Iterator[Dev]:
+    """`python -m controlplane.cli dev --listen 127.0.0.1:0` until connection.json appears (the
+    simulated provider on `provider_listen` when given, as `make dev` keeps it on one port).
 
     On the way out the process is stopped (SIGINT, then kill) unless the test already did.
     """
@@ -95,7 +100,7 @@ def running_dev(data_dir: pathlib.Path, run: str) -> Iterator[Dev]:
         process = subprocess.Popen(
             [sys.executable, "-m", "controlplane.cli", "dev", "--listen", "127.0.0.1:0"],
             cwd=REPO,
-            env=_dev_env(data_dir),
+            env=_dev_env(data_dir, provider_listen),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -145,9 +150,13 @@ def scratch() -> Iterator[pathlib.Path]:
 
 def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pathlib.Path) -> None:
     data_dir = scratch / "dev"
+    # One provider port for every run, as `make dev` has: the later runs find the demo's provider
+    # account stored and the control plane scans it as it starts (they failed while the provider
+    # was started after the control plane).
+    provider = f"127.0.0.1:{free_port()}"
     # Starting in an hour: the reservation stays placed (it reaches binding only at its start).
     start_ms = int((time.time() + 3600) * 1000)
-    with running_dev(data_dir, "first") as dev:
+    with running_dev(data_dir, "first", provider) as dev:
         conn = dev.connection
         assert set(conn) >= {"endpoint", "token", "rootToken", "tenantId", "poolId", "gatewayEndpoint", "sandbox"}
         assert conn["tenantId"] == "acme" and conn["poolId"].startswith("pool_")
@@ -202,8 +211,9 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
     for name in ("tokens.json", "join-tokens.json"):
         assert stat.S_IMODE((data_dir / name).stat().st_mode) == 0o600, name
 
-    with running_dev(data_dir, "second") as again:
+    with running_dev(data_dir, "second", provider) as again:
         assert again.connection["poolId"] == conn["poolId"]
+        assert again.connection["providerAccountId"] == conn["providerAccountId"], "the provider account was made anew"
         # The tokens are reused, not minted anew; nodes with a certificate get no join token.
         assert (again.connection["token"], again.connection["rootToken"]) == (conn["token"], conn["rootToken"])
         assert [t["joinToken"] for t in _join_tokens(data_dir)] == [""] * 8
@@ -233,7 +243,7 @@ def test_dev_places_a_reservation_stops_cleanly_and_reuses_its_data(scratch: pat
                                                            metadata=_auth(conn["rootToken"]), timeout=30)
         assert again.stop() == 0, again.log()
 
-    with running_dev(data_dir, "third") as third:
+    with running_dev(data_dir, "third", provider) as third:
         assert third.connection["rootToken"] == conn["rootToken"]
         assert third.connection["token"] != conn["token"]
         with third.channel() as channel:

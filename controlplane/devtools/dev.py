@@ -228,14 +228,24 @@ async def _serve(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
 
+    fleet = Fleet(pathlib.Path(settings.data_dir), conninfo, free_ports=listen.endswith(":0"))
+    # The simulated provider first, as a real one is always up: a data directory from an earlier
+    # run holds the demo's provider account, and the control plane scans it as it starts (a scan
+    # refused then left the account's channel backing off, and the demo's own scan failed).
+    try:
+        await asyncio.to_thread(fleet.start_provider)
+    except RuntimeError as exc:
+        log.error("the simulated provider did not start", error=str(exc))
+        fleet.stop()
+        return 1
     try:
         app = await start_app(settings, conninfo, listen=listen)
     except RuntimeError as exc:  # grpc's bind failure, e.g. the port is taken
         log.error("cannot start the control plane", listen=listen, error=str(exc))
+        fleet.stop()
         return 1
     collect_as_a_server(app, settings)
     endpoint = f"{_client_host(listen)}:{app.port}"
-    fleet = Fleet(pathlib.Path(settings.data_dir), conninfo, free_ports=listen.endswith(":0"))
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:
             demo = await seed(channel, endpoint, root_token, user_token)
@@ -369,19 +379,24 @@ class Fleet:
         self.listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_GATEWAY_LISTEN", "127.0.0.1:50061")
         self.enrol_listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_GATEWAY_ENROL_LISTEN",
                                                                              "127.0.0.1:50062")
-        self.provider_listen = "127.0.0.1:0" if free_ports else os.environ.get("BC_PROVIDERSIM_LISTEN",
-                                                                               "127.0.0.1:50063")
+        # BC_PROVIDERSIM_LISTEN wins even with free ports (a test that restarts dev on one data
+        # directory keeps its provider where the stored account says it is).
+        self.provider_listen = os.environ.get("BC_PROVIDERSIM_LISTEN") or ("127.0.0.1:0" if free_ports
+                                                                            else "127.0.0.1:50063")
         self.session = ""
         self.provider = ""
         self.processes: list[devstack.Process] = []
 
-    def start(self, endpoint: str, root_token: str, pool_id: str, count: int) -> None:
-        logs, ca, join_tokens = self.data_dir / "logs", self.data_dir / "ca.pem", self.data_dir / "join-tokens.json"
+    def start_provider(self) -> None:
+        logs = self.data_dir / "logs"
         provider, self.provider = devstack.providersim(
             logs / "providersim.log", listen=self.provider_listen,
             reservations=[f"{PROVIDER_ACCOUNT}/{PROVIDER_RESERVATION}/{PROVIDER_FLAVOR}/{REGION}/{PROVIDER_SLOTS}"])
         self.processes.append(provider)
         log.info("providersim running", endpoint=self.provider, log=str(logs / "providersim.log"))
+
+    def start(self, endpoint: str, root_token: str, pool_id: str, count: int) -> None:
+        logs, ca, join_tokens = self.data_dir / "logs", self.data_dir / "ca.pem", self.data_dir / "join-tokens.json"
         gateway, self.session, enrol = devstack.gateway(self.conninfo, logs / "gateway.log", ca,
                                                         listen=self.listen, enrol_listen=self.enrol_listen)
         self.processes.append(gateway)
