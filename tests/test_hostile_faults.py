@@ -93,8 +93,10 @@ def test_a_whole_pool_of_dead_connections_fails_no_call(world: World) -> None:
     check_invariants(world.conninfo, world.tenant)
 
 
-def waiting_on_a_lock(conninfo: str) -> list[int]:
-    return backends(conninfo, "wait_event_type = 'Lock'")
+def waiting_on_a_lock(conninfo: str, statement: str = "") -> list[int]:
+    """The backends waiting on a lock (running `statement`, when given: a pending retry woken by
+    the world's newly registered nodes takes the pool lock too)."""
+    return backends(conninfo, "wait_event_type = 'Lock'" + (f" AND query LIKE '%{statement}%'" if statement else ""))
 
 
 @pytest.mark.parametrize("call", ["release", "cancel", "extend", "create"])
@@ -123,7 +125,8 @@ def test_a_call_whose_backend_is_ended_mid_call_is_unavailable_and_its_retry_con
             holder.execute("SELECT 1 FROM reservations WHERE id = %s FOR UPDATE", (target.id,))
         thread = threading.Thread(target=lambda: answer.update(refused=refused(requests[call])))
         thread.start()
-        [blocked] = until(lambda: waiting_on_a_lock(world.conninfo), "the call to wait on the lock")
+        statement = "place_inline" if call == "create" else ""
+        [blocked] = until(lambda: waiting_on_a_lock(world.conninfo, statement), "the call to wait on the lock")
         terminate(world.conninfo, [blocked])
         thread.join(WAIT)
         holder.rollback()
