@@ -95,13 +95,16 @@ def summary(stats: Statements, *, name: str, calls: int, top: int = 15) -> str:
              f"{stats.commits / per:.1f} commits, {stats.rollbacks / per:.2f} rollbacks",
              f"  {'calls':>8} {'per create':>10} {'mean ms':>8} {'ms/create':>9} {'share':>6}  statement"]
     for text, count, total in stats.rows[:top]:
-        key = re.sub(r"\s+", " ", text).strip()[:100]
         lines.append(f"  {count:>8} {count / per:>10.2f} {total / max(count, 1):>8.3f} {total / per:>9.3f}"
-                     f" {100 * total / (stats.exec_ms or 1):>5.1f}%  {key}")
+                     f" {100 * total / (stats.exec_ms or 1):>5.1f}%  {_shown(text)}")
     if stats.replanned:
         lines.append("  planned on most of their calls (--pg-plans; nested statements included):")
         lines.append(f"  {'calls':>8} {'plans':>8} {'plan ms':>8} {'ms/create':>9}  statement")
         for text, count, plans, plan_ms in stats.replanned[:top]:
-            key = re.sub(r"\s+", " ", text).strip()[:100]
-            lines.append(f"  {count:>8} {plans:>8} {plan_ms / max(plans, 1):>8.3f} {plan_ms / per:>9.3f}  {key}")
+            lines.append(f"  {count:>8} {plans:>8} {plan_ms / max(plans, 1):>8.3f} {plan_ms / per:>9.3f}  {_shown(text)}")
     return "\n".join(lines)
+
+
+def _shown(text: str) -> str:
+    """A statement on one line, cut to its first 100 characters."""
+    return re.sub(r"\s+", " ", text).strip()[:100]

@@ -82,7 +82,6 @@ def test_charge_all_answers_as_charging_one_resource_at_a_time(world: World, usa
         assert _answer(conn, all_at_once, reservation_id) == expected
 
 
-
 def test_charge_all_plans_its_statements_once_per_connection_whatever_their_costs(world: World) -> None:
     """Its fit read's rows come from unnest() of its arguments, whose custom plans the plan cache
     found cheaper than the generic one on every call under a benchmark's statistics: a create's

@@ -236,13 +236,13 @@ async def _serve(
         await asyncio.to_thread(fleet.start_provider)
     except RuntimeError as exc:
         log.error("the simulated provider did not start", error=str(exc))
-        fleet.stop()
+        await asyncio.to_thread(fleet.stop)
         return 1
     try:
         app = await start_app(settings, conninfo, listen=listen)
     except RuntimeError as exc:  # grpc's bind failure, e.g. the port is taken
         log.error("cannot start the control plane", listen=listen, error=str(exc))
-        fleet.stop()
+        await asyncio.to_thread(fleet.stop)
         return 1
     collect_as_a_server(app, settings)
     endpoint = f"{_client_host(listen)}:{app.port}"
