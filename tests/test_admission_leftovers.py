@@ -193,6 +193,20 @@ def test_a_window_without_a_start_begins_at_placement_not_at_transaction_1(clock
     assert (kept.during.start, kept.during.end) == (start, start + HOUR)
 
 
+def test_a_lease_counts_from_the_clock_at_placement_not_at_transaction_1(clock_world: World) -> None:
+    """leaseSeconds run from placement (the clock read under the locks, migration 0059): a create
+    whose transaction 2 waited while the clock moved two hours gets its full lease from the moved
+    clock, not one that lapsed before it was placed; its lease wake-up is due then too."""
+    w = clock_world
+    start = clock_now(w) + 24 * HOUR  # far ahead: the window itself stays as asked
+    r, moved = created_while_the_clock_jumps(w, 2 * HOUR, start=start, duration="1h", lease_seconds=600)
+    assert r.state == "placed" and r.during.start == start, r
+    assert moved + 600_000 <= r.lease_deadline <= clock_now(w) + 600_000
+    due = w.sql("SELECT min(epoch_ms(run_at)) FROM work_items WHERE kind = 'reservation' AND subject = %s"
+                " AND epoch_ms(run_at) < %s", (r.id, start))
+    assert due == [(r.lease_deadline,)]
+
+
 # A hostile tenant ----------------------------------------------------------------------------
 
 
