@@ -34,6 +34,10 @@ class GatewaySettings:
     # How often the unreachable sweeper looks (and stores what the heartbeats said).
     sweep_seconds: float = field(default_factory=lambda: env_float("BC_NODE_SWEEP_SECONDS", 5))
     db_pool_size: int = field(default_factory=lambda: env_int("BC_GATEWAY_DB_POOL_SIZE", 8))
+    # On stop, how long the last heartbeats' store and the sessions' release may wait for the
+    # database; past it they are left (each node is then judged by its grace, as after a crash),
+    # so a gateway whose database is down still stops.
+    stop_db_seconds: float = field(default_factory=lambda: env_float("BC_GATEWAY_STOP_DB_SECONDS", 5))
     # The largest TLS record a session's connection writes, in bytes (gRPC allows 1024-16384).
     # Each connection keeps a buffer of this size for its whole life: node sessions carry small
     # messages, so 4 KiB instead of 16 saves ~7 KiB per session and larger messages still go,

@@ -9,9 +9,10 @@ import signal
 from dataclasses import dataclass, field
 
 import grpc
+import psycopg
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import db
@@ -47,13 +48,20 @@ class Gateway:
     tasks: list[asyncio.Task] = field(default_factory=list)
     metrics_server: MetricsServer | None = None  # its port: metrics_server.port
 
-    async def stop(self, grace: float = 1.0) -> None:
+    async def stop(self, grace: float = 1.0, db_seconds: float = 5.0) -> None:
+        """Stop serving, then release this gateway's sessions within `db_seconds` of database time
+        (GatewaySettings.stop_db_seconds): past it they are left registered, as a crash leaves
+        them, and each node is judged by its grace; the process stops either way."""
         self.stopping.set()
         self.runner.closing = True
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.server.stop(grace)
-        await self.runner.release_all()
+        try:
+            await asyncio.wait_for(self.runner.release_all(), db_seconds)
+        except (asyncio.TimeoutError, psycopg.Error, PoolTimeout) as exc:
+            log.warning("sessions left registered: the database did not answer in time",
+                        error=repr(exc), seconds=db_seconds)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -126,4 +134,4 @@ async def run_forever(settings: GatewaySettings, conninfo: str, listen: str, enr
     if gateway.metrics_server is not None:
         print(f"metrics on {_host(settings.metrics_listen)}:{gateway.metrics_server.port}", flush=True)
     await stop.wait()
-    await gateway.stop()
+    await gateway.stop(db_seconds=settings.stop_db_seconds)

@@ -23,6 +23,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.sql import SQL, Identifier
 from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
@@ -662,24 +664,31 @@ def test_one_log_line_per_rpc_and_per_session_start_and_end(gateway: GatewayThre
 
 # The real process ---------------------------------------------------------------------------
 
-def test_python_m_gateway_serves_nodes_as_a_real_process(database: str, pool_id: str, tmp_path: pathlib.Path) -> None:
+def gateway_process(database: str, tmp_path: pathlib.Path, **env: str) -> tuple[subprocess.Popen, Any]:
+    """`python -m gateway` on free ports, once it serves: the process, and what Node needs of it."""
     ca_file = tmp_path / "ca.pem"
-    env = {**os.environ, "DATABASE_URL": database, "BC_LOG_FORMAT": "json"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--listen", "127.0.0.1:0", "--enrol-listen", "127.0.0.1:0",
-         "--write-ca", str(ca_file)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         "--write-ca", str(ca_file)], cwd=REPO, env={**os.environ, "DATABASE_URL": database, "BC_LOG_FORMAT": "json",
+                                                    **env},
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert line.startswith("gateway listening on "), line
+    ports = [int(p.split()[0]) for p in line.split("127.0.0.1:")[1:]]
+
+    class Remote:  # what Node needs of a gateway
+        conninfo = database
+        endpoint = f"127.0.0.1:{ports[0]}"
+        enrol_endpoint = f"127.0.0.1:{ports[1]}"
+        ca_pem = ca_file.read_bytes()
+
+    return proc, Remote
+
+
+def test_python_m_gateway_serves_nodes_as_a_real_process(database: str, pool_id: str, tmp_path: pathlib.Path) -> None:
+    proc, remote = gateway_process(database, tmp_path)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("gateway listening on "), line
-        ports = [int(p.split()[0]) for p in line.split("127.0.0.1:")[1:]]
-
-        class Remote:  # what Node needs of a gateway
-            conninfo = database
-            endpoint = f"127.0.0.1:{ports[0]}"
-            enrol_endpoint = f"127.0.0.1:{ports[1]}"
-            ca_pem = ca_file.read_bytes()
-
-        node = Node(Remote)  # type: ignore[arg-type]
+        node = Node(remote)
         node.enrol(join_token(database, pool_id, "gpu-01"))
         session = node.session()
         assert session.recv() is not None
@@ -690,6 +699,38 @@ def test_python_m_gateway_serves_nodes_as_a_real_process(database: str, pool_id:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_a_real_gateway_stops_on_sigterm_while_its_database_does_not_answer(
+        database: str, pool_id: str, tmp_path: pathlib.Path) -> None:
+    """A gateway holding a node's session stops on SIGTERM even when its database has gone away:
+    the sessions' release waits BC_GATEWAY_STOP_DB_SECONDS for it, then leaves them (the node is
+    judged by its grace, as after a crash). It waited for the pool, 30 seconds per statement and
+    again on every retry, for minutes."""
+    proc, remote = gateway_process(database, tmp_path, BC_GATEWAY_STOP_DB_SECONDS="2")
+    dbname = conninfo_to_dict(database)["dbname"]
+    with psycopg.connect(make_conninfo(database, dbname="postgres"), autocommit=True) as admin:
+        try:
+            node = Node(remote)
+            node.enrol(join_token(database, pool_id, "gpu-01"))
+            session = node.session()
+            session.recv()
+            session.send(hello())
+            eventually(lambda: node_row(database, node.node_id)["connectivity"] == "connected", what="hello")
+            # The database goes away for the gateway: no new connection, and every one it has ends.
+            admin.execute(SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(Identifier(dbname)))
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (dbname,))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=45) == 0
+            session.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            admin.execute(SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS true").format(Identifier(dbname)))
+    # Left as a crash leaves it: the node's session still names the stopped gateway.
+    assert sql(database, "SELECT session_gateway IS NOT NULL AS registered FROM nodes WHERE id = %s",
+               (node.node_id,)) == [{"registered": True}]
 
 
 # Per-connection costs (docs/benchmarks-fleet.md) --------------------------------------------
