@@ -80,7 +80,9 @@ def test_pool_policy_names_the_placer(world: World) -> None:
 
 def test_a_queued_create_is_placed_by_the_lease_holder(world: World) -> None:
     r = world.create(count=2, topology="nvlink-all", start=world.later(2))
-    assert (r.state, r.operation.state) == ("queued", "running")
+    # The answer is read after the queueing commits: queued, or placed when the holder's batch
+    # was quicker than that read (the events below show it was queued first either way).
+    assert (r.state, r.operation.state) in {("queued", "running"), ("placed", "succeeded")}
     placed = eventually(world, r.id, lambda x: x.state != "queued")
     assert placed.state == "placed"
     assert placed.operation.state == "succeeded" and len(placed.allocations) == 1
