@@ -176,6 +176,12 @@ def stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
 
 
 @pytest.fixture
+def server(stack: tuple[ServerThread, Client]) -> ServerThread:
+    """The module's control plane (in-process), for what a test asks of it directly."""
+    return stack[0]
+
+
+@pytest.fixture
 def world(request: pytest.FixtureRequest, stack: tuple[ServerThread, Client]) -> Iterator[World]:
     """A tenant with a pool on the module's control plane. In a module whose control plane moves
     the clock (clock_control), each test gets a database and control plane of its own, with the

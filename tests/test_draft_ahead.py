@@ -46,11 +46,6 @@ def row_of(world: World, key: str) -> list[tuple]:
                      (draft_id(world.tenant, world.user_id, key),))
 
 
-@pytest.fixture
-def server(stack: tuple[ServerThread, Client]) -> ServerThread:
-    return stack[0]
-
-
 def test_the_second_create_in_a_pool_is_written_ahead_and_stores_what_a_read_first_create_stores(
         world: World, server: ServerThread) -> None:
     before = drafts_written(world, server)

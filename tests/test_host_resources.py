@@ -74,11 +74,6 @@ def charges(world: World, rid: str) -> dict[str, int]:
                           " AND refunded_at IS NULL AND resource NOT LIKE 'gpu:%%'", (rid,)))
 
 
-@pytest.fixture
-def server(stack) -> ServerThread:
-    return stack[0]
-
-
 # -- reading cpulists within bounds -------------------------------------------------------------
 
 

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
-import pytest
 
 from controlplane.ids import draft_id
 from tests.promise_support import pool_locked
-from tests.support import Client, ServerThread, World, refused
+from tests.support import ServerThread, World, refused
 from tests.test_hostile_time import lock_waited
 
 
@@ -31,11 +30,6 @@ def placing_on(world: World, node_id: str) -> Iterator[None]:
 
 def node_of(world: World, rid: str) -> str:
     return world.sql("SELECT node_id FROM allocations WHERE reservation_id = %s", (rid,))[0][0]
-
-
-@pytest.fixture
-def server(stack: tuple[ServerThread, Client]) -> ServerThread:
-    return stack[0]
 
 
 def full_and_free(world: World, server: ServerThread) -> tuple[str, str]:

@@ -37,11 +37,6 @@ MIN = 60_000
 HOUR = 3_600_000
 
 
-@pytest.fixture
-def server(stack: tuple[ServerThread, Client]) -> ServerThread:
-    return stack[0]
-
-
 def event_types(world: World, rid: str) -> list[str]:
     return [t for (t,) in world.sql("SELECT type FROM events WHERE subject = %s ORDER BY id",
                                     (f"reservation/{rid}",))]
