@@ -12,7 +12,7 @@ import grpc
 import psycopg
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import db
@@ -45,23 +45,24 @@ class Gateway:
     hub: Hub
     stopping: asyncio.Event
     runner: SessionRunner
+    stop_db_seconds: float  # GatewaySettings.stop_db_seconds: what `stop` gives the sessions' release
     tasks: list[asyncio.Task] = field(default_factory=list)
     metrics_server: MetricsServer | None = None  # its port: metrics_server.port
 
-    async def stop(self, grace: float = 1.0, db_seconds: float = 5.0) -> None:
-        """Stop serving, then release this gateway's sessions within `db_seconds` of database time
-        (GatewaySettings.stop_db_seconds): past it they are left registered, as a crash leaves
-        them, and each node is judged by its grace; the process stops either way."""
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving, then release this gateway's sessions within stop_db_seconds of database
+        time: past it they are left registered, as a crash leaves them, and each node is judged
+        by its grace; the process stops either way."""
         self.stopping.set()
         self.runner.closing = True
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.server.stop(grace)
         try:
-            await asyncio.wait_for(self.runner.release_all(), db_seconds)
-        except (asyncio.TimeoutError, psycopg.Error, PoolTimeout) as exc:
+            await asyncio.wait_for(self.runner.release_all(), self.stop_db_seconds)
+        except (asyncio.TimeoutError, psycopg.Error) as exc:  # a pool's timeout is a psycopg.Error too
             log.warning("sessions left registered: the database did not answer in time",
-                        error=repr(exc), seconds=db_seconds)
+                        error=repr(exc), seconds=self.stop_db_seconds)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -102,7 +103,7 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     tasks.append(asyncio.create_task(gc_pauses.watch(collections), name="gateway-gc"))
     log.info("gateway serving", port=port, enrol_port=enrol_port, gateway=settings.gateway_id,
              node_grace_seconds=settings.node_grace_seconds)
-    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, tasks,
+    return Gateway(server, port, enrol_port, pool, ca, hub, stopping, runner, settings.stop_db_seconds, tasks,
                    await serve_metrics(metrics, settings.metrics_listen))
 
 
@@ -134,4 +135,4 @@ async def run_forever(settings: GatewaySettings, conninfo: str, listen: str, enr
     if gateway.metrics_server is not None:
         print(f"metrics on {_host(settings.metrics_listen)}:{gateway.metrics_server.port}", flush=True)
     await stop.wait()
-    await gateway.stop(db_seconds=settings.stop_db_seconds)
+    await gateway.stop()
