@@ -25,6 +25,7 @@ from controlplane import bootstrap
 from controlplane.config import Settings
 from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
+from tests.promise_support import pool_locked
 from tests.support import Client, ServerThread, World, eventually, get, make_world, rpc_error
 
 LEASE_S = 1.5
@@ -79,10 +80,11 @@ def test_pool_policy_names_the_placer(world: World) -> None:
 
 
 def test_a_queued_create_is_placed_by_the_lease_holder(world: World) -> None:
-    r = world.create(count=2, topology="nvlink-all", start=world.later(2))
-    # The answer is read after the queueing commits: queued, or placed when the holder's batch
-    # was quicker than that read (the events below show it was queued first either way).
-    assert (r.state, r.operation.state) in {("queued", "running"), ("placed", "succeeded")}
+    # The answer is read after the queueing commits; the holder's batch (which takes the pool
+    # lock) waits until the answer is in, so it cannot place the reservation before that read.
+    with pool_locked(world):
+        r = world.create(count=2, topology="nvlink-all", start=world.later(2))
+    assert (r.state, r.operation.state) == ("queued", "running")
     placed = eventually(world, r.id, lambda x: x.state != "queued")
     assert placed.state == "placed"
     assert placed.operation.state == "succeeded" and len(placed.allocations) == 1
