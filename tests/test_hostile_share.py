@@ -18,7 +18,6 @@ from tests.nodes_support import ControlPlane
 from tests.support import World, invalid, make_world, rpc_error
 from tests.test_gateway import connected, cp, eventually, gateway, hello, node_row  # noqa: F401 (fixtures)
 from tests.test_host_resources import host_world, peak_over_capacity, resources
-from tests.test_host_resources import server  # noqa: F401 (fixture)
 from tests.test_node_profiles import register
 from tests.test_shared_gpus import shared_pool
 
