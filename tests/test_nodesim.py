@@ -116,6 +116,9 @@ async def real_stack(
             # ...and the gateway has taken in every Hello (atoms and all).
             await rows(database, "SELECT 1 FROM nodes WHERE pool_id = %s AND daemon_version <> ''"
                                  " AND connectivity = 'connected' HAVING count(*) = %s", cp.pool_id, len(names))
+            # ...and the control plane's capacity index has them (the pool's per-GPU host share,
+            # which a create books, comes from it): the Hello's rows commit in one transaction.
+            await asyncio.to_thread(cp.server.call, cp.server.app.runtime.capacity.barrier())
             yield gateway, cp, fleet
     finally:
         await asyncio.to_thread(cp.stop)
