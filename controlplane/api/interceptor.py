@@ -62,9 +62,9 @@ def unknown_field_path(message: Message, prefix: str = "") -> str | None:
     the event loop for a second and taking 40 MB for a 1 MiB request)."""
     if not _has_unknown(message):
         return None
-    number = _first_unknown(message)
-    if number is not None:
-        return f"{prefix}#{number}"
+    found = _first_unknown(message)
+    if found is not None:
+        return f"{prefix}.{found}" if prefix and not found.startswith("#") else f"{prefix}{found}"
     for fd, value in message.ListFields():
         if fd.message_type is None:
             continue
@@ -91,19 +91,31 @@ def _has_unknown(message: Message) -> bool:
     return known.ByteSize() != message.ByteSize()
 
 
-def _first_unknown(message: Message) -> int | None:
-    """The number of the first unknown field of `message` itself (not of a nested message), read
-    from its wire bytes; its known fields before it are skipped (a few, since the count caps)."""
-    raw, pos, known = message.SerializeToString(), 0, message.DESCRIPTOR.fields_by_number
+def _first_unknown(message: Message) -> str | None:
+    """Where the first unknown field of `message` itself (not of a nested message) is, read from
+    its wire bytes: `#N` for field number N, or `map[]#N` for a map entry holding field N unknown
+    to the entry (or its key or value sent as another wire type), which the parser keeps whole as
+    an unknown field under the map's own number, so the map would lose the entry silently. Its
+    known fields before it are skipped (a few, since the count caps)."""
+    return _first_unknown_in(message.SerializeToString(), message.DESCRIPTOR)
+
+
+def _first_unknown_in(raw: bytes, descriptor: Any, *, entries: bool = True) -> str | None:
+    pos, known = 0, descriptor.fields_by_number
     while pos < len(raw):
         tag, pos = _varint(raw, pos)
         fd = known.get(tag >> 3)
         if fd is None or tag & 7 != _wire_type(fd):  # a known number sent as another type is unknown too
-            return tag >> 3
+            return f"#{tag >> 3}"
         if tag & 7 == 0:
             pos = _varint(raw, pos)[1]
         elif tag & 7 == 2:
             size, pos = _varint(raw, pos)
+            entry = fd.message_type
+            if entries and entry is not None and entry.GetOptions().map_entry:
+                inner = _first_unknown_in(raw[pos:pos + size], entry, entries=False)
+                if inner is not None:
+                    return f"{fd.json_name}[]{inner}"
             pos += size
         else:
             pos += 8 if tag & 7 == 1 else 4
