@@ -474,10 +474,13 @@ UPDATE reservations SET during = tstzrange(from_epoch_ms(%(start)s), upper(durin
 
 # reports ---------------------------------------------------------------------------------------
 
+# `changed`: what `get` answers of the allocation changed (it was not bound, or bound otherwise).
 MARK_BOUND = """
-UPDATE allocations SET state = 'bound', binding = %(binding)s,
+WITH before AS (SELECT state, binding FROM allocations WHERE id = %(id)s)
+UPDATE allocations a SET state = 'bound', binding = %(binding)s,
        bound_report = %(body)s, bound_sig_kid = %(kid)s, bound_sig = %(sig)s
-WHERE id = %(id)s
+FROM before WHERE a.id = %(id)s
+RETURNING before.state <> 'bound' OR before.binding IS DISTINCT FROM a.binding AS changed
 """
 
 MARK_BINDING_LOST = "UPDATE allocations SET state = 'binding' WHERE id = %(id)s AND state = 'bound'"

@@ -56,6 +56,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     pki = PkiSettings()
     node_lease = is_node_lease(row["request"])
     unjudged = await stored_reports.unjudged(conn, row["id"])
+    rebound = False  # an allocation's binding changed: the reservation's version moves once for all
     for rep in unjudged:
         if node_lease:  # metal binds whole-machine leases; a node's report never does
             ok, reason, report = False, NODE_LEASE, None
@@ -76,14 +77,18 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":
-            await conn.execute(queries.MARK_BOUND, {"id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt, row)),
-                                        "body": rep["body"], "kid": rep["key_id"], "sig": rep["signature"]})
+            marked = await (await conn.execute(queries.MARK_BOUND, {
+                "id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt, row)),
+                "body": rep["body"], "kid": rep["key_id"], "sig": rep["signature"]})).fetchone()
+            rebound = rebound or bool(marked and marked["changed"])
             rep["allocation_state"] = "bound"
         elif rep["kind"] == "failed":
             failures.append((rep["node_id"], report.failed.reason or "allocation-failed"))
         elif rep["kind"] == "released" and rep["allocation_state"] == "bound":
             await _binding_lost(conn, row, rep, "the node released the devices", now_ms)
     await _clear_binding_lost_when_all_bound(conn, row)
+    if rebound:  # every write bumps version (DESIGN.md section 10): a node's re-report too
+        await conn.execute(queries.BUMP_VERSION, {"id": row["id"]})
     if unjudged:  # only what judging needs stays (storage bounded whatever the node sends)
         await stored_reports.prune_judged(conn, row["id"])
     return Judged(len(unjudged), failures)
