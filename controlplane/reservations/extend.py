@@ -30,7 +30,7 @@ from controlplane.ids import new_id
 from controlplane.nodes import desired
 from controlplane.reservations import extend_confirm, preemption, queries, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, ended_reason
-from controlplane.reservations.reads import find_visible, with_allocations
+from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
 from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
 from controlplane.runtime import Runtime
 
@@ -53,6 +53,7 @@ class Staged:
     attributes: dict[str, Any] | None = None
     policy: str | None = None
     no_op: bool = False
+    refusal: errors.DomainError | None = None  # what the row says against the change, before any write
     asked: extend_confirm.Asked | None = None  # a delegated agent's: its confirmation of this change
 
 
@@ -73,7 +74,15 @@ async def extend(rt: Runtime, caller: Caller, tenant_id: str, rid: str, raw: dic
     limits = TimeLimits.of(rt.settings)
     change = parse(raw, limits)
     staged = await db.run_in_transaction(rt.pool, lambda c: _stage(c, caller, tenant_id, rid, change, limits))
-    if staged.no_op:
+    if staged.no_op or staged.refusal is not None:
+        # No extend decision (spec: an until already reached answers without one, so that the
+        # owner's retry is safe), but what the answer tells of another member's reservation (the
+        # reservation, its state, its start) only to a caller who may read it, as get answers:
+        # a member the policy refuses learns nothing through extend.
+        if staged.row["owner_identity_id"] != caller.identity_id:
+            await authorize_on(rt, caller, iam.READ, staged.row)
+        if staged.refusal is not None:
+            raise staged.refusal
         return {"reservation": staged.row, "extended": False}
     asked = staged.asked
     decision = (extend_confirm.decision_before_iam(asked) if asked is not None else None) or authorize.decide(
@@ -96,6 +105,34 @@ async def _stage(
     conn: AsyncConnection, caller: Caller, tenant_id: str, rid: str, change: Change, limits: TimeLimits
 ) -> Staged:
     row = await find_visible(conn, caller, tenant_id, rid)
+    try:  # everything up to the hold reads only: a refusal here is answered after a read decision
+        new_end = await _checked_end(conn, row, tenant_id, change, limits)
+        if new_end <= row["during_end"]:
+            return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
+        hold = new_id("hold")
+        taken = await (await conn.execute(queries.TAKE_EXTEND_HOLD, {"id": rid, "hold": hold, "ttl": HOLD_TTL_S})).fetchone()
+        if taken is None:
+            raise errors.Conflict("another extend of this reservation is in flight", reason="extend-in-flight",
+                                  retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
+    except errors.DomainError as refusal:
+        return Staged(row, refusal=refusal)
+    attributes = dict((await (await conn.execute(queries.AUTHZ_ATTRIBUTES, {"id": rid})).fetchone())["attributes"])
+    total_ms = new_end - row["during_start"]
+    attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
+    await conn.execute(queries.SET_PENDING_EXTEND, {"id": rid, "pending": Jsonb(
+        {"hold": hold, "until": new_end, "durationHours": attributes["durationHours"], "key": change.key})})
+    asked = None
+    if caller.delegated:  # an agent's change may be held for, or approved by, its person
+        digest = extend_confirm.digest(change.key, change.until, change.by_ms, new_end)
+        asked = await extend_confirm.asked(conn, caller, rid, digest)
+    return Staged(row, hold, new_end, attributes, await authorize.read_policy(conn, tenant_id), asked=asked)
+
+
+async def _checked_end(conn: AsyncConnection, row: dict[str, Any], tenant_id: str, change: Change,
+                       limits: TimeLimits) -> int:
+    """The end the change asks for, refused (raised) when the row's state, its window, its nodes
+    or its pool forbid it; an end already reached is returned for the caller to answer."""
+    rid = row["id"]
     if row["state"] not in EXTENDABLE:
         raise errors.InvalidState(f"a {row['state']} reservation cannot be extended", state=row["state"],
                                   reservationId=rid)
@@ -107,27 +144,13 @@ async def _stage(
                                   f"a reservation lasts at most {limits.max_length_ms / DAY_MS:g} days from its start",
                                   maxUntil=latest, reservationId=rid)
     if new_end <= row["during_end"]:
-        return Staged(await with_allocations(conn, row), no_op=True)  # already reached: no decision
+        return new_end
     await _require_in_service(conn, row)  # (an until already reached answers extended: false above)
     offered = {"pool_id": row["pool_id"], "tenant_id": tenant_id}
     if await (await conn.execute(queries.POOL_OFFERED, offered)).fetchone() is None:
         raise errors.InvalidState("the pool is no longer offered to this tenant: the reservation cannot be extended",
                                   reason="pool-withdrawn", poolId=row["pool_id"], reservationId=rid)
-    hold = new_id("hold")
-    taken = await (await conn.execute(queries.TAKE_EXTEND_HOLD, {"id": rid, "hold": hold, "ttl": HOLD_TTL_S})).fetchone()
-    if taken is None:
-        raise errors.Conflict("another extend of this reservation is in flight", reason="extend-in-flight",
-                              retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
-    attributes = dict((await (await conn.execute(queries.AUTHZ_ATTRIBUTES, {"id": rid})).fetchone())["attributes"])
-    total_ms = new_end - row["during_start"]
-    attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
-    await conn.execute(queries.SET_PENDING_EXTEND, {"id": rid, "pending": Jsonb(
-        {"hold": hold, "until": new_end, "durationHours": attributes["durationHours"], "key": change.key})})
-    asked = None
-    if caller.delegated:  # an agent's change may be held for, or approved by, its person
-        digest = extend_confirm.digest(change.key, change.until, change.by_ms, new_end)
-        asked = await extend_confirm.asked(conn, caller, rid, digest)
-    return Staged(row, hold, new_end, attributes, await authorize.read_policy(conn, tenant_id), asked=asked)
+    return new_end
 
 
 async def _apply(
