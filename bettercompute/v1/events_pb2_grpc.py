@@ -170,7 +170,8 @@ class WebhooksServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListDeliveries(self, request, context):
-        """The webhook's deliveries, newest event first.
+        """The webhook's deliveries, newest event first. They are events: besides compute:webhooks:manage
+        this needs what Events.Watch of the webhook's event types needs (compute:events:read), as Create does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,12 +59,17 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     access.require_root_tenant(caller, spec["tenant_id"])
     key = raw["idempotency_key"]
     digest = request_hash(spec)
+    # Decided before the key is looked up: a replay answers the grant (or CONFLICT naming it)
+    # only to a caller IAM lets manage the account, and the grant's own account when another.
+    await access.on_account(rt, caller, spec["account_id"], reservationId=spec["reservation_id"],
+                            grantTenantId=spec["grant_tenant_id"], slots=spec["slots"])
     async with db.read_only(rt.pool) as conn:
         found = await (await conn.execute(q.GRANT_BY_KEY, {"issuer": spec["tenant_id"], "key": key})).fetchone()
     if found is not None:
+        if found["account_id"] != spec["account_id"]:
+            await access.on_account(rt, caller, found["account_id"], reservationId=found["reservation_id"],
+                                    grantTenantId=found["tenant_id"], slots=found["slots"])
         return _replayed(found, digest)
-    await access.on_account(rt, caller, spec["account_id"], reservationId=spec["reservation_id"],
-                            grantTenantId=spec["grant_tenant_id"], slots=spec["slots"])
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         # The reservation's row lock: concurrent grants on it are decided one at a time.

@@ -1,8 +1,9 @@
 """Creating, reading and deleting webhooks, and listing their deliveries.
 
 Every call needs membership of the tenant and IAM's compute:webhooks:manage on it: a webhook's
-URL and deliveries are configuration. Its deliveries are events, so Create also needs what
-Events.Watch with the same event types needs, and every delivery is decided again (`authority`).
+URL and deliveries are configuration. Its deliveries are events, so Create and ListDeliveries also
+need what Events.Watch with the webhook's event types needs, and every delivery is decided again
+(`authority`).
 Another tenant's webhook is NOT_FOUND.
 A URL must resolve to public addresses only (`targets`; INVALID_INPUT naming `url`), a secret is a
 Standard Webhooks one or generated (`signing`; INVALID_INPUT naming `secret`), and a tenant
@@ -133,9 +134,13 @@ async def deliveries(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[
     if before < 0:
         raise errors.InvalidInput("beforeEventId", "must be 0 or an event id")
     async with db.read_only(rt.pool) as conn:
-        await _find(conn, tenant_id, webhook_id)
+        hook = await _find(conn, tenant_id, webhook_id)
+        policy = await authorize.read_policy(conn, tenant_id)
         rows = await (await conn.execute(queries.DELIVERIES, {
             "webhook_id": webhook_id, "before": before, "limit": limit})).fetchall()
+    # Its deliveries are events (ids, types, subjects): the caller needs what Events.Watch of the
+    # webhook's event types needs, as its creator did (decided with the transaction closed).
+    authority.check_create(policy, caller, tenant_id, list(hook["event_types"] or []))
     return rows, rows[-1]["event_id"] if len(rows) == limit else 0
 
 
