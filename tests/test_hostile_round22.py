@@ -20,16 +20,16 @@ and certificates from the control-plane CA).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import Client, ServerThread, World, eventually, get, make_world, rpc_error
+from tests.support import Client, World, eventually, get, rpc_error
 from tests.test_pki import Enrolled
-from tests.test_reports import enrolled_node, report
+from tests.test_hostile_surface import node, node_world  # noqa: F401 (fixtures)
+from tests.test_reports import report
 
 HOUR = 3_600_000
 
@@ -151,19 +151,6 @@ def test_a_node_selector_entry_with_an_unknown_field_is_invalid_input_not_droppe
 
 
 # A node re-reporting a binding ---------------------------------------------------------------
-
-
-@pytest.fixture
-def node_world(clock_stack: tuple[ServerThread, Client]) -> Iterator[World]:
-    server, root = clock_stack
-    w = make_world(server.endpoint, root, server.conninfo, nodes=0)
-    yield w
-    w.close()
-
-
-@pytest.fixture
-def node(node_world: World) -> Enrolled:
-    return enrolled_node(node_world)
 
 
 def test_a_bound_re_report_that_changes_the_binding_bumps_the_version(node_world: World, node: Enrolled) -> None:
