@@ -39,6 +39,14 @@ def decide(policy: str | None, caller: Caller, action: str, resource_type: str, 
                       approved=approved)
 
 
+def allowed_each(policy: str | None, caller: Caller, action: str, resource_type: str,
+                 resources: list[tuple[str, dict[str, Any]]], *, tenant_id: str) -> list[bool]:
+    """Whether IAM allows `action` on each of `resources` ((id, attributes) pairs): one batch, taken
+    with no transaction open in this task."""
+    db.require_no_transaction("IAM decision")
+    return iam.allowed_each(policy, caller, action, resource_type, resources, tenant_id=tenant_id)
+
+
 def check(policy: str | None, caller: Caller, tenant_id: str, action: str, resource_type: str,
           resource_id: str, attributes: dict[str, Any], *, message: str = "IAM refused this call",
           **details: Any) -> None:

@@ -142,26 +142,19 @@ def decide(
     if policy is None:
         return _refusal(caller, action, ("the tenant has no policy",))
     try:
-        policies: cedarpy.PolicySet | str = POLICIES.get(tenant_id, policy)
+        policies = _policies(tenant_id, policy)
     except PolicyTooDeep as exc:  # stored before PutPolicy checked nesting: refused, never parsed
         return Decision(DENY, (str(exc),))
-    except ValueError:  # stored before validation existed: Cedar refuses it with its diagnostics
-        policies = policy
     if caller.delegated and not approved:
         # An agent acts for its person and never beyond: the person must be allowed the same call
         # on its own authority, or the agent is refused outright (no confirmation: the person could
         # only approve it into its own refusal).
         person = _authorize(policies, caller.delegator_id or "", "user", action, resource_type, resource_id,
-                            attributes, {"tenantId": tenant_id, "delegated": False, "confirmed": False, "agentId": ""})
+                            attributes, _person_context(tenant_id))
         if person.decision != cedarpy.Decision.Allow:
             return Decision(DENY, ("the person the agent acts for is refused this call",))
     principal_id = caller.delegator_id if (approved and caller.delegator_id) else caller.identity_id
-    context = {
-        "tenantId": tenant_id,
-        "delegated": caller.delegated and not approved,
-        "confirmed": approved,
-        "agentId": caller.identity_id if caller.delegated else "",
-    }
+    context = _context(caller, tenant_id, approved=approved)
     kind = "user" if principal_id != caller.identity_id else caller.kind
     result = _authorize(policies, principal_id, kind, action, resource_type, resource_id, attributes, context)
     if result.decision == cedarpy.Decision.Allow:
@@ -176,19 +169,69 @@ def _authorize(policies: cedarpy.PolicySet | str, principal_id: str, kind: str, 
                resource_id: str, attributes: dict[str, Any], context: dict[str, Any]) -> Any:
     """Cedar's answer for one principal. Entity references go as `{"type", "id"}` objects, not
     Cedar text Cedar would parse again at each call, and the entities as one JSON text."""
-    principal = {"type": "Identity", "id": principal_id}
-    resource = {"type": resource_type, "id": resource_id}
-    entities = json.dumps([
-        {"uid": principal, "attrs": {"kind": kind}, "parents": []},
-        {"uid": resource, "attrs": _cedar_value(attributes), "parents": []},
-    ])
-    request = {
-        "principal": principal,
-        "action": {"type": "Action", "id": action},
-        "resource": resource,
-        "context": _cedar_value(context),
-    }
-    return cedarpy.is_authorized(request, policies, entities)
+    entities = json.dumps([_principal(principal_id, kind), _resource(resource_type, resource_id, attributes)])
+    return cedarpy.is_authorized(_request(principal_id, action, resource_type, resource_id, context), policies,
+                                 entities)
+
+
+def allowed_each(policy: str | None, caller: Caller, action: str, resource_type: str,
+                 resources: list[tuple[str, dict[str, Any]]], *, tenant_id: str) -> list[bool]:
+    """Whether `decide` would allow `action` on each of `resources` ((id, attributes) pairs), in one
+    Cedar batch (a listing's items: a call per item costs about twice as much). Nothing is held
+    for confirmation here: a refused agent is refused."""
+    if policy is None or not resources:
+        return [False] * len(resources)
+    try:
+        policies = _policies(tenant_id, policy)
+    except PolicyTooDeep:
+        return [False] * len(resources)
+    principals = [(caller.identity_id, caller.kind, _context(caller, tenant_id, approved=False))]
+    if caller.delegated:  # the person must be allowed each one on its own authority too
+        principals.append((caller.delegator_id or "", "user", _person_context(tenant_id)))
+    entities = [_principal(p, kind) for p, kind, _ in principals]
+    entities += [_resource(resource_type, rid, attributes) for rid, attributes in resources]
+    requests = [_request(p, action, resource_type, rid, context) for p, _, context in principals
+                for rid, _ in resources]
+    results = cedarpy.is_authorized_batch(requests, policies, json.dumps(entities))
+    n = len(resources)
+    return [all(results[k * n + i].decision == cedarpy.Decision.Allow for k in range(len(principals)))
+            for i in range(n)]
+
+
+def _policies(tenant_id: str, policy: str) -> cedarpy.PolicySet | str:
+    """The parsed policy set (PolicyTooDeep if it nests too deep); a text stored before validation
+    existed is handed to Cedar as text, which refuses it with its diagnostics."""
+    try:
+        return POLICIES.get(tenant_id, policy)
+    except ValueError:
+        return policy
+
+
+def _context(caller: Caller, tenant_id: str, *, approved: bool) -> dict[str, Any]:
+    return {"tenantId": tenant_id, "delegated": caller.delegated and not approved, "confirmed": approved,
+            "agentId": caller.identity_id if caller.delegated else ""}
+
+
+def _person_context(tenant_id: str) -> dict[str, Any]:
+    """The context of a delegated agent's person deciding on its own authority."""
+    return {"tenantId": tenant_id, "delegated": False, "confirmed": False, "agentId": ""}
+
+
+def _principal(principal_id: str, kind: str) -> dict[str, Any]:
+    return {"uid": {"type": "Identity", "id": principal_id}, "attrs": {"kind": kind}, "parents": []}
+
+
+def _resource(resource_type: str, resource_id: str, attributes: dict[str, Any]) -> dict[str, Any]:
+    return {"uid": {"type": resource_type, "id": resource_id}, "attrs": _cedar_value(attributes), "parents": []}
+
+
+def _request(principal_id: str, action: str, resource_type: str, resource_id: str,
+             context: dict[str, Any]) -> dict[str, Any]:
+    """Entity references go as `{"type", "id"}` objects, not Cedar text Cedar would parse again."""
+    return {"principal": {"type": "Identity", "id": principal_id}, "action": {"type": "Action", "id": action},
+            "resource": {"type": resource_type, "id": resource_id}, "context": _cedar_value(context)}
+
+
 
 
 def _refusal(caller: Caller, action: str, reasons: tuple[str, ...]) -> Decision:

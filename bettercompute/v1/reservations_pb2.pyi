@@ -365,9 +365,14 @@ class ListReservationsResponse(_message.Message):
     ITEMS_FIELD_NUMBER: _builtins.int
     NEXT_CURSOR_FIELD_NUMBER: _builtins.int
     next_cursor: _builtins.str
-    """Set when there may be more: pass it as cursor."""
+    """Set when there may be more: pass it as cursor (the last reservation the page examined)."""
     @_builtins.property
-    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reservation]: ...
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reservation]:
+        """Newest first. A listing is decided as compute:reservations:list on the tenant and each item as
+        Get decides it (compute:reservations:read): one the caller may not read is left out. A page
+        examines at most 1000 reservations, so it may hold fewer than limit with a cursor to go on.
+        """
+
     def __init__(
         self,
         *,

@@ -284,8 +284,9 @@ NOTIFY_POOL_FREED = "SELECT pg_notify('bc_pool_freed', %(pool_id)s)"
 # The cursor is a reservation of the listing itself (not a draft, and the caller's own for scope
 # 'mine'); any other id pages like an unknown one, to nothing, so a cursor cannot tell whether
 # another identity's draft (its id derived from a key) or reservation exists.
+# One page of a listing, each row with its allocations (as ALLOCATIONS reads them): one statement.
 LIST = f"""
-SELECT {COLUMNS} FROM reservations r
+SELECT {COLUMNS}, {ALLOCATIONS_JSON.format(ref="r.id").strip()} AS allocations FROM reservations r
 WHERE r.tenant_id = %(tenant_id)s
   AND r.state <> 'draft'
   AND (%(owner)s::text IS NULL OR r.owner_identity_id = %(owner)s)

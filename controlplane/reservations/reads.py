@@ -62,7 +62,41 @@ async def get(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str
     return row
 
 
+# A listing examines at most this many reservations for the ones the caller may read; a page cut
+# short by it ends with a cursor to go on from.
+LIST_SCAN_CAP = 1000
+
+
 async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """A page of the tenant's reservations (the caller's own, scope 'mine'), newest first. The
+    listing is decided as compute:reservations:list on the tenant, and each reservation as Get
+    decides it (compute:reservations:read): one the caller may not read is left out, so a listing
+    tells no more than reading its items would. The cursor is the last reservation examined."""
+    tenant_id, scope, params, cursor = _listing(caller, raw)
+    policy = await authorize.fetch_policy(rt.pool, tenant_id)
+    authorize.check(policy, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
+                    message="IAM refused this listing", tenantId=tenant_id)
+    limit = params["limit"]
+    page: list[dict[str, Any]] = []
+    for _ in range(max(1, LIST_SCAN_CAP // limit)):
+        async with db.read_only(rt.pool) as conn:
+            rows = await (await conn.execute(queries.LIST, {**params, "cursor": cursor})).fetchall()
+        readable = authorize.allowed_each(policy, caller, iam.READ, "Reservation",
+                                          [(row["id"], resource_attributes(row)) for row in rows],
+                                          tenant_id=tenant_id)
+        for row, allowed in zip(rows, readable):
+            if allowed:
+                page.append(row)
+                if len(page) == limit:
+                    return page, row["id"]
+        if len(rows) < limit:
+            return page, ""
+        cursor = rows[-1]["id"]
+    return page, cursor or ""
+
+
+def _listing(caller: Caller, raw: dict[str, Any]) -> tuple[str, str, dict[str, Any], str | None]:
+    """A listing's tenant, scope, query parameters and cursor, checked."""
     tenant_id = match("tenantId", raw.get("tenant_id", ""), TENANT_ID)
     caller.require_member(tenant_id)
     scope = raw.get("scope") or "mine"
@@ -81,18 +115,6 @@ async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[
     pool_id = raw.get("pool_id") or ""
     if pool_id:
         match("poolId", pool_id, POOL_ID)
-    await authorize.require(rt.pool, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
-                            message="IAM refused this listing", tenantId=tenant_id)
-    async with db.read_only(rt.pool) as conn:
-        rows = await (
-            await conn.execute(
-                queries.LIST,
-                {"tenant_id": tenant_id, "owner": caller.identity_id if scope == "mine" else None,
-                 "states": wanted, "pool_id": pool_id, "cursor": cursor,
-                 "limit": limit},
-            )
-        ).fetchall()
-        for row in rows:
-            await with_allocations(conn, row)
-    next_cursor = rows[-1]["id"] if len(rows) == limit else ""
-    return rows, next_cursor
+    params = {"tenant_id": tenant_id, "owner": caller.identity_id if scope == "mine" else None,
+              "states": wanted, "pool_id": pool_id, "limit": limit}
+    return tenant_id, scope, params, cursor
