@@ -25,8 +25,9 @@ from controlplane.ids import draft_id, new_id, request_hash
 from controlplane.metal import is_node_lease
 from controlplane.metal import request as metal_request
 from controlplane.reservations import (create_facts, devices, draft_ahead, draft_room, earliest, hostshare,
-                                       kubernetes, placing, queries, queued, queued_queries, schedule, states)
-from controlplane.reservations.reads import fetch_view, resource_attributes
+                                       kubernetes, placing, queries, queued, queued_queries, replay, schedule,
+                                       states)
+from controlplane.reservations.reads import fetch_view
 from controlplane.reservations.transitions import condition, expire_confirmation, move
 from controlplane.reservations.validate import CreateInput, TimeLimits, check_start, validate_create
 from controlplane.reservations.wait import wait_for_operation
@@ -68,7 +69,7 @@ async def create(rt: Runtime, who: Caller | Unverified, raw: dict[str, Any]) -> 
     draft = await db.run_autocommit(rt.pool, lambda c: _transaction_1(c, rt, who, inp, rid, digest))
     caller = draft.caller
     if draft.foreign:
-        _may_replay_foreign(draft, inp, rid, digest)
+        replay.require_foreign_readable(draft.policy, draft.caller, draft.row, inp, digest)
     if draft.decide:
         if draft.rejected:
             decision = iam.Decision(iam.DENY, ("the person rejected the confirmation",))
@@ -139,7 +140,7 @@ async def _transaction_1(
         assert row is not None
     if row["owner_identity_id"] != caller.identity_id:  # not the caller's to replay without a decision
         return Draft(row, caller, policy=facts.policy, now_ms=facts.now_ms, foreign=True)
-    _replayable(row, digest, rid)
+    replay.require_replayable(row, digest)
     state = row["state"]
     draft = Draft(row, caller, now_ms=facts.now_ms)
     if state == states.AWAITING_CONFIRMATION:
@@ -166,26 +167,6 @@ async def _transaction_1(
     draft.policy = facts.policy
     draft.decide = True
     return draft
-
-
-def _replayable(row: dict[str, Any], digest: str, rid: str) -> None:
-    """A stored row answers a retry of the same request, unless it was refused."""
-    if row["request_hash"] != digest:
-        raise errors.Conflict("this idempotency key was used with another request", reservationId=rid)
-    if row["state"] == states.DENIED:
-        raise errors.AccessDenied("this request was refused", reservationId=rid)
-
-
-def _may_replay_foreign(draft: Draft, inp: CreateInput, rid: str, digest: str) -> None:
-    """The key's reservation was handed to a successor when its creator left the tenant (drafts
-    and confirmations are not handed over, so it is past them). Its creator, added back, gets
-    it (or CONFLICT naming it) only as Get would: IAM must let it read the reservation now;
-    refused, the answer names neither the reservation nor its state."""
-    authorize.check(draft.policy, draft.caller, inp.tenant_id, iam.READ, "Reservation", rid,
-                    resource_attributes(draft.row),
-                    message="this idempotency key's reservation belongs to another member, which IAM "
-                            "refuses this caller to read", idempotencyKey=inp.idempotency_key)
-    _replayable(draft.row, digest, rid)
 
 
 async def _checked(conn: AsyncConnection, rt: Runtime, inp: CreateInput, identity_id: str, pool: dict[str, Any] | None,
