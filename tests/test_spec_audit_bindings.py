@@ -55,8 +55,16 @@ def retried(world: World) -> None:
         world.sql("SELECT pg_notify('bc_pool_freed', %s)", (world.pool_id,))
         # 30 s: the worker may be in the middle of a safety-net retry of every pool of the module's
         # server when the wake comes (10 s ran out once in CI on a slow machine).
+        # Or none is left pending: a wake-up before this one (a node registered wakes its pool)
+        # may have placed them already, and a retry with nothing to try logs nothing.
         poll(lambda: [e for e in list(logs) if e.get("event") == "pending retried"
-                      and e.get("pool_id") == world.pool_id], seconds=30, what="the pending retry")
+                      and e.get("pool_id") == world.pool_id] or not _pending_in_pool(world),
+             seconds=30, what="the pending retry")
+
+
+def _pending_in_pool(world: World) -> int:
+    return world.sql("SELECT count(*) FROM reservations WHERE pool_id = %s AND state = 'pending'",
+                     (world.pool_id,))[0][0]
 
 
 # "no report within 5 minutes, or an AllocationFailed report: the bookings are released and the
