@@ -67,13 +67,18 @@ UPDATE confirmations SET state = 'expired'
 WHERE reservation_id = %(reservation_id)s AND state IN ('pending', 'approved')
 """
 
+# The open confirmations of identities leaving (a tenant, or every tenant): pending ones, and
+# approved ones not yet used (a create's while its reservation awaits it; an extend's until its
+# retry uses it): an approval must not outlive its person, nor hold the reservation's one slot.
 _WITHDRAW_OF_IDENTITIES = """
 UPDATE confirmations c SET state = 'withdrawn', decided_at = compute_now()
 WHERE c.id IN (
     SELECT c2.id FROM confirmations c2 JOIN reservations r ON r.id = c2.reservation_id
     WHERE (c2.agent_identity_id = ANY(%(ids)s) OR c2.person_identity_id = ANY(%(ids)s))
       AND (%(tenant_id)s::text IS NULL OR c2.tenant_id = %(tenant_id)s)
-      AND (c2.state = 'pending' OR (c2.state = 'approved' AND r.state = 'awaiting-confirmation'))
+      AND (c2.state = 'pending'
+           OR (c2.state = 'approved' AND (r.state = 'awaiting-confirmation'
+                                          OR c2.action = 'compute:reservations:extend')))
     ORDER BY c2.id FOR UPDATE OF c2
 )
 RETURNING c.id

@@ -30,7 +30,7 @@ from controlplane.ids import new_id
 from controlplane.nodes import desired
 from controlplane.reservations import extend_confirm, preemption, queries, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, ended_reason
-from controlplane.reservations.reads import authorize_on, find_visible, with_allocations
+from controlplane.reservations.reads import authorize_on, find_visible, resource_attributes, with_allocations
 from controlplane.reservations.validate import DAY_MS, TimeLimits, duration_ms
 from controlplane.runtime import Runtime
 
@@ -116,7 +116,10 @@ async def _stage(
                                   retryAfterSeconds=HOLD_TTL_S, reservationId=rid)
     except errors.DomainError as refusal:
         return Staged(row, refusal=refusal)
-    attributes = dict((await (await conn.execute(queries.AUTHZ_ATTRIBUTES, {"id": rid})).fetchone())["attributes"])
+    # The draft's attributes, with what changes after it (its owner, its state) read from the row
+    # as get, renew, cancel and release decide on it.
+    stored = (await (await conn.execute(queries.AUTHZ_ATTRIBUTES, {"id": rid})).fetchone())["attributes"]
+    attributes = {**stored, **resource_attributes(row)}
     total_ms = new_end - row["during_start"]
     attributes.update(durationHours=math.ceil(total_ms / 3_600_000), durationMs=total_ms)
     await conn.execute(queries.SET_PENDING_EXTEND, {"id": rid, "pending": Jsonb(

@@ -579,11 +579,18 @@ DELETE_DRAFTS_OF_IN_TENANT = """
 DELETE FROM reservations WHERE owner_identity_id = ANY(%(ids)s) AND tenant_id = %(tenant_id)s AND state = 'draft'
 """
 
+# The owner IAM sees (the draft's stored attributes, which extend decides on) moves with it.
 REASSIGN_OWNER = """
-UPDATE reservations
-SET creator_identity_id = coalesce(creator_identity_id, owner_identity_id),
-    owner_identity_id = %(to)s, version = version + 1, updated_at = clock_timestamp()
-WHERE id = %(id)s
+WITH moved AS (
+    UPDATE reservations
+    SET creator_identity_id = coalesce(creator_identity_id, owner_identity_id),
+        owner_identity_id = %(to)s, version = version + 1, updated_at = clock_timestamp()
+    WHERE id = %(id)s
+    RETURNING id
+)
+UPDATE authz_projection
+SET attributes = jsonb_set(attributes, '{ownerIdentityId}', to_jsonb(%(to)s::text))
+WHERE reservation_id IN (SELECT id FROM moved)
 """
 
 
