@@ -132,6 +132,14 @@ def refused(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     return rpc_error(exc)
 
 
+def outcome(call, *args, **kw) -> Any:
+    """The call's answer, or (gRPC code, spec code, details) of its refusal (the call made once)."""
+    try:
+        return call(*args, **kw)
+    except grpc.RpcError as exc:
+        return rpc_error(pytest.ExceptionInfo.from_exc_info((type(exc), exc, exc.__traceback__)))
+
+
 def invalid(field: str, call, *args, **kw) -> dict[str, str]:
     """The details of a call that must be INVALID_INPUT naming `field`."""
     code, reason, details = refused(call, *args, **kw)

@@ -11,7 +11,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import psycopg
 import pytest
 from structlog.testing import capture_logs
@@ -21,7 +20,8 @@ from bettercompute.v1 import reservations_pb2 as pb
 from tests.conftest import module_stack
 from tests.invariants import check_invariants
 from controlplane.workers import pending as pending_worker
-from tests.support import Client, ServerThread, World, eventually, get, gpus, invalid, make_world, refused, rpc_error
+from tests.support import (Client, ServerThread, World, eventually, get, invalid, make_world, outcome,
+                           refused)
 
 NOTICE_S = 2
 WAIT_CAP_S = 1.0
@@ -78,16 +78,6 @@ def cancel(world: World, rid: str) -> pb.Reservation:
 
 def renew(world: World, rid: str) -> pb.Reservation:
     return world.user.res("Renew", pb.RenewReservationRequest(tenant_id=world.tenant, reservation_id=rid))
-
-
-def outcome(call, *args, **kw) -> object:
-    """The call's answer, or (gRPC code, spec code, details) of its refusal."""
-    try:
-        return call(*args, **kw)
-    except grpc.RpcError as exc:
-        class _E:
-            value = exc
-        return rpc_error(_E)
 
 
 def no_extend_leftovers(world: World, rid: str) -> None:

@@ -26,7 +26,7 @@ import pytest
 
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import Client, World, eventually, get, rpc_error
+from tests.support import Client, World, eventually, get, refused, rpc_error
 from tests.test_pki import Enrolled
 from tests.test_hostile_surface import node, node_world  # noqa: F401 (fixtures)
 from tests.test_reports import report
@@ -44,11 +44,6 @@ def _refused_member(world: World) -> tuple[str, Client]:
     return spy_id, spy
 
 
-def _failure(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as exc:
-        call(*args, **kw)
-    return rpc_error(exc)
-
 
 def test_a_member_iam_refuses_cannot_read_a_reservation_through_an_extend_it_already_reaches(
         world: World) -> None:
@@ -62,7 +57,7 @@ def test_a_member_iam_refuses_cannot_read_a_reservation_through_an_extend_it_alr
         ("Cancel", pb.CancelReservationRequest(tenant_id=t, reservation_id=r.id)),
         ("Release", pb.ReleaseReservationRequest(tenant_id=t, reservation_id=r.id)),
     ):
-        assert _failure(spy.res, method, request)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED"), method
+        assert refused(spy.res, method, request)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED"), method
     # An `until` the reservation already reaches: answered with the whole reservation (request,
     # window, owner, allocations and their devices), no decision taken at all.
     extend = pb.ExtendReservationRequest(tenant_id=t, reservation_id=r.id, until=1, idempotency_key="peek")
@@ -97,7 +92,7 @@ def test_a_member_iam_refuses_learns_nothing_of_a_reservation_from_extends_refus
         change = {"by": "1h"}
     else:
         change = {"until": r.during.start + 400 * 24 * HOUR}
-    code, reason, details = _failure(spy.res, "Extend", pb.ExtendReservationRequest(
+    code, reason, details = refused(spy.res, "Extend", pb.ExtendReservationRequest(
         tenant_id=t, reservation_id=r.id, idempotency_key="peek", **change))
     assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED"), details
     assert "state" not in details and "maxUntil" not in details, details

@@ -18,21 +18,9 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import World, rpc_error
+from tests.support import World, outcome, refused
 
 
-def _failure(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as exc:
-        call(*args, **kw)
-    return rpc_error(exc)
-
-
-def _outcome(call, *args, **kw):
-    """The answer, or (gRPC code, spec code, details) of the failure."""
-    try:
-        return call(*args, **kw)
-    except grpc.RpcError:
-        return _failure(call, *args, **kw)
 
 
 DENIED = (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
@@ -48,8 +36,8 @@ def test_a_member_refused_reading_reservations_cannot_list_them(world: World) ->
                  f'forbid(principal == Identity::"{spy_id}", action == Action::"compute:reservations:read", '
                  "resource);")
     t = world.tenant
-    assert _failure(spy.res, "Get", pb.GetReservationRequest(tenant_id=t, reservation_id=r.id))[:2] == DENIED
-    listed = _outcome(spy.res, "List", pb.ListReservationsRequest(tenant_id=t, scope="all"))
+    assert refused(spy.res, "Get", pb.GetReservationRequest(tenant_id=t, reservation_id=r.id))[:2] == DENIED
+    listed = outcome(spy.res, "List", pb.ListReservationsRequest(tenant_id=t, scope="all"))
     if isinstance(listed, tuple):  # refused outright: fine
         assert listed[:2] == DENIED, listed
         return
@@ -77,8 +65,8 @@ def test_a_re_added_member_cannot_read_its_successors_reservation_by_replaying_i
     world.policy("permit(principal, action, resource);\n"
                  f'forbid(principal == Identity::"{member_id}", action == Action::"compute:reservations:read", '
                  f'resource) when {{ resource.ownerIdentityId != "{member_id}" }};')
-    assert _failure(member.res, "Get", pb.GetReservationRequest(tenant_id=t, reservation_id=r.id))[:2] == DENIED
-    replayed = _outcome(member.res, "Create", req)
+    assert refused(member.res, "Get", pb.GetReservationRequest(tenant_id=t, reservation_id=r.id))[:2] == DENIED
+    replayed = outcome(member.res, "Create", req)
     if isinstance(replayed, tuple):
         code, reason, details = replayed
         assert details.get("reservationId") != r.id or (code, reason) == DENIED, replayed
@@ -88,7 +76,7 @@ def test_a_re_added_member_cannot_read_its_successors_reservation_by_replaying_i
         f"{replayed.owner_identity_id}, state {replayed.state}) by replaying its old key")
     # A different request under the old key must not name it either.
     other = world.create_request(key="train-1", count=2, start=world.later(), duration="1h")
-    code, reason, details = _failure(member.res, "Create", other)
+    code, reason, details = refused(member.res, "Create", other)
     assert details.get("reservationId") != r.id, (code, reason, details)
 
 
@@ -167,5 +155,5 @@ def test_a_re_added_member_allowed_to_read_its_successors_reservation_gets_it_on
     replayed = member.res("Create", req)
     assert (replayed.id, replayed.owner_identity_id) == (r.id, successor_id)
     other = world.create_request(key="train-2", count=2, start=world.later(), duration="1h")
-    code, reason, details = _failure(member.res, "Create", other)
+    code, reason, details = refused(member.res, "Create", other)
     assert (reason, details.get("reservationId")) == ("CONFLICT", r.id), (code, reason, details)

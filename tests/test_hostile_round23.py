@@ -40,27 +40,13 @@ import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import Client, World, rpc_error
+from tests.support import Client, World, outcome, refused
 
 HOUR = 3_600_000
 EXTEND = "compute:reservations:extend"
 DENIED = (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
 
 
-def _failure(call, *args, **kw) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as exc:
-        call(*args, **kw)
-    return rpc_error(exc)
-
-
-def _outcome(call, *args, **kw):
-    """The answer, or (gRPC code, spec code, details) of the failure."""
-    try:
-        return call(*args, **kw)
-    except grpc.RpcError as exc:
-        class _E:
-            value = exc
-        return rpc_error(_E)
 
 
 def _remove(world: World, identity: str, successor: str) -> apb.RemoveMembershipResponse:
@@ -131,8 +117,8 @@ def test_a_re_added_creator_cannot_extend_its_successors_reservation_under_an_ow
         ("Cancel", pb.CancelReservationRequest(tenant_id=t, reservation_id=r.id)),
         ("Release", pb.ReleaseReservationRequest(tenant_id=t, reservation_id=r.id)),
     ):
-        assert _failure(member.res, method, request)[:2] == DENIED, method
-    got = _outcome(_extend, member, world, r.id, "stretch", by="2h")
+        assert refused(member.res, method, request)[:2] == DENIED, method
+    got = outcome(_extend, member, world, r.id, "stretch", by="2h")
     after = _get(successor, world, r.id)
     [(seen,)] = world.sql("SELECT attributes->>'ownerIdentityId' FROM authz_projection WHERE reservation_id = %s",
                           (r.id,))
@@ -157,7 +143,7 @@ def test_a_successor_may_extend_the_reservation_it_was_handed_under_an_owner_onl
     world.policy(_only_own(successor_id))
     assert _get(successor, world, r.id).owner_identity_id == successor_id
     successor.res("Renew", pb.RenewReservationRequest(tenant_id=world.tenant, reservation_id=r.id))
-    got = _outcome(_extend, successor, world, r.id, "mine-now", by="1h")
+    got = outcome(_extend, successor, world, r.id, "mine-now", by="1h")
     assert isinstance(got, pb.ExtendReservationResponse), f"the owner was refused extending its reservation: {got}"
     assert got.extended and got.reservation.during.end == r.during.end + HOUR
 
@@ -174,7 +160,7 @@ def _approved_extend(world: World) -> tuple[str, Client, pb.Reservation, str]:
     agent_id, agent = world.identity(kind="agent", person_identity_id=world.user_id, confirm_actions=[EXTEND])
     r = world.create(count=1, duration="1h", start=world.later())
     assert r.state == "placed"
-    code, reason, details = _failure(_extend, agent, world, r.id, "a-1", by="1h")
+    code, reason, details = refused(_extend, agent, world, r.id, "a-1", by="1h")
     assert reason == "CONFIRMATION_REQUIRED", details
     cid = details["confirmationId"]
     world.user.conf("Approve", pb.DecideConfirmationRequest(tenant_id=world.tenant, confirmation_id=cid))
@@ -197,7 +183,7 @@ def test_the_successors_agent_may_ask_to_extend_a_reservation_whose_leavers_agen
     withdrawn = _leave(world, world.user_id, successor_id, how)
     assert _get(successor, world, r.id).owner_identity_id == successor_id
     state = world.sql("SELECT state FROM confirmations WHERE id = %s", (cid,))[0][0]
-    asked = _outcome(_extend, successor_agent, world, r.id, "b-1", by="2h")
+    asked = outcome(_extend, successor_agent, world, r.id, "b-1", by="2h")
     assert not isinstance(asked, pb.ExtendReservationResponse), asked
     assert asked[1] == "CONFIRMATION_REQUIRED" and asked[2]["confirmationId"] != cid, (
         f"the successor's agent is refused asking its person about the reservation it now owns: {asked}; "
@@ -218,7 +204,7 @@ def test_an_agent_added_back_cannot_extend_the_successors_reservation_on_an_appr
     _add_back(world, agent_id, person=world.user_id)
     before = _get(successor, world, r.id)
     assert before.owner_identity_id == successor_id
-    got = _outcome(_extend, agent, world, r.id, "a-1", by="1h")
+    got = outcome(_extend, agent, world, r.id, "a-1", by="1h")
     after = _get(successor, world, r.id)
     assert after.during.end == before.during.end, (
         f"the re-added agent extended the successor's reservation {r.id} on its person's approval {cid} "

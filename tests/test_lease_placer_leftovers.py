@@ -23,8 +23,8 @@ from tests.promise_support import pool_locked
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from tests.promise_support import poll
-from tests.support import Client, ServerThread, World, clock_now, eventually, make_world, refused
-from tests.test_hostile_queue import cancel, extend, no_extend_leftovers, outcome, release, renew
+from tests.support import Client, ServerThread, World, clock_now, eventually, make_world, outcome, refused
+from tests.test_hostile_queue import cancel, extend, no_extend_leftovers, release, renew
 from tests.test_lease_placer import held_by_other, lapse
 from tests.test_hostile_spot import advance, waiting_for_a_lock
 
