@@ -10,7 +10,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from controlplane import db, errors
+from controlplane import db, errors, iam
 from controlplane.auth import Caller
 from controlplane.common.names import TENANT_ID, match
 from controlplane.runtime import Runtime
@@ -78,7 +78,7 @@ WHERE c.id IN (
       AND (%(tenant_id)s::text IS NULL OR c2.tenant_id = %(tenant_id)s)
       AND (c2.state = 'pending'
            OR (c2.state = 'approved' AND (r.state = 'awaiting-confirmation'
-                                          OR c2.action = 'compute:reservations:extend')))
+                                          OR c2.action = %(extend)s)))
     ORDER BY c2.id FOR UPDATE OF c2
 )
 RETURNING c.id
@@ -174,6 +174,6 @@ async def withdraw_of_identities(conn: AsyncConnection, identity_ids: list[str],
     """Withdraw the open confirmations asked of, or asked by, these identities (offboarding; in
     `tenant_id` only when given, for a membership removed): the pending ones, and the approved
     ones whose request was not retried yet. Their ids."""
-    rows = await (await conn.execute(_WITHDRAW_OF_IDENTITIES, {"ids": identity_ids,
-                                                               "tenant_id": tenant_id})).fetchall()
+    rows = await (await conn.execute(_WITHDRAW_OF_IDENTITIES, {"ids": identity_ids, "tenant_id": tenant_id,
+                                                               "extend": iam.EXTEND})).fetchall()
     return [r["id"] for r in rows]

@@ -118,8 +118,12 @@ class Client:
 
 
 def rpc_error(excinfo: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    """(gRPC code, spec code, details) of a failed call."""
-    exc = excinfo.value
+    """(gRPC code, spec code, details) of a failed call, as pytest.raises caught it."""
+    return error_of(excinfo.value)
+
+
+def error_of(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """(gRPC code, spec code, details) of a failed call's error."""
     info = error_info(exc)
     assert info is not None, f"no ErrorInfo on {exc}"
     return exc.code(), info.reason, dict(info.metadata)
@@ -137,7 +141,7 @@ def outcome(call, *args, **kw) -> Any:
     try:
         return call(*args, **kw)
     except grpc.RpcError as exc:
-        return rpc_error(pytest.ExceptionInfo.from_exc_info((type(exc), exc, exc.__traceback__)))
+        return error_of(exc)
 
 
 def invalid(field: str, call, *args, **kw) -> dict[str, str]:

@@ -26,7 +26,7 @@ import pytest
 
 from bettercompute.v1 import capacity_pb2 as cpb
 from bettercompute.v1 import reservations_pb2 as pb
-from tests.support import Client, World, eventually, get, refused, rpc_error
+from tests.support import Client, World, eventually, get, outcome, refused, rpc_error
 from tests.test_pki import Enrolled
 from tests.test_hostile_surface import node, node_world  # noqa: F401 (fixtures)
 from tests.test_reports import report
@@ -61,16 +61,12 @@ def test_a_member_iam_refuses_cannot_read_a_reservation_through_an_extend_it_alr
     # An `until` the reservation already reaches: answered with the whole reservation (request,
     # window, owner, allocations and their devices), no decision taken at all.
     extend = pb.ExtendReservationRequest(tenant_id=t, reservation_id=r.id, until=1, idempotency_key="peek")
-    try:
-        answer = spy.res("Extend", extend)
-    except grpc.RpcError as exc:
-        class _E:
-            value = exc
-        assert rpc_error(_E)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
-    else:
+    answer = outcome(spy.res, "Extend", extend)
+    if not isinstance(answer, tuple):
         pytest.fail(f"a member IAM refuses read the reservation through Extend: owner "
                     f"{answer.reservation.owner_identity_id}, devices "
                     f"{list(answer.reservation.allocations[0].device_ids)}, window {answer.reservation.during}")
+    assert answer[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
     # A member the policy lets read it gets the answer, still without an extend decision.
     _, reader = world.identity()
     seen = reader.res("Extend", pb.ExtendReservationRequest(tenant_id=t, reservation_id=r.id, until=1,

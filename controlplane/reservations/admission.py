@@ -49,7 +49,11 @@ class Draft:
     lease: bool = False  # queued for the pool's lease holder rather than placed inline
     charges: devices.Charges | None = None  # the quota transaction 2 charges
     now_ms: int = 0  # the database clock as transaction 1 read it: transaction 2 plans from it
-    foreign: bool = False  # the key's reservation now belongs to another member (RemoveMembership)
+
+    @property
+    def foreign(self) -> bool:
+        """The key's reservation now belongs to another member (RemoveMembership's successor)."""
+        return self.row["owner_identity_id"] != self.caller.identity_id
 
 
 async def create(rt: Runtime, who: Caller | Unverified, raw: dict[str, Any]) -> dict[str, Any]:
@@ -138,11 +142,11 @@ async def _transaction_1(
         else:
             rt.metrics.draft_written(ahead=False)
         assert row is not None
-    if row["owner_identity_id"] != caller.identity_id:  # not the caller's to replay without a decision
-        return Draft(row, caller, policy=facts.policy, now_ms=facts.now_ms, foreign=True)
+    draft = Draft(row, caller, policy=facts.policy, now_ms=facts.now_ms)
+    if draft.foreign:  # not the caller's to replay without a decision: `create` decides a read
+        return draft
     replay.require_replayable(row, digest)
     state = row["state"]
-    draft = Draft(row, caller, now_ms=facts.now_ms)
     if state == states.AWAITING_CONFIRMATION:
         confirmation = await _latest_confirmation(conn, rid)
         if confirmation is not None and confirmation["expired"]:
@@ -164,7 +168,6 @@ async def _transaction_1(
     else:
         draft.attributes = _attributes(row, pool)
         await conn.execute(queries.UPSERT_AUTHZ, {"id": rid, "attributes": Jsonb(draft.attributes)})
-    draft.policy = facts.policy
     draft.decide = True
     return draft
 
