@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -27,7 +26,7 @@ from bettercompute.v1 import providers_pb2_grpc
 from bettercompute.v1 import usage_pb2 as upb
 from bettercompute.v1 import usage_pb2_grpc
 from tests.conftest import module_stack
-from tests.support import PERMISSIVE, Client, ServerThread, World, make_world, rpc_error
+from tests.support import PERMISSIVE, Client, ServerThread, World, make_world, outcome  # noqa: F401 (outcome: re-exported)
 
 HOUR = 3_600_000
 MIN = 60_000
@@ -205,14 +204,6 @@ def other(v: Vps) -> Iterator[tuple[World, Stubs]]:
     v.world.root.admin("OfferPool", apb.OfferPoolRequest(pool_id=v.world.pool_id, tenant_id=w.tenant))
     yield w, Stubs(w.user)
     w.close()
-
-
-def outcome(call: Callable[[], Any]) -> Any:
-    """The answer, or (code, reason, details) of the refusal."""
-    try:
-        return call()
-    except grpc.RpcError as exc:
-        return rpc_error(SimpleNamespace(value=exc))
 
 
 def metered(v: Vps, meter: str, subject: str, before: int | None = None) -> float:
