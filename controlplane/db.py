@@ -330,6 +330,13 @@ async def now_ms(conn: psycopg.AsyncConnection) -> int:
     return (await (await conn.execute("SELECT epoch_ms(compute_now()) AS now_ms")).fetchone())["now_ms"]
 
 
+async def fresh_now_ms(conn: psycopg.AsyncConnection) -> int:
+    """The product clock as it reads now, in a statement of its own (clock_ms_fresh, migration
+    0046): after a wait for a lock, the moment the lock was granted, where `now_ms` still reads
+    the transaction's start. What a decision on a locked row's deadline or start must use."""
+    return (await (await conn.execute("SELECT clock_ms_fresh() AS now_ms")).fetchone())["now_ms"]
+
+
 async def fetch_one(pool: AsyncConnectionPool, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
     """One statement's first row, read in autocommit: one round trip."""
     return await run_autocommit(pool, lambda conn: _fetch_one(conn, sql, params))

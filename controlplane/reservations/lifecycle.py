@@ -61,9 +61,12 @@ def over_at(row: dict[str, Any], now_ms: int) -> str | None:
 
 
 async def ended_reason(conn: AsyncConnection, row: dict[str, Any]) -> str | None:
-    """`over_at` compute_now(): over though the reconciler has not released it yet. Nothing
-    brings it back."""
-    return over_at(row, await db.now_ms(conn))
+    """`over_at` the clock once the row's lock is held (`db.fresh_now_ms`): over though the
+    reconciler has not released it yet. Nothing brings it back. Not compute_now(), the
+    transaction's start: a call that queued for the row while its moment passed would judge it by
+    the clock from before the wait (a lapsed lease renewed, an ended window extended), and the
+    reconciler's own pass, queued behind it, would then find nothing due."""
+    return over_at(row, await db.fresh_now_ms(conn))
 
 
 async def free_capacity(conn: AsyncConnection, row: dict[str, Any], *, allocation_state: str = "released",
@@ -108,7 +111,7 @@ async def end_pending_victim(conn: AsyncConnection, row: dict[str, Any]) -> None
     the pending retry end it."""
     await pool_lock(conn, row["pool_id"])
     locked = await _locked(conn, row["id"])
-    if locked["state"] == states.PENDING and preemption.notice_over(locked, await db.now_ms(conn)):
+    if locked["state"] == states.PENDING and preemption.notice_over(locked, await db.fresh_now_ms(conn)):
         await end_over(conn, locked, WINDOW_ENDED)
 
 
@@ -161,7 +164,7 @@ async def cancel(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[
                 state=row["state"], reservationId=rid,
             )
         if row["state"] == states.PLACED:  # placed in the row, but its start (or lapse) came by time
-            now_ms = await db.now_ms(conn)
+            now_ms = await db.fresh_now_ms(conn)  # the clock once the row is ours (ended_reason)
             why = over_at(row, now_ms) or ("started" if now_ms >= row["during_start"] else None)
             if why is not None:
                 raise errors.InvalidState(f"this reservation cannot be cancelled any more ({why}); release it",

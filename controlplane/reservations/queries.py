@@ -16,9 +16,6 @@ BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
 # BY_ID_FOR_UPDATE with the product clock (as db.now_ms reads it: compute_now() counts from the
 # transaction's start) in `now_ms`, for the reconciler's first pass: one round trip.
 BY_ID_LOCKED_NOW = f"SELECT {COLUMNS}, epoch_ms(compute_now()) AS now_ms FROM reservations r WHERE r.id = %(id)s FOR UPDATE"
-# The product clock now, in its own statement (clock_ms_fresh, migration 0046): read after a lock
-# wait, it is the clock once the lock is held.
-CLOCK_MS_FRESH = "SELECT clock_ms_fresh() AS now_ms"
 # The pool lock, then the row locked, and, when the row is still the undecided version
 # transaction 1 read, the decision recorded and quota charged (charge_all, migration 0028: all or
 # none; a refusal is an error that aborts the transaction): one round trip, in the lock order (the
@@ -343,20 +340,35 @@ WHERE a.id = b.allocation_id AND a.reservation_id = %(id)s AND a.state IN ('plac
 
 # The earliest other booking on one of our atoms that starts at or after our end, or of a host
 # resource we book on our node (where its load may rise past what the node can give).
+# Where a refused extension could reach: the first booking on one of its atoms after its end, or
+# the first moment after its end when one of its host bookings would no longer fit beside the
+# node's others (the load rises only where a booking starts, so those starts and the end itself
+# are the candidates; a booking on the node's other GPUs that leaves room is not in the way).
+# Its own end when nothing later is found (the host already over its rows at the end, say).
 AVAILABLE_UNTIL = """
-SELECT epoch_ms(least(
+SELECT epoch_ms(coalesce(least(
     (SELECT min(lower(o.during))
      FROM bookings b
      JOIN allocations a ON a.id = b.allocation_id
      JOIN bookings o ON o.atom_id = b.atom_id AND o.allocation_id <> b.allocation_id
      WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
        AND upper(b.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)),
-    (SELECT min(lower(o.during))
+    (SELECT min(t.at)
      FROM host_bookings h
      JOIN allocations a ON a.id = h.allocation_id
-     JOIN host_bookings o ON o.node_id = h.node_id AND o.resource = h.resource AND o.allocation_id <> h.allocation_id
+     CROSS JOIN LATERAL (
+         SELECT from_epoch_ms(%(from)s) AS at
+         UNION
+         SELECT lower(o.during) FROM host_bookings o
+         WHERE o.node_id = h.node_id AND o.resource = h.resource AND o.allocation_id <> h.allocation_id
+           AND lower(o.during) > from_epoch_ms(%(from)s)) t
      WHERE a.reservation_id = %(id)s AND a.state IN ('placed', 'binding', 'bound')
-       AND upper(h.during) = from_epoch_ms(%(from)s) AND lower(o.during) >= from_epoch_ms(%(from)s)))) AS until
+       AND upper(h.during) = from_epoch_ms(%(from)s) AND h.amount > 0
+       AND h.amount + (SELECT coalesce(sum(o.amount), 0) FROM host_bookings o
+                       WHERE o.node_id = h.node_id AND o.resource = h.resource
+                         AND o.allocation_id <> h.allocation_id AND o.during @> t.at)
+           > host_capacity(h.node_id, h.resource))),
+    from_epoch_ms(%(from)s))) AS until
 """
 
 SET_WINDOW_END = """

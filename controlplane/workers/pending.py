@@ -72,8 +72,7 @@ async def _retry_one(conn: psycopg.AsyncConnection, rt: Runtime, rid: str) -> bo
     # Placed at the clock once both locks are held, not the one read before the waits (as inline
     # create and the lease batch): time (or the dev clock) moved on while the retry waited, and a
     # window without a start, or one whose start passed meanwhile, begins at placement.
-    fresh = await (await conn.execute(queries.CLOCK_MS_FRESH)).fetchone()
-    now_ms = max(now_ms, fresh["now_ms"])
+    now_ms = max(now_ms, await db.fresh_now_ms(conn))
     # A victim's cut may have come while the retry waited: planned again at this clock its window
     # would be the request's whole length (ask_for caps it at the cut only when it begins before).
     if preemption.notice_over(row, now_ms):
