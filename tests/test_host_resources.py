@@ -117,13 +117,23 @@ INVENTORY = {
 
 def test_the_cpuset_is_the_devices_numa_nodes_without_the_host_reserve() -> None:
     # The reserve is the lowest two non-isolated CPUs (1 and 2: CPU 0 is isolated).
-    assert hosts.cpuset(INVENTORY, ["GPU-0", "GPU-1"], 8, 64, 2) == ("0,3-15,32-47", "0")
-    assert hosts.cpuset(INVENTORY, ["GPU-5"], 8, 64, 2) == ("16-31,48-63", "1")
-    assert hosts.cpuset(INVENTORY, ["GPU-3", "GPU-4"], 8, 64, 2) == ("0,3-63", "0,1")
+    facts = hosts.NumaFacts.of(INVENTORY, 2)
+    assert hosts.cpuset(facts, ["GPU-0", "GPU-1"], 8, 64) == ("0,3-15,32-47", "0")
+    assert hosts.cpuset(facts, ["GPU-5"], 8, 64) == ("16-31,48-63", "1")
+    assert hosts.cpuset(facts, ["GPU-3", "GPU-4"], 8, 64) == ("0,3-63", "0,1")
     # Not enough CPUs or memory there: not pinned.
-    assert hosts.cpuset(INVENTORY, ["GPU-0"], 31, 300, 2) == ("", "")
-    assert hosts.cpuset(INVENTORY, ["GPU-0"], 30, 256, 2)[0] != "" and hosts.cpuset(INVENTORY, ["GPU-0"], 30, 256, 2)[1] == "0"
-    assert hosts.cpuset(INVENTORY, ["GPU-9"], 8, 64, 2) == ("", "")  # unknown device
+    assert hosts.cpuset(facts, ["GPU-0"], 31, 300) == ("", "")
+    assert hosts.cpuset(facts, ["GPU-0"], 30, 256)[0] != "" and hosts.cpuset(facts, ["GPU-0"], 30, 256)[1] == "0"
+    assert hosts.cpuset(facts, ["GPU-9"], 8, 64) == ("", "")  # unknown device
+
+
+def test_numa_cpulists_together_are_read_within_one_lists_bounds() -> None:
+    """Each within the bounds, together past them: the lists past the budget read as empty (a
+    node cannot make the control plane parse megabytes of them), the earlier ones are kept."""
+    part = ",".join(str(i) for i in range(0, 2000, 2))  # 1,000 parts, within every bound
+    lists = cpulist.parse_all([part] * 6)
+    assert [len(x) for x in lists] == [1000] * 4 + [0, 0]  # MAX_PARTS 4096: the fifth would pass it
+    assert cpulist.parse_all(["0-3", "x", "4-7"]) == [frozenset(range(4)), frozenset(), frozenset(range(4, 8))]
 
 
 # -- the share ----------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Linux cpulists ("0-3,8,10-11"), read within bounds (spec "Host resources"): CPU ids up to
 MAX_CPU, at most MAX_CHARS characters and MAX_PARTS comma-separated parts. A list beyond any bound,
-or one that does not parse, reads as empty, so a node cannot stall the control plane with one."""
+or one that does not parse, reads as empty, so a node cannot stall the control plane with one.
+A node's NUMA lists together get one list's bounds (`parse_all`): they partition its CPUs, and
+many lists each within the bounds would otherwise add up to megabytes to parse."""
 
 from __future__ import annotations
 
@@ -36,6 +38,22 @@ def parse(text: str) -> frozenset[int]:
         bits[lo:hi + 1] = b"\x01" * (hi + 1 - lo)
         top = max(top, hi)
     return frozenset(compress(range(top + 1), bits))  # in C, and only up to the highest id
+
+
+def parse_all(texts: Iterable[str]) -> list[frozenset[int]]:
+    """Each list's CPU ids, the lists read in order while together they stay within one list's
+    bounds (MAX_CHARS characters, MAX_PARTS parts); every list past that budget reads as empty."""
+    chars, parts = MAX_CHARS, MAX_PARTS
+    out: list[frozenset[int]] = []
+    for text in texts:
+        size, pieces = len(text), text.count(",") + 1
+        if size > chars or pieces > parts:
+            chars = parts = 0  # the budget is spent: this list and every later one read as empty
+            out.append(frozenset())
+            continue
+        chars, parts = chars - size, parts - pieces
+        out.append(parse(text))
+    return out
 
 
 def format_list(cpus: Iterable[int]) -> str:

@@ -37,15 +37,14 @@ def _limits(raw: dict[str, Any], cpuset: tuple[str, str] = ("", "")) -> node_pb2
         mems=str(raw.get("mems") or cpuset[1]))
 
 
-def assignment(row: dict[str, Any], facts: dict[str, Any] | None = None) -> node_pb2.DeviceAssignment:
-    """The assignment of an allocation row; with the node's facts (DESIRED_STATE's pin_inventory
-    and pin_reserve), a hold booking host resources is pinned to the CPUs and memory of its
-    devices' NUMA nodes."""
+def assignment(row: dict[str, Any], facts: hosts.NumaFacts | None = None) -> node_pb2.DeviceAssignment:
+    """The assignment of an allocation row; with the node's NUMA facts (from DESIRED_STATE's
+    pin_inventory and pin_reserve), a hold booking host resources is pinned to the CPUs and memory
+    of its devices' NUMA nodes."""
     raw = row["limits"] or {}
     cpuset = ("", "")
     if facts is not None and (raw.get("vcpu") or raw.get("memoryGiB")):
-        cpuset = hosts.cpuset(facts["inventory"] or {}, row["device_ids"], int(raw.get("vcpu") or 0),
-                              int(raw.get("memoryGiB") or 0), int(facts["reserve"]))
+        cpuset = hosts.cpuset(facts, row["device_ids"], int(raw.get("vcpu") or 0), int(raw.get("memoryGiB") or 0))
     out = node_pb2.DeviceAssignment(
         allocation_id=row["id"], device_ids=row["device_ids"], until=row["until"],
         binding=_BINDINGS.get(row["binding"] or "", node_pb2.BINDING_HOLD),
@@ -65,6 +64,6 @@ async def read(pool: AsyncConnectionPool, node_id: str) -> node_pb2.DesiredState
     rows = await db.run_autocommit(pool, work)
     live = [r for r in rows if r["id"] is not None]
     pinned = next((r for r in live if r["pin_reserve"] is not None), None)
-    facts = {"inventory": pinned["pin_inventory"], "reserve": pinned["pin_reserve"]} if pinned else None
+    facts = hosts.NumaFacts.of(pinned["pin_inventory"] or {}, int(pinned["pin_reserve"])) if pinned else None
     return node_pb2.DesiredState(generation=rows[0]["desired_generation"] if rows else 0,
                                  assignments=[assignment(r, facts) for r in live])

@@ -11,6 +11,7 @@ synced in a transaction of its own, under its pool's lock, as every change place
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,21 +64,41 @@ async def run(pool: AsyncConnectionPool, every_seconds: float, stop: asyncio.Eve
             pass
 
 
-def cpuset(inventory: dict[str, Any], gpu_uuids: Iterable[str], vcpu: int, memory_gib: int,
-           reserve: int) -> tuple[str, str]:
+@dataclasses.dataclass(frozen=True)
+class NumaFacts:
+    """A node's NUMA facts as a pinned hold needs them, parsed once for all its holds: each NUMA
+    node's CPUs (the lists read together within one list's bounds, cpulist.parse_all) and memory,
+    the GPUs' NUMA nodes, and the host reserve (the lowest `reserve` non-isolated CPUs)."""
+    cpus: dict[int, frozenset[int]]
+    memory: dict[int, int]
+    numa_of: dict[str, int]
+    reserved: frozenset[int]
+
+    @classmethod
+    def of(cls, inventory: dict[str, Any], reserve: int) -> NumaFacts:
+        nodes = [n for n in inventory.get("numa_nodes") or [] if isinstance(n.get("id"), int)]
+        lists = cpulist.parse_all(str(n.get("cpulist") or "") for n in nodes)
+        cpus: dict[int, frozenset[int]] = {}
+        memory: dict[int, int] = {}
+        for n, ids in zip(nodes, lists):
+            cpus[n["id"]] = cpus.get(n["id"], frozenset()) | ids
+            memory[n["id"]] = memory.get(n["id"], 0) + int(n.get("memory_bytes") or 0)
+        isolated = cpulist.parse(str(inventory.get("isolated_cpus") or ""))
+        every = frozenset().union(*cpus.values())
+        return cls(cpus=cpus, memory=memory,
+                   numa_of={g.get("uuid"): g.get("numa_node", 0) for g in inventory.get("gpus") or []},
+                   reserved=frozenset(sorted(every - isolated)[:max(0, reserve)]))
+
+
+def cpuset(facts: NumaFacts, gpu_uuids: Iterable[str], vcpu: int, memory_gib: int) -> tuple[str, str]:
     """(cpus, mems) for a hold of these GPUs: the CPUs of their NUMA nodes when those have at least
     `vcpu` of them, and the NUMA nodes themselves when they have `memory_gib` of memory; "" when
-    not. The host reserve (the lowest `reserve` non-isolated CPUs) is never part of it."""
-    numa_of = {g.get("uuid"): g.get("numa_node", 0) for g in inventory.get("gpus") or []}
-    wanted = {numa_of[u.split(":", 1)[0]] for u in gpu_uuids if u.split(":", 1)[0] in numa_of}
-    numa = [n for n in inventory.get("numa_nodes") or [] if n.get("id") in wanted]
-    if not numa:
+    not. The host reserve is never part of it."""
+    wanted = sorted({facts.numa_of[u] for u in (g.split(":", 1)[0] for g in gpu_uuids) if u in facts.numa_of}
+                    & facts.cpus.keys())
+    if not wanted:
         return "", ""
-    every = frozenset().union(*(cpulist.parse(n.get("cpulist", "")) for n in inventory.get("numa_nodes") or []))
-    isolated = cpulist.parse(inventory.get("isolated_cpus", ""))
-    reserved = set(sorted(every - isolated)[:max(0, reserve)])
-    cpus = frozenset().union(*(cpulist.parse(n.get("cpulist", "")) for n in numa)) - reserved
-    memory = sum(int(n.get("memory_bytes") or 0) for n in numa)
-    ids = sorted(n["id"] for n in numa)
+    cpus = frozenset().union(*(facts.cpus[i] for i in wanted)) - facts.reserved
+    memory = sum(facts.memory[i] for i in wanted)
     return (cpulist.format_list(cpus) if 0 < vcpu <= len(cpus) else "",
-            ",".join(str(i) for i in ids) if 0 < memory_gib and memory_gib * GIB <= memory else "")
+            ",".join(str(i) for i in wanted) if 0 < memory_gib and memory_gib * GIB <= memory else "")

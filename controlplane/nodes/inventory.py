@@ -16,6 +16,7 @@ re-reads labels and atoms under the pool lock never sees them change before it c
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -39,6 +40,7 @@ FABRIC = "fabric.domain"
 SYSTEM = "system"
 MAX_CAPABILITIES = 64
 MAX_GPUS = 256
+MAX_NUMA_NODES = 1024  # Linux's MAX_NUMNODES
 
 
 def capabilities(hello: node_pb2.Hello) -> list[str]:
@@ -100,8 +102,7 @@ def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu],
                   "nvlink_domain": nvlink_domain(g), "mig_mode": g.mig_mode,
                   "mig_instances": [{"index": m.index, "profile": m.profile} for m in g.mig_instances]}
                  for g in gpu_list],
-        "numa_nodes": [{"id": n.id, "cpulist": cpulist.normalise(n.cpulist),
-                        "memory_bytes": bounded(n.memory_bytes, MAX_MEMORY)} for n in inventory.numa_nodes],
+        "numa_nodes": numa_json(inventory.numa_nodes),
         "isolated_cpus": cpulist.normalise(inventory.isolated_cpus),
         "memory_bytes": bounded(inventory.memory_bytes, MAX_MEMORY),
         "hugepages_2mi": bounded(inventory.hugepages_2mi, MAX_MEMORY // (2 * MIB)),
@@ -109,6 +110,15 @@ def inventory_json(inventory: node_pb2.Inventory, gpu_list: list[node_pb2.Gpu],
         "vcpus": bounded(inventory.vcpus, MAX_VCPUS),
         **({"deployed": deployed_json(inventory.deployed)} if inventory.HasField("deployed") else {}),
     }
+
+
+def numa_json(numa_nodes: Sequence[node_pb2.NumaNode]) -> list[dict[str, Any]]:
+    """At most MAX_NUMA_NODES NUMA nodes, their cpulists together read within one list's bounds
+    (cpulist.parse_all: 256 lists each within the bounds added up to seconds of the event loop)."""
+    kept = numa_nodes[:MAX_NUMA_NODES]
+    lists = cpulist.parse_all(n.cpulist for n in kept)
+    return [{"id": n.id, "cpulist": cpulist.format_list(cpus), "memory_bytes": bounded(n.memory_bytes, MAX_MEMORY)}
+            for n, cpus in zip(kept, lists)]
 
 
 ALLOCATION_ID = re.compile(r"^alloc_[0-9a-hjkmnp-tv-z]{26}$")

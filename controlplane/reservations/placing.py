@@ -174,13 +174,20 @@ def ask_for(row: dict[str, Any], now_ms: int) -> placer.Ask:
         topology=device["topology"],
         model=device.get("model") or "",
         selector=request.get("nodeSelector") or {},
-        required={**kubernetes.required_labels(request), **limits_label(request)},
+        required=required_labels(request),
         start_ms=begin,
         end_ms=end,
         device_class=device.get("class") or "gpu",
         profile=device.get("profile") or "",
         host=dict(request.get("resources") or {}),
     )
+
+
+def required_labels(request: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The system labels of the capabilities the request needs of a node's bcd (its binding's,
+    and devices.limits when it books host resources), as JSON containment: where it places, and
+    what BookingRepair checks its nodes still carry."""
+    return {**kubernetes.required_labels(request), **limits_label(request)}
 
 
 def limits_label(request: dict[str, Any]) -> dict[str, dict[str, str]]:

@@ -464,7 +464,8 @@ JOIN nodes n ON n.id = al.node_id
 LEFT JOIN bookings b ON b.allocation_id = al.id
 LEFT JOIN atoms a ON a.id = b.atom_id
 WHERE al.reservation_id = %(id)s AND al.state = 'placed'
-  AND (n.state <> 'ready' OR n.connectivity = 'unreachable' OR a.health <> 'healthy' OR NOT a.bookable)
+  AND (n.state <> 'ready' OR n.connectivity = 'unreachable' OR a.health <> 'healthy' OR NOT a.bookable
+       OR NOT n.labels @> %(required)s)
 """
 
 LIVE_NODES = "SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'placed' ORDER BY id"

@@ -73,7 +73,7 @@ async def _reconcile(conn: AsyncConnection, rt: Runtime, rid: str, *, may_place:
         return
     if row["state"] == states.PLACED:
         if now_ms >= row["during_start"] - schedule.REPAIR_LEAD_MS:
-            bad = await repair.bad_nodes(conn, rid)
+            bad = await repair.bad_nodes(conn, row)
             if bad and not may_place:
                 raise binding.NeedsPoolLock
             if bad:

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from psycopg import AsyncConnection
+from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.placement import gang
@@ -20,8 +21,12 @@ from controlplane.reservations import placing, preemption, queries, schedule
 from controlplane.runtime import Runtime
 
 
-async def bad_nodes(conn: AsyncConnection, rid: str) -> list[str]:
-    return [r["node_id"] for r in await (await conn.execute(queries.BAD_NODES, {"id": rid})).fetchall()]
+async def bad_nodes(conn: AsyncConnection, row: dict[str, Any]) -> list[str]:
+    """The nodes of the placed allocations that can no longer run them: not ready, unreachable,
+    a booked atom unhealthy or unbookable, or its bcd no longer advertising a capability the
+    request needs (a daemon downgraded since placement would drop the limits or the binding)."""
+    params = {"id": row["id"], "required": Jsonb(placing.required_labels(row["request"]))}
+    return [r["node_id"] for r in await (await conn.execute(queries.BAD_NODES, params)).fetchall()]
 
 
 async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: list[str], now_ms: int) -> bool:
