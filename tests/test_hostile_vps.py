@@ -17,6 +17,7 @@ from bettercompute.provider.v1 import provider_pb2 as ppb
 from bettercompute.v1 import grants_pb2 as gpb
 from bettercompute.v1 import instances_pb2 as ipb
 from bettercompute.v1 import providers_pb2 as vpb
+from controlplane.ids import new_id
 from tests.support import Client, ServerThread, World
 from tests.vps_support import (FLAVOR, HOUR, MIN, SimThread, Vps, metered, outcome, own_stack, progress,  # noqa: F401 (fixtures)
                                sim, v, world_of)
@@ -194,11 +195,17 @@ def test_machines_no_row_knows_are_left_alone(v: Vps) -> None:
 
 
 def test_an_account_registered_twice_keeps_its_instances(v: Vps) -> None:
-    """A careless operator registers the same provider account a second time: the second
-    account's scan must not take the first's instances for machines of nobody."""
+    """A careless operator registers the same provider account a second time: refused since the
+    fifth hostile round (its reservations would be granted twice over); a twin row registered
+    before that (written here directly) must still not take the first's instances, at its scan,
+    for machines of nobody."""
     made = v.instance()
-    twin = v.root("accounts", "Create", vpb.CreateProviderAccountRequest(
-        tenant_id="root", name="twin", provider="sim", endpoint=v.sim.endpoint, external_account=v.external)).id
+    code, reason, details = outcome(lambda: v.root("accounts", "Create", vpb.CreateProviderAccountRequest(
+        tenant_id="root", name="twin", provider="sim", endpoint=v.sim.endpoint, external_account=v.external)))
+    assert (code, reason, details["accountId"]) == (grpc.StatusCode.ABORTED, "CONFLICT", v.account_id)
+    twin = v.world.sql("INSERT INTO provider_accounts (id, name, provider, endpoint, external_account)"
+                       " VALUES (%s, 'twin', 'sim', %s, %s) RETURNING id",
+                       (new_id("pacct"), v.sim.endpoint, v.external))[0][0]
     v.root("accounts", "ScanReservations", vpb.GetProviderAccountRequest(tenant_id="root", account_id=twin))
     assert at_provider(v, made.id) == "running"
     v.instance_call("Stop", made.id)

@@ -26,9 +26,15 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
     account_id = new_id("pacct")
     await access.on_account(rt, caller, account_id, provider=provider)
 
+    at_provider = {"provider": provider, "endpoint": endpoint, "external_account": external}
+
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        await conn.execute(q.INSERT_ACCOUNT, {"id": account_id, "name": name, "provider": provider,
-                                              "endpoint": endpoint, "external_account": external})
+        await conn.execute(q.EXTERNAL_ACCOUNT_LOCK, at_provider)
+        same = await (await conn.execute(q.ACCOUNT_AT_PROVIDER, at_provider)).fetchone()
+        if same is not None:  # its reservations would be granted once per row
+            raise errors.Conflict("this account at the provider is registered already", accountId=same["id"],
+                                  reason="account-registered")
+        await conn.execute(q.INSERT_ACCOUNT, {"id": account_id, "name": name, **at_provider})
         return await (await conn.execute(q.ACCOUNT, {"id": account_id})).fetchone()
 
     with db_errors.mapped(name=name):

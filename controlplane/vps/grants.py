@@ -72,7 +72,9 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         return _replayed(found, digest)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        # The reservation's row lock: concurrent grants on it are decided one at a time.
+        # The key's lock, then the reservation's row lock: creates under one key, and concurrent
+        # grants on one reservation, are decided one at a time.
+        await conn.execute(q.GRANT_KEY_LOCK, {"issuer": spec["tenant_id"], "key": key})
         reservation = await lifecycle.lock_reservation(conn, spec["account_id"], spec["reservation_id"])
         again = await (await conn.execute(q.GRANT_BY_KEY, {"issuer": spec["tenant_id"], "key": key})).fetchone()
         if again is not None:

@@ -56,6 +56,29 @@ async def slot_for(conn: AsyncConnection, reservation: dict[str, Any], tenant_id
     return "reserved", None
 
 
+async def _first_slot(conn: AsyncConnection, spec: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, str | None]]:
+    """The pool's reservation of the flavor a new instance goes to, and its slot there: the ready
+    reservations tried in turn (one where the caller's grant has a slot to spare first, then by
+    id), so one full or all granted leaves the others' free slots to take. Refused as the first
+    of them refuses when none has a slot."""
+    found = await (await conn.execute(q.POOL_RESERVATIONS_FOR_UPDATE, spec)).fetchall()
+    if not found:
+        raise errors.InvalidInput("flavor", "no provider reservation of this flavor is bound to the pool",
+                                  poolId=spec["pool_id"])
+    ready = sorted((r for r in found if r["state"] == "ready"), key=lambda r: (not r["own_grant"], r["reservation_id"]))
+    if not ready:
+        raise errors.InvalidState("the pool's reservation of this flavor is not ready",
+                                  reservationId=found[0]["reservation_id"], reason=found[0]["state"])
+    refusal: errors.CapacityUnavailable | None = None
+    for reservation in ready:
+        try:
+            return reservation, await slot_for(conn, reservation, spec["tenant_id"], spec["project_id"], spec["billing"])
+        except errors.CapacityUnavailable as exc:
+            refusal = refusal or exc
+    assert refusal is not None
+    raise refusal
+
+
 def _create_input(raw: dict[str, Any]) -> dict[str, Any]:
     spec = {
         "tenant_id": match("tenantId", raw.get("tenant_id", ""), TENANT_ID),
@@ -98,15 +121,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         if len(live) >= rt.settings.instances_per_tenant:
             raise errors.InvalidState("the tenant has as many instances as it may",
                                       limit=rt.settings.instances_per_tenant)
-        reservation = await (await conn.execute(q.POOL_RESERVATION_FOR_UPDATE, spec)).fetchone()
-        if reservation is None:
-            raise errors.InvalidInput("flavor", "no provider reservation of this flavor is bound to the pool",
-                                      poolId=spec["pool_id"])
-        if reservation["state"] != "ready":
-            raise errors.InvalidState("the pool's reservation of this flavor is not ready",
-                                      reservationId=reservation["reservation_id"], reason=reservation["state"])
-        placement, grant_id = await slot_for(conn, reservation, spec["tenant_id"], spec["project_id"],
-                                             spec["billing"])
+        reservation, (placement, grant_id) = await _first_slot(conn, spec)
         row = await (await conn.execute(q.INSERT_INSTANCE, {
             **spec, "id": new_id("inst"), "account_id": reservation["account_id"],
             "reservation_id": reservation["reservation_id"], "grant_id": grant_id, "placement": placement,

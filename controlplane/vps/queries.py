@@ -24,6 +24,17 @@ INSERT INTO provider_accounts (id, name, provider, endpoint, external_account)
 VALUES (%(id)s, %(name)s, %(provider)s, %(endpoint)s, %(external_account)s)
 """
 ACCOUNT = f"SELECT {_ACCOUNT_COLUMNS} FROM provider_accounts WHERE id = %(id)s"
+# One row per account at the provider: its reservations, registered under two rows, would be
+# granted twice over (each row's grants fit its own copy of the total).
+EXTERNAL_ACCOUNT_LOCK = """
+SELECT pg_advisory_xact_lock(hashtextextended(
+    'provider-account:' || %(provider)s || ':' || %(endpoint)s || ':' || %(external_account)s, 0))
+"""
+ACCOUNT_AT_PROVIDER = """
+SELECT id FROM provider_accounts
+WHERE provider = %(provider)s AND endpoint = %(endpoint)s AND external_account = %(external_account)s
+ORDER BY id LIMIT 1
+"""
 ACCOUNT_FOR_UPDATE = f"SELECT {_ACCOUNT_COLUMNS} FROM provider_accounts WHERE id = %(id)s FOR UPDATE"
 ACCOUNTS = f"SELECT {_ACCOUNT_COLUMNS} FROM provider_accounts ORDER BY created_at, id"
 DELETE_ACCOUNT = "DELETE FROM provider_accounts WHERE id = %(id)s"
@@ -116,6 +127,9 @@ _GRANT_COLUMNS = """id, account_id, reservation_id, pool_id, tenant_id, project_
     epoch_ms(metered_until) AS metered_ms"""
 GRANT = f"SELECT {_GRANT_COLUMNS} FROM reservation_grants WHERE id = %(id)s"
 GRANT_FOR_UPDATE = GRANT + " FOR UPDATE"
+# The issuer's key, one create at a time: two creates under one key may name different
+# reservations (different row locks), and both would find no grant and insert.
+GRANT_KEY_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('grant-key:' || %(issuer)s || ':' || %(key)s, 0))"
 GRANT_BY_KEY = f"""
 SELECT {_GRANT_COLUMNS} FROM reservation_grants
 WHERE issuer_tenant_id = %(issuer)s AND idempotency_key = %(key)s
@@ -220,10 +234,11 @@ INSTANCE_STATES = "SELECT id, state FROM instances WHERE id = ANY(%(ids)s)"
 # where the tenant has a grant in its term with a slot its instances do not hold (serving the
 # instance's project, for a billed instance) and that is not physically full, so its instance goes
 # into its grant.
-POOL_RESERVATION_FOR_UPDATE = f"""
-SELECT {_RESERVATION_COLUMNS} FROM provider_reservations r
-WHERE pool_id = %(pool_id)s AND flavor = %(flavor)s
-ORDER BY state = 'ready' DESC,
+# Every reservation of the flavor bound to the pool, locked in one order (any two creates lock
+# them alike), each with whether the caller has a grant on it in its term with a slot to spare
+# (`own_grant`): the create tries them in order of preference (instances.create).
+POOL_RESERVATIONS_FOR_UPDATE = f"""
+SELECT {_RESERVATION_COLUMNS},
     EXISTS (SELECT 1 FROM reservation_grants g
             WHERE g.account_id = r.account_id AND g.reservation_id = r.reservation_id
               AND g.tenant_id = %(tenant_id)s AND %(billing)s = 'standard'
@@ -233,9 +248,11 @@ ORDER BY state = 'ready' DESC,
               AND r.total > (SELECT count(*) FROM instances i
                              WHERE i.account_id = r.account_id AND i.reservation_id = r.reservation_id
                                AND i.placement <> 'on-demand'
-                               AND (i.state = 'running' OR (i.state = 'stopped' AND i.grant_id IS NOT NULL)))) DESC,
-    reservation_id
-LIMIT 1 FOR UPDATE
+                               AND (i.state = 'running' OR (i.state = 'stopped' AND i.grant_id IS NOT NULL)))) AS own_grant
+FROM provider_reservations r
+WHERE pool_id = %(pool_id)s AND flavor = %(flavor)s
+ORDER BY account_id, reservation_id
+FOR UPDATE
 """
 ACCOUNT_OF_RESERVATION = "SELECT provider, endpoint, external_account FROM provider_accounts WHERE id = %(id)s"
 # Slots held on the reservation: running instances, and stopped ones a grant keeps the slot for.
