@@ -296,12 +296,14 @@ async def _set(conn: AsyncConnection, row: dict[str, Any], state: str, grant_id:
 
 
 async def _restart(conn: AsyncConnection, row: dict[str, Any]) -> dict[str, Any]:
-    """A stopped instance runs again: in its grant (its slot was kept), or it needs a slot again."""
+    """A stopped instance runs again: in its grant while the grant is in its term (its slot was
+    kept), else it needs a slot again as a new instance would (its grant's end, handled late or
+    not yet, is no slot: its minutes from endsAt are not the grant's)."""
     reservation = await (await conn.execute(q.RESERVATION, {"account_id": row["account_id"],
                                                             "reservation_id": row["reservation_id"]})).fetchone()
     if row["placement"] == "on-demand" or reservation is None or reservation["state"] == "gone":
         row = await _set(conn, row, "running", None, "on-demand")
-    elif row["grant_id"] is not None:
+    elif row["grant_id"] is not None and await _in_term(conn, row["grant_id"]):
         row = await _set(conn, row, "running", row["grant_id"], "grant")
     else:
         placement, grant_id = await slot_for(conn, reservation, row["tenant_id"], row["project_id"], row["billing"],
@@ -309,6 +311,10 @@ async def _restart(conn: AsyncConnection, row: dict[str, Any]) -> dict[str, Any]
         row = await _set(conn, row, "running", grant_id, placement)
     await lifecycle.open_segment(conn, row, None, reservation)
     return row
+
+
+async def _in_term(conn: AsyncConnection, grant_id: str) -> bool:
+    return await (await conn.execute(q.GRANT_IN_TERM, {"id": grant_id})).fetchone() is not None
 
 
 async def stop(rt: Runtime, caller: Caller, tenant_id: str, instance_id: str) -> dict[str, Any]:

@@ -6,6 +6,8 @@ first (lock order: provider reservation -> grants -> instances), and publishes i
 A starting grant takes in its tenant's instances running on the reservation outside any grant,
 oldest first, from its start; an ending grant hands its instances to a renewal (another live grant
 of the tenant on the reservation) up to its free slots, the rest fall to the reservation rate.
+Both re-class the instances' billing segments from startsAt or endsAt on (`reclass`), so a start
+or end handled late bills every minute run since once, at the rate of its moment.
 """
 
 from __future__ import annotations
@@ -121,85 +123,88 @@ async def open_segment(conn: AsyncConnection, instance: dict[str, Any], at_ms: i
         "at_ms": at_ms})
 
 
+async def reclass(conn: AsyncConnection, instance_id: str, was: tuple[str, str | None], at_ms: int,
+                  into: tuple[str, str | None]) -> None:
+    """From `at_ms` on, the instance's minutes billed as `was` (class, grant id) are billed as
+    `into`: a segment spanning `at_ms` is split there, later ones change. A start or end applied
+    late (a start in the past, a late worker) so re-classes whatever ran since, closed or open."""
+    keys = {"instance_id": instance_id, "was": was[0], "was_grant": was[1], "at_ms": at_ms,
+            "class": into[0], "grant_id": into[1]}
+    await conn.execute(q.RECLASS_SEGMENTS, keys)
+    await conn.execute(q.SPLIT_SEGMENT, keys)
+
+
 async def take_in(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> int:
-    """The tenant's instances that ran on the reservation outside any grant at `at_ms`, oldest
-    first, up to the grant's free slots, from `at_ms`: those running so now, and those stopped,
-    deleted or started again since (a start in the past, or a late worker), whose reservation-rate
-    minutes from `at_ms` are the grant's. Returns how many took a slot."""
+    """The tenant's instances that ran on the reservation at the reservation rate after `at_ms`,
+    oldest first, up to the grant's free slots: their reservation-rate minutes from `at_ms` are the
+    grant's, whether they run so now or were stopped, deleted or started again since (a start in
+    the past, or a late worker); one running or stopped outside any grant joins it (a grant's
+    stopped instance keeps its slot). Returns how many took a slot."""
     free = grant["slots"] - await used(conn, grant["id"])
-    keys = {"tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
-            "reservation_id": grant["reservation_id"], "project_id": grant["project_id"], "at_ms": at_ms}
-    running = await (await conn.execute(q.OUTSIDE_ANY_GRANT, {**keys, "limit": max(free, 0)})).fetchall()
-    since = await (await conn.execute(q.RESERVED_AT, keys)).fetchall()
-    segment = {row["id"]: row["segment_id"] for row in since}
-    found = sorted({row["id"]: row for row in (*since, *running)}.values(), key=lambda r: (r["created_ms"], r["id"]))
+    found = await (await conn.execute(q.RESERVED_SINCE, {
+        "tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
+        "reservation_id": grant["reservation_id"], "project_id": grant["project_id"], "at_ms": at_ms})).fetchall()
     taken = 0
     for instance in found:
-        mine = instance["grant_id"] == grant["id"]  # started again since, into this grant by its time
-        if not mine:
+        if instance["grant_id"] != grant["id"]:  # not started again since, into this grant by its time
             if free <= 0:
                 continue
             free -= 1
             taken += 1
-        if instance["id"] in segment:
-            await conn.execute(q.SPLIT_SEGMENT, {"segment_id": segment[instance["id"]], "at_ms": at_ms,
-                                                 "class": "grant", "grant_id": grant["id"]})
-        if mine or instance["grant_id"] is not None or instance["placement"] != "reserved":
-            continue
-        if instance["state"] == "running":
-            await move(conn, instance, "grant", grant["id"], at_ms)
-        elif instance["state"] == "stopped":  # a grant's stopped instance keeps its slot
-            await conn.execute(q.SET_INSTANCE, {"id": instance["id"], "state": "stopped", "grant_id": grant["id"],
-                                                "placement": "grant"})
+        await reclass(conn, instance["id"], ("reserved", None), at_ms, ("grant", grant["id"]))
+        if instance["grant_id"] is None and instance["placement"] == "reserved" and instance["state"] != "deleted":
+            await conn.execute(q.SET_INSTANCE, {"id": instance["id"], "state": instance["state"],
+                                                "grant_id": grant["id"], "placement": "grant"})
     return taken
 
 
 async def hand_over(conn: AsyncConnection, grant: dict[str, Any], at_ms: int) -> None:
-    """An ended grant's running instances: to a renewal live at `at_ms` up to its free slots (a
-    scheduled renewal due by then is activated after), else to the reservation rate."""
-    instances = await (await conn.execute(q.OF_GRANT, {"grant_id": grant["id"]})).fetchall()
-    renewals = await (await conn.execute(q.RENEWALS, {
-        "tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
-        "reservation_id": grant["reservation_id"], "id": grant["id"], "at_ms": at_ms})).fetchall()
+    """An ended grant's instances from `at_ms` on: to a renewal live then up to its free slots (a
+    scheduled renewal due by now is activated after), else to the reservation rate. A running one
+    moves with its minutes, a stopped one leaves the grant and holds no slot; the minutes of those
+    that ran in it after `at_ms` (a late worker) are re-classed alike. The tenant's grants that
+    started after `at_ms` and are active already (their start handled before this late end) then
+    take in, from their start, what this left outside any grant."""
+    keys = {"tenant_id": grant["tenant_id"], "account_id": grant["account_id"],
+            "reservation_id": grant["reservation_id"], "grant_id": grant["id"], "id": grant["id"], "at_ms": at_ms}
+    instances = await (await conn.execute(q.GRANT_INSTANCES_SINCE, keys)).fetchall()
+    following = await (await conn.execute(q.NEXT_GRANTS, keys)).fetchall()
+    renewals = [g for g in following if g["starts_ms"] <= at_ms]
     free = {r["id"]: r["slots"] - await used(conn, r["id"]) for r in renewals}
     for instance in instances:
-        # Running instances only: a stopped one leaves with the grant and holds no slot.
-        target = next((r for r in renewals if free[r["id"]] > 0 and instance["state"] == "running"
+        target = next((r for r in renewals if free[r["id"]] > 0 and instance["ran_since"]
                        and r["project_id"] in (None, instance["project_id"])), None)
-        if target is None:
-            await move(conn, instance, "reserved", None, at_ms)
-            continue
-        free[target["id"]] -= 1
-        await move(conn, instance, "grant", target["id"], at_ms)
-    # Instances stopped or deleted after `at_ms` (a late worker): their minutes from then are no
-    # longer the grant's, so not paid by its slot-hours: a renewal's free slot's, else at the
-    # reservation rate.
-    since = await (await conn.execute(q.GRANT_SEGMENTS_AT, {"grant_id": grant["id"], "at_ms": at_ms})).fetchall()
-    for segment in since:
-        target = next((r for r in renewals if free[r["id"]] > 0 and r["project_id"] in (None, segment["project_id"])),
-                      None)
         if target is not None:
             free[target["id"]] -= 1
-        await conn.execute(q.SPLIT_SEGMENT, {"segment_id": segment["id"], "at_ms": at_ms,
-                                             "class": "reserved" if target is None else "grant",
-                                             "grant_id": None if target is None else target["id"]})
+        into = ("reserved", None) if target is None else ("grant", target["id"])
+        await reclass(conn, instance["id"], ("grant", grant["id"]), at_ms, into)
+        if instance["grant_id"] == grant["id"]:
+            running = instance["state"] == "running"
+            await conn.execute(q.SET_INSTANCE, {"id": instance["id"], "state": instance["state"],
+                                                "grant_id": into[1] if running else None,
+                                                "placement": into[0] if running else "reserved"})
     now = await now_ms(conn)
     for renewal in renewals:
         if renewal["state"] == "scheduled" and renewal["starts_ms"] <= now:
             await advance(conn, renewal, now)
+    for later in following:
+        if later["starts_ms"] > at_ms and later["state"] == "active":
+            await take_in(conn, later, later["starts_ms"])
 
 
 async def reservation_gone(conn: AsyncConnection, reservation: dict[str, Any], now: int) -> None:
-    """The provider stopped reporting the (locked) reservation: its active grants end now and its
-    scheduled ones are cancelled (reason reservation-gone); its instances go on demand."""
+    """The provider stopped reporting the (locked) reservation. What was due before now is applied
+    first, as the worker would have (a start takes its instances in, an end hands them over at
+    endsAt); then its grants still active end now and its scheduled ones are cancelled (reason
+    reservation-gone), and its instances go on demand from now."""
     grants = await (await conn.execute(q.GRANTS_ON_RESERVATION_FOR_UPDATE, {
         "account_id": reservation["account_id"], "reservation_id": reservation["reservation_id"]})).fetchall()
-    for grant in grants:
-        if grant["starts_ms"] > now:
+    for found in grants:
+        # Read again: an earlier grant's hand-over may have activated or ended this one.
+        grant = await advance(conn, await (await conn.execute(q.GRANT, {"id": found["id"]})).fetchone(), now)
+        if grant["state"] == "scheduled":
             await finish(conn, grant, "cancelled", "reservation-gone", None)
-        else:
-            if grant["state"] == "scheduled":
-                grant = await activate(conn, grant)
+        elif grant["state"] == "active":
             await finish(conn, grant, "ended", "reservation-gone", now, hand_over_instances=False)
     instances = await (await conn.execute(q.ON_RESERVATION, {
         "account_id": reservation["account_id"], "reservation_id": reservation["reservation_id"]})).fetchall()

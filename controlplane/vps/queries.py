@@ -170,13 +170,18 @@ LIVE_GRANTS_OF_TENANT = f"""
 SELECT {_GRANT_COLUMNS} FROM reservation_grants
 WHERE tenant_id = %(tenant_id)s AND state IN ('scheduled', 'active') ORDER BY id
 """
-# Another grant of the tenant on the reservation live at `at_ms` (a renewal), oldest start first.
-RENEWALS = f"""
+# The tenant's other live grants on the reservation whose term runs past `at_ms` (a grant's end),
+# oldest start first: those live at `at_ms` (renewals) and those that start after it.
+NEXT_GRANTS = f"""
 SELECT {_GRANT_COLUMNS} FROM reservation_grants
 WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_id = %(reservation_id)s
-  AND id <> %(id)s AND state IN ('scheduled', 'active')
-  AND starts_at <= from_epoch_ms(%(at_ms)s) AND ends_at > from_epoch_ms(%(at_ms)s)
+  AND id <> %(id)s AND state IN ('scheduled', 'active') AND ends_at > from_epoch_ms(%(at_ms)s)
 ORDER BY starts_at, id FOR UPDATE
+"""
+# The grant is in its term now (by time, as below).
+GRANT_IN_TERM = """
+SELECT 1 FROM reservation_grants
+WHERE id = %(id)s AND state IN ('scheduled', 'active') AND starts_at <= compute_now() AND ends_at > compute_now()
 """
 # Grants of the reservation in their term now (by time: a start the worker has not handled yet counts).
 GRANTS_IN_TERM = f"""
@@ -268,60 +273,63 @@ UPDATE instances SET state = %(state)s, grant_id = %(grant_id)s, placement = %(p
 WHERE id = %(id)s
 RETURNING {_INSTANCE_COLUMNS}
 """
-# The tenant's running instances on the reservation outside any grant, oldest first.
-OUTSIDE_ANY_GRANT = f"""
-SELECT {_INSTANCE_COLUMNS} FROM instances
-WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_id = %(reservation_id)s
-  AND state = 'running' AND grant_id IS NULL AND billing = 'standard' AND placement = 'reserved'
-  AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
-ORDER BY created_at, id LIMIT %(limit)s FOR UPDATE
-"""
-# The tenant's instances on the reservation that ran at the reservation rate at `at_ms` (a
-# reserved segment spans it) though they run so no longer (stopped, deleted, or started again
-# since), each with that segment: a grant starting at `at_ms` takes them in as well, from then,
-# or its slot-hours and their reservation rate would bill the same minutes.
-RESERVED_AT = f"""
-SELECT {_INSTANCE_COLUMNS}, s.segment_id FROM instances
-CROSS JOIN LATERAL (
-    SELECT s.id AS segment_id FROM instance_segments s
-    WHERE s.instance_id = instances.id AND s.class = 'reserved'
-      AND s.started_at <= from_epoch_ms(%(at_ms)s) AND s.ended_at > from_epoch_ms(%(at_ms)s)) s
+# The tenant's instances on the reservation (billed, of the grant's project if it names one) that
+# ran at the reservation rate after `at_ms` (a grant's start): running so now, or stopped, deleted
+# or started again since (a start in the past, or a late worker), oldest first.
+RESERVED_SINCE = f"""
+SELECT {_INSTANCE_COLUMNS} FROM instances i
 WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_id = %(reservation_id)s
   AND billing = 'standard' AND (%(project_id)s::text IS NULL OR project_id = %(project_id)s)
-ORDER BY created_at, id FOR UPDATE OF instances
-"""
-# A closed segment that spans `at_ms` ends there; from there to its end it is of `class` (in
-# grant `grant_id`, or none).
-SPLIT_SEGMENT = """
-WITH old AS (
-    SELECT * FROM instance_segments
-    WHERE id = %(segment_id)s AND started_at <= from_epoch_ms(%(at_ms)s) AND ended_at > from_epoch_ms(%(at_ms)s)
-), cut AS (
-    UPDATE instance_segments s SET ended_at = from_epoch_ms(%(at_ms)s) FROM old WHERE s.id = old.id
-    RETURNING s.id
-)
-INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at,
-                               ended_at)
-SELECT instance_id, tenant_id, %(class)s, %(grant_id)s, pool_id, region, provider, from_epoch_ms(%(at_ms)s),
-       ended_at
-FROM old
-"""
-# The grant's closed segments that span `at_ms` (its end): instances stopped or deleted since.
-GRANT_SEGMENTS_AT = """
-SELECT s.id, i.project_id FROM instance_segments s JOIN instances i ON i.id = s.instance_id
-WHERE s.grant_id = %(grant_id)s AND s.class = 'grant'
-  AND s.started_at < from_epoch_ms(%(at_ms)s) AND s.ended_at > from_epoch_ms(%(at_ms)s)
-ORDER BY i.created_at, i.id
-"""
-OF_GRANT = f"""
-SELECT {_INSTANCE_COLUMNS} FROM instances WHERE grant_id = %(grant_id)s AND state <> 'deleted'
+  AND EXISTS (SELECT 1 FROM instance_segments s
+              WHERE s.instance_id = i.id AND s.class = 'reserved'
+                AND coalesce(s.ended_at, 'infinity') > greatest(s.started_at, from_epoch_ms(%(at_ms)s)))
 ORDER BY created_at, id FOR UPDATE
+"""
+# The grant's instances, and those that ran in it after `at_ms` (its end) though they are no longer
+# in it (stopped or deleted since), oldest first; `ran_since`: it ran in the grant after `at_ms`.
+GRANT_INSTANCES_SINCE = f"""
+SELECT {_INSTANCE_COLUMNS}, ran.since AS ran_since FROM instances i
+CROSS JOIN LATERAL (
+    SELECT EXISTS (SELECT 1 FROM instance_segments s
+                   WHERE s.instance_id = i.id AND s.class = 'grant' AND s.grant_id = %(grant_id)s
+                     AND coalesce(s.ended_at, 'infinity') > greatest(s.started_at, from_epoch_ms(%(at_ms)s)))
+           AS since) ran
+WHERE tenant_id = %(tenant_id)s AND account_id = %(account_id)s AND reservation_id = %(reservation_id)s
+  AND ((grant_id = %(grant_id)s AND state <> 'deleted') OR ran.since)
+ORDER BY created_at, id FOR UPDATE OF i
 """
 GRANT_USED = "SELECT count(*)::int AS used FROM instances WHERE grant_id = %(grant_id)s AND state <> 'deleted'"
 ON_RESERVATION = f"""
 SELECT {_INSTANCE_COLUMNS} FROM instances
 WHERE account_id = %(account_id)s AND reservation_id = %(reservation_id)s AND state <> 'deleted'
 ORDER BY created_at, id FOR UPDATE
+"""
+
+# Re-classing an instance's minutes from `at_ms` on: its billing segments of class `was` (in
+# grant `was_grant`; NULL: in none) that start then or later become of `class` (in grant
+# `grant_id`), and one that spans `at_ms` (closed, or still open) ends there, its rest of `class`.
+# A grant start or end applied late (a start in the past, a late worker) re-classes this way
+# whatever ran since, so every minute is billed once, at the rate of its moment.
+RECLASS_SEGMENTS = """
+UPDATE instance_segments SET class = %(class)s, grant_id = %(grant_id)s
+WHERE instance_id = %(instance_id)s AND class = %(was)s AND grant_id IS NOT DISTINCT FROM %(was_grant)s
+  AND started_at >= from_epoch_ms(%(at_ms)s)
+"""
+SPLIT_SEGMENT = """
+WITH cut AS (
+    UPDATE instance_segments s SET ended_at = from_epoch_ms(%(at_ms)s)
+    FROM (SELECT id, ended_at FROM instance_segments
+          WHERE instance_id = %(instance_id)s AND class = %(was)s AND grant_id IS NOT DISTINCT FROM %(was_grant)s
+            AND started_at < from_epoch_ms(%(at_ms)s)
+            AND coalesce(ended_at, 'infinity') > from_epoch_ms(%(at_ms)s)) old
+    WHERE s.id = old.id
+    RETURNING s.instance_id, s.tenant_id, s.pool_id, s.region, s.provider, old.ended_at
+)
+INSERT INTO instance_segments (instance_id, tenant_id, class, grant_id, pool_id, region, provider, started_at,
+                               ended_at)
+SELECT instance_id, tenant_id, %(class)s, %(grant_id)s, pool_id, region, provider, from_epoch_ms(%(at_ms)s),
+       ended_at
+FROM cut
 """
 
 # Billing segments: close the open one at `at` (never before it started), open one from there,
