@@ -36,9 +36,9 @@ def _second_provider_account(world: World) -> None:
 
     world.root.admin("PutPolicy", apb.PutPolicyRequest(tenant_id="root", cedar=PERMIT_ALL))
     accounts = providers_pb2_grpc.ProviderAccountsStub(world.root.channel)
-    for _ in range(2):
+    for external in ("a", "b"):  # two accounts at the provider under one name
         accounts.Create(ppb.CreateProviderAccountRequest(tenant_id="root", name="twin", provider="sim",
-                                                         endpoint="127.0.0.1:1", external_account="a"),
+                                                         endpoint="127.0.0.1:1", external_account=external),
                         metadata=world.root.metadata, timeout=30)
 
 
