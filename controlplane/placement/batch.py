@@ -117,11 +117,13 @@ async def place(conn: AsyncConnection, batch: Batch, settings: Settings, index: 
             for m in lost:  # planned again on what was read; a second loss there excludes the node
                 placer.lost_on(m.lost_on, m.excluded, m._planned.plan.node_id)
         todo = [m for m in lost if m.attempts < settings.placement_max_attempts]
+        # Attempts spent on nodes the index thought had room: planned from the tables (below).
+        from_tables.extend(m for m in lost if m.attempts >= settings.placement_max_attempts)
     for m in from_tables:
         started = time.perf_counter()
-        planned_sql = await placer.plan_from_sql(conn, m.ask, settings, frozenset(m.excluded), started)
+        planned_sql = await placer.plan_from_sql(conn, m.ask, settings, frozenset(), started)  # the tables' word
         m.placement = await placer.commit(conn, m.ask, m.reservation_id, planned_sql, settings,
-                                          exclude=frozenset(m.excluded), index=index)
+                                          index=index)
         if m.placement is not None and index is not None:
             _mark(index, batch, m.placement.node_id, m.placement.atom_ids, m.ask)
 
@@ -145,6 +147,7 @@ async def _insert(conn: AsyncConnection, batch: Batch, planned: list[Member]) ->
         "starts": [m.ask.start_ms for m in planned],
         "ends": [m.ask.end_ms for m in planned],
         "selectors": [Jsonb(m.ask.params()["selector"].obj) for m in planned],
+        "devices": [Jsonb(m.ask.device()) for m in planned],
         "atom_allocations": atom_allocations,
         "atom_ids": atom_ids,
     })).fetchall()

@@ -11,12 +11,19 @@ statement."""
 INSERT_BATCH = """
 WITH planned AS (
     SELECT * FROM unnest(%(allocation_ids)s::text[], %(reservation_ids)s::text[], %(node_ids)s::text[],
-                         %(starts)s::bigint[], %(ends)s::bigint[], %(selectors)s::jsonb[])
-        AS p(allocation_id, reservation_id, node_id, start_ms, end_ms, selector)
+                         %(starts)s::bigint[], %(ends)s::bigint[], %(selectors)s::jsonb[], %(devices)s::jsonb[])
+        AS p(allocation_id, reservation_id, node_id, start_ms, end_ms, selector, device)
 ),
 wanted AS (
     SELECT * FROM unnest(%(atom_allocations)s::text[], %(atom_ids)s::text[]) WITH ORDINALITY
         AS w(allocation_id, atom_id, ord)
+),
+-- The members whose atoms are still as their request asks (migration 0063): the others get nothing.
+as_asked AS (
+    SELECT p.allocation_id
+    FROM planned p JOIN wanted w ON w.allocation_id = p.allocation_id
+    GROUP BY p.allocation_id, p.device
+    HAVING atoms_as_asked(array_agg(w.atom_id), p.device)
 ),
 allocated AS (
     INSERT INTO allocations (id, reservation_id, node_id, device_ids, state)
@@ -31,6 +38,7 @@ INSERT INTO bookings (atom_id, allocation_id, during)
 SELECT a.id, p.allocation_id, tstzrange(from_epoch_ms(p.start_ms), from_epoch_ms(p.end_ms), '[)')
 FROM allocated
 JOIN planned p ON p.allocation_id = allocated.id
+JOIN as_asked ON as_asked.allocation_id = p.allocation_id
 JOIN wanted w ON w.allocation_id = p.allocation_id
 JOIN atoms a ON a.id = w.atom_id
 JOIN nodes n ON n.id = a.node_id

@@ -212,6 +212,7 @@ async def _commit(
     index: CapacityIndex | None, exclude: frozenset[str], within: str | None,
 ) -> Committed:
     excluded = set(exclude)
+    lost_before: set[str] = set()  # nodes a race was lost on (placer.lost_on)
     for attempt in range(settings.placement_max_attempts):
         chosen = planned.plan
         if chosen is None:
@@ -226,6 +227,7 @@ async def _commit(
                            for i, m in zip(ids, chosen.members)]),
             member_of=[i for i, m in zip(ids, chosen.members) for _ in m.atom_ids],
             atom_ids=[a for m in chosen.members for a in m.atom_ids],
+            device=Jsonb(ask.device()),
         )
         try:
             taken = await (await conn.execute(gang_queries.TAKEN_NODES, params)).fetchall()
@@ -242,10 +244,15 @@ async def _commit(
                         raise _Lost([m.node_id])
         except _Lost as exc:
             log.info("gang placement race lost", nodes=exc.nodes, attempt=attempt + 1, size=gang.size)
-            excluded.update(exc.nodes)
+            for node_id in exc.nodes:  # planned again on what is read now; a second loss excludes it
+                placer.lost_on(lost_before, excluded, node_id)
             if index is not None:  # what the index missed about those nodes, read under the lock
                 await index.refresh(conn, {n: ask.pool_id for n in exc.nodes})
-            planned = await plan(conn, ask, gang, settings, index=index, exclude=frozenset(excluded), within=within)
+            # The last attempt is planned from the tables (under the pool lock, PostgreSQL's word),
+            # so a stale index cannot spend every attempt and leave it pending with room for it.
+            last = attempt + 2 >= settings.placement_max_attempts
+            planned = await plan(conn, ask, gang, settings, index=None if last else index,
+                                 exclude=frozenset(exclude if last else excluded), within=within)
             continue
         placements = [Placement(i, m.node_id, m.atom_ids, tuple(chosen.uuids[a] for a in m.atom_ids))
                       for i, m in zip(ids, chosen.members)]

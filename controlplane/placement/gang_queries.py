@@ -15,10 +15,18 @@ allocation AS (
     INSERT INTO allocations (id, reservation_id, node_id, device_ids, state, gang_group)
     SELECT allocation_id, %(reservation_id)s, node_id, device_ids, 'placed', %(group)s FROM member
     RETURNING id, node_id
+),
+-- The members whose atoms are still as the request asks (migration 0063): the others get nothing.
+as_asked AS (
+    SELECT w.allocation_id
+    FROM unnest(%(member_of)s::text[], %(atom_ids)s::text[]) AS w(allocation_id, atom_id)
+    GROUP BY w.allocation_id
+    HAVING atoms_as_asked(array_agg(w.atom_id), %(device)s)
 )
 INSERT INTO bookings (atom_id, allocation_id, during)
 SELECT a.id, al.id, tstzrange(from_epoch_ms(%(start)s), from_epoch_ms(%(end)s), '[)')
 FROM allocation al
+JOIN as_asked ON as_asked.allocation_id = al.id
 JOIN unnest(%(member_of)s::text[], %(atom_ids)s::text[]) AS w(allocation_id, atom_id) ON w.allocation_id = al.id
 JOIN atoms a ON a.id = w.atom_id
 JOIN nodes n ON n.id = a.node_id

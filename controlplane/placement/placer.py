@@ -67,6 +67,10 @@ class Ask:
             **extra,
         }
 
+    def device(self) -> dict[str, str]:
+        """The device shape its atoms must have (the commits' atoms_as_asked, migration 0063)."""
+        return {"class": self.device_class, "model": self.model, "profile": self.profile, "topology": self.topology}
+
     def window(self) -> Window:
         required = tuple((k, v.get("value", ""), v.get("source", "")) for k, v in sorted(self.required.items()))
         return Window(self.count, self.topology, self.model, self.selector, self.start_ms, self.end_ms,
@@ -157,7 +161,8 @@ async def commit(
 ) -> Placement | None:
     """Insert the planned allocation and bookings (the pool lock must be held). A lost race
     deletes the partial allocation, refreshes that node in the index and plans again (a node that
-    loses twice is excluded: `lost_on`), at most placement_max_attempts times.
+    loses twice is excluded: `lost_on`), at most placement_max_attempts times, the last plan read
+    from the tables.
     `metrics` gets the time from the first plan to the outcome."""
     placement = await _commit(conn, ask, reservation_id, planned, settings, exclude, index)
     if metrics is not None:
@@ -180,7 +185,7 @@ async def _commit(
         cur = await conn.execute(
             queries.INSERT_PLACEMENT,
             ask.params(allocation_id=allocation_id, reservation_id=reservation_id, node_id=chosen.node_id,
-                       device_ids=list(uuids), atom_ids=list(chosen.atom_ids)),
+                       device_ids=list(uuids), atom_ids=list(chosen.atom_ids), device=Jsonb(ask.device())),
         )
         booked = len(await cur.fetchall())  # rows, not rowcount: also right in pipeline mode
         if booked == len(chosen.atom_ids) and await book_host(conn, ask, allocation_id, chosen.node_id):
@@ -194,7 +199,13 @@ async def _commit(
         lost_on(lost, excluded, chosen.node_id)
         if index is not None:  # what the index missed about that node, read under the lock
             await index.refresh(conn, {chosen.node_id: ask.pool_id})
-        planned = await plan(conn, ask, settings, exclude=frozenset(excluded), index=index)
+        if attempt + 2 >= settings.placement_max_attempts:
+            # The last attempt is planned from the tables under the pool lock (PostgreSQL's word,
+            # the caller's exclusions only), so a stale index cannot spend every attempt on nodes
+            # it believes have room and leave the request pending with room elsewhere.
+            planned = await plan_from_sql(conn, ask, settings, exclude, time.perf_counter())
+        else:
+            planned = await plan(conn, ask, settings, exclude=frozenset(excluded), index=index)
     return None
 
 

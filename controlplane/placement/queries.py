@@ -74,6 +74,7 @@ WHERE a.id = ANY(%(atom_ids)s)
   AND n.connectivity <> 'unreachable'
   AND n.labels @> %(selector)s
   AND a.health = 'healthy' AND a.bookable
+  AND (SELECT atoms_as_asked(%(atom_ids)s, %(device)s))  -- their shape as asked (migration 0063)
 ON CONFLICT DO NOTHING
 RETURNING atom_id
 """
