@@ -14,7 +14,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import Jsonb
 
 from controlplane import admin_queries as q
-from controlplane import db, db_errors, errors, iam, quota, tokens
+from controlplane import authorize, db, db_errors, errors, iam, quota, tokens
 from controlplane.common import devices
 from controlplane.common.names import (GPU_UUID, IDEMPOTENCY_KEY, IDENTITY_ID, LABEL, MODEL, NODE_NAME, POOL_ID,
                                        TENANT_ID, match)
@@ -295,7 +295,9 @@ async def put_policy(rt: Runtime, tenant_id: str, cedar: str) -> dict[str, Any]:
     iam.validate_policy(cedar, rt.settings.max_policy_nesting)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        return await (await conn.execute(q.UPSERT_POLICY, {"tenant_id": tenant_id, "cedar": cedar})).fetchone()
+        row = await (await conn.execute(q.UPSERT_POLICY, {"tenant_id": tenant_id, "cedar": cedar})).fetchone()
+        await authorize.access_changed(conn, tenant_id)  # open streams decide again before their next event
+        return row
 
     with db_errors.mapped(tenantId=tenant_id):
         return await db.run_in_transaction(rt.pool, work)

@@ -32,7 +32,7 @@ from bettercompute.v1 import (
     usage_pb2,
     usage_pb2_grpc,
 )
-from controlplane import db, iam, metrics, watch
+from controlplane import db, event_hub, iam, metrics
 from controlplane.common import gc_pauses
 from controlplane.api.admin import AdminServicer
 from controlplane.api.capacity import CapacityServicer
@@ -90,7 +90,7 @@ class App:
     port: int
     pool: AsyncConnectionPool
     runtime: Runtime
-    hub: watch.EventHub
+    hub: event_hub.EventHub
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
     metrics_server: metrics.MetricsServer | None = None  # its port: metrics_server.port
@@ -131,7 +131,7 @@ async def start_app(
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(rt), served)
     capacity_pb2_grpc.add_CapacityServicer_to_server(CapacityServicer(rt), served)
     nodes_pb2_grpc.add_NodeAdminServicer_to_server(NodeAdminServicer(rt), served)
-    hub = watch.EventHub(conninfo, watch.StreamSlots(settings.watch_streams_per_identity,
+    hub = event_hub.EventHub(conninfo, event_hub.StreamSlots(settings.watch_streams_per_identity,
                                                      settings.watch_streams_per_tenant))
     events_pb2_grpc.add_EventsServicer_to_server(EventsServicer(rt, hub), served)
     events_pb2_grpc.add_WebhooksServicer_to_server(WebhooksServicer(rt), served)

@@ -18,6 +18,16 @@ from controlplane.auth import Caller
 
 _POLICY = "SELECT cedar FROM policies WHERE tenant_id = %(tenant_id)s"
 
+# Told, with the tenant's id, when what its members may read can have narrowed under an open
+# Watch stream (its policy replaced, a member removed): the event hub has its watchers decide
+# again before their next event (controlplane.watch).
+ACCESS_CHANNEL = "bc_access_changed"
+
+
+async def access_changed(conn: AsyncConnection, tenant_id: str) -> None:
+    """Tell the event hubs, once the caller's transaction commits (NOTIFY is transactional)."""
+    await conn.execute("SELECT pg_notify(%s, %s)", (ACCESS_CHANNEL, tenant_id))
+
 
 async def read_policy(conn: AsyncConnection, tenant_id: str) -> str | None:
     """The tenant's policy, read in the caller's transaction (to stage a later decision)."""

@@ -30,7 +30,7 @@ import structlog
 from psycopg import AsyncConnection
 
 from controlplane import admin_queries as q
-from controlplane import bootstrap, confirmations, db, errors
+from controlplane import authorize, bootstrap, confirmations, db, errors
 from controlplane.common.names import IDENTITY_ID, TENANT_ID, match
 from controlplane.offboarding import LOCK_AGENTS, LOCK_IDENTITIES, OFFBOARDED, REASSIGNABLE, hand_over
 from controlplane.reservations import queries as reservation_queries
@@ -100,6 +100,7 @@ async def _remove(conn: AsyncConnection, identity_id: str, tenant_id: str, succe
         REMOVED if owner == identity_id else DELEGATOR_REMOVED))
     await conn.execute(reservation_queries.DELETE_DRAFTS_OF_IN_TENANT, {"ids": ids, "tenant_id": tenant_id})
     await conn.execute(q.DELETE_MEMBERSHIPS, {"tenant_id": tenant_id, "ids": ids})
+    await authorize.access_changed(conn, tenant_id)  # their open streams end before their next event
     return _answer(identity_id, tenant_id, successor_id, changed=True, reassigned=[r["id"] for r in moving],
                    expired=expired, withdrawn=withdrawn, agents=sorted(members - {identity_id}))
 

@@ -19,7 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from structlog.testing import capture_logs
 
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import db, watch
+from controlplane import db, event_hub
 from controlplane import listen as listen_module
 from controlplane.config import Settings
 from controlplane.listen import RECONNECTED, TICK, WOKEN, Listener, listen
@@ -358,7 +358,7 @@ def test_a_watch_stream_gets_events_missed_while_the_hub_was_disconnected_and_af
         world: World, stack: tuple[ServerThread, Client], monkeypatch: pytest.MonkeyPatch) -> None:
     server, _ = stack
     world.add_node(gpus("w-watch"))
-    monkeypatch.setattr(watch, "POLL_SECONDS", 3600.0)  # no safety net: only notifications and the marker
+    monkeypatch.setattr(event_hub, "POLL_SECONDS", 3600.0)  # no safety net: only notifications and the marker
     with Stream(world.user, tenant_id=world.tenant) as stream:
         first = world.create(start=later(world))
         # Streamed: the watcher has read up to the frontier and waits to be woken.

@@ -18,7 +18,7 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
 from bettercompute.v1 import reservations_pb2 as pb
-from controlplane import watch
+from controlplane import event_hub
 from tests.conftest import module_stack
 from tests.support import Client, ServerThread, World, make_world, rpc_error
 
@@ -344,7 +344,7 @@ def test_the_safety_net_wakes_only_tenants_with_unseen_events(world: World, stac
         # Both subscribed (the watcher subscribes before its first read).
         _until(lambda: hub.subscriptions(quiet.tenant) and hub.subscriptions(world.tenant))
         [idle_sub] = hub.subscriptions(quiet.tenant)
-        monkeypatch.setattr(watch, "POLL_SECONDS", 0.05)
+        monkeypatch.setattr(event_hub, "POLL_SECONDS", 0.05)
         world.sql("SELECT pg_notify('bc_events', 'nobody')")  # ends the hub's current (long) wait
         runs = hub.safety_net_runs
         _until(lambda: hub.safety_net_runs >= runs + 5)
@@ -364,7 +364,7 @@ def test_the_safety_net_wakes_only_tenants_with_unseen_events(world: World, stac
 BURST = 12
 
 
-def idle_hub(world: World, stack: Any) -> watch.EventHub:
+def idle_hub(world: World, stack: Any) -> event_hub.EventHub:
     """The module server's hub, once no stream of an earlier test is subscribed any more."""
     server, _ = stack
     hub = server.app.hub
@@ -372,7 +372,7 @@ def idle_hub(world: World, stack: Any) -> watch.EventHub:
     return hub
 
 
-def heard(hub: watch.EventHub, since: int, count: int) -> None:
+def heard(hub: event_hub.EventHub, since: int, count: int) -> None:
     """Until the hub has heard `count` more bc_events notifications (read or not)."""
     _until(lambda: hub.notifications >= since + count)
 
@@ -380,7 +380,7 @@ def heard(hub: watch.EventHub, since: int, count: int) -> None:
 def test_an_idle_hub_takes_no_snapshot_and_a_watch_opened_later_gets_the_burst_then_new_events(
         world: World, stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     hub = idle_hub(world, stack)
-    monkeypatch.setattr(watch, "POLL_SECONDS", 3600.0)  # neither the net nor a tick can stand in
+    monkeypatch.setattr(event_hub, "POLL_SECONDS", 3600.0)  # neither the net nor a tick can stand in
     snapshots, notifications = hub.snapshots, hub.notifications
     burst = [reserve(world) for _ in range(BURST)]
     heard(hub, notifications, BURST)  # each create committed and notified on its own

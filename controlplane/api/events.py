@@ -11,6 +11,7 @@ from google.protobuf import struct_pb2
 from bettercompute.v1 import events_pb2 as pb
 from bettercompute.v1 import events_pb2_grpc as rpc
 from controlplane import watch
+from controlplane.event_hub import EventHub
 from controlplane.api.interceptor import caller
 from controlplane.runtime import Runtime
 from controlplane.webhooks import manage
@@ -40,7 +41,7 @@ def delivery(row: dict[str, Any]) -> pb.Delivery:
 
 
 class EventsServicer(rpc.EventsServicer):
-    def __init__(self, rt: Runtime, hub: watch.EventHub) -> None:
+    def __init__(self, rt: Runtime, hub: EventHub) -> None:
         self.rt = rt
         self.hub = hub
 

@@ -66,6 +66,31 @@ async def get(rt: Runtime, caller: Caller, tenant_id: str, rid: str) -> dict[str
 # short by it ends with a cursor to go on from.
 LIST_SCAN_CAP = 1000
 
+SUBJECT_PREFIX = "reservation/"  # an event about a reservation: subject reservation/<id>
+
+
+async def subjects_of(conn: AsyncConnection, tenant_id: str, events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The tenant's reservations that the events' subjects name, by id (what `readable_events`
+    decides on), read on `conn` beside the events."""
+    ids = sorted({e["subject"][len(SUBJECT_PREFIX):] for e in events if e["subject"].startswith(SUBJECT_PREFIX)})
+    if not ids:
+        return {}
+    rows = await (await conn.execute(queries.EVENT_SUBJECTS, {"tenant_id": tenant_id, "ids": ids})).fetchall()
+    return {row["id"]: row for row in rows}
+
+
+def readable_events(policy: str | None, caller: Caller, tenant_id: str, events: list[dict[str, Any]],
+                    subjects: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events the caller may read, in order: one about a reservation only when it may read
+    that reservation as get decides (compute:reservations:read on its row; one Cedar batch), so a
+    stream of events tells no more than reading their reservations would; others as they are."""
+    ids = list(subjects)
+    allowed = dict(zip(ids, authorize.allowed_each(policy, caller, iam.READ, "Reservation",
+                                                   [(i, resource_attributes(subjects[i])) for i in ids],
+                                                   tenant_id=tenant_id)))
+    return [e for e in events
+            if not e["subject"].startswith(SUBJECT_PREFIX) or allowed.get(e["subject"][len(SUBJECT_PREFIX):], False)]
+
 
 async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """A page of the tenant's reservations (the caller's own, scope 'mine'), newest first. The
