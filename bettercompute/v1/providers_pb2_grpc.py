@@ -84,7 +84,9 @@ class ProviderAccountsServicer:
     """
 
     def Create(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """CONFLICT (details.name) for a name in use, and (details.accountId, reason account-registered)
+        for the provider, endpoint and external account of an account registered already.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -429,6 +429,10 @@ class ExtendReservationResponse(_message.Message):
     AVAILABLE_UNTIL_FIELD_NUMBER: _builtins.int
     extended: _builtins.bool
     available_until: _builtins.int
+    """With extended false: how far it could be extended now, the first moment from its end at which
+    one of its devices is booked or one of its host amounts no longer fits beside the node's other
+    bookings (its own end when nothing more can be had).
+    """
     @_builtins.property
     def reservation(self) -> Global___Reservation: ...
     def __init__(
