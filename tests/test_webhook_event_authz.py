@@ -22,8 +22,10 @@ from tests.test_webhooks import LOOPBACK, SECRET, Receiver, eventually, hooks, r
 MANAGE = 'permit(principal == Identity::"{who}", action == Action::"compute:webhooks:manage", resource);'
 EVERYTHING = 'permit(principal == Identity::"{who}", action, resource);'
 # events:read narrowed to reservation.released: a filter of that type only (all types is [] and refused).
+# With reservations:read, as a webhook delivers a reservation's events only to a creator who may get it.
 RELEASED_ONLY = ('permit(principal == Identity::"{who}", action == Action::"compute:events:read", resource) '
-                 'when { resource.types != [] && ["reservation.released"].containsAll(resource.types) };')
+                 'when { resource.types != [] && ["reservation.released"].containsAll(resource.types) };\n'
+                 'permit(principal == Identity::"{who}", action == Action::"compute:reservations:read", resource);')
 
 
 @pytest.fixture(scope="module")

@@ -207,10 +207,16 @@ class ApiInterceptor(grpc.aio.ServerInterceptor):
                         deserializer: Any) -> Any:
         """The decoded, checked request. Only validated or bounded values are bound for the log,
         before the caller is known."""
-        request_id = metadata.get("x-request-id") or ""
-        if not REQUEST_ID.fullmatch(request_id):
-            request_id = uuid.uuid4().hex
+        given = metadata.get("x-request-id") or ""
+        # A bearer secret sent as the request id (a misconfigured proxy or SDK) is not kept: the id
+        # is bound to every log line of the call and echoed back. The log shows its public prefix
+        # only, as for a secret pasted as the tenant id.
+        pasted = given.find(tokens.SECRET_PREFIX)
+        request_id = given if pasted < 0 and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id, method=method, tenant="")
+        if pasted >= 0:
+            structlog.contextvars.bind_contextvars(
+                request_id_refused=repr(given[pasted:pasted + tokens.PREFIX_LENGTH]))
         # The metadata is bounded before authentication reads it; a request over its limit is not
         # decoded, and is refused after authentication like every other input check.
         over = _over("metadata", metadata_bytes, self._max_metadata_bytes)

@@ -26,6 +26,11 @@ GPU health, cordon, operator connectivity and labels) takes the node's pool lock
 or writes the node's rows (controlplane.nodes). Liveness alone (heartbeats, the unreachable
 sweeper) changes connectivity without it: placement re-checks connectivity under its lock, and
 the reconciler handles a node lost at any time after a placement anyway.
+
+A tenant's webhook lock (advisory, 'webhooks:' and the tenant id) comes after all of these: an
+event writer takes it shared in its commit (the webhook fan-out, a deferred trigger: migration
+0064), and Webhooks.Create exclusively in a transaction that locks nothing else but its tenant's
+row in key-share mode (the foreign key), which no event writer locks beyond that.
 """
 
 from __future__ import annotations

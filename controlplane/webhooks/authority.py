@@ -9,6 +9,15 @@ per batch: a refused delivery is dead at once, with a reason, and nothing is sen
 must still be an active member of the tenant (an agent: its person too), as authentication asks
 of a Watch caller. Decisions are cached per webhook, creator and policy version, so a delivery
 costs no policy read and no Cedar evaluation while the policy stays (docs/decisions.md).
+
+An event of a reservation (subject `reservation/<id>`) is delivered only when the creator may
+also read that reservation, decided as Reservations.Get decides it: compute:reservations:read on
+the reservation's row as the claim read it (its tenant, owner, pool and state). One that is gone
+or a draft (get: NOT_FOUND) is refused too. The claimed deliveries are decided together: one
+Cedar batch per tenant and creator (`iam.allowed_each`, as Reservations.List decides its rows),
+on a policy text kept per tenant and version. ListDeliveries leaves out the deliveries of
+reservations its caller may not read the same way (`reservations_readable`), so a listing names no
+reservation its caller could not get.
 """
 
 from __future__ import annotations
@@ -18,14 +27,19 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import authorize, db, errors
+from controlplane import authorize, db, errors, iam
 from controlplane.auth import Caller
+from controlplane.reservations.reads import resource_attributes
 from controlplane.watch import EVENTS_READ
 
 REFUSED = "refused by IAM: the webhook's creator may no longer read these events (compute:events:read)"
 CREATOR_GONE = "refused: the webhook's creator is offboarded or no longer a member of the tenant"
+RESERVATION_REFUSED = ("refused by IAM: the webhook's creator may not read this reservation "
+                       "(compute:reservations:read)")
 
-_POLICY = "SELECT cedar, version FROM policies WHERE tenant_id = %(tenant_id)s"
+_POLICIES = "SELECT tenant_id, cedar, version FROM policies WHERE tenant_id = ANY(%(tenant_ids)s)"
+
+RESERVATION_SUBJECT = "reservation/"
 
 
 def attributes(event_types: list[str]) -> dict[str, Any]:
@@ -52,10 +66,13 @@ def check_create(policy: str | None, caller: Caller, tenant_id: str, event_types
 class Decisions:
     """Delivery decisions by (webhook, creator, policy version); least recently used leave first."""
 
-    def __init__(self, entries: int = 4096) -> None:
+    def __init__(self, entries: int = 4096, policy_entries: int = 256) -> None:
         self.entries = entries
-        self.decided = 0  # decisions taken (each one a policy read and a Cedar evaluation)
+        self.policy_entries = policy_entries
+        self.decided = 0  # events:read decisions taken (each one a Cedar evaluation)
+        self.batches = 0  # reservation batches decided (each one a Cedar batch)
         self._cache: OrderedDict[tuple[Any, ...], bool] = OrderedDict()
+        self._policies: OrderedDict[str, tuple[str | None, Any]] = OrderedDict()  # tenant: (text, version)
 
     def _get(self, key: tuple[Any, ...]) -> bool | None:
         found = self._cache.get(key)
@@ -69,24 +86,108 @@ class Decisions:
             self._cache.popitem(last=False)
 
     async def refusal(self, pool: AsyncConnectionPool, row: dict[str, Any]) -> str:
-        """Why the claimed delivery `row` must not be sent ("" when it may): the claim returns the
-        webhook's filter, its creator's standing and the tenant's policy version."""
-        if not row["creator_active"]:
-            return CREATOR_GONE
-        creator = (row["created_by"], row["creator_kind"], row["creator_delegator_id"])
-        allowed = self._get((row["webhook_id"], *creator, row["policy_version"]))
-        if allowed is None:
+        """Why the claimed delivery `row` must not be sent ("" when it may)."""
+        return (await self.refusals(pool, [row]))[0]
+
+    async def refusals(self, pool: AsyncConnectionPool, rows: list[dict[str, Any]]) -> list[str]:
+        """Why each claimed delivery must not be sent ("" when it may): the claim returns the
+        webhook's filter, its creator's standing, the tenant's policy version and, for an event
+        of a reservation, the reservation's row. At most one policy read for the lot (none while
+        the policies stay), one events:read decision per webhook, creator and policy version, and
+        one Cedar batch per tenant and creator for the reservations."""
+        out = ["" if row["creator_active"] else CREATOR_GONE for row in rows]
+        wanted = {row["tenant_id"]: row["policy_version"] for i, row in enumerate(rows)
+                  if not out[i] and (about_reservation(row) or self._get(_key(row, row["policy_version"])) is None)}
+        policies = await self._read_policies(pool, wanted)
+        for i, row in enumerate(rows):
+            if out[i]:
+                continue
+            allowed = self._get(_key(row, row["policy_version"]))
+            if allowed is None:
+                if row["tenant_id"] not in policies:  # its decision left the cache meanwhile
+                    policies.update(await self._read_policies(pool, {row["tenant_id"]: row["policy_version"]}))
+                cedar, version = policies[row["tenant_id"]]
+                allowed = authorize.decide(cedar, _creator(row), EVENTS_READ, "Tenant", row["tenant_id"],
+                                           attributes(row["event_types"]), tenant_id=row["tenant_id"]).allowed
+                self.decided += 1
+                # Under the version read with the policy: a newer one than the claim saw holds at once.
+                self._put(_key(row, version), allowed)
+            if not allowed:
+                out[i] = REFUSED
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, row in enumerate(rows):
+            if not out[i] and about_reservation(row):
+                groups.setdefault((row["tenant_id"], row["created_by"], row["creator_kind"],
+                                   row["creator_delegator_id"]), []).append(i)
+        for (tenant_id, *_), members in groups.items():
+            chosen = [rows[i] for i in members]
+            readable = reservations_readable(policies[tenant_id][0], _creator(chosen[0]), tenant_id, chosen)
+            self.batches += 1
+            for i, allowed in zip(members, readable):
+                if not allowed:
+                    out[i] = RESERVATION_REFUSED
+        return out
+
+    async def _read_policies(self, pool: AsyncConnectionPool,
+                             wanted: dict[str, Any]) -> dict[str, tuple[str | None, Any]]:
+        """Each tenant's policy text and version: kept while the claim shows the version kept,
+        otherwise read (the lot in one statement). A tenant without a policy has (None, None)."""
+        found: dict[str, tuple[str | None, Any]] = {}
+        stale = []
+        for tenant_id, version in wanted.items():
+            kept = self._policies.get(tenant_id)
+            if kept is not None and kept[1] == version:
+                self._policies.move_to_end(tenant_id)
+                found[tenant_id] = kept
+            else:
+                stale.append(tenant_id)
+        if stale:
             async with db.read_only(pool) as conn:
-                policy = await (await conn.execute(_POLICY, {"tenant_id": row["tenant_id"]})).fetchone()
-            caller = Caller(identity_id=row["created_by"], kind=row["creator_kind"],
-                            tenant_ids=frozenset([row["tenant_id"]]), delegator_id=row["creator_delegator_id"])
-            allowed = authorize.decide(policy["cedar"] if policy else None, caller, EVENTS_READ, "Tenant",
-                                       row["tenant_id"], attributes(row["event_types"]),
-                                       tenant_id=row["tenant_id"]).allowed
-            self.decided += 1
-            # Under the version read with the policy: a newer one than the claim saw holds at once.
-            self._put((row["webhook_id"], *creator, policy["version"] if policy else None), allowed)
-        return "" if allowed else REFUSED
+                read = await (await conn.execute(_POLICIES, {"tenant_ids": stale})).fetchall()
+            for tenant_id in stale:
+                found[tenant_id] = (None, None)
+            for row in read:
+                found[row["tenant_id"]] = (row["cedar"], row["version"])
+            for tenant_id in stale:
+                self._policies[tenant_id] = found[tenant_id]
+                self._policies.move_to_end(tenant_id)
+            while len(self._policies) > self.policy_entries:
+                self._policies.popitem(last=False)
+        return found
+
+
+def _key(row: dict[str, Any], version: Any) -> tuple[Any, ...]:
+    return (row["webhook_id"], row["created_by"], row["creator_kind"], row["creator_delegator_id"], version)
+
+
+def _creator(row: dict[str, Any]) -> Caller:
+    """The webhook's creator as the caller its deliveries are decided for."""
+    return Caller(identity_id=row["created_by"], kind=row["creator_kind"], tenant_ids=frozenset([row["tenant_id"]]),
+                  delegator_id=row["creator_delegator_id"])
+
+
+def about_reservation(row: dict[str, Any]) -> bool:
+    """Whether the delivery's event is a reservation's (subject `reservation/<id>`)."""
+    return str(row["subject"]).startswith(RESERVATION_SUBJECT)
+
+
+def reservations_readable(policy: str | None, caller: Caller, tenant_id: str,
+                          rows: list[dict[str, Any]]) -> list[bool]:
+    """Whether `caller` may read what each delivery or event row is about, as Reservations.Get
+    decides it: an event of a reservation needs compute:reservations:read on the reservation's row
+    (`reservation_owner`, `reservation_pool`, `reservation_state`, read with it; none when the
+    reservation is gone or a draft: refused, as get answers NOT_FOUND); any other event, nothing
+    more. The reservations are decided in one Cedar batch, with no transaction open."""
+    about = [i for i, row in enumerate(rows) if about_reservation(row) and row["reservation_state"] is not None]
+    allowed = authorize.allowed_each(policy, caller, iam.READ, "Reservation", [
+        (rows[i]["subject"][len(RESERVATION_SUBJECT):], resource_attributes({
+            "tenant_id": tenant_id, "owner_identity_id": rows[i]["reservation_owner"],
+            "pool_id": rows[i]["reservation_pool"], "state": rows[i]["reservation_state"]}))
+        for i in about], tenant_id=tenant_id) if about else []
+    out = [not about_reservation(row) for row in rows]
+    for i, ok in zip(about, allowed):
+        out[i] = ok
+    return out
 
 
 DECISIONS = Decisions()

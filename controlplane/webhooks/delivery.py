@@ -11,8 +11,10 @@ A delivery is claimed only once every smaller event id has committed or never wi
 0050), as Watch streams: an event committing after a client got a larger id by webhook would be
 behind the point where that client resumes Watch. While one waits for a writer still open, the
 worker re-checks at RECHECK_SECONDS.
-Before sending, the attempt is decided as a Watch by the webhook's creator would be (`authority`):
-refused, the delivery is dead at once with the refusal as its error, and nothing is sent.
+Before sending, the attempt is decided as a Watch by the webhook's creator would be, and an event
+of a reservation as the creator's Reservations.Get of it would be (`authority`, the claimed rows
+together): refused, the delivery is dead at once with the refusal as its error, and nothing is
+sent.
 Woken by NOTIFY bc_webhooks (the fan-out trigger) and by its own timer for retries.
 """
 
@@ -71,11 +73,13 @@ async def claim(rt: Runtime, limit: int) -> list[dict[str, Any]]:
     return await db.run_in_transaction(rt.pool, work)
 
 
-async def attempt(rt: Runtime, row: dict[str, Any]) -> sender.Outcome:
+async def attempt(rt: Runtime, row: dict[str, Any], refusal: str | None = None) -> sender.Outcome:
     """POST one claimed delivery and record the outcome; one its creator may no longer read
-    (`authority`) is dead at once, unsent."""
+    (`authority`: `refusal`, decided with the rest of its claim, or here when not given) is dead at
+    once, unsent."""
     policy = POLICY
-    refusal = await authority.DECISIONS.refusal(rt.pool, row)
+    if refusal is None:
+        refusal = await authority.DECISIONS.refusal(rt.pool, row)
     if refusal:
         outcome = sender.Outcome(None, refusal)
     else:
@@ -155,8 +159,12 @@ class Worker:
         free = self.rt.settings.webhook_concurrency - len(self.in_flight)
         if free <= 0:
             return
-        for row in await claim(self.rt, free):
-            task = asyncio.create_task(attempt(self.rt, row), name=f"webhook-{row['event_id']}")
+        rows = await claim(self.rt, free)
+        # Decided together (`authority`): one Cedar batch per tenant and creator for the
+        # reservations. Should this fail, the rows are leased and due again when the lease ends.
+        refusals = await authority.DECISIONS.refusals(self.rt.pool, rows) if rows else []
+        for row, refusal in zip(rows, refusals):
+            task = asyncio.create_task(attempt(self.rt, row, refusal), name=f"webhook-{row['event_id']}")
             self.in_flight.add(task)
             task.add_done_callback(self._done)
 

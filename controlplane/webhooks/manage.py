@@ -4,7 +4,8 @@ Every call needs membership of the tenant and IAM's compute:webhooks:manage on i
 URL and deliveries are configuration. Its deliveries are events, so Create and ListDeliveries also
 need what Events.Watch with the webhook's event types needs, and every delivery is decided again
 (`authority`).
-Another tenant's webhook is NOT_FOUND.
+Another tenant's webhook is NOT_FOUND. ListDeliveries leaves out the deliveries of reservations
+its caller may not read (compute:reservations:read, as get decides it).
 A URL must resolve to public addresses only (`targets`; INVALID_INPUT naming `url`), a secret is a
 Standard Webhooks one or generated (`signing`; INVALID_INPUT naming `secret`), and a tenant
 has at most Settings.webhooks_per_tenant webhooks (QUOTA_EXCEEDED, resource `webhooks`).
@@ -30,6 +31,10 @@ from controlplane.webhooks import authority, queries, signing, targets
 log = structlog.get_logger(__name__)
 
 WEBHOOKS_MANAGE = "compute:webhooks:manage"
+
+# ListDeliveries examines at most this many deliveries for the ones its caller may read; a page
+# cut short by it ends with a cursor to go on from (the last delivery examined).
+DELIVERIES_SCAN_CAP = 1000
 
 WEBHOOK_ID = re.compile(r"^whk_[0-9a-hjkmnp-tv-z]{26}$")
 
@@ -133,15 +138,33 @@ async def deliveries(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[
     before = raw.get("before_event_id") or 0
     if before < 0:
         raise errors.InvalidInput("beforeEventId", "must be 0 or an event id")
+    params = {"webhook_id": webhook_id, "before": before, "limit": limit}
     async with db.read_only(rt.pool) as conn:
         hook = await _find(conn, tenant_id, webhook_id)
         policy = await authorize.read_policy(conn, tenant_id)
-        rows = await (await conn.execute(queries.DELIVERIES, {
-            "webhook_id": webhook_id, "before": before, "limit": limit})).fetchall()
+        rows = await (await conn.execute(queries.DELIVERIES, params)).fetchall()
     # Its deliveries are events (ids, types, subjects): the caller needs what Events.Watch of the
     # webhook's event types needs, as its creator did (decided with the transaction closed).
     authority.check_create(policy, caller, tenant_id, list(hook["event_types"] or []))
-    return rows, rows[-1]["event_id"] if len(rows) == limit else 0
+    # And a listing is no wider than get: a delivery of a reservation the caller may not read (a
+    # delivery refused its creator, or one its creator could read and the caller cannot) is left
+    # out, decided per page in one Cedar batch. Reads on past them, up to DELIVERIES_SCAN_CAP rows.
+    page: list[dict[str, Any]] = []
+    examined = 0
+    while True:
+        for row, allowed in zip(rows, authority.reservations_readable(policy, caller, tenant_id, rows)):
+            if allowed:
+                page.append(row)
+                if len(page) == limit:
+                    return page, row["event_id"]
+        if len(rows) < limit:
+            return page, 0
+        params["before"] = rows[-1]["event_id"]
+        examined += len(rows)
+        if examined >= DELIVERIES_SCAN_CAP:
+            return page, params["before"]
+        async with db.read_only(rt.pool) as conn:
+            rows = await (await conn.execute(queries.DELIVERIES, params)).fetchall()
 
 
 async def _find(conn: AsyncConnection, tenant_id: str, webhook_id: str) -> dict[str, Any]:

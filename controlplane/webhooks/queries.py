@@ -8,7 +8,9 @@ VALUES (%(id)s, %(tenant_id)s, %(url)s, %(secret)s, %(event_types)s, %(created_b
 RETURNING {_WEBHOOK_COLUMNS}
 """
 
-# Webhooks per tenant are capped: creates of one tenant take this lock, then count.
+# Webhooks per tenant are capped: creates of one tenant take this lock, then count. Every event
+# writer's fan-out, at its commit, takes it shared before reading the tenant's webhooks (migration
+# 0064), so an event that commits after a create's webhook is delivered to it.
 TENANT_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('webhooks:' || %(tenant_id)s, 0))"
 COUNT = "SELECT count(*) AS n FROM webhooks WHERE tenant_id = %(tenant_id)s"
 
@@ -23,12 +25,20 @@ LIMIT %(limit)s
 
 DELETE = f"DELETE FROM webhooks WHERE id = %(id)s AND tenant_id = %(tenant_id)s RETURNING {_WEBHOOK_COLUMNS}"
 
-DELIVERIES = """
+# The reservation an event is about (subject `reservation/<id>`), as get reads it (not a draft, of
+# the event's tenant), for the decision on reading it (webhooks.authority.reservations_readable).
+_RESERVATION = """
+LEFT JOIN reservations r ON starts_with({subject}, 'reservation/') AND r.id = substr({subject}, 13)
+      AND r.tenant_id = {tenant} AND r.state <> 'draft'"""
+_RESERVATION_COLUMNS = ("r.owner_identity_id AS reservation_owner, r.pool_id AS reservation_pool, "
+                        "r.state AS reservation_state")
+
+DELIVERIES = f"""
 SELECT d.event_id, e.type AS event_type, d.subject, d.state, d.attempts, d.last_status, d.last_error,
        epoch_ms(d.last_attempt_at) AS last_attempt_ms, epoch_ms(d.next_attempt_at) AS next_attempt_ms,
-       epoch_ms(d.created_at) AS created_ms
+       epoch_ms(d.created_at) AS created_ms, {_RESERVATION_COLUMNS}
 FROM webhook_deliveries d
-JOIN events e ON e.id = d.event_id
+JOIN events e ON e.id = d.event_id{_RESERVATION.format(subject="d.subject", tenant="d.tenant_id")}
 WHERE d.webhook_id = %(webhook_id)s AND (%(before)s = 0 OR d.event_id < %(before)s)
 ORDER BY d.event_id DESC
 LIMIT %(limit)s
@@ -147,10 +157,10 @@ leased AS (
     SET attempt = EXCLUDED.attempt, leased_until = EXCLUDED.leased_until, tenant_id = EXCLUDED.tenant_id
 )
 SELECT c.webhook_id, c.event_id, c.attempts, c.url, c.secret, c.id, c.type, c.subject, c.tenant_id, c.time_ms,
-       c.data, {_AUTHORITY}
+       c.data, {_AUTHORITY}, {_RESERVATION_COLUMNS}
 FROM claimed c
 LEFT JOIN identities i ON i.id = c.created_by
-LEFT JOIN policies p ON p.tenant_id = c.tenant_id
+LEFT JOIN policies p ON p.tenant_id = c.tenant_id{_RESERVATION.format(subject="c.subject", tenant="c.tenant_id")}
 """
 
 # The outcome of an attempt, applied only if the row is still this attempt's (a lease that ran
