@@ -156,7 +156,8 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any],
             if rows:  # the policy as it is now: one tightened since the stream opened holds at once
                 authorize.check(policy, caller, req.tenant_id, EVENTS_READ, "Tenant", req.tenant_id, attributes,
                                 tenantId=req.tenant_id)
-                shown = {e["id"] for e in reads.readable_events(policy, caller, req.tenant_id, rows, subjects)}
+                shown = {e["id"] for e, ok in zip(rows, reads.readable_events(policy, caller, req.tenant_id, rows,
+                                                                             subjects)) if ok}
             passed = 0  # rows streamed or withheld, in order
             for row in rows:
                 _require_token(sub, caller)

@@ -16,7 +16,7 @@ from tests.test_watch import PER_IDENTITY, PER_TENANT, capped, reopens, reserve,
 
 FLOOD = """
 INSERT INTO events (tenant_id, type, subject, data)
-SELECT %s, 'reservation.placed', 'reservation/res_flood', jsonb_build_object('pad', repeat('x', 8000))
+SELECT %s, 'test.flood', 'test/flood', jsonb_build_object('pad', repeat('x', 8000))  -- no reservation's: streamed to anyone
 FROM generate_series(1, %s)
 """
 

@@ -29,8 +29,10 @@ the reconciler handles a node lost at any time after a placement anyway.
 
 A tenant's webhook lock (advisory, 'webhooks:' and the tenant id) comes after all of these: an
 event writer takes it shared in its commit (the webhook fan-out, a deferred trigger: migration
-0064), and Webhooks.Create exclusively in a transaction that locks nothing else but its tenant's
-row in key-share mode (the foreign key), which no event writer locks beyond that.
+0064), and Webhooks.Create and Webhooks.Delete exclusively in a transaction that locks nothing
+else but its tenant's row in key-share mode (the foreign key; Delete, the webhook's row and its
+deliveries, which an event writer's fan-out only inserts after the lock), which no event writer
+locks beyond that.
 """
 
 from __future__ import annotations

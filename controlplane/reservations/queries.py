@@ -15,7 +15,7 @@ BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
 # The reservations some events are about, with what a read of them is decided on (reads.resource_attributes).
 EVENT_SUBJECTS = """
 SELECT id, tenant_id, owner_identity_id, pool_id, state FROM reservations
-WHERE tenant_id = %(tenant_id)s AND id = ANY(%(ids)s)
+WHERE tenant_id = %(tenant_id)s AND id = ANY(%(ids)s) AND state <> 'draft'
 """
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
 # BY_ID_FOR_UPDATE with the product clock (as db.now_ms reads it: compute_now() counts from the

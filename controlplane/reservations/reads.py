@@ -69,27 +69,38 @@ LIST_SCAN_CAP = 1000
 SUBJECT_PREFIX = "reservation/"  # an event about a reservation: subject reservation/<id>
 
 
+def subject_of(event: dict[str, Any]) -> str | None:
+    """The id of the reservation an event (or a delivery of one) is about; None if none."""
+    subject = str(event["subject"])
+    return subject[len(SUBJECT_PREFIX):] if subject.startswith(SUBJECT_PREFIX) else None
+
+
 async def subjects_of(conn: AsyncConnection, tenant_id: str, events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The tenant's reservations that the events' subjects name, by id (what `readable_events`
-    decides on), read on `conn` beside the events."""
-    ids = sorted({e["subject"][len(SUBJECT_PREFIX):] for e in events if e["subject"].startswith(SUBJECT_PREFIX)})
+    """The tenant's reservations (not drafts) that the events' subjects name, by id: what
+    `readable_events` decides on, read on `conn` beside the events."""
+    ids = sorted({rid for e in events if (rid := subject_of(e)) is not None})
     if not ids:
         return {}
     rows = await (await conn.execute(queries.EVENT_SUBJECTS, {"tenant_id": tenant_id, "ids": ids})).fetchall()
     return {row["id"]: row for row in rows}
 
 
-def readable_events(policy: str | None, caller: Caller, tenant_id: str, events: list[dict[str, Any]],
-                    subjects: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events the caller may read, in order: one about a reservation only when it may read
-    that reservation as get decides (compute:reservations:read on its row; one Cedar batch), so a
-    stream of events tells no more than reading their reservations would; others as they are."""
+def readable(policy: str | None, caller: Caller, tenant_id: str, subjects: dict[str, dict[str, Any]]) -> set[str]:
+    """The ids of the reservations (rows by id, as `resource_attributes` reads them) the caller may
+    read as get decides (compute:reservations:read): one Cedar batch, no transaction open."""
     ids = list(subjects)
-    allowed = dict(zip(ids, authorize.allowed_each(policy, caller, iam.READ, "Reservation",
-                                                   [(i, resource_attributes(subjects[i])) for i in ids],
-                                                   tenant_id=tenant_id)))
-    return [e for e in events
-            if not e["subject"].startswith(SUBJECT_PREFIX) or allowed.get(e["subject"][len(SUBJECT_PREFIX):], False)]
+    allowed = authorize.allowed_each(policy, caller, iam.READ, "Reservation",
+                                     [(i, resource_attributes(subjects[i])) for i in ids], tenant_id=tenant_id)
+    return {i for i, ok in zip(ids, allowed) if ok}
+
+
+def readable_events(policy: str | None, caller: Caller, tenant_id: str, events: list[dict[str, Any]],
+                    subjects: dict[str, dict[str, Any]]) -> list[bool]:
+    """For each event, whether the caller may read it beyond the events decision: one about a
+    reservation only when it may read that reservation as get decides (one gone or a draft: not),
+    so events tell no more than reading their reservations would; others, yes."""
+    ok = readable(policy, caller, tenant_id, subjects) if subjects else set()
+    return [(rid := subject_of(e)) is None or rid in ok for e in events]
 
 
 async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:

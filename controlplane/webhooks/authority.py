@@ -27,9 +27,9 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from controlplane import authorize, db, errors, iam
+from controlplane import authorize, db, errors
 from controlplane.auth import Caller
-from controlplane.reservations.reads import resource_attributes
+from controlplane.reservations import reads
 from controlplane.watch import EVENTS_READ
 
 REFUSED = "refused by IAM: the webhook's creator may no longer read these events (compute:events:read)"
@@ -38,8 +38,6 @@ RESERVATION_REFUSED = ("refused by IAM: the webhook's creator may not read this 
                        "(compute:reservations:read)")
 
 _POLICIES = "SELECT tenant_id, cedar, version FROM policies WHERE tenant_id = ANY(%(tenant_ids)s)"
-
-RESERVATION_SUBJECT = "reservation/"
 
 
 def attributes(event_types: list[str]) -> dict[str, Any]:
@@ -168,26 +166,18 @@ def _creator(row: dict[str, Any]) -> Caller:
 
 def about_reservation(row: dict[str, Any]) -> bool:
     """Whether the delivery's event is a reservation's (subject `reservation/<id>`)."""
-    return str(row["subject"]).startswith(RESERVATION_SUBJECT)
+    return reads.subject_of(row) is not None
 
 
 def reservations_readable(policy: str | None, caller: Caller, tenant_id: str,
                           rows: list[dict[str, Any]]) -> list[bool]:
     """Whether `caller` may read what each delivery or event row is about, as Reservations.Get
-    decides it: an event of a reservation needs compute:reservations:read on the reservation's row
-    (`reservation_owner`, `reservation_pool`, `reservation_state`, read with it; none when the
-    reservation is gone or a draft: refused, as get answers NOT_FOUND); any other event, nothing
-    more. The reservations are decided in one Cedar batch, with no transaction open."""
-    about = [i for i, row in enumerate(rows) if about_reservation(row) and row["reservation_state"] is not None]
-    allowed = authorize.allowed_each(policy, caller, iam.READ, "Reservation", [
-        (rows[i]["subject"][len(RESERVATION_SUBJECT):], resource_attributes({
-            "tenant_id": tenant_id, "owner_identity_id": rows[i]["reservation_owner"],
-            "pool_id": rows[i]["reservation_pool"], "state": rows[i]["reservation_state"]}))
-        for i in about], tenant_id=tenant_id) if about else []
-    out = [not about_reservation(row) for row in rows]
-    for i, ok in zip(about, allowed):
-        out[i] = ok
-    return out
+    decides it (reads.readable_events): the reservation's row comes with it (`reservation_owner`,
+    `reservation_pool`, `reservation_state`; none when it is gone or a draft: refused)."""
+    subjects = {rid: {"tenant_id": tenant_id, "owner_identity_id": row["reservation_owner"],
+                      "pool_id": row["reservation_pool"], "state": row["reservation_state"]}
+                for row in rows if (rid := reads.subject_of(row)) is not None and row["reservation_state"] is not None}
+    return reads.readable_events(policy, caller, tenant_id, rows, subjects)
 
 
 DECISIONS = Decisions()

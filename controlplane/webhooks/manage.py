@@ -122,6 +122,10 @@ async def delete(rt: Runtime, caller: Caller, tenant_id: str, webhook_id: str) -
     params = {"id": _webhook_id(webhook_id), "tenant_id": tenant_id}
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        # Exclusive, as create: no event writer's fan-out (it holds the lock shared, migration
+        # 0064) is between reading this webhook and inserting its delivery, which would fail that
+        # writer's commit on the foreign key.
+        await conn.execute(queries.TENANT_LOCK, params)
         row = await (await conn.execute(queries.DELETE, params)).fetchone()
         if row is None:
             raise errors.NotFound("no such webhook", webhookId=webhook_id)
