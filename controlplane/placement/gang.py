@@ -227,7 +227,6 @@ async def _commit(
                            for i, m in zip(ids, chosen.members)]),
             member_of=[i for i, m in zip(ids, chosen.members) for _ in m.atom_ids],
             atom_ids=[a for m in chosen.members for a in m.atom_ids],
-            device=Jsonb(ask.device()),
         )
         try:
             taken = await (await conn.execute(gang_queries.TAKEN_NODES, params)).fetchall()

@@ -64,6 +64,7 @@ class Ask:
             "start": self.start_ms,
             "end": self.end_ms,
             "host": Jsonb(self.host_amounts()),
+            "device": Jsonb(self.device()),  # the shape the commits check (atoms_as_asked)
             **extra,
         }
 
@@ -185,7 +186,7 @@ async def _commit(
         cur = await conn.execute(
             queries.INSERT_PLACEMENT,
             ask.params(allocation_id=allocation_id, reservation_id=reservation_id, node_id=chosen.node_id,
-                       device_ids=list(uuids), atom_ids=list(chosen.atom_ids), device=Jsonb(ask.device())),
+                       device_ids=list(uuids), atom_ids=list(chosen.atom_ids)),
         )
         booked = len(await cur.fetchall())  # rows, not rowcount: also right in pipeline mode
         if booked == len(chosen.atom_ids) and await book_host(conn, ask, allocation_id, chosen.node_id):
