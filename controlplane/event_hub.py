@@ -10,7 +10,8 @@ Open streams are capped per identity and per tenant (`StreamSlots`, in each proc
 stream beyond either cap is QUOTA_EXCEEDED, and a stream gives its slot back however it ends. A
 stream also ends, UNAUTHENTICATED, when the token it was opened with expires or is revoked; and
 it ends (cancelled) when one message waits longer than Settings.watch_send_seconds on a consumer
-that does not read, or the token ends while it waits.
+that does not read, or the token expires while it waits (a revoked one ends it before the next
+event, once the send under way is read).
 
 Event ids come from a sequence, so a transaction that commits later can hold a smaller id than
 one already visible: streaming every visible id would skip it for good, and a resumed stream

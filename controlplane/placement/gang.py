@@ -247,9 +247,11 @@ async def _commit(
                 placer.lost_on(lost_before, excluded, node_id)
             if index is not None:  # what the index missed about those nodes, read under the lock
                 await index.refresh(conn, {n: ask.pool_id for n in exc.nodes})
+            if attempt + 1 == settings.placement_max_attempts:
+                break
             # The last attempt is planned from the tables (under the pool lock, PostgreSQL's word),
             # so a stale index cannot spend every attempt and leave it pending with room for it.
-            last = attempt + 2 >= settings.placement_max_attempts
+            last = attempt + 2 == settings.placement_max_attempts
             planned = await plan(conn, ask, gang, settings, index=None if last else index,
                                  exclude=frozenset(exclude if last else excluded), within=within)
             continue

@@ -200,7 +200,9 @@ async def _commit(
         lost_on(lost, excluded, chosen.node_id)
         if index is not None:  # what the index missed about that node, read under the lock
             await index.refresh(conn, {chosen.node_id: ask.pool_id})
-        if attempt + 2 >= settings.placement_max_attempts:
+        if attempt + 1 == settings.placement_max_attempts:
+            break
+        if attempt + 2 == settings.placement_max_attempts:
             # The last attempt is planned from the tables under the pool lock (PostgreSQL's word,
             # the caller's exclusions only), so a stale index cannot spend every attempt on nodes
             # it believes have room and leave the request pending with room elsewhere.
