@@ -83,10 +83,6 @@ class Decisions:
         while len(self._cache) > self.entries:
             self._cache.popitem(last=False)
 
-    async def refusal(self, pool: AsyncConnectionPool, row: dict[str, Any]) -> str:
-        """Why the claimed delivery `row` must not be sent ("" when it may)."""
-        return (await self.refusals(pool, [row]))[0]
-
     async def refusals(self, pool: AsyncConnectionPool, rows: list[dict[str, Any]]) -> list[str]:
         """Why each claimed delivery must not be sent ("" when it may): the claim returns the
         webhook's filter, its creator's standing, the tenant's policy version and, for an event

@@ -73,13 +73,10 @@ async def claim(rt: Runtime, limit: int) -> list[dict[str, Any]]:
     return await db.run_in_transaction(rt.pool, work)
 
 
-async def attempt(rt: Runtime, row: dict[str, Any], refusal: str | None = None) -> sender.Outcome:
+async def attempt(rt: Runtime, row: dict[str, Any], refusal: str) -> sender.Outcome:
     """POST one claimed delivery and record the outcome; one its creator may no longer read
-    (`authority`: `refusal`, decided with the rest of its claim, or here when not given) is dead at
-    once, unsent."""
+    (`refusal`, decided by `authority` with the rest of its claim) is dead at once, unsent."""
     policy = POLICY
-    if refusal is None:
-        refusal = await authority.DECISIONS.refusal(rt.pool, row)
     if refusal:
         outcome = sender.Outcome(None, refusal)
     else:
