@@ -29,6 +29,7 @@ from controlplane.auth import Caller
 from controlplane.common.names import TENANT_ID, match
 from controlplane.event_hub import EventHub, Subscription
 from controlplane.reservations import reads
+from controlplane.reservations.queries import EVENT_RESERVATION_COLUMNS, event_reservation_join
 from controlplane.runtime import Runtime
 
 EVENTS_READ = "compute:events:read"
@@ -50,20 +51,21 @@ SELECT can_act_in(%(identity_id)s, %(tenant_id)s) AS member,
                                       AND t.revoked_at IS NULL)) AS live
 """
 
-_FILTER = """tenant_id = %(tenant_id)s
-  AND (%(subject)s = '' OR subject = %(subject)s)
-  AND event_type_matches(%(types)s::text[], type)"""
+_FILTER = """e.tenant_id = %(tenant_id)s
+  AND (%(subject)s = '' OR e.subject = %(subject)s)
+  AND event_type_matches(%(types)s::text[], e.type)"""
+# With the reservation each is about, for the decision on reading it (reads.readable_events).
 _EVENTS = f"""
-SELECT id, type, subject, tenant_id, epoch_ms(time) AS time_ms, data
-FROM events
-WHERE {_FILTER} AND id > %(after)s AND id <= %(upto)s AND id <> ALL(%(skip)s::bigint[])
-ORDER BY id
+SELECT e.id, e.type, e.subject, e.tenant_id, epoch_ms(e.time) AS time_ms, e.data, {EVENT_RESERVATION_COLUMNS}
+FROM events e{event_reservation_join("e.subject", "e.tenant_id")}
+WHERE {_FILTER} AND e.id > %(after)s AND e.id <= %(upto)s AND e.id <> ALL(%(skip)s::bigint[])
+ORDER BY e.id
 LIMIT %(limit)s
 """
 # "From now" (module docstring): every id below `below` is final, as pg_locks is read after the
 # snapshot of max(id); then, in a later snapshot (the start), the matching ids from there up.
 _FROM_NOW_BELOW = "SELECT least(events_final_below(), (SELECT coalesce(max(id), 0) FROM events) + 1) AS below"
-_FROM_NOW_SEEN = f"SELECT id FROM events WHERE {_FILTER} AND id >= %(below)s ORDER BY id"
+_FROM_NOW_SEEN = f"SELECT e.id FROM events e WHERE {_FILTER} AND e.id >= %(below)s ORDER BY e.id"
 
 
 
@@ -147,7 +149,6 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any],
                 now = await (await conn.execute(_CALLER_NOW, {
                     "identity_id": caller.identity_id, "tenant_id": req.tenant_id, "token_id": caller.token_id,
                 })).fetchone() if rows else {"member": True, "live": True}
-                subjects = await reads.subjects_of(conn, req.tenant_id, rows)
             if sub.revoked or not now["live"]:  # while it read (a send or a wait notices it by itself)
                 raise errors.Unauthenticated("the token was revoked", tokenId=caller.token_id)
             if not now["member"]:  # removed from the tenant since the stream opened (Admin.RemoveMembership)
@@ -156,8 +157,8 @@ async def watch(rt: Runtime, hub: EventHub, caller: Caller, raw: dict[str, Any],
             if rows:  # the policy as it is now: one tightened since the stream opened holds at once
                 authorize.check(policy, caller, req.tenant_id, EVENTS_READ, "Tenant", req.tenant_id, attributes,
                                 tenantId=req.tenant_id)
-                shown = {e["id"] for e, ok in zip(rows, reads.readable_events(policy, caller, req.tenant_id, rows,
-                                                                             subjects)) if ok}
+                readable = reads.readable_events(policy, caller, req.tenant_id, rows)
+                shown = {e["id"] for e, ok in zip(rows, readable) if ok}
             passed = 0  # rows streamed or withheld, in order
             for row in rows:
                 _require_token(sub, caller)

@@ -12,11 +12,21 @@ COLUMNS = """
 """
 
 BY_ID = f"SELECT {COLUMNS} FROM reservations r WHERE r.id = %(id)s"
-# The reservations some events are about, with what a read of them is decided on (reads.resource_attributes).
-EVENT_SUBJECTS = """
-SELECT id, tenant_id, owner_identity_id, pool_id, state FROM reservations
-WHERE tenant_id = %(tenant_id)s AND id = ANY(%(ids)s) AND state <> 'draft'
-"""
+# The reservation an event (or a delivery of one) is about, subject `reservation/<id>`, as get
+# reads it (of the event's tenant, not a draft), joined beside the event with what a read of it is
+# decided on (reads.readable_events): no columns when there is none.
+EVENT_RESERVATION_COLUMNS = ("r.owner_identity_id AS reservation_owner, r.pool_id AS reservation_pool, "
+                             "r.state AS reservation_state")
+
+
+def event_reservation_join(subject: str, tenant: str) -> str:
+    """The LEFT JOIN of EVENT_RESERVATION_COLUMNS, for events whose subject and tenant are the
+    columns `subject` and `tenant`."""
+    return f"""
+LEFT JOIN reservations r ON starts_with({subject}, 'reservation/') AND r.id = substr({subject}, 13)
+      AND r.tenant_id = {tenant} AND r.state <> 'draft'"""
+
+
 BY_ID_FOR_UPDATE = BY_ID + " FOR UPDATE"
 # BY_ID_FOR_UPDATE with the product clock (as db.now_ms reads it: compute_now() counts from the
 # transaction's start) in `now_ms`, for the reconciler's first pass: one round trip.

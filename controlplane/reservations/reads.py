@@ -9,6 +9,7 @@ from psycopg import AsyncConnection
 from controlplane import authorize, db, errors, iam
 from controlplane.auth import Caller
 from controlplane.reservations import queries, states
+from controlplane.common import pages
 from controlplane.common.names import POOL_ID, RESERVATION_ID, TENANT_ID, match
 from controlplane.runtime import Runtime
 
@@ -75,31 +76,21 @@ def subject_of(event: dict[str, Any]) -> str | None:
     return subject[len(SUBJECT_PREFIX):] if subject.startswith(SUBJECT_PREFIX) else None
 
 
-async def subjects_of(conn: AsyncConnection, tenant_id: str, events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The tenant's reservations (not drafts) that the events' subjects name, by id: what
-    `readable_events` decides on, read on `conn` beside the events."""
-    ids = sorted({rid for e in events if (rid := subject_of(e)) is not None})
-    if not ids:
-        return {}
-    rows = await (await conn.execute(queries.EVENT_SUBJECTS, {"tenant_id": tenant_id, "ids": ids})).fetchall()
-    return {row["id"]: row for row in rows}
-
-
-def readable(policy: str | None, caller: Caller, tenant_id: str, subjects: dict[str, dict[str, Any]]) -> set[str]:
-    """The ids of the reservations (rows by id, as `resource_attributes` reads them) the caller may
-    read as get decides (compute:reservations:read): one Cedar batch, no transaction open."""
+def readable_events(policy: str | None, caller: Caller, tenant_id: str, events: list[dict[str, Any]]) -> list[bool]:
+    """For each event (or delivery) row, whether the caller may read it beyond the events
+    decision: one about a reservation only when it may read that reservation as get decides (one
+    gone or a draft: not), so events tell no more than reading their reservations would; others,
+    yes. Each row carries its reservation's columns (queries.EVENT_RESERVATION_COLUMNS, joined by
+    queries.event_reservation_join); the reservations are decided in one Cedar batch, no
+    transaction open."""
+    subjects = {rid: {"tenant_id": tenant_id, "owner_identity_id": e["reservation_owner"],
+                      "pool_id": e["reservation_pool"], "state": e["reservation_state"]}
+                for e in events if (rid := subject_of(e)) is not None and e["reservation_state"] is not None}
     ids = list(subjects)
     allowed = authorize.allowed_each(policy, caller, iam.READ, "Reservation",
-                                     [(i, resource_attributes(subjects[i])) for i in ids], tenant_id=tenant_id)
-    return {i for i, ok in zip(ids, allowed) if ok}
-
-
-def readable_events(policy: str | None, caller: Caller, tenant_id: str, events: list[dict[str, Any]],
-                    subjects: dict[str, dict[str, Any]]) -> list[bool]:
-    """For each event, whether the caller may read it beyond the events decision: one about a
-    reservation only when it may read that reservation as get decides (one gone or a draft: not),
-    so events tell no more than reading their reservations would; others, yes."""
-    ok = readable(policy, caller, tenant_id, subjects) if subjects else set()
+                                     [(i, resource_attributes(subjects[i])) for i in ids],
+                                     tenant_id=tenant_id) if ids else []
+    ok = {i for i, yes in zip(ids, allowed) if yes}
     return [(rid := subject_of(e)) is None or rid in ok for e in events]
 
 
@@ -113,22 +104,17 @@ async def list_(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[list[
     authorize.check(policy, caller, tenant_id, iam.LIST, "Tenant", tenant_id, {"scope": scope},
                     message="IAM refused this listing", tenantId=tenant_id)
     limit = params["limit"]
-    page: list[dict[str, Any]] = []
-    for _ in range(max(1, LIST_SCAN_CAP // limit)):
+
+    async def more(after: str | None) -> list[dict[str, Any]]:
         async with db.read_only(rt.pool) as conn:
-            rows = await (await conn.execute(queries.LIST, {**params, "cursor": cursor})).fetchall()
-        readable = authorize.allowed_each(policy, caller, iam.READ, "Reservation",
-                                          [(row["id"], resource_attributes(row)) for row in rows],
-                                          tenant_id=tenant_id)
-        for row, allowed in zip(rows, readable):
-            if allowed:
-                page.append(row)
-                if len(page) == limit:
-                    return page, row["id"]
-        if len(rows) < limit:
-            return page, ""
-        cursor = rows[-1]["id"]
-    return page, cursor or ""
+            return await (await conn.execute(queries.LIST, {**params, "cursor": after})).fetchall()
+
+    def allowed(rows: list[dict[str, Any]]) -> list[bool]:
+        return authorize.allowed_each(policy, caller, iam.READ, "Reservation",
+                                      [(row["id"], resource_attributes(row)) for row in rows], tenant_id=tenant_id)
+
+    return await pages.filtered(await more(cursor), more, allowed, lambda row: row["id"],
+                                limit=limit, cap=LIST_SCAN_CAP, end="")
 
 
 def _listing(caller: Caller, raw: dict[str, Any]) -> tuple[str, str, dict[str, Any], str | None]:

@@ -16,7 +16,7 @@ the reservation's row as the claim read it (its tenant, owner, pool and state). 
 or a draft (get: NOT_FOUND) is refused too. The claimed deliveries are decided together: one
 Cedar batch per tenant and creator (`iam.allowed_each`, as Reservations.List decides its rows),
 on a policy text kept per tenant and version. ListDeliveries leaves out the deliveries of
-reservations its caller may not read the same way (`reservations_readable`), so a listing names no
+reservations its caller may not read the same way (`reads.readable_events`), so a listing names no
 reservation its caller could not get.
 """
 
@@ -115,7 +115,7 @@ class Decisions:
                                    row["creator_delegator_id"]), []).append(i)
         for (tenant_id, *_), members in groups.items():
             chosen = [rows[i] for i in members]
-            readable = reservations_readable(policies[tenant_id][0], _creator(chosen[0]), tenant_id, chosen)
+            readable = reads.readable_events(policies[tenant_id][0], _creator(chosen[0]), tenant_id, chosen)
             self.batches += 1
             for i, allowed in zip(members, readable):
                 if not allowed:
@@ -163,17 +163,6 @@ def _creator(row: dict[str, Any]) -> Caller:
 def about_reservation(row: dict[str, Any]) -> bool:
     """Whether the delivery's event is a reservation's (subject `reservation/<id>`)."""
     return reads.subject_of(row) is not None
-
-
-def reservations_readable(policy: str | None, caller: Caller, tenant_id: str,
-                          rows: list[dict[str, Any]]) -> list[bool]:
-    """Whether `caller` may read what each delivery or event row is about, as Reservations.Get
-    decides it (reads.readable_events): the reservation's row comes with it (`reservation_owner`,
-    `reservation_pool`, `reservation_state`; none when it is gone or a draft: refused)."""
-    subjects = {rid: {"tenant_id": tenant_id, "owner_identity_id": row["reservation_owner"],
-                      "pool_id": row["reservation_pool"], "state": row["reservation_state"]}
-                for row in rows if (rid := reads.subject_of(row)) is not None and row["reservation_state"] is not None}
-    return reads.readable_events(policy, caller, tenant_id, rows, subjects)
 
 
 DECISIONS = Decisions()

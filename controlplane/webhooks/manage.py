@@ -22,8 +22,10 @@ from psycopg import AsyncConnection
 
 from controlplane import authorize, db, errors
 from controlplane.auth import Caller
+from controlplane.common import pages
 from controlplane.common.names import TENANT_ID, match
 from controlplane.ids import new_id
+from controlplane.reservations import reads
 from controlplane.runtime import Runtime
 from controlplane.watch import authorize_tenant, parse_types
 from controlplane.webhooks import authority, queries, signing, targets
@@ -153,22 +155,14 @@ async def deliveries(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> tuple[
     # And a listing is no wider than get: a delivery of a reservation the caller may not read (a
     # delivery refused its creator, or one its creator could read and the caller cannot) is left
     # out, decided per page in one Cedar batch. Reads on past them, up to DELIVERIES_SCAN_CAP rows.
-    page: list[dict[str, Any]] = []
-    examined = 0
-    while True:
-        for row, allowed in zip(rows, authority.reservations_readable(policy, caller, tenant_id, rows)):
-            if allowed:
-                page.append(row)
-                if len(page) == limit:
-                    return page, row["event_id"]
-        if len(rows) < limit:
-            return page, 0
-        params["before"] = rows[-1]["event_id"]
-        examined += len(rows)
-        if examined >= DELIVERIES_SCAN_CAP:
-            return page, params["before"]
-        async with db.read_only(rt.pool) as conn:
-            rows = await (await conn.execute(queries.DELIVERIES, params)).fetchall()
+    return await pages.filtered(rows, lambda before: _deliveries(rt, {**params, "before": before}),
+                                lambda rows: reads.readable_events(policy, caller, tenant_id, rows),
+                                lambda row: row["event_id"], limit=limit, cap=DELIVERIES_SCAN_CAP, end=0)
+
+
+async def _deliveries(rt: Runtime, params: dict[str, Any]) -> list[dict[str, Any]]:
+    async with db.read_only(rt.pool) as conn:
+        return await (await conn.execute(queries.DELIVERIES, params)).fetchall()
 
 
 async def _find(conn: AsyncConnection, tenant_id: str, webhook_id: str) -> dict[str, Any]:

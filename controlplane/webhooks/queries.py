@@ -1,5 +1,7 @@
 """The SQL of webhooks and their deliveries."""
 
+from controlplane.reservations.queries import EVENT_RESERVATION_COLUMNS, event_reservation_join
+
 _WEBHOOK_COLUMNS = "id, tenant_id, url, event_types, created_by, epoch_ms(created_at) AS created_ms"
 
 CREATE = f"""
@@ -25,20 +27,12 @@ LIMIT %(limit)s
 
 DELETE = f"DELETE FROM webhooks WHERE id = %(id)s AND tenant_id = %(tenant_id)s RETURNING {_WEBHOOK_COLUMNS}"
 
-# The reservation an event is about (subject `reservation/<id>`), as get reads it (not a draft, of
-# the event's tenant), for the decision on reading it (webhooks.authority.reservations_readable).
-_RESERVATION = """
-LEFT JOIN reservations r ON starts_with({subject}, 'reservation/') AND r.id = substr({subject}, 13)
-      AND r.tenant_id = {tenant} AND r.state <> 'draft'"""
-_RESERVATION_COLUMNS = ("r.owner_identity_id AS reservation_owner, r.pool_id AS reservation_pool, "
-                        "r.state AS reservation_state")
-
 DELIVERIES = f"""
 SELECT d.event_id, e.type AS event_type, d.subject, d.state, d.attempts, d.last_status, d.last_error,
        epoch_ms(d.last_attempt_at) AS last_attempt_ms, epoch_ms(d.next_attempt_at) AS next_attempt_ms,
-       epoch_ms(d.created_at) AS created_ms, {_RESERVATION_COLUMNS}
+       epoch_ms(d.created_at) AS created_ms, {EVENT_RESERVATION_COLUMNS}
 FROM webhook_deliveries d
-JOIN events e ON e.id = d.event_id{_RESERVATION.format(subject="d.subject", tenant="d.tenant_id")}
+JOIN events e ON e.id = d.event_id{event_reservation_join("d.subject", "d.tenant_id")}
 WHERE d.webhook_id = %(webhook_id)s AND (%(before)s = 0 OR d.event_id < %(before)s)
 ORDER BY d.event_id DESC
 LIMIT %(limit)s
@@ -157,10 +151,10 @@ leased AS (
     SET attempt = EXCLUDED.attempt, leased_until = EXCLUDED.leased_until, tenant_id = EXCLUDED.tenant_id
 )
 SELECT c.webhook_id, c.event_id, c.attempts, c.url, c.secret, c.id, c.type, c.subject, c.tenant_id, c.time_ms,
-       c.data, {_AUTHORITY}, {_RESERVATION_COLUMNS}
+       c.data, {_AUTHORITY}, {EVENT_RESERVATION_COLUMNS}
 FROM claimed c
 LEFT JOIN identities i ON i.id = c.created_by
-LEFT JOIN policies p ON p.tenant_id = c.tenant_id{_RESERVATION.format(subject="c.subject", tenant="c.tenant_id")}
+LEFT JOIN policies p ON p.tenant_id = c.tenant_id{event_reservation_join("c.subject", "c.tenant_id")}
 """
 
 # The outcome of an attempt, applied only if the row is still this attempt's (a lease that ran
