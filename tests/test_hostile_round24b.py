@@ -13,7 +13,7 @@ desired-state read, hosts.NumaFacts); the last guards what held.
   never reach the kubelet") are checked when a booking is planned and committed, never again. A
   calendar reservation placed on a capable node whose daemon then says Hello without the
   capability (its system label is gone) passes BookingRepair at start - 15 min and at the start
-  (repair.bad_nodes / queries.BAD_NODES look only at node state, connectivity and atom health)
+  (repair.bad_nodes / binding_queries.BAD_NODES look only at node state, connectivity and atom health)
   and moves to binding there, while another capable node is free: a hold booking the per-GPU
   share is handed to a bcd that drops DeviceAssignment.limits and runs it unbounded ("so booked
   GPUs never run a workload without CPU and memory limits while the same CPU and memory are sold

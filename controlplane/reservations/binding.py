@@ -15,7 +15,7 @@ from psycopg import AsyncConnection
 from controlplane import events
 from controlplane.nodes import desired
 from controlplane.placement import gang
-from controlplane.reservations import placing, preemption, queries, reports, schedule, states
+from controlplane.reservations import binding_queries, placing, preemption, reports, schedule, states
 from controlplane.reservations.lifecycle import WINDOW_ENDED, end_bookings, end_over, free_capacity
 from controlplane.reservations.transitions import condition, move, move_emit, set_conditions
 from controlplane.runtime import Runtime
@@ -32,7 +32,7 @@ async def start(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
     deadline = row["during_start"] + schedule.BIND_TIMEOUT_MS
     if deadline <= now_ms:  # the worker itself ran late: the node still gets its full five minutes
         deadline = now_ms + schedule.BIND_TIMEOUT_MS
-    await conn.execute(queries.START_BINDING, {"id": row["id"], "deadline": deadline})
+    await conn.execute(binding_queries.START_BINDING, {"id": row["id"], "deadline": deadline})
     await desired.bump_live_of(conn, row["id"])  # one statement for all its nodes
     await move_emit(conn, row, states.BINDING, operation_state="succeeded", event_type="reservation.binding",
                     wake=(deadline,))
@@ -54,7 +54,7 @@ async def progress(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_
         return
     if unchanged_unless_judged and not judged.count:
         return
-    allocations = await (await conn.execute(queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
+    allocations = await (await conn.execute(binding_queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
     if allocations and all(a["state"] == "bound" for a in allocations):
         await move_emit(conn, row, states.ACTIVE, operation_state="succeeded", event_type="reservation.active",
                         wake=(now_ms + schedule.ACTIVE_RECHECK_MS,))
@@ -71,7 +71,7 @@ async def bind_failed(
     conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms: int, reason: str, nodes: list[str]
 ) -> None:
     """Release the bookings and place again (same end, from now), at most twice; then fail."""
-    failures = (await (await conn.execute(queries.COUNT_BIND_FAILURE, {"id": row["id"]})).fetchone())["bind_failures"]
+    failures = (await (await conn.execute(binding_queries.COUNT_BIND_FAILURE, {"id": row["id"]})).fetchone())["bind_failures"]
     if failures >= MAX_BIND_FAILURES:
         await free_capacity(conn, row)
         await move(conn, row, states.FAILED, operation_state="failed", end_reason=reason)
@@ -83,13 +83,13 @@ async def bind_failed(
         # failed (their nodes are avoided from now on; the others may take the gang again). Their
         # bookings end at compute_now(), which now_ms may round down: the new window starts on the
         # next millisecond, so a member's node can take the gang again without overlapping itself.
-        live = await (await conn.execute(queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
+        live = await (await conn.execute(binding_queries.LIVE_ALLOCATIONS, {"id": row["id"]})).fetchall()
         await end_bookings(conn, row["id"], allocation_state="released")
-        await conn.execute(queries.MARK_FAILED, {"ids": [a["id"] for a in live if a["node_id"] in nodes]})
+        await conn.execute(binding_queries.MARK_FAILED, {"ids": [a["id"] for a in live if a["node_id"] in nodes]})
         window = (now_ms + 1, row["during_end"])
     else:
         await end_bookings(conn, row["id"], allocation_state="failed")
-    failed_before = await (await conn.execute(queries.FAILED_NODES, {"id": row["id"]})).fetchall()
+    failed_before = await (await conn.execute(binding_queries.FAILED_NODES, {"id": row["id"]})).fetchall()
     avoid = frozenset(nodes) | {r["node_id"] for r in failed_before}  # never back to a node that failed
     replaced = await placing.place_again_any(conn, rt, row, window, avoid, now_ms)
     # A spot reservation under notice is placed again for what is left of it, to the cut, and
@@ -118,14 +118,14 @@ async def recheck_active(conn: AsyncConnection, rt: Runtime, row: dict[str, Any]
     await reports.judge(conn, rt, row, now_ms)
     await node_conditions(conn, row, now_ms)
     pending = {"id": row["id"], "within": schedule.ACTIVE_RECHECK_MS}
-    if not await (await conn.execute(queries.RECHECK_PENDING, pending)).fetchone():
+    if not await (await conn.execute(binding_queries.RECHECK_PENDING, pending)).fetchone():
         await schedule.at(conn, row["id"], now_ms + schedule.ACTIVE_RECHECK_MS)
 
 
 async def node_conditions(conn: AsyncConnection, row: dict[str, Any], now_ms: int) -> None:
     """Set or clear NodeUnreachable and DeviceUnhealthy from the reservation's nodes and atoms (a
     booked atom quarantined, or gone from its node's inventory)."""
-    facts = await (await conn.execute(queries.NODE_CONDITION_FACTS, {"id": row["id"]})).fetchone()
+    facts = await (await conn.execute(binding_queries.NODE_CONDITION_FACTS, {"id": row["id"]})).fetchone()
     unreachable = facts["unreachable"]
     sick = sorted(facts["sick"], key=lambda s: (s["name"], s["device_uuid"]))
     kept = [c for c in row["conditions"] if c.get("type") not in ("NodeUnreachable", "DeviceUnhealthy")]

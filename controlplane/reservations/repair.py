@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 
 from controlplane import events
 from controlplane.placement import gang
-from controlplane.reservations import placing, preemption, queries, schedule
+from controlplane.reservations import binding_queries, placing, preemption, schedule
 from controlplane.runtime import Runtime
 
 
@@ -26,7 +26,7 @@ async def bad_nodes(conn: AsyncConnection, row: dict[str, Any]) -> list[str]:
     a booked atom unhealthy or unbookable, or its bcd no longer advertising a capability the
     request needs (a daemon downgraded since placement would drop the limits or the binding)."""
     params = {"id": row["id"], "required": Jsonb(placing.required_labels(row["request"]))}
-    return [r["node_id"] for r in await (await conn.execute(queries.BAD_NODES, params)).fetchall()]
+    return [r["node_id"] for r in await (await conn.execute(binding_queries.BAD_NODES, params)).fetchall()]
 
 
 async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: list[str], now_ms: int) -> bool:
@@ -40,9 +40,9 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
     if moved is not None:
         left, node_ids = moved
     else:
-        left = [r["node_id"] for r in await (await conn.execute(queries.LIVE_NODES, params)).fetchall()]
-        await conn.execute(queries.DROP_PLACED_BOOKINGS, params)
-        await conn.execute(queries.RELEASE_PLACED_ALLOCATIONS, params)
+        left = [r["node_id"] for r in await (await conn.execute(binding_queries.LIVE_NODES, params)).fetchall()]
+        await conn.execute(binding_queries.DROP_PLACED_BOOKINGS, params)
+        await conn.execute(binding_queries.RELEASE_PLACED_ALLOCATIONS, params)
         # When the worker got there after the start (it ran late, or a wake-up was lost), from now:
         # the time already gone may have been another reservation's on the replacement nodes, and
         # it can no longer be used anyway. The end stays.
@@ -55,9 +55,9 @@ async def repair(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], bad: l
             return False
         node_ids = replaced.node_ids
     if window[0] != row["during_start"]:
-        await conn.execute(queries.SET_WINDOW_START, {"id": row["id"], "start": window[0]})
+        await conn.execute(binding_queries.SET_WINDOW_START, {"id": row["id"], "start": window[0]})
         row["during_start"] = window[0]  # the caller goes on with this row (a node lease's deploy)
-    await conn.execute(queries.BUMP_VERSION, params)
+    await conn.execute(binding_queries.BUMP_VERSION, params)
     await events.emit_reservation(conn, row, "reservation.repaired", **{"from": left, "nodeIds": node_ids})
     await schedule.at(conn, row["id"], row["during_start"])
     return True
@@ -70,7 +70,7 @@ async def _repair_members(
     """Replace only the gang's members on `bad` nodes with nodes of the same label value, keeping
     the others: (nodes left, nodes taken), or None when that value has no room for them (nothing
     changed then: the replacements' savepoint rolled back)."""
-    placed = await (await conn.execute(queries.PLACED_MEMBERS, {"id": row["id"]})).fetchall()
+    placed = await (await conn.execute(binding_queries.PLACED_MEMBERS, {"id": row["id"]})).fetchall()
     groups = {r["gang_group"] for r in placed}
     broken = [r for r in placed if r["node_id"] in bad]
     if len(groups) != 1 or None in groups or not broken or len(broken) == len(placed):
@@ -83,6 +83,6 @@ async def _repair_members(
     if committed.placements is None:
         return None
     ids = [r["id"] for r in broken]
-    await conn.execute(queries.DROP_BOOKINGS_OF, {"ids": ids})
-    await conn.execute(queries.RELEASE_ALLOCATIONS_OF, {"ids": ids})
+    await conn.execute(binding_queries.DROP_BOOKINGS_OF, {"ids": ids})
+    await conn.execute(binding_queries.RELEASE_ALLOCATIONS_OF, {"ids": ids})
     return [r["node_id"] for r in broken], committed.node_ids

@@ -30,7 +30,7 @@ from controlplane.nodes import reports as stored_reports
 from controlplane.metal import is_node_lease
 from controlplane.pki import attest
 from controlplane.pki.config import PkiSettings
-from controlplane.reservations import queries
+from controlplane.reservations import binding_queries
 from controlplane.reservations.transitions import condition, set_conditions
 
 # Node leases are exempt from attested bindings (spec): the metal worker binds them after it
@@ -77,7 +77,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
                 await _binding_lost(conn, row, rep, f"a re-report failed the check: {reason}", now_ms)
             continue
         if rep["kind"] == "bound":
-            marked = await (await conn.execute(queries.MARK_BOUND, {
+            marked = await (await conn.execute(binding_queries.MARK_BOUND, {
                 "id": rep["allocation_id"], "binding": Jsonb(_binding(rep, report, rt, row)),
                 "body": rep["body"], "kid": rep["key_id"], "sig": rep["signature"]})).fetchone()
             rebound = rebound or bool(marked and marked["changed"])
@@ -88,7 +88,7 @@ async def judge(conn: AsyncConnection, rt: Runtime, row: dict[str, Any], now_ms:
             await _binding_lost(conn, row, rep, "the node released the devices", now_ms)
     await _clear_binding_lost_when_all_bound(conn, row)
     if rebound:  # every write bumps version (DESIGN.md section 10): a node's re-report too
-        await conn.execute(queries.BUMP_VERSION, {"id": row["id"]})
+        await conn.execute(binding_queries.BUMP_VERSION, {"id": row["id"]})
     if unjudged:  # only what judging needs stays (storage bounded whatever the node sends)
         await stored_reports.prune_judged(conn, row["id"])
     return Judged(len(unjudged), failures)
@@ -144,7 +144,7 @@ def _binding(rep: dict[str, Any], report: node_pb2.Report, rt: Runtime, row: dic
 
 
 async def _binding_lost(conn: AsyncConnection, row: dict[str, Any], rep: dict[str, Any], why: str, now_ms: int) -> None:
-    await conn.execute(queries.MARK_BINDING_LOST, {"id": rep["allocation_id"]})
+    await conn.execute(binding_queries.MARK_BINDING_LOST, {"id": rep["allocation_id"]})
     kept = [c for c in row["conditions"] if c.get("type") != "Degraded"]
     message = f"allocation {rep['allocation_id']} on {rep['node_id']}: {why}"
     await set_conditions(conn, row, [*kept, condition("Degraded", "BindingLost", message, now_ms)])
@@ -153,7 +153,7 @@ async def _binding_lost(conn: AsyncConnection, row: dict[str, Any], rep: dict[st
 async def _clear_binding_lost_when_all_bound(conn: AsyncConnection, row: dict[str, Any]) -> None:
     if not any(c.get("type") == "Degraded" for c in row["conditions"]):
         return
-    live = await (await conn.execute(queries.ALL_LIVE_BOUND, {"id": row["id"]})).fetchone()
+    live = await (await conn.execute(binding_queries.ALL_LIVE_BOUND, {"id": row["id"]})).fetchone()
     if live["all_bound"]:
         await set_conditions(conn, row, [c for c in row["conditions"] if c.get("type") != "Degraded"])
 
