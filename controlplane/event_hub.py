@@ -11,7 +11,9 @@ stream beyond either cap is QUOTA_EXCEEDED, and a stream gives its slot back how
 stream also ends, UNAUTHENTICATED, when the token it was opened with expires or is revoked; and
 it ends (cancelled) when one message waits longer than Settings.watch_send_seconds on a consumer
 that does not read, or the token expires while it waits (a revoked one ends it before the next
-event, once the send under way is read).
+event, once the send under way is read). A notice that access changed (authorize.ACCESS_CHANNEL)
+has every stream of the tenant decide again before its next event; after a reconnect, when such
+a notice may have been lost, every stream does.
 
 Event ids come from a sequence, so a transaction that commits later can hold a smaller id than
 one already visible: streaming every visible id would skip it for good, and a resumed stream
@@ -242,6 +244,8 @@ class EventHub:
             return set()
         if item is RECONNECTED:
             await self._recheck_tokens(conn)  # revoked while no one listened
+            for tenant_id in list(self._subs):  # a policy or membership changed while no one listened
+                self._access_changed(tenant_id)
         if item is RECONNECTED or self.stale:
             # Anything may have committed while no one listened, or no one subscribed.
             await self._tick(conn, {_ALL})
