@@ -1,0 +1,129 @@
+"""Hostile review, round 25a: a node playing inventory games (its Hello and inventory applied by
+controlplane.nodes.inventory, the functions the gateway calls for them; real control plane on
+loopback, embedded PostgreSQL).
+
+- **BookingRepair kept a booking whose shape the node's inventory changed since placement.**
+  BAD_NODES (reservations/queries.py) looked at node state, connectivity, capability labels and
+  the booked atoms' health and bookable, never at what an inventory changes in place on the same
+  atoms (nodes/queries.py UPSERT_GPU, UPSERT_CHILDREN) or in the node's `fabric.domain` label
+  (inventory.fabric_label). A calendar `nvlink-all` booking whose node then reported its GPUs in
+  two cliques, a model-pinned booking whose node then called its GPUs another model, and a gang
+  member whose inventory moved it into another NVLink fabric all bound at the start as placed,
+  with a fitting node free: nvlink-all across two domains, A100s under an H100 charge and
+  decision, a gang across two fabrics ("all on the same high-speed fabric, or none at all").
+  Fixed: BAD_NODES also finds a placed allocation whose atoms fail `atoms_as_asked` (the commit's
+  own check, migration 0063) and a gang member whose label no longer has its `gang_group` value,
+  so BookingRepair moves it (a gang member within its label value first).
+"""
+
+from __future__ import annotations
+
+import time
+
+from bettercompute.node.v1 import node_pb2 as npb
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane.nodes import inventory
+from tests.support import Client, ServerThread, World, clock_now, eventually, gpus
+from tests.test_pki import arun
+
+MIN = 60_000
+MODEL = "H100-SXM5-80GB"
+FABRIC = "fabric.domain"
+
+
+def says(world: World, node_id: str, devices: list[apb.Gpu], *, cluster: str = "", cliques: list[str] | None = None,
+         model: str = "", generation: int = 1) -> None:
+    """The node's daemon reports these GPUs (the gateway applies an inventory with this very
+    function): in NVLink fabric `cluster`, GPU i in clique `cliques[i]`, all of model `model`
+    when given."""
+    inv = npb.Inventory(generation=generation, gpus=[
+        npb.Gpu(uuid=g.uuid, model=model or g.model, memory_mib=g.memory_mib, numa_node=g.numa_node,
+                nvlink_cluster=cluster, nvlink_clique=cliques[i] if cliques else "")
+        for i, g in enumerate(devices)])
+    arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node_id, inv))
+
+
+def live_nodes(r: pb.Reservation) -> set[str]:
+    return {a.node_id for a in r.allocations if a.state in ("placed", "binding", "bound")}
+
+
+def through_the_start(world: World, rid: str, start: int) -> pb.Reservation:
+    """The clock to 15 minutes before the start (BookingRepair's first check), then to the start;
+    the reservation once it has left `placed` (binding, or pending when nothing fits)."""
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=start - 15 * MIN + 1000 - clock_now(world)))
+    time.sleep(1)  # the worker's pass at start - 15 min
+    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=start + 1000 - clock_now(world)))
+    return eventually(world, rid, lambda x: x.state != "placed")
+
+
+def booked_domains(world: World, rid: str) -> list[tuple[str, str]]:
+    """(node, NVLink domain) of the atoms the reservation's live allocations book."""
+    return world.sql(
+        "SELECT DISTINCT at.node_id, at.nvlink_domain FROM allocations al JOIN bookings b ON b.allocation_id = al.id"
+        " JOIN atoms at ON at.id = b.atom_id WHERE al.reservation_id = %s"
+        " AND al.state IN ('placed', 'binding', 'bound') ORDER BY 1, 2", (rid,))
+
+
+# -- a node's shape changed under a calendar booking ------------------------------------------
+
+
+def test_an_nvlink_all_booking_never_binds_on_gpus_the_node_regrouped_into_two_domains(clock_world: World) -> None:
+    """Placed for the start on eight GPUs of one NVLink domain; before the start the node reports
+    them in two cliques. At the start the reservation binds on GPUs of two domains, though the
+    other node's eight were free in one."""
+    world = clock_world
+    start = clock_now(world) + 60 * MIN
+    r = world.create(count=8, topology="nvlink-all", start=start)
+    assert r.state == "placed"
+    (old,) = live_nodes(r)
+    node = next(n for n in world.nodes if n.id == old)
+    says(world, old, gpus(node.name), cluster=node.name, cliques=["a"] * 4 + ["b"] * 4)
+    assert len({d for _, d in booked_domains(world, r.id)}) == 2
+
+    moved = through_the_start(world, r.id, start)
+    domains = booked_domains(world, r.id)
+    assert len({d for _, d in domains}) == 1 and old not in live_nodes(moved), (
+        f"{moved.state} on {domains}: nvlink-all across two NVLink domains")
+
+
+def test_a_model_pinned_booking_never_binds_on_gpus_the_node_now_calls_another_model(clock_world: World) -> None:
+    """Placed for the start on H100s (charged and decided as such); before the start the node
+    reports its GPUs as another model. At the start it binds there, though H100s were free."""
+    world = clock_world
+    start = clock_now(world) + 60 * MIN
+    r = world.create(count=8, model=MODEL, start=start)
+    assert r.state == "placed"
+    (old,) = live_nodes(r)
+    node = next(n for n in world.nodes if n.id == old)
+    says(world, old, gpus(node.name), model="A100-SXM4-40GB")
+
+    moved = through_the_start(world, r.id, start)
+    models = world.sql("SELECT DISTINCT at.model FROM allocations al JOIN bookings b ON b.allocation_id = al.id"
+                       " JOIN atoms at ON at.id = b.atom_id WHERE al.reservation_id = %s"
+                       " AND al.state IN ('placed', 'binding', 'bound')", (r.id,))
+    assert models == [(MODEL,)], f"{moved.state} on {models} for a {MODEL} request"
+
+
+def test_a_gang_member_that_moved_itself_to_another_fabric_is_replaced_before_the_start(clock_world: World) -> None:
+    """A gang of two placed for the start in one fabric.domain; before the start one member's
+    inventory puts its GPUs in another NVLink fabric (its system label fabric.domain follows). At
+    the start the gang binds across two fabrics, though a third node of the first was free."""
+    world = clock_world
+    for n in list(world.nodes):
+        world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=n.id, state="cordoned"))
+    members = []
+    for i in range(3):
+        name = f"f{i}-{world.tenant[-6:]}"
+        members.append(world.add_node(gpus(name), name=name, system_labels={FABRIC: "fab-1"}))
+    start = clock_now(world) + 60 * MIN
+    r = world.create(count=8, start=start, gang=pb.Gang(size=2, topology_key=FABRIC))
+    assert r.state == "placed" and len(live_nodes(r)) == 2
+    moved_node = next(n for n in members if n.id in live_nodes(r))
+    says(world, moved_node.id, gpus(moved_node.name), cluster="fab-2", cliques=["0"] * 8)
+    assert world.sql("SELECT labels->%s->>'value' FROM nodes WHERE id = %s", (FABRIC, moved_node.id)) == [("fab-2/0",)]
+
+    moved = through_the_start(world, r.id, start)
+    fabrics = world.sql("SELECT DISTINCT n.labels->%s->>'value' FROM allocations al JOIN nodes n ON n.id = al.node_id"
+                        " WHERE al.reservation_id = %s AND al.state IN ('placed', 'binding', 'bound')", (FABRIC, r.id))
+    assert fabrics == [("fab-1",)], f"{moved.state}: the gang's members are in fabrics {fabrics}"
