@@ -26,6 +26,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.nodes import inventory
 from tests.support import Client, ServerThread, World, clock_now, eventually, gpus
 from tests.test_pki import arun
+from tests.test_shared_gpus import _mig_inventory, shared_pool
 
 MIN = 60_000
 MODEL = "H100-SXM5-80GB"
@@ -127,3 +128,29 @@ def test_a_gang_member_that_moved_itself_to_another_fabric_is_replaced_before_th
     fabrics = world.sql("SELECT DISTINCT n.labels->%s->>'value' FROM allocations al JOIN nodes n ON n.id = al.node_id"
                         " WHERE al.reservation_id = %s AND al.state IN ('placed', 'binding', 'bound')", (FABRIC, r.id))
     assert fabrics == [("fab-1",)], f"{moved.state}: the gang's members are in fabrics {fabrics}"
+
+
+def test_a_profile_pinned_mig_booking_moves_off_an_instance_repartitioned_to_another_profile(
+        clock_world: World) -> None:
+    """A MIG instance index reported again with another profile is the same atom with the new
+    profile (docs/decisions.md, "MIG and shared GPUs"): a 3g.40gb booking for the start, whose
+    instance the node then reports as 4g.40gb, moves to a 3g.40gb instance still free."""
+    world = clock_world
+    shared_pool(world, "mig", nodes=0)
+    node = world.add_node(gpus("mig-node", count=2))
+    first, second = (g.uuid for g in gpus("mig-node", count=2))
+    apply = lambda inv: arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv))  # noqa: E731
+    apply(_mig_inventory(1, {first: [(1, "3g.40gb")], second: [(1, "3g.40gb")]}))
+    start = clock_now(world) + 60 * MIN
+    r = world.create(device_class="gpu.mig", count=1, profile="3g.40gb", start=start)
+    assert r.state == "placed"
+    (booked,) = r.allocations[0].device_ids
+    layout = {first: [(1, "3g.40gb")], second: [(1, "3g.40gb")]}
+    layout[booked.split(":")[0]] = [(1, "4g.40gb")]
+    apply(_mig_inventory(2, layout))
+
+    moved = through_the_start(world, r.id, start)
+    profiles = world.sql("SELECT at.device_uuid, at.profile FROM allocations al JOIN bookings b ON b.allocation_id = al.id"
+                         " JOIN atoms at ON at.id = b.atom_id WHERE al.reservation_id = %s"
+                         " AND al.state IN ('placed', 'binding', 'bound')", (r.id,))
+    assert [p for _, p in profiles] == ["3g.40gb"], f"{moved.state} on {profiles} for a 3g.40gb request"
