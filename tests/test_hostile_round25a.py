@@ -14,6 +14,18 @@ loopback, embedded PostgreSQL).
   Fixed: BAD_NODES also finds a placed allocation whose atoms fail `atoms_as_asked` (the commit's
   own check, migration 0063) and a gang member whose label no longer has its `gang_group` value,
   so BookingRepair moves it (a gang member within its label value first).
+- **A tenant with root on a leased machine takes other machines' GPUs.** A GPU uuid is one
+  node's: the first node to report it holds it until its inventory drops it (gpu_holders,
+  inventory.held). A leased machine's inventory is its tenant's word, and a tenant knows the
+  uuids of GPUs it booked elsewhere (its bindings name them). A platform node's GPU missing from
+  one inventory (fallen off the bus) was taken by the leased machine at once, and the platform
+  node's next inventory was refused it ("held by another node") for as long as the tenant liked,
+  beyond the lease until the machine enrolled anew; the machine's own GPUs it dropped were let go
+  of for anyone to claim. Fixed: while a node is `leased` its holds stay as they were at the
+  lease's start (inventory.held: it takes none, lets go of none; a GPU it did not hold is refused,
+  reason "not the machine's when its lease began"). A new GPU on a leased machine therefore gets
+  no atom instead of joining the lease (docs/decisions.md; tests/test_hostile_metal.py and
+  test_hostile_leftovers_node.py adjusted).
 """
 
 from __future__ import annotations
@@ -24,7 +36,10 @@ from bettercompute.node.v1 import node_pb2 as npb
 from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.nodes import inventory
-from tests.support import Client, ServerThread, World, clock_now, eventually, gpus
+from tests.nodes_support import ControlPlane
+from tests.support import World, clock_now, eventually, gpus
+from tests.test_gateway import GatewayThread, connected, cp, gateway, node_row, pool_id  # noqa: F401
+from tests.test_hostile_leftovers_node import gpu_atoms, inventory as node_inventory, say
 from tests.test_pki import arun
 from tests.test_shared_gpus import _mig_inventory, shared_pool
 
@@ -154,3 +169,40 @@ def test_a_profile_pinned_mig_booking_moves_off_an_instance_repartitioned_to_ano
                          " JOIN atoms at ON at.id = b.atom_id WHERE al.reservation_id = %s"
                          " AND al.state IN ('placed', 'binding', 'bound')", (r.id,))
     assert [p for _, p in profiles] == ["3g.40gb"], f"{moved.state} on {profiles} for a 3g.40gb request"
+
+
+# -- a tenant with root on a leased machine and the GPUs of other machines ----------------------
+
+
+def test_a_leased_machine_never_takes_a_gpu_another_machine_let_go_of_for_a_moment(
+        gateway: GatewayThread, pool_id: str, cp: ControlPlane) -> None:
+    """A GPU uuid is one node's: the first to report it holds it until its inventory drops it.
+    A tenant with root on a leased machine writes that machine's inventory (it knows the uuids of
+    GPUs it booked elsewhere: they are in its bindings). Platform node X's GPU falls off the bus
+    for one inventory; the leased machine reports it at once and holds it, and when the GPU is
+    back X's inventory is refused it ("held by another node"): the platform loses the GPU for as
+    long as the tenant likes, and the tenant's lease gains an atom of another machine's GPU. Its
+    own GPUs, dropped from its inventory, are let go of, so another machine can squat them too."""
+    from tests.test_hostile_metal import CAPS, metal_pool, node_lease, node_state
+    from tests.test_node_profiles import register
+
+    x, x_session = connected(gateway, pool_id, "x", gpus=2, uuid="GPU-x")
+    metal_pool(cp.world)
+    m1, m1_session = connected(gateway, cp.world.pool_id, "m1", gpus=4, caps=CAPS, uuid="GPU-m1")
+    r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
+    cp.drain()
+    assert node_state(cp.world, m1.node_id) == "leased"
+    mine = [f"GPU-m1-{i}" for i in range(4)]
+
+    say(gateway.conninfo, x.node_id, x_session, node_inventory(2, "GPU-x-0"))  # GPU-x-1 fell off the bus
+    say(gateway.conninfo, m1.node_id, m1_session, node_inventory(2, *mine[:3], "GPU-x-1"))  # the tenant
+    say(gateway.conninfo, x.node_id, x_session, node_inventory(3, "GPU-x-0", "GPU-x-1"))  # back
+    assert gpu_atoms(gateway.conninfo, x.node_id) == {"GPU-x-0": True, "GPU-x-1": True}, (
+        f"X's GPU refused: {node_row(gateway.conninfo, x.node_id)['inventory'].get('refused_gpus')}")
+    assert "GPU-x-1" not in gpu_atoms(gateway.conninfo, m1.node_id)
+    # the machine's own GPU it dropped (GPU-m1-3) is still its: another node's claim is refused
+    say(gateway.conninfo, x.node_id, x_session, node_inventory(4, "GPU-x-0", "GPU-x-1", "GPU-m1-3"))
+    assert "GPU-m1-3" not in gpu_atoms(gateway.conninfo, x.node_id)
+    assert r.id
+    x_session.close()
+    m1_session.close()

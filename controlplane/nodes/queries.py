@@ -11,7 +11,7 @@ ORDER BY n.name
 """
 POOL_OF = "SELECT pool_id FROM nodes WHERE id = %(node_id)s"
 EXISTS = "SELECT 1 FROM nodes WHERE id = %(node_id)s"
-LOCK = "SELECT id, pool_id, name, labels, revoked_at, revoked_reason FROM nodes WHERE id = %(node_id)s FOR UPDATE"
+LOCK = "SELECT id, pool_id, name, state, labels, revoked_at, revoked_reason FROM nodes WHERE id = %(node_id)s FOR UPDATE"
 
 REGISTER = """
 INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)
@@ -83,6 +83,8 @@ SELECT device_uuid, node_id FROM gpu_holders
 WHERE device_uuid = ANY(%(uuids)s) AND node_id <> %(node_id)s
 ORDER BY device_uuid
 """
+# Of these uuids, the ones the node holds (a leased machine's inventory keeps to them).
+HELD_HERE = "SELECT device_uuid FROM gpu_holders WHERE node_id = %(node_id)s AND device_uuid = ANY(%(uuids)s)"
 # The node's GPUs it no longer reports (or all, when it is revoked): another node may report them.
 RELEASE_GPUS = "DELETE FROM gpu_holders WHERE node_id = %(node_id)s AND NOT (device_uuid = ANY(%(held)s))"
 # What an inventory no longer lists (a GPU gone, a MIG instance or slot gone), with nothing booked
