@@ -26,6 +26,14 @@ loopback, embedded PostgreSQL).
   reason "not the machine's when its lease began"). A new GPU on a leased machine therefore gets
   no atom instead of joining the lease (docs/decisions.md; tests/test_hostile_metal.py and
   test_hostile_leftovers_node.py adjusted).
+- **A wiped machine's last inventory, its tenant's word, counts once the machine is back.**
+  docs/decisions.md: a leased machine is left out of the pool's per-GPU host share and "counts
+  again once it is the platform's (wiped and enrolled anew)". metal.deploy._back_to_platform
+  returns it to `ready` on the tenant's own "wiped" report, with the inventory the tenant wrote
+  (4 GPUs on 3 vCPUs and 1 GiB): every new reservation of the pool got a share of 0 vCPUs and
+  0 GiB (no limits) until the machine was enrolled anew, which may be never. Fixed: on the wipe
+  the node forgets that inventory and its host rows and is unreachable until its next hello
+  (nodes.tenancy.forget_tenants_word, called beside the key revocation).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.nodes import inventory
 from tests.nodes_support import ControlPlane
 from tests.support import World, clock_now, eventually, gpus
-from tests.test_gateway import GatewayThread, connected, cp, gateway, node_row, pool_id  # noqa: F401
+from tests.test_gateway import (GatewayThread, connected, cp, enrolled, gateway, hello, node_row, pool_id,  # noqa: F401
+                                eventually as eventually_true)
 from tests.test_hostile_leftovers_node import gpu_atoms, inventory as node_inventory, say
 from tests.test_pki import arun
 from tests.test_shared_gpus import _mig_inventory, shared_pool
@@ -206,3 +215,55 @@ def test_a_leased_machine_never_takes_a_gpu_another_machine_let_go_of_for_a_mome
     assert r.id
     x_session.close()
     m1_session.close()
+
+
+def test_a_wiped_machines_last_inventory_never_shrinks_the_pools_host_share(
+        gateway: GatewayThread, cp: ControlPlane) -> None:
+    """"A machine counts again once it is the platform's (wiped and enrolled anew)"
+    (docs/decisions.md): while leased, its tenant's inventory (4 GPUs on 3 vCPUs and 1 GiB) is
+    left out of the pool's per-GPU host share. The tenant then reports the machine wiped, in that
+    same lying inventory: the machine is the platform's again (ready, every key revoked) and its
+    tenant-written sizes count at once, so every new reservation of the pool gets a share of 0
+    vCPUs until the machine is enrolled anew, which may be never."""
+    from tests.test_hostile_metal import CAPS, deployed, metal_pool, node_lease, node_state
+    from tests.test_node_profiles import register
+
+    metal_pool(cp.world)
+    cp.world.quota(1000)
+    sessions = {}
+    for name in ("m1", "m2"):
+        node, session = connected(gateway, cp.world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
+        sessions[node.node_id] = (name, session)
+    before = cp.create(count=1).host_share
+    assert before.vcpu > 0 and before.memory_gib > 0
+    r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
+    cp.drain()
+    (alloc,) = cp.get(r.id).allocations
+    name, session = sessions[alloc.node_id]
+    deployed(cp.world, session, gateway, alloc.node_id, alloc.id, 2)  # the tenant has root from here
+    cp.drain()
+    assert cp.get(r.id).state == "active"
+    cp.world.user.res("Release", pb.ReleaseReservationRequest(tenant_id=cp.world.tenant, reservation_id=r.id))
+    cp.drain()
+    assert node_state(cp.world, alloc.node_id) == "leased"
+    lying = node_inventory(3, *(f"GPU-{name}-{i}" for i in range(4)))
+    lying.vcpus, lying.memory_bytes, lying.numa_nodes[0].cpulist = 3, 1 << 30, "0-2"
+    lying.numa_nodes[0].memory_bytes = 1 << 30
+    lying.deployed.CopyFrom(npb.DeployedProfile(allocation_id=alloc.id, state="wiped"))
+    say(gateway.conninfo, alloc.node_id, session, lying)
+    cp.drain()
+    assert node_state(cp.world, alloc.node_id) == "ready"
+
+    after = cp.create(count=1).host_share
+    assert (after.vcpu, after.memory_gib) == (before.vcpu, before.memory_gib), (
+        f"the share went from {before} to {after} on the wiped machine's last (its tenant's) inventory")
+    # enrolled anew, the machine reports itself and serves again
+    again = enrolled(gateway, cp.world.pool_id, name).session()
+    assert again.recv() is not None
+    again.send(hello(gpus=4, caps=CAPS, uuid=f"GPU-{name}"))
+    eventually_true(lambda: node_row(gateway.conninfo, alloc.node_id)["connectivity"] == "connected", what="hello")
+    assert dict(cp.world.sql("SELECT resource, allocatable::int FROM host_resources WHERE node_id = %s",
+                             (alloc.node_id,)))["vcpu"] == 64
+    again.close()
+    for _, s in sessions.values():
+        s.close()

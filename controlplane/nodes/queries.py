@@ -366,5 +366,9 @@ FROM (SELECT id, state FROM nodes WHERE id = %(node_id)s FOR UPDATE) before
 WHERE n.id = before.id
 RETURNING before.state AS before
 """
+# A machine wiped after a tenant had root on it: its last inventory was the tenant's word, so it is
+# forgotten (no sizes: the host sync leaves it without rows) until the machine is enrolled anew.
+FORGET_INVENTORY = "UPDATE nodes SET inventory = '{}'::jsonb WHERE id = %(node_id)s"
+DELETE_HOST_RESOURCES = "DELETE FROM host_resources WHERE node_id = %(node_id)s"
 # Wiped after the lease: back to the platform, in the state it had before.
 UNLEASE = "UPDATE nodes SET state = %(state)s WHERE id = %(node_id)s AND state = 'leased' RETURNING pool_id"
