@@ -34,6 +34,15 @@ loopback, embedded PostgreSQL).
   0 GiB (no limits) until the machine was enrolled anew, which may be never. Fixed: on the wipe
   the node forgets that inventory and its host rows and is unreachable until its next hello
   (nodes.tenancy.forget_tenants_word, called beside the key revocation).
+- **One inventory held its pool's lock for 18 seconds.** atoms.parent_id references atoms(id)
+  with no index, so each part DELETE_UNUSED_PARTS deletes (its foreign-key check) and each GPU
+  DELETE_UNUSED_GPUS looks at scanned every atom. A node of a time-slice pool at 64 replicas
+  reporting its 256 GPUs under fresh uuids (a 7 KB message, far within the gateway's pace of 50 a
+  second) replaced 16,640 atoms in 18 s under the pool's lock: one such message every 18 s wedged
+  every placement of the pool. Fixed: migration 0065 indexes atoms by parent (about 2 s now).
+  Left: that 2 s (16,640 rows written, their capacity triggers, a deferred lease-join check
+  each) is still one message's cost at the gateway's one-token price; pacing inventories by the
+  atoms they change would bound it, and is not done here.
 """
 
 from __future__ import annotations
@@ -267,3 +276,30 @@ def test_a_wiped_machines_last_inventory_never_shrinks_the_pools_host_share(
     again.close()
     for _, s in sessions.values():
         s.close()
+
+
+# -- what one inventory costs under its pool's lock ------------------------------------------------
+
+
+def test_an_inventory_of_fresh_uuids_in_a_slot_pool_holds_the_pool_lock_briefly(world: World) -> None:
+    """A time-slice pool at 64 replicas; its node reports 256 GPUs (16,640 atoms), then the same
+    256 under fresh uuids (a 7 KB message, well within the gateway's pace). The second inventory
+    deletes the 16,384 slots and 256 GPUs gone and writes as many new ones, all under the pool's
+    lock: it took 18 s (each deleted atom's foreign-key check scanned every atom, there being no
+    index on atoms.parent_id), so a node sending one every 18 s wedged every placement of its
+    pool. It now costs about what writing them did in the first place."""
+    world.pool_id = world.root.admin("CreatePool", apb.CreatePoolRequest(
+        owner_tenant_id=world.tenant, name="ts", region="eu-1",
+        policy=apb.PoolPolicy(sharing=apb.SharingPolicy(mode="time-slice", replicas=64)))).id
+    node = world.add_node([], name=f"big-{world.tenant[-6:]}")
+    took = []
+    for generation, prefix in enumerate(("A", "B"), 1):
+        inv = npb.Inventory(generation=generation, gpus=[npb.Gpu(uuid=f"GPU-{prefix}-{i}", model=MODEL)
+                                                         for i in range(256)])
+        assert len(inv.SerializeToString()) < 8000
+        started = time.perf_counter()
+        arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node.id, inv))
+        took.append(time.perf_counter() - started)
+    assert world.sql("SELECT count(*) FROM atoms WHERE node_id = %s", (node.id,)) == [(256 * 65,)]
+    first, swap = took
+    assert swap < max(5 * first, 3.0), f"writing the atoms took {first:.2f} s, replacing them {swap:.2f} s"
