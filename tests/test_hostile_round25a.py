@@ -1,6 +1,7 @@
 """Hostile review, round 25a: a node playing inventory games (its Hello and inventory applied by
-controlplane.nodes.inventory, the functions the gateway calls for them; real control plane on
-loopback, embedded PostgreSQL).
+controlplane.nodes.inventory, the functions the gateway calls for them, or sent through the real
+gateway over mutual TLS; real control plane on loopback, embedded PostgreSQL). The first six tests
+reproduced four broken promises, fixed since; the last guards what held.
 
 - **BookingRepair kept a booking whose shape the node's inventory changed since placement.**
   BAD_NODES (reservations/queries.py) looked at node state, connectivity, capability labels and
@@ -43,6 +44,41 @@ loopback, embedded PostgreSQL).
   Left: that 2 s (16,640 rows written, their capacity triggers, a deferred lease-join check
   each) is still one message's cost at the gateway's one-token price; pacing inventories by the
   atoms they change would bound it, and is not done here.
+
+Tried and held. Run here: a GPU of a node that is offline (session closed, unreachable) stays its
+own; another node reporting it is refused, and the node back serves it (kept as the last test).
+Read in the code or covered elsewhere: the last round's lead 1, `fabric_label` and `cap_labels`
+writing over an operator's label of the same key: an operator cannot set one (RegisterNode refuses
+`bc.dev/` and `fabric.domain` operator labels, INVALID_INPUT, tests/test_tenancy_and_errors.py),
+and capacity reads `bc.dev/` labels only with source system, so there is no operator label to
+overwrite nor a capability an operator could deny; a RegisterNode `system_labels` fabric.domain is
+replaced by the node's own NVLink claim once its daemon reports, as "as inventory would report
+them" says. Which fabric a node says it is in is its own word (spec 004: an inventory label); it
+can move itself into a fabric, and out of one under a placed gang (fixed above). Lead 2: a booked
+MIG instance repartitioned away stays booked and unbookable beside up to seven new bookable ones
+(tests/test_shared_gpus.py), so a GPU carries more than seven instance atoms; but the gone one is
+no longer on the device (a placed booking on it is now repaired before its start, an active one
+raises a condition), so no real instance is sold twice; a whole GPU and its parts are never
+bookable in one pool (the pool books one class, its sharing mode fixed at creation), and slot
+counts follow only the pool's fixed replicas (a GPU taken into MIG mode and back is the same slot
+atoms, booked or not). GPU uuids swapped between two nodes: each takes the other's only after the
+other's inventory let go of it, so no device ever has two bookable atoms (the node whose GPU left
+keeps its booked atom, unbookable). The inventory generation going backwards: it is stored and
+read by nothing (the order of one session's messages is the gateway's; a superseded session's
+message is never applied, tests/test_hostile_node_round3.py). Host resources shrinking under
+booked holds: new bookings are refused by the host_bookings guard, a placed hold binds and is
+re-placed by bcd's resources-exhausted failure as the spec says. A node naming a GPU's model or
+NUMA node anew in place: new placements check the atoms' shape at commit (migration 0063), placed
+ones now at BookingRepair. Capabilities and labels: malformed or reserved-looking capabilities are
+dropped (`[a-z0-9][a-z0-9._-]{0,62}`, 64 at most), NVLink cluster/clique only as a LABEL, an
+oversized message ends the session. A 3.7 MB inventory of NUMA cpulists is stored as a 44 KB one
+(cpulist.parse_all's budget), so the desired state's per-row copy of it costs nothing (8 pinned
+holds read in 65 ms).
+
+Noticed and left: a GPU a node reports under a fresh uuid is a new, healthy atom, so renaming a
+quarantined GPU lifts its quarantine (the control plane cannot tell a rename from a replacement);
+a wiped machine's tenant may have renamed its own GPUs' models in place, and those count in the
+pool's models from the wipe until the machine's next hello.
 """
 
 from __future__ import annotations
@@ -303,3 +339,26 @@ def test_an_inventory_of_fresh_uuids_in_a_slot_pool_holds_the_pool_lock_briefly(
     assert world.sql("SELECT count(*) FROM atoms WHERE node_id = %s", (node.id,)) == [(256 * 65,)]
     first, swap = took
     assert swap < max(5 * first, 3.0), f"writing the atoms took {first:.2f} s, replacing them {swap:.2f} s"
+
+
+# -- held -------------------------------------------------------------------------------------------
+
+
+def test_a_gpu_of_an_offline_node_is_still_its_own(gateway: GatewayThread, pool_id: str, cp: ControlPlane) -> None:
+    """Node A's session ends and it is marked unreachable (its machine down, its GPUs booked): B
+    reports A's GPU meanwhile and is refused it, so A's GPU never gets a second, bookable atom
+    while A is away; A, back, reports it and serves it."""
+    from tests.test_hostile_leftovers_node import second
+
+    a, a_session = connected(gateway, pool_id, "a", gpus=2)  # GPU-0, GPU-1
+    a_session.close()
+    cp.world.sql("UPDATE nodes SET connectivity = 'unreachable' WHERE id = %s", (a.node_id,))
+    b, b_session = second(gateway, cp, "b", "GPU-1", "GPU-B0")
+    assert gpu_atoms(gateway.conninfo, b.node_id) == {"GPU-B0": True}
+    again = a.session()
+    assert again.recv() is not None
+    again.send(hello(gpus=2))
+    eventually_true(lambda: node_row(gateway.conninfo, a.node_id)["connectivity"] == "connected", what="hello")
+    assert gpu_atoms(gateway.conninfo, a.node_id) == {"GPU-0": True, "GPU-1": True}
+    again.close()
+    b_session.close()
