@@ -78,7 +78,12 @@ holds read in 65 ms).
 Noticed and left: a GPU a node reports under a fresh uuid is a new, healthy atom, so renaming a
 quarantined GPU lifts its quarantine (the control plane cannot tell a rename from a replacement);
 a wiped machine's tenant may have renamed its own GPUs' models in place, and those count in the
-pool's models from the wipe until the machine's next hello.
+pool's models from the wipe until the machine's next hello; a leased machine's tenant still
+changes its own atoms by inventory (MIG mode on and off: every slot's bookable flag rewritten under
+the pool's lock, 0.6 s measured for 256 GPUs at 64 replicas on a node not leased), so it can keep a
+tenantRoot slot pool's lock busy at the gateway's pace. Applying nothing of a leased machine's
+inventory but its disk and sizes would close both; it would retire the earlier decision that an
+atom new on a leased machine joins the lease, so it is not done here.
 """
 
 from __future__ import annotations
