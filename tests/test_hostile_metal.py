@@ -345,9 +345,9 @@ def test_gpus_removed_readded_and_added_under_an_active_lease_stay_the_lessees(g
     """An active lease of a four-GPU machine; the node's inventory drops GPU-3, then brings it back
     with a fifth GPU and one GPU in MIG mode, then out of it. Every GPU is booked by the lease once
     (no second booking of the returning GPU), nobody else books any of them into the lease's
-    window, and the lease's charge stays the four GPUs it was placed for. The fifth GPU is refused
-    (a leased machine takes no GPU it did not hold when its lease began:
-    tests/test_hostile_round25a.py), so it has no atom anyone could book."""
+    window, and the lease's charge stays the four GPUs it was placed for. (Since round 25a a leased
+    machine's inventory changes none of its atoms, tests/test_hostile_round25a.py: the fifth GPU
+    has no atom anyone could book.)"""
     world = cp.world
     metal_pool(world)
     world.quota(1000)

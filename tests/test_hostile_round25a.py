@@ -22,11 +22,12 @@ reproduced four broken promises, fixed since; the last guards what held.
   one inventory (fallen off the bus) was taken by the leased machine at once, and the platform
   node's next inventory was refused it ("held by another node") for as long as the tenant liked,
   beyond the lease until the machine enrolled anew; the machine's own GPUs it dropped were let go
-  of for anyone to claim. Fixed: while a node is `leased` its holds stay as they were at the
-  lease's start (inventory.held: it takes none, lets go of none; a GPU it did not hold is refused,
-  reason "not the machine's when its lease began"). A new GPU on a leased machine therefore gets
-  no atom instead of joining the lease (docs/decisions.md; tests/test_hostile_metal.py and
-  test_hostile_leftovers_node.py adjusted).
+  of for anyone to claim; each inventory flipping its GPUs' MIG mode rewrote its atoms under the
+  pool's lock. Fixed: while a node is `leased` its inventory changes no GPU hold, atom or
+  `fabric.domain` (inventory._apply_inventory stores only the rest: its disk, which metal judges,
+  and its sizes, which the host share leaves out while leased). A new GPU on a leased machine
+  therefore gets no atom instead of joining the lease (docs/decisions.md;
+  tests/test_hostile_metal.py and test_hostile_leftovers_node.py adjusted).
 - **A wiped machine's last inventory, its tenant's word, counts once the machine is back.**
   docs/decisions.md: a leased machine is left out of the pool's per-GPU host share and "counts
   again once it is the platform's (wiped and enrolled anew)". metal.deploy._back_to_platform
@@ -76,14 +77,7 @@ oversized message ends the session. A 3.7 MB inventory of NUMA cpulists is store
 holds read in 65 ms).
 
 Noticed and left: a GPU a node reports under a fresh uuid is a new, healthy atom, so renaming a
-quarantined GPU lifts its quarantine (the control plane cannot tell a rename from a replacement);
-a wiped machine's tenant may have renamed its own GPUs' models in place, and those count in the
-pool's models from the wipe until the machine's next hello; a leased machine's tenant still
-changes its own atoms by inventory (MIG mode on and off: every slot's bookable flag rewritten under
-the pool's lock, 0.6 s measured for 256 GPUs at 64 replicas on a node not leased), so it can keep a
-tenantRoot slot pool's lock busy at the gateway's pace. Applying nothing of a leased machine's
-inventory but its disk and sizes would close both; it would retire the earlier decision that an
-atom new on a leased machine joins the lease, so it is not done here.
+quarantined GPU lifts its quarantine (the control plane cannot tell a rename from a replacement).
 """
 
 from __future__ import annotations
@@ -241,7 +235,8 @@ def test_a_leased_machine_never_takes_a_gpu_another_machine_let_go_of_for_a_mome
     for one inventory; the leased machine reports it at once and holds it, and when the GPU is
     back X's inventory is refused it ("held by another node"): the platform loses the GPU for as
     long as the tenant likes, and the tenant's lease gains an atom of another machine's GPU. Its
-    own GPUs, dropped from its inventory, are let go of, so another machine can squat them too."""
+    own GPUs, dropped from its inventory, are let go of, so another machine can squat them too.
+    And each inventory flipping its GPUs' MIG mode rewrites its atoms under the pool's lock."""
     from tests.test_hostile_metal import CAPS, metal_pool, node_lease, node_state
     from tests.test_node_profiles import register
 
@@ -262,7 +257,14 @@ def test_a_leased_machine_never_takes_a_gpu_another_machine_let_go_of_for_a_mome
     # the machine's own GPU it dropped (GPU-m1-3) is still its: another node's claim is refused
     say(gateway.conninfo, x.node_id, x_session, node_inventory(4, "GPU-x-0", "GPU-x-1", "GPU-m1-3"))
     assert "GPU-m1-3" not in gpu_atoms(gateway.conninfo, x.node_id)
-    assert r.id
+    # nor does the tenant rewrite the machine's own atoms (each MIG-mode flip of every GPU did,
+    # under the pool's lock, at the gateway's pace)
+    shape = ("SELECT id, device_uuid, bookable, model, numa_node, nvlink_domain FROM atoms"
+             " WHERE node_id = %s ORDER BY id")
+    before = cp.world.sql(shape, (m1.node_id,))
+    say(gateway.conninfo, m1.node_id, m1_session, node_inventory(5, *mine, mig=True))
+    assert cp.world.sql(shape, (m1.node_id,)) == before
+    assert cp.get(r.id).state == "binding"
     x_session.close()
     m1_session.close()
 

@@ -8,8 +8,8 @@ node to report it, until its inventory drops it or it is revoked) is refused, as
 no atom, no MIG instances or slots, not in the stored GPU list. The refusal is logged, kept in the
 stored inventory (`refused_gpus`, uuid and holder) and shown on the Admin API's Node; the node is
 not cut off (its other GPUs serve), and its next inventory after the holder let go takes the GPU.
-A leased machine (its tenant has root there) neither takes nor lets go of a GPU until it is the
-platform's again (`held`).
+A leased machine's inventory (its tenant has root there) changes none of that until the machine is
+the platform's again (`_apply_inventory`).
 
 The node's pool lock first, then its row (controlplane.common.locks), so a placement that
 re-reads labels and atoms under the pool lock never sees them change before it commits.
@@ -144,43 +144,40 @@ def deployed_json(d: node_pb2.DeployedProfile) -> dict[str, Any]:
 
 
 REFUSED_HELD = "held by another node"
-REFUSED_LEASED = "not the machine's when its lease began"
 
 
-async def held(conn: AsyncConnection, node: dict[str, Any], gpu_list: list[node_pb2.Gpu]
+async def held(conn: AsyncConnection, node_id: str, gpu_list: list[node_pb2.Gpu]
                ) -> tuple[list[node_pb2.Gpu], list[dict[str, str]]]:
     """The reported GPUs this node holds (taking those no node holds, letting go of those it no
-    longer reports), and the refused ones: {uuid, reason, heldBy}.
-
-    While a tenant holds the machine (`leased`: it has root there, so this inventory is its word)
-    the node's holds stay as they were at the lease's start: it takes no GPU (a GPU another machine
-    dropped from one inventory, its uuid known from the tenant's bindings, was the tenant's to keep
-    from the platform) and lets go of none (its own, dropped, were anyone's to claim)."""
-    node_id = node["id"]
+    longer reports), and the refused ones: {uuid, reason, heldBy}."""
     uuids = sorted(g.uuid for g in gpu_list)
-    leased = node.get("state") == tenancy.LEASED
-    if not leased:
-        await conn.execute(queries.HOLD_GPUS, {"node_id": node_id, "uuids": uuids})
+    await conn.execute(queries.HOLD_GPUS, {"node_id": node_id, "uuids": uuids})
     taken = {r["device_uuid"]: r["node_id"] for r in await (await conn.execute(
         queries.HELD_ELSEWHERE, {"node_id": node_id, "uuids": uuids})).fetchall()}
-    if leased:
-        mine = {r["device_uuid"] for r in await (await conn.execute(
-            queries.HELD_HERE, {"node_id": node_id, "uuids": uuids})).fetchall()}
-        refused = [{"uuid": u, "reason": REFUSED_HELD if u in taken else REFUSED_LEASED, "heldBy": taken.get(u, "")}
-                   for u in uuids if u not in mine]
-    else:
-        await conn.execute(queries.RELEASE_GPUS, {"node_id": node_id, "held": [u for u in uuids if u not in taken]})
-        refused = [{"uuid": u, "reason": REFUSED_HELD, "heldBy": holder} for u, holder in taken.items()]
-    if not refused:
+    await conn.execute(queries.RELEASE_GPUS, {"node_id": node_id, "held": [u for u in uuids if u not in taken]})
+    if not taken:
         return gpu_list, []
-    log.warning("inventory gpus refused", node_id=node_id, refused=refused)
-    kept = {r["uuid"] for r in refused}
-    return [g for g in gpu_list if g.uuid not in kept], refused
+    refused = [{"uuid": u, "reason": REFUSED_HELD, "heldBy": holder} for u, holder in taken.items()]
+    log.warning("inventory gpus refused", node_id=node_id, reason=REFUSED_HELD, refused=refused)
+    return [g for g in gpu_list if g.uuid not in taken], refused
 
 
 async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:
-    """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`."""
-    gpu_list, refused = await held(conn, node, gpus(inventory))
+    """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`.
+
+    While a tenant holds the machine (`leased`: it has root there, so the inventory is its word)
+    the machine is the lessee's whole as it was when the lease began: its GPU holds, atoms and
+    `fabric.domain` stay as they were, and only the rest is stored (what is on its disk, which
+    metal judges; its sizes, which the pool's host share leaves out while it is leased). A GPU
+    another machine dropped for one inventory (its uuid known from the tenant's bindings) was the
+    tenant's to keep from the platform; its own GPUs dropped were anyone's to claim; and every
+    MIG-mode flip rewrote its atoms under the pool's lock."""
+    if node.get("state") == tenancy.LEASED:
+        await conn.execute(queries.SET_LEASED_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, [])),
+                                                          "generation": inventory.generation, "node_id": node["id"]})
+        await hosts.sync_node(conn, node["id"])
+        return node["labels"]
+    gpu_list, refused = await held(conn, node["id"], gpus(inventory))
     async with conn.cursor() as cur:
         await cur.executemany(queries.UPSERT_GPU, [
             {"id": new_id("atom"), "node_id": node["id"], "uuid": g.uuid, "model": g.model,

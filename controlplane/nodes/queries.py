@@ -83,8 +83,6 @@ SELECT device_uuid, node_id FROM gpu_holders
 WHERE device_uuid = ANY(%(uuids)s) AND node_id <> %(node_id)s
 ORDER BY device_uuid
 """
-# Of these uuids, the ones the node holds (a leased machine's inventory keeps to them).
-HELD_HERE = "SELECT device_uuid FROM gpu_holders WHERE node_id = %(node_id)s AND device_uuid = ANY(%(uuids)s)"
 # The node's GPUs it no longer reports (or all, when it is revoked): another node may report them.
 RELEASE_GPUS = "DELETE FROM gpu_holders WHERE node_id = %(node_id)s AND NOT (device_uuid = ANY(%(held)s))"
 # What an inventory no longer lists (a GPU gone, a MIG instance or slot gone), with nothing booked
@@ -118,6 +116,12 @@ HOSTS_OUT_OF_STEP = "SELECT n.id, n.pool_id FROM nodes n WHERE n.id IN (SELECT h
 
 SET_INVENTORY = """
 UPDATE nodes SET inventory = %(inventory)s, inventory_generation = %(generation)s WHERE id = %(node_id)s
+"""
+# A leased machine's inventory: all but its GPUs, which stay as they were when the lease began.
+SET_LEASED_INVENTORY = """
+UPDATE nodes SET inventory = %(inventory)s || jsonb_build_object('gpus', coalesce(inventory->'gpus', '[]'::jsonb)),
+                 inventory_generation = %(generation)s
+WHERE id = %(node_id)s
 """
 SET_HELLO = """
 UPDATE nodes SET daemon_version = %(daemon_version)s, capabilities = %(capabilities)s, labels = %(labels)s
