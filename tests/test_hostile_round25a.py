@@ -1,6 +1,6 @@
 """Hostile review, round 25a: a node playing inventory games (its Hello and inventory applied by
 controlplane.nodes.inventory, the functions the gateway calls for them, or sent through the real
-gateway over mutual TLS; real control plane on loopback, embedded PostgreSQL). The first six tests
+gateway over mutual TLS; real control plane on loopback, embedded PostgreSQL). The first seven tests
 reproduced four broken promises, fixed since; the last guards what held.
 
 - **BookingRepair kept a booking whose shape the node's inventory changed since placement.**
