@@ -444,12 +444,15 @@ def test_a_leased_machines_inventory_never_changes_the_pools_models(gateway: Gat
     cp.drain()
     assert get(cp.world, r.id).state == "binding"
     leased, leased_session = machines[r.allocations[0].node_id]
-    lying = inventory(2, *(f"GPU-{leased.node_id}-{i}" for i in range(4)), "GPU-odd")
+    own = [f"GPU-{node_row(gateway.conninfo, leased.node_id)['name']}-{i}" for i in range(4)]
+    lying = inventory(2, *own, "GPU-odd")
+    lying.gpus[0].model = "B200"
     lying.gpus[-1].model = "B200"
     say(gateway.conninfo, leased.node_id, leased_session, lying)
-    index = cp.server.app.runtime.capacity
-    eventually(lambda: "B200" in {a.model for a in index.pool(cp.world.pool_id).nodes[leased.node_id].atoms.values()},
-               what="the index holding the lie")
+    # (since round 25a a leased machine's inventory changes none of its atoms: the lie is not even
+    # written, tests/test_hostile_round25a.py; the pool's models below would leave it out anyway)
+    assert sql(gateway.conninfo, "SELECT DISTINCT model FROM atoms WHERE node_id = %s",
+               (leased.node_id,)) == [{"model": MODEL}]
     assert cp.create(count=1).state == "placed"
     # and without the index (its SQL)
     from controlplane.reservations import queries as rq

@@ -185,7 +185,8 @@ async def _back_to_platform(conn: AsyncConnection, node_id: str) -> None:
     if await tenancy.unlease(conn, node_id, after["node_state_before"]):
         await conn.execute(queries.MARK_WIPED, {"id": after["allocation_id"]})
         revoked: list[str] = []
-        if wiped:  # the tenant had root on the machine: every key the node held may be the tenant's
+        if wiped:  # the tenant had root on the machine: every key the node held may be the tenant's,
             revoked = await pki_store.revoke(conn, node_id=node_id, reason=EXPOSED)
+            await tenancy.forget_tenants_word(conn, node_id)  # and so was what its inventory says
         log.info("node wiped and back to the platform", node_id=node_id, allocation_id=after["allocation_id"],
                  revoked=revoked)

@@ -8,6 +8,8 @@ node to report it, until its inventory drops it or it is revoked) is refused, as
 no atom, no MIG instances or slots, not in the stored GPU list. The refusal is logged, kept in the
 stored inventory (`refused_gpus`, uuid and holder) and shown on the Admin API's Node; the node is
 not cut off (its other GPUs serve), and its next inventory after the holder let go takes the GPU.
+A leased machine's inventory (its tenant has root there) changes none of that until the machine is
+the platform's again (`_apply_inventory`).
 
 The node's pool lock first, then its row (controlplane.common.locks), so a placement that
 re-reads labels and atoms under the pool lock never sees them change before it commits.
@@ -29,7 +31,7 @@ from controlplane import db
 from controlplane.common.names import GPU_UUID, LABEL, MODEL
 from controlplane.config import Settings
 from controlplane.ids import new_id
-from controlplane.nodes import cpulist, hosts, queries, shared_atoms
+from controlplane.nodes import cpulist, hosts, queries, shared_atoms, tenancy
 from controlplane.nodes.locking import lock_for_placement_change
 
 log = structlog.get_logger("nodes.inventory")
@@ -161,7 +163,20 @@ async def held(conn: AsyncConnection, node_id: str, gpu_list: list[node_pb2.Gpu]
 
 
 async def _apply_inventory(conn: AsyncConnection, node: dict[str, Any], inventory: node_pb2.Inventory) -> dict:
-    """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`."""
+    """Atoms, host resources and the stored inventory; returns the labels with `fabric.domain`.
+
+    While a tenant holds the machine (`leased`: it has root there, so the inventory is its word)
+    the machine is the lessee's whole as it was when the lease began: its GPU holds, atoms and
+    `fabric.domain` stay as they were, and only the rest is stored (what is on its disk, which
+    metal judges; its sizes, which the pool's host share leaves out while it is leased). A GPU
+    another machine dropped for one inventory (its uuid known from the tenant's bindings) was the
+    tenant's to keep from the platform; its own GPUs dropped were anyone's to claim; and every
+    MIG-mode flip rewrote its atoms under the pool's lock."""
+    if node.get("state") == tenancy.LEASED:
+        await conn.execute(queries.SET_LEASED_INVENTORY, {"inventory": Jsonb(inventory_json(inventory, [])),
+                                                          "generation": inventory.generation, "node_id": node["id"]})
+        await hosts.sync_node(conn, node["id"])
+        return node["labels"]
     gpu_list, refused = await held(conn, node["id"], gpus(inventory))
     async with conn.cursor() as cur:
         await cur.executemany(queries.UPSERT_GPU, [

@@ -12,7 +12,7 @@ from controlplane.nodes import queries
 
 
 async def lock_for_placement_change(conn: AsyncConnection, node_id: str) -> dict[str, Any] | None:
-    """The node row (id, pool_id, name, labels, revoked marks), locked under its pool's lock;
+    """The node row (id, pool_id, name, state, labels, revoked marks), locked under its pool's lock;
     None when there is no such node."""
     found = await (await conn.execute(queries.POOL_OF, {"node_id": node_id})).fetchone()
     if found is None:

@@ -11,7 +11,7 @@ ORDER BY n.name
 """
 POOL_OF = "SELECT pool_id FROM nodes WHERE id = %(node_id)s"
 EXISTS = "SELECT 1 FROM nodes WHERE id = %(node_id)s"
-LOCK = "SELECT id, pool_id, name, labels, revoked_at, revoked_reason FROM nodes WHERE id = %(node_id)s FOR UPDATE"
+LOCK = "SELECT id, pool_id, name, state, labels, revoked_at, revoked_reason FROM nodes WHERE id = %(node_id)s FOR UPDATE"
 
 REGISTER = """
 INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)
@@ -116,6 +116,12 @@ HOSTS_OUT_OF_STEP = "SELECT n.id, n.pool_id FROM nodes n WHERE n.id IN (SELECT h
 
 SET_INVENTORY = """
 UPDATE nodes SET inventory = %(inventory)s, inventory_generation = %(generation)s WHERE id = %(node_id)s
+"""
+# A leased machine's inventory: all but its GPUs, which stay as they were when the lease began.
+SET_LEASED_INVENTORY = """
+UPDATE nodes SET inventory = %(inventory)s || jsonb_build_object('gpus', coalesce(inventory->'gpus', '[]'::jsonb)),
+                 inventory_generation = %(generation)s
+WHERE id = %(node_id)s
 """
 SET_HELLO = """
 UPDATE nodes SET daemon_version = %(daemon_version)s, capabilities = %(capabilities)s, labels = %(labels)s
@@ -364,5 +370,9 @@ FROM (SELECT id, state FROM nodes WHERE id = %(node_id)s FOR UPDATE) before
 WHERE n.id = before.id
 RETURNING before.state AS before
 """
+# A machine wiped after a tenant had root on it: its last inventory was the tenant's word, so it is
+# forgotten (no sizes: the host sync leaves it without rows) until the machine is enrolled anew.
+FORGET_INVENTORY = "UPDATE nodes SET inventory = '{}'::jsonb WHERE id = %(node_id)s"
+DELETE_HOST_RESOURCES = "DELETE FROM host_resources WHERE node_id = %(node_id)s"
 # Wiped after the lease: back to the platform, in the state it had before.
 UNLEASE = "UPDATE nodes SET state = %(state)s WHERE id = %(node_id)s AND state = 'leased' RETURNING pool_id"

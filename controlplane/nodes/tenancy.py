@@ -33,3 +33,15 @@ async def unlease(conn: AsyncConnection, node_id: str, state: str) -> bool:
     await conn.execute(queries.NOTIFY_SESSIONS, {"channel": RENEW_CHANNEL, "node_id": node_id})
     await conn.execute(queries.NOTIFY_POOL_FREED, {"pool_id": row["pool_id"]})
     return True
+
+
+async def forget_tenants_word(conn: AsyncConnection, node_id: str) -> None:
+    """A machine wiped after its tenant had root on it (its keys are all revoked): what its last
+    inventory says (sizes, NUMA lists, disk) was the tenant's to write, and counted as the
+    platform's once the node is no longer leased (a pool's per-GPU host share is the smallest any
+    of its hosts gives). Until the machine is enrolled anew and reports itself, the node has no
+    inventory and no host resources (it books none and is left out of the share), and it is
+    unreachable (nothing is placed on it; its next hello connects it again)."""
+    await conn.execute(queries.FORGET_INVENTORY, {"node_id": node_id})
+    await conn.execute(queries.DELETE_HOST_RESOURCES, {"node_id": node_id})
+    await conn.execute(queries.SET_CONNECTIVITY, {"connectivity": "unreachable", "node_id": node_id})

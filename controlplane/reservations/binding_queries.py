@@ -46,16 +46,25 @@ UPDATE reservations SET bind_failures = bind_failures + 1 WHERE id = %(id)s RETU
 
 # repair ----------------------------------------------------------------------------------------
 
-# Nodes of the reservation's live allocations that are no longer fit to serve them.
+# Nodes of the reservation's live allocations that are no longer fit to serve them: the node
+# (state, connectivity, required capability labels), a booked atom (health, bookable), or what the
+# node's inventory changed in place since placement: the booked atoms no longer as the request
+# asks (atoms_as_asked, migration 0063: model, MIG profile, one NVLink domain for nvlink-all, one
+# NUMA node for numa), or a gang member no longer carrying the label value it was placed under.
 BAD_NODES = """
-SELECT DISTINCT al.node_id
+SELECT al.node_id
 FROM allocations al
+JOIN reservations r ON r.id = al.reservation_id
 JOIN nodes n ON n.id = al.node_id
-LEFT JOIN bookings b ON b.allocation_id = al.id
-LEFT JOIN atoms a ON a.id = b.atom_id
 WHERE al.reservation_id = %(id)s AND al.state = 'placed'
-  AND (n.state <> 'ready' OR n.connectivity = 'unreachable' OR a.health <> 'healthy' OR NOT a.bookable
-       OR NOT n.labels @> %(required)s)
+  AND (n.state <> 'ready' OR n.connectivity = 'unreachable' OR NOT n.labels @> %(required)s
+       OR EXISTS (SELECT 1 FROM bookings b JOIN atoms a ON a.id = b.atom_id
+                  WHERE b.allocation_id = al.id AND (a.health <> 'healthy' OR NOT a.bookable))
+       OR NOT atoms_as_asked(ARRAY(SELECT b.atom_id FROM bookings b WHERE b.allocation_id = al.id),
+                             r.request->'devices'->0)
+       OR (coalesce(al.gang_group, '') <> '' AND NOT n.labels @> jsonb_build_object(
+               r.request->'gang'->>'topologyKey', jsonb_build_object('value', al.gang_group))))
+ORDER BY al.node_id
 """
 
 LIVE_NODES = "SELECT node_id FROM allocations WHERE reservation_id = %(id)s AND state = 'placed' ORDER BY id"

@@ -23,8 +23,11 @@ from controlplane.runtime import Runtime
 
 async def bad_nodes(conn: AsyncConnection, row: dict[str, Any]) -> list[str]:
     """The nodes of the placed allocations that can no longer run them: not ready, unreachable,
-    a booked atom unhealthy or unbookable, or its bcd no longer advertising a capability the
-    request needs (a daemon downgraded since placement would drop the limits or the binding)."""
+    a booked atom unhealthy or unbookable, its bcd no longer advertising a capability the
+    request needs (a daemon downgraded since placement would drop the limits or the binding), or
+    its inventory having changed the booking's shape since placement (the booked atoms no longer
+    of the request's model or profile, nor in one NVLink domain for nvlink-all; a gang member out
+    of the label value the gang was placed under)."""
     params = {"id": row["id"], "required": Jsonb(placing.required_labels(row["request"]))}
     return [r["node_id"] for r in await (await conn.execute(binding_queries.BAD_NODES, params)).fetchall()]
 
