@@ -166,10 +166,11 @@ class SessionRunner:
         if kind in COSTLY:
             await self._throttled(session)
         if kind == "hello":
-            await inventory.apply_hello(self.pool, node_id, message.hello)
+            took = await inventory.apply_hello(self.pool, node_id, message.hello)
+            self.throttle.charge(node_id, took)
             await self.liveness.hello(node_id)
             self.liveness.arrived(session.arrival)
-            log.info("hello", daemon_version=message.hello.daemon_version,
+            log.info("hello", daemon_version=message.hello.daemon_version, took_ms=_ms(took),
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
             # Free while its applied generation stays; one that changes it writes a row, so a node
@@ -178,8 +179,10 @@ class SessionRunner:
                 await self._throttled(session)
             await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
-            await inventory.apply_inventory(self.pool, node_id, message.inventory)
+            took = await inventory.apply_inventory(self.pool, node_id, message.inventory)
+            self.throttle.charge(node_id, took)  # the time it held the pool's lock (gateway.throttle)
             await self.liveness.hello(node_id)
+            log.info("inventory", gpus=len(message.inventory.gpus), took_ms=_ms(took))
         elif kind == "report":
             # A node that reads none of its acks (its stream's window full, the writer waits) must
             # not grow them without end: its reports wait, and HTTP/2 flow control slows it down.

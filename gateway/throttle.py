@@ -11,12 +11,23 @@ Certificate renewals (a signature and rows each) have a bucket of their own per 
 queue: a renewal that would wait is refused with QUOTA_EXCEEDED, reason `rate-limited`, and
 retryAfterSeconds (a node renews a few times a day, and on a hint after a role change).
 The bucket is the node's, not the session's, so reconnecting does not refill it.
+
+A hello or an inventory holds the node's pool lock while it rewrites the node's atoms (every
+placement in the pool waits), and what that costs grows with what the node claims: 16,640 MIG
+instances or slots rewritten took about 2 s (tests/test_hostile_round25a.py). So beyond its token,
+such a message is charged for the time it held the lock (`charge`; its wait for the lock is not
+counted, so a fleet's hellos queued behind each other cost each node only its own work): the node
+then waits (1 / WORK_SHARE - 1) times as long, so it holds its pool at most about WORK_SHARE of the
+time, whatever it claims; a message that holds it a few milliseconds costs a few tokens of the burst.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+# The share of the time a node's hellos and inventories may keep the database busy (`charge`).
+WORK_SHARE = 0.1
 
 
 class TokenBucket:
@@ -40,6 +51,15 @@ class TokenBucket:
         self.tokens -= 1
         return wait
 
+    def charge(self, tokens: float) -> None:
+        """Take `tokens` more, whatever is left (the bucket may go below zero: the next take waits
+        until it is refilled past one)."""
+        if self.rate <= 0:
+            return
+        now = self._clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate) - tokens
+        self.stamp = now
+
 
 class Throttle:
     """One bucket per node id, made on first use."""
@@ -50,7 +70,18 @@ class Throttle:
 
     def wait(self, node_id: str, most: float | None = None) -> float:
         """The node's wait for its next message (TokenBucket.take)."""
+        return self._bucket(node_id).take(most)
+
+    def charge(self, node_id: str, busy_seconds: float) -> None:
+        """A message of the node held its pool's lock `busy_seconds`: its next messages wait
+        (1 / WORK_SHARE - 1) times as long, less what the message's own token paid for (so an
+        ordinary message costs its one token, as before)."""
+        beyond = busy_seconds * (1 / WORK_SHARE - 1) * self.rate - 1
+        if beyond > 0:
+            self._bucket(node_id).charge(beyond)
+
+    def _bucket(self, node_id: str) -> TokenBucket:
         bucket = self._buckets.get(node_id)
         if bucket is None:
             bucket = self._buckets[node_id] = TokenBucket(self.rate, self.burst)
-        return bucket.take(most)
+        return bucket

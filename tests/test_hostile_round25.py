@@ -6,20 +6,35 @@
   lost, and the reconnect re-checked revoked tokens but not access: a stream in the middle of a
   batch read before the change streamed the rest of it (up to 500 events) under the old policy.
   Now a reconnect has every stream decide again before its next event (event_hub._handle).
+- **A node's inventories could keep its pool locked most of the time.** Round 25a made a 16,640-atom
+  rewrite take about 2 s instead of 18 under the pool's lock, but an inventory still cost the node
+  one token at the gateway however long it held the lock: at 50 messages a second a node claiming
+  fresh uuids again and again kept every placement of its pool waiting. Now a hello or inventory
+  is also charged the time it held the pool's lock (gateway.throttle.WORK_SHARE: the node then
+  waits nine times as long), so a node keeps its pool busy at most about a tenth of the time.
 """
 
 from __future__ import annotations
 
 import time
 
+import dataclasses
+
 import grpc
 import pytest
+from psycopg.types.json import Jsonb
+from structlog.testing import capture_logs
 
+from bettercompute.node.v1 import node_pb2 as npb
 from bettercompute.v1 import events_pb2 as epb
 from bettercompute.v1 import events_pb2_grpc
 from tests.support import Client, ServerThread, World, error_of
 from tests.test_hostile_round24d import BURST, DENIED, IN_FLIGHT
+from gateway.config import GatewaySettings
+from gateway.throttle import WORK_SHARE, Throttle, TokenBucket
+from tests.test_gateway import GatewayThread, connected, hello, pool_id  # noqa: F401 - fixture
 from tests.test_listen import kill_listener
+from tests.test_pki import sql
 
 
 def test_a_policy_changed_while_the_hub_was_disconnected_is_decided_before_the_next_event(
@@ -58,3 +73,48 @@ def test_a_policy_changed_while_the_hub_was_disconnected_is_decided_before_the_n
     finally:
         call.cancel()
         channel.close()
+
+
+# -- a node's inventories paced by the time they hold its pool ------------------------------------
+
+
+def test_work_charged_to_a_bucket_is_waited_for_before_the_next_message() -> None:
+    now = [100.0]
+    bucket = TokenBucket(10, 5, clock=lambda: now[0])
+    assert bucket.take() == 0.0
+    bucket.charge(20)  # 4 left, 20 charged: 16 below zero
+    assert round(bucket.take(), 3) == 1.7  # (1 + 16) / 10
+    throttle = Throttle(10, 1)
+    throttle.charge("n", 0.5)  # held its pool half a second: (1 / WORK_SHARE - 1) times that to wait,
+    assert throttle.wait("n") == pytest.approx(0.5 * (1 / WORK_SHARE - 1) - 0.1, abs=0.01)  # less its token
+    throttle.charge("m", 0.001)  # what a message's token pays for costs nothing more
+    assert throttle.wait("m") == 0.0
+    off = Throttle(0, 1)
+    off.charge("n", 100.0)
+    assert off.wait("n") == 0.0  # rate 0: off
+
+
+def test_a_nodes_next_message_waits_for_the_time_its_inventory_held_the_pool(database: str, pool_id: str) -> None:
+    """Attack: a node of a time-slice pool at 64 replicas sends inventories of fresh GPU uuids
+    (each rewrites thousands of slots under the pool's lock). Before, its next message waited only
+    for its token (at 1,000 a second, nothing); now about nine times as long as the lock was held."""
+    sql(database, "UPDATE pools SET policy = %s WHERE id = %s",
+        (Jsonb({"sharing": {"mode": "time-slice", "replicas": 64}}), pool_id))
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=1000,
+                                                     node_messages_burst=1))
+    try:
+        node, session = connected(gw, pool_id, "heavy", gpus=64, uuid="OLD")
+        time.sleep(1 / WORK_SHARE)  # whatever the hello was charged is paid off
+        with capture_logs() as logs:
+            sent = time.monotonic()
+            session.send(npb.NodeMessage(inventory=hello(gpus=64, uuid="FRESH").hello.inventory))
+            session.send(npb.NodeMessage(report=npb.AttestedReport(body=b"\xff", key_id=node.key_id)))
+            ack = session.recv("report_ack", timeout=120)
+            acked = time.monotonic() - sent
+        assert ack is not None
+        [took_ms] = [e["took_ms"] for e in logs if e["event"] == "inventory"]
+        assert took_ms > 20, f"the inventory held the lock {took_ms} ms: too little to tell a wait from noise"
+        assert acked >= took_ms / 1000 * (1 / WORK_SHARE) * 0.8, (acked, took_ms)
+        session.close()
+    finally:
+        gw.stop()

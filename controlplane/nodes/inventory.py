@@ -18,6 +18,7 @@ re-reads labels and atoms under the pool lock never sees them change before it c
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -217,14 +218,16 @@ def _revoked(node: dict[str, Any] | None) -> bool:
     return True
 
 
-async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> None:
+async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> float:
     """The node's daemon version, capabilities (and their system labels) and, when the hello
-    carries one, its inventory."""
+    carries one, its inventory. Returns the seconds it held the pool's lock (its work, not its
+    wait: the gateway charges the node for it, gateway.throttle)."""
 
-    async def work(conn: AsyncConnection) -> None:
+    async def work(conn: AsyncConnection) -> float:
         node = await lock_for_placement_change(conn, node_id)
+        locked = time.perf_counter()
         if _revoked(node):
-            return
+            return 0.0
         before = await _placement_facts(conn, node_id)
         caps = capabilities(hello)
         if hello.HasField("inventory"):
@@ -233,20 +236,24 @@ async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.H
             "daemon_version": hello.daemon_version[:128], "capabilities": caps,
             "labels": Jsonb(cap_labels(node["labels"], caps)), "node_id": node_id})
         await _wake_pool_if_changed(conn, node, before)
+        return time.perf_counter() - locked
 
-    await db.run_in_transaction(pool, work)
+    return await db.run_in_transaction(pool, work)
 
 
-async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: node_pb2.Inventory) -> None:
-    """A new inventory snapshot: atoms, host resources, `fabric.domain`."""
+async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: node_pb2.Inventory) -> float:
+    """A new inventory snapshot: atoms, host resources, `fabric.domain`. Returns the seconds it
+    held the pool's lock, as apply_hello does."""
 
-    async def work(conn: AsyncConnection) -> None:
+    async def work(conn: AsyncConnection) -> float:
         node = await lock_for_placement_change(conn, node_id)
+        locked = time.perf_counter()
         if _revoked(node):
-            return
+            return 0.0
         before = await _placement_facts(conn, node_id)
         labels = await _apply_inventory(conn, node, inventory)
         await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
         await _wake_pool_if_changed(conn, node, before)
+        return time.perf_counter() - locked
 
-    await db.run_in_transaction(pool, work)
+    return await db.run_in_transaction(pool, work)
