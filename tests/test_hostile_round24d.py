@@ -76,6 +76,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import psycopg
@@ -130,36 +131,48 @@ def test_a_batch_read_before_the_stream_was_refused_is_not_streamed_after(world:
     """Attack: a member about to lose the events reads its stream slowly; whatever batch the server
     read before the change keeps coming, up to 500 events, after PutPolicy or RemoveMembership
     returned (the promise: ACCESS_DENIED before the next event)."""
-    world.sql(BURST, (world.tenant,))
-    ident, client = world.identity()
-    # BDP probing off: the window stays at its initial 64 KiB, so what the client reads after the
-    # change was (but for a few events) sent after it.
-    channel = grpc.insecure_channel(world.endpoint, options=[("grpc.http2.bdp_probe", 0)])
-    call = events_pb2_grpc.EventsStub(channel).Watch(
-        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=120)
+    ident, channel, call = slow_reader(world)
     try:
-        assert next(call).type == "test.burst"
-        time.sleep(0.5)  # the server fills the window and waits in a send
         if taken == "policy":
             world.policy("permit(principal, action, resource);\n"
                          f'forbid(principal == Identity::"{ident}", action == Action::"compute:events:read", '
                          "resource);")
         else:
             assert remove(world, ident, world.tenant).changed
-        after = 0
-        try:
-            for _ in call:
-                after += 1
-                if after > IN_FLIGHT:
-                    pytest.fail(f"{after} events streamed after the {taken} refused the stream (at most "
-                                f"{IN_FLIGHT} could have been in flight); the batch is streamed whole")
-        except grpc.RpcError as exc:
-            assert error_of(exc)[:2] == DENIED, exc
-        else:
-            pytest.fail("the stream ended OK")
+        denied_within_what_was_in_flight(call, f"the {taken}")
     finally:
         call.cancel()
         channel.close()
+
+
+def slow_reader(world: World) -> tuple[str, grpc.Channel, Any]:
+    """A new member's stream over a burst of big events, its server waiting in a send after the
+    first one: the member's id, the channel and the call."""
+    world.sql(BURST, (world.tenant,))
+    ident, client = world.identity()
+    # BDP probing off: the window stays at its initial 64 KiB, so what the client reads after a
+    # change was (but for a few events) sent after it.
+    channel = grpc.insecure_channel(world.endpoint, options=[("grpc.http2.bdp_probe", 0)])
+    call = events_pb2_grpc.EventsStub(channel).Watch(
+        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=120)
+    assert next(call).type == "test.burst"
+    time.sleep(0.5)  # the server fills the window and waits in a send
+    return ident, channel, call
+
+
+def denied_within_what_was_in_flight(call: Any, change: str) -> None:
+    """Read the stream on: it ends ACCESS_DENIED after at most IN_FLIGHT more events."""
+    after = 0
+    try:
+        for _ in call:
+            after += 1
+            if after > IN_FLIGHT:
+                pytest.fail(f"{after} events streamed after {change} refused the stream (at most "
+                            f"{IN_FLIGHT} could have been in flight); the batch is streamed whole")
+    except grpc.RpcError as exc:
+        assert error_of(exc)[:2] == DENIED, exc
+    else:
+        pytest.fail("the stream ended OK")
 
 
 # -- Events of reservations the member may not read -----------------------------------------------

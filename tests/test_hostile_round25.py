@@ -16,23 +16,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-import dataclasses
-
-import grpc
 import pytest
 from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2 as npb
-from bettercompute.v1 import events_pb2 as epb
-from bettercompute.v1 import events_pb2_grpc
-from tests.support import Client, ServerThread, World, error_of
-from tests.test_hostile_round24d import BURST, DENIED, IN_FLIGHT
 from gateway.config import GatewaySettings
 from gateway.throttle import WORK_SHARE, Throttle, TokenBucket
+from tests.support import Client, ServerThread, World
 from tests.test_gateway import GatewayThread, connected, hello, pool_id  # noqa: F401 - fixture
+from tests.test_hostile_round24d import denied_within_what_was_in_flight, slow_reader
 from tests.test_listen import kill_listener
 from tests.test_pki import sql
 
@@ -44,32 +40,15 @@ def test_a_policy_changed_while_the_hub_was_disconnected_is_decided_before_the_n
     sent during the gap is lost), then the hub reconnects. The batch read before must not keep
     coming."""
     server, _ = stack
-    world.sql(BURST, (world.tenant,))
-    ident, client = world.identity()
-    # BDP probing off: the window stays at its initial 64 KiB (tests/test_hostile_round24d.py).
-    channel = grpc.insecure_channel(world.endpoint, options=[("grpc.http2.bdp_probe", 0)])
-    call = events_pb2_grpc.EventsStub(channel).Watch(
-        epb.WatchRequest(tenant_id=world.tenant), metadata=client.metadata, timeout=120)
+    ident, channel, call = slow_reader(world)
     try:
-        assert next(call).type == "test.burst"
-        time.sleep(0.5)  # the server fills the window and waits in a send
         world.sql("""
             INSERT INTO policies (tenant_id, cedar) VALUES (%(tenant)s, %(cedar)s)
             ON CONFLICT (tenant_id) DO UPDATE SET cedar = EXCLUDED.cedar, version = policies.version + 1
             """, {"tenant": world.tenant, "cedar": "permit(principal, action, resource);\n"
                   f'forbid(principal == Identity::"{ident}", action == Action::"compute:events:read", resource);'})
         kill_listener(server.conninfo, "event-hub")
-        after = 0
-        try:
-            for _ in call:
-                after += 1
-                if after > IN_FLIGHT:
-                    pytest.fail(f"{after} events streamed after the policy refused the stream (at most "
-                                f"{IN_FLIGHT} could have been in flight)")
-        except grpc.RpcError as exc:
-            assert error_of(exc)[:2] == DENIED, exc
-        else:
-            pytest.fail("the stream ended OK")
+        denied_within_what_was_in_flight(call, "the policy")
     finally:
         call.cancel()
         channel.close()
