@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 from psycopg import AsyncConnection
 
-from controlplane import confirmations, db, errors, events, tokens
+from controlplane import bootstrap, confirmations, db, errors, events, tokens
 from controlplane.reservations import queries as reservation_queries
 from controlplane.reservations import states
 from controlplane.reservations.transitions import move
@@ -66,6 +66,8 @@ async def offboard(rt: Runtime, identity_id: str, successor_id: str) -> dict[str
     match("successorIdentityId", successor_id, tokens.IDENTITY_ID)
     if successor_id == identity_id:
         raise errors.InvalidInput("successorIdentityId", "must be another identity than the one offboarded")
+    if identity_id == bootstrap.ROOT_IDENTITY:  # bootstrap's break-glass token is this identity's
+        raise errors.InvalidInput("identityId", "the platform's root identity cannot be offboarded")
     result = await db.run_in_transaction(rt.pool, lambda conn: _offboard(conn, identity_id, successor_id))
     if result["changed"]:
         log.info("identity offboarded", identity_id=identity_id, successor_id=successor_id,

@@ -1,0 +1,88 @@
+"""Hostile review, round 25e: the operator's surface (Admin) changed under live bookings, and
+callers who would act as the platform operator (real control plane on loopback, embedded
+PostgreSQL)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from bettercompute.v1 import admin_pb2 as apb
+from bettercompute.v1 import reservations_pb2 as pb
+from controlplane import bootstrap
+from tests.conftest import module_stack
+from tests.support import Client, ServerThread, World, make_world, outcome, refused
+
+NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "NOT_FOUND")
+INVALID_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT")
+INVALID_STATE = (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE")
+
+
+@pytest.fixture
+def own_stack(pg_uri: str) -> Iterator[tuple[ServerThread, Client]]:
+    """A control plane on a database of this test's own (the test may cost root its operator)."""
+    yield from module_stack(pg_uri)
+
+
+def offboard(root: Client, identity: str, successor: str) -> apb.OffboardIdentityResponse:
+    return root.admin("OffboardIdentity", apb.OffboardIdentityRequest(identity_id=identity,
+                                                                      successor_identity_id=successor))
+
+
+def test_the_platform_root_identity_cannot_be_offboarded(own_stack: tuple[ServerThread, Client]) -> None:
+    server, root = own_stack
+    world = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    try:
+        code, reason, details = refused(offboard, root, bootstrap.ROOT_IDENTITY, world.user_id)
+        assert (code, reason) == INVALID_INPUT and details["field"] == "identityId", details
+        assert world.sql("SELECT offboarded_at FROM identities WHERE id = 'root'") == [(None,)]
+        assert world.sql("SELECT count(*) FROM api_tokens WHERE identity_id = 'root' AND revoked_at IS NOT NULL"
+                         ) == [(0,)]
+        # The operator still acts, and the bootstrap's break-glass token works.
+        root.admin("ListPools", apb.ListPoolsRequest())
+        again = Client(server.endpoint, bootstrap.ensure_root(server.conninfo))
+        try:
+            again.admin("ListPools", apb.ListPoolsRequest())
+        finally:
+            again.close()
+    finally:
+        world.close()
+
+
+def test_no_new_agent_acts_for_an_offboarded_person_nor_inherits_reservations(world: World) -> None:
+    person, _ = world.identity()
+    heir, heir_client = world.identity()
+    offboard(world.root, person, heir)
+    agent = f"agent-for-gone-{person}"
+    code, reason, details = refused(world.root.admin, "CreateIdentity", apb.CreateIdentityRequest(
+        id=agent, kind="agent", tenant_ids=[world.tenant], delegation=apb.Delegation(person_identity_id=person)))
+    assert (code, reason) == INVALID_STATE and details.get("personIdentityId") == person, details
+    assert world.sql("SELECT count(*) FROM identities WHERE id = %s", (agent,)) == [(0,)]
+    # So nothing can be handed to one: the heir's reservation stays with someone who can act.
+    rsv = world.create(heir_client, count=1)
+    assert outcome(world.root.admin, "RemoveMembership", apb.RemoveMembershipRequest(
+        identity_id=heir, tenant_id=world.tenant, successor_identity_id=agent))[:2] == NOT_FOUND
+    assert world.sql("SELECT owner_identity_id FROM reservations WHERE id = %s", (rsv.id,)) == [(heir,)]
+
+
+def test_offering_a_pool_to_its_owner_is_refused_and_writes_nothing(world: World) -> None:
+    code, reason, details = refused(world.root.admin, "OfferPool", apb.OfferPoolRequest(
+        pool_id=world.pool_id, tenant_id=world.tenant))
+    assert (code, reason) == INVALID_INPUT and details["field"] == "tenantId", details
+    assert world.sql("SELECT count(*) FROM pool_offers WHERE pool_id = %s", (world.pool_id,)) == [(0,)]
+    pool = next(p for p in world.root.admin("ListPools", apb.ListPoolsRequest(owner_tenant_id=world.tenant)).items
+                if p.id == world.pool_id)
+    assert list(pool.offered_to) == []
+
+
+@pytest.mark.parametrize("call, request_, field", [
+    ("GetQuotaUsage", apb.GetQuotaUsageRequest(tenant_id="no-such-tenant"), "tenantId"),
+    ("ListTokens", apb.ListTokensRequest(identity_id="no-such-identity"), "identityId"),
+    ("ListNodes", apb.ListNodesRequest(pool_id="pool_" + "0" * 26), "poolId"),
+])
+def test_reading_an_absent_tenant_identity_or_pool_is_not_found(world: World, call: str, request_, field: str) -> None:
+    code, reason, details = refused(world.root.admin, call, request_)
+    assert (code, reason) == NOT_FOUND, (call, details)
+    assert field in details, details
