@@ -54,6 +54,8 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     person = delegation.get("person_identity_id") or None
     if (kind == "agent") != (person is not None):
         raise errors.InvalidInput("delegation", "an agent, and only an agent, names the person it acts for")
+    if person == identity_id:  # it would be its own person, and approve what its delegation holds
+        raise errors.InvalidInput("delegation.personIdentityId", "names the agent itself: an agent acts for a person")
     tenant_ids = [match("tenantIds", t, TENANT_ID) for t in raw.get("tenant_ids", [])]
     name = raw.get("name") or identity_id
     confirm = list(delegation.get("confirm_actions") or [])

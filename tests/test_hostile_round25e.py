@@ -18,6 +18,8 @@ from tests.support import Client, ServerThread, World, make_world, outcome, refu
 NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "NOT_FOUND")
 INVALID_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT")
 INVALID_STATE = (grpc.StatusCode.FAILED_PRECONDITION, "INVALID_STATE")
+# tests/test_confirmation.py's policy: an agent's create is held for its person's confirmation.
+CONFIRM_DELEGATED = "permit(principal, action, resource) unless { context.delegated };"
 
 
 @pytest.fixture
@@ -86,3 +88,13 @@ def test_reading_an_absent_tenant_identity_or_pool_is_not_found(world: World, ca
     code, reason, details = refused(world.root.admin, call, request_)
     assert (code, reason) == NOT_FOUND, (call, details)
     assert field in details, details
+
+
+def test_an_agent_is_never_its_own_person(world: World) -> None:
+    world.policy(CONFIRM_DELEGATED)
+    agent = f"agent-self-{world.tenant}"
+    code, reason, details = refused(world.root.admin, "CreateIdentity", apb.CreateIdentityRequest(
+        id=agent, kind="agent", tenant_ids=[world.tenant],
+        delegation=apb.Delegation(person_identity_id=agent, confirm_actions=["compute:reservations:create"])))
+    assert (code, reason) == INVALID_INPUT and details["field"] == "delegation.personIdentityId", details
+    assert world.sql("SELECT count(*) FROM identities WHERE id = %s", (agent,)) == [(0,)]
