@@ -4,9 +4,12 @@ PostgreSQL)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psycopg
 import pytest
 
 from bettercompute.v1 import admin_pb2 as apb
@@ -98,3 +101,43 @@ def test_an_agent_is_never_its_own_person(world: World) -> None:
         delegation=apb.Delegation(person_identity_id=agent, confirm_actions=["compute:reservations:create"])))
     assert (code, reason) == INVALID_INPUT and details["field"] == "delegation.personIdentityId", details
     assert world.sql("SELECT count(*) FROM identities WHERE id = %s", (agent,)) == [(0,)]
+
+
+def _waiting_on_locks(world: World, count: int, seconds: float = 10) -> None:
+    """Until `count` backends of the world's database wait for a lock."""
+    deadline = time.monotonic() + seconds
+    while world.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'")[0][0] < count:
+        assert time.monotonic() < deadline, "the calls never queued on the locks"
+        time.sleep(0.02)
+
+
+def _remove(world: World, identity: str, successor: str = "") -> object:
+    return outcome(world.root.admin, "RemoveMembership", apb.RemoveMembershipRequest(
+        identity_id=identity, tenant_id=world.tenant, successor_identity_id=successor))
+
+
+@pytest.mark.parametrize("how", ["RemoveMembership", "OffboardIdentity"])
+def test_a_successor_removed_from_the_tenant_meanwhile_inherits_nothing(world: World, how: str) -> None:
+    leaving, leaving_client = world.identity()
+    heir, _ = world.identity()
+    rsv = world.create(leaving_client, count=1)
+    with psycopg.connect(world.conninfo) as blocker:  # holds the heir's membership row a moment
+        blocker.execute("SELECT 1 FROM memberships WHERE tenant_id = %s AND identity_id = %s FOR UPDATE",
+                        (world.tenant, heir))
+        with ThreadPoolExecutor(2) as threads:
+            heir_leaves = threads.submit(_remove, world, heir)  # locks the heir, waits for its membership
+            _waiting_on_locks(world, 1)
+            if how == "RemoveMembership":
+                handing = threads.submit(_remove, world, leaving, heir)
+            else:
+                handing = threads.submit(outcome, offboard, world.root, leaving, heir)
+            _waiting_on_locks(world, 2)  # it waits for the heir's identity row
+            blocker.rollback()
+            assert heir_leaves.result().changed
+            answer = handing.result()
+    assert isinstance(answer, tuple) and answer[:2] == INVALID_INPUT, answer
+    assert answer[2]["field"] == "successorIdentityId", answer
+    owner = world.sql("SELECT owner_identity_id FROM reservations WHERE id = %s", (rsv.id,))[0][0]
+    members = {r[0] for r in world.sql("SELECT identity_id FROM memberships WHERE tenant_id = %s", (world.tenant,))}
+    assert owner == leaving and owner in members
