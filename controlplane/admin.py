@@ -62,7 +62,7 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         if person is not None:  # an agent acts for a person: never for another agent, nor for one gone
-            named = await (await conn.execute(q.IDENTITY, {"id": person})).fetchone()
+            named = await (await conn.execute(q.PERSON, {"id": person})).fetchone()
             if named is not None and named["kind"] == "agent":
                 raise errors.InvalidInput("delegation.personIdentityId", "names an agent: an agent acts for a person")
             if (named is not None and named["offboarded_at"] is not None
@@ -209,6 +209,7 @@ async def withdraw_pool_offer(rt: Runtime, pool_id: str, tenant_id: str) -> dict
             raise errors.NotFound("no such tenant", tenantId=tenant_id)
         if pool["owner_tenant_id"] == tenant_id:
             raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool_id)
+        await conn.execute(q.LOCK_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
         grant = await (await conn.execute(q.LIVE_GRANT_ON_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
         if grant is not None:
             raise errors.InvalidState("the tenant holds a live reservation grant on this pool: end it first",

@@ -16,7 +16,8 @@ from bettercompute.v1 import admin_pb2 as apb
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane import bootstrap
 from tests.conftest import module_stack
-from tests.support import Client, ServerThread, World, make_world, outcome, refused
+from tests.support import Client, ServerThread, World, make_world, offered_guest, outcome, refused
+from tests.vps_support import SimThread, make_vps, sim  # noqa: F401 (fixture)
 
 NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "NOT_FOUND")
 INVALID_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_INPUT")
@@ -141,3 +142,60 @@ def test_a_successor_removed_from_the_tenant_meanwhile_inherits_nothing(world: W
     owner = world.sql("SELECT owner_identity_id FROM reservations WHERE id = %s", (rsv.id,))[0][0]
     members = {r[0] for r in world.sql("SELECT identity_id FROM memberships WHERE tenant_id = %s", (world.tenant,))}
     assert owner == leaving and owner in members
+
+
+def test_a_grant_and_the_withdrawal_of_its_pools_offer_never_both_commit(world: World, sim: SimThread) -> None:
+    """WithdrawPoolOffer is refused while the tenant holds a live grant on the pool, and a grant
+    needs the pool offered to its grantee: at once, one of the two must lose."""
+    v = make_vps(world, sim, total=4)
+    guest = offered_guest(world)
+    try:
+        with psycopg.connect(world.conninfo) as blocker:  # the offer row, held a moment
+            blocker.execute("SELECT 1 FROM pool_offers WHERE pool_id = %s AND tenant_id = %s FOR KEY SHARE",
+                            (world.pool_id, guest.tenant))
+            with ThreadPoolExecutor(1) as threads:
+                withdrawing = threads.submit(outcome, world.root.admin, "WithdrawPoolOffer",
+                                             apb.WithdrawPoolOfferRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
+                _waiting_on_locks(world, 1)  # found no grant (or waits to look), waits to delete the offer
+                granted = outcome(v.root, "grants", "Create", v.grant_request(tenant=guest.tenant))
+                blocker.rollback()
+                withdrawn = withdrawing.result()
+        live = world.sql("SELECT id FROM reservation_grants WHERE pool_id = %s AND tenant_id = %s"
+                         " AND state IN ('scheduled', 'active')", (world.pool_id, guest.tenant))
+        offered = world.sql("SELECT 1 FROM pool_offers WHERE pool_id = %s AND tenant_id = %s",
+                            (world.pool_id, guest.tenant))
+        assert not (live and not offered), (granted, withdrawn)
+        if live:  # the grant won: the withdrawal names it
+            assert withdrawn[:2] == INVALID_STATE and withdrawn[2]["grantId"] == live[0][0], withdrawn
+        else:  # the withdrawal won: the grant was refused as for a pool never offered
+            assert granted[:2] == INVALID_INPUT and granted[2]["reason"] == "pool-not-offered", granted
+    finally:
+        guest.close()
+
+
+def test_an_agent_created_while_its_person_is_offboarded_is_refused_or_disabled(world: World) -> None:
+    person, _ = world.identity()
+    heir, _ = world.identity()
+    agent = f"agent-late-{world.tenant}"
+    with psycopg.connect(world.conninfo) as blocker:  # the agent's id, taken a moment: its create waits
+        blocker.execute("INSERT INTO identities (id, kind, name) VALUES (%s, 'user', %s)", (agent, agent))
+        with ThreadPoolExecutor(2) as threads:
+            creating = threads.submit(outcome, world.root.admin, "CreateIdentity", apb.CreateIdentityRequest(
+                id=agent, kind="agent", tenant_ids=[world.tenant], delegation=apb.Delegation(person_identity_id=person)))
+            _waiting_on_locks(world, 1)  # it read the person, and waits to write the agent
+            offboarding = threads.submit(outcome, offboard, world.root, person, heir)
+            deadline = time.monotonic() + 10
+            while not offboarding.done() and world.sql(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'")[0][0] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            blocker.rollback()
+            created, gone = creating.result(), offboarding.result()
+    assert gone.changed, gone
+    rows = world.sql("SELECT offboard_reason FROM identities WHERE id = %s", (agent,))
+    assert rows in ([], [("delegator-offboarded",)]), (rows, created)
+    if rows:  # made first: disabled with its person, and named in the answer
+        assert list(gone.disabled_agent_ids) == [agent]
+    else:
+        assert created[:2] == INVALID_STATE, created
