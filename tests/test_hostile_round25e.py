@@ -29,6 +29,13 @@ fixed since; the last guards what held.
   through: a live grant on a pool the grantee no longer sees. Now the withdrawal locks the offer
   row FOR UPDATE before it looks for grants, and the grant holds it FOR KEY SHARE before reading
   it (admin_queries.LOCK_OFFER, vps/queries.LOCK_OFFER).
+- **An agent of a service was decided as if its person were a user.** iam.decide checks a
+  delegated agent's person "on its own authority", but as `kind: "user"` whatever the person is
+  (and an approved retry likewise): under a policy that refuses services (`principal.kind !=
+  "service"`), a service's agent created what the service itself is refused ("A delegated agent
+  is refused whatever its person is refused"). The caller now carries its person's kind
+  (auth.Caller.delegator_kind, read with the token; a webhook's creator likewise) and IAM decides
+  the person as it is.
 - **OfferPool to the pool's owner wrote an offer nobody can take back** (WithdrawPoolOffer
   refuses the owner, INVALID_INPUT `tenantId`); now OfferPool refuses it the same way.
 - **Reads of an absent tenant, identity or pool answered empty**: GetQuotaUsage, ListTokens and
@@ -334,3 +341,14 @@ def test_operator_changes_under_live_load_keep_bookings_quota_and_owners_whole(c
     assert w.sql("SELECT r.id FROM reservations r WHERE r.state = ANY(%s) AND NOT EXISTS (SELECT 1 FROM memberships m"
                  " WHERE m.identity_id = r.owner_identity_id AND m.tenant_id = r.tenant_id)", (list(LIVE),)) == []
     guest.close()
+
+
+def test_an_agent_of_a_service_is_refused_what_the_service_is_refused(world: World) -> None:
+    world.policy('permit(principal, action, resource) when { principal.kind != "service" };')
+    service, service_client = world.identity(kind="service")
+    _, agent = world.identity(kind="agent", person_identity_id=service, confirm_actions=["compute:reservations:create"])
+    assert refused(world.create, service_client, count=1)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED")
+    code, reason, details = refused(world.create, agent, count=1)
+    assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED"), details
+    assert world.sql("SELECT count(*) FROM reservations WHERE tenant_id = %s AND state = ANY(%s)",
+                     (world.tenant, list(LIVE))) == [(0,)]
