@@ -59,13 +59,14 @@ racing OffboardIdentity (FOR KEY SHARE on the identity); a confirmation decided 
 is removed or offboarded (the row lock orders them); keyed CreateToken/CreatePool retries
 (test_admin_retries.py).
 
-Noticed and left: a guest's Reservations.Create whose transaction 2 read the pool as offered
-and commits after WithdrawPoolOffer returned is placed (reproduced by holding the guest's quota
-row: the create answered `placed` with the offer gone). docs/decisions.md lets "what the tenant
-requested before" run its course, and a lock on the offer in the create's hot path is not taken
-here; by the code, an Instances.Create and an Extend in flight read the offer the same way. CreateNodeProfile checks its cap
-(node_profiles_max) without a lock, so concurrent creates at the cap go one per caller beyond it
-(root only).
+Noticed and left: a guest's Reservations.Create that saw the pool offered in its transaction 1
+is placed by its transaction 2 after WithdrawPoolOffer returned (transaction 2 does not look at the
+offer again; reproduced by holding the guest's quota row, which the charge waits for: the create
+answered `placed` with the offer gone). docs/decisions.md lets "what the tenant requested before"
+run its course, and a lock on the offer in the create's hot path (place_inline) is not taken here;
+by the code, an Instances.Create and an Extend in flight read the offer the same way.
+CreateNodeProfile checks its cap (node_profiles_max) without a lock, so concurrent creates at the
+cap go one per caller beyond it (root only).
 """
 
 from __future__ import annotations
