@@ -278,7 +278,7 @@ async def set_node_connectivity(rt: Runtime, node_id: str, connectivity: str) ->
 async def list_nodes(rt: Runtime, pool_id: str) -> list[dict[str, Any]]:
     match("poolId", pool_id, POOL_ID)
     async with db.read_only(rt.pool) as conn:
-        if await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone() is None:
+        if await (await conn.execute(q.POOL_EXISTS, {"pool_id": pool_id})).fetchone() is None:
             raise errors.NotFound("no such pool", poolId=pool_id)
     return await node_registry.list_pool(rt.pool, pool_id)
 

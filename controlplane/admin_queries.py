@@ -45,6 +45,7 @@ DELETE_OFFER = "DELETE FROM pool_offers WHERE pool_id = %(pool_id)s AND tenant_i
 LOCK_OFFER = "SELECT 1 FROM pool_offers WHERE pool_id = %(pool_id)s AND tenant_id = %(tenant_id)s FOR UPDATE"
 POOL_FOR_OFFERS = "SELECT id, owner_tenant_id FROM pools WHERE id = %(pool_id)s FOR SHARE"
 TENANT_EXISTS = "SELECT 1 FROM tenants WHERE id = %(tenant_id)s"
+POOL_EXISTS = "SELECT 1 FROM pools WHERE id = %(pool_id)s"
 # A grant commits slots of the pool to its tenant for its term: the offer stays while one is live.
 LIVE_GRANT_ON_POOL = """
 SELECT id FROM reservation_grants

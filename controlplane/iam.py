@@ -149,8 +149,8 @@ def decide(
         # An agent acts for its person and never beyond: the person must be allowed the same call
         # on its own authority, or the agent is refused outright (no confirmation: the person could
         # only approve it into its own refusal).
-        person = _authorize(policies, caller.delegator_id or "", caller.delegator_kind, action, resource_type, resource_id,
-                            attributes, _person_context(tenant_id))
+        person = _authorize(policies, caller.delegator_id or "", caller.delegator_kind, action, resource_type,
+                            resource_id, attributes, _person_context(tenant_id))
         if person.decision != cedarpy.Decision.Allow:
             return Decision(DENY, ("the person the agent acts for is refused this call",))
     principal_id = caller.delegator_id if (approved and caller.delegator_id) else caller.identity_id

@@ -225,7 +225,8 @@ def test_a_grant_and_the_withdrawal_of_its_pools_offer_never_both_commit(world: 
                             (world.pool_id, guest.tenant))
             with ThreadPoolExecutor(1) as threads:
                 withdrawing = threads.submit(outcome, world.root.admin, "WithdrawPoolOffer",
-                                             apb.WithdrawPoolOfferRequest(pool_id=world.pool_id, tenant_id=guest.tenant))
+                                             apb.WithdrawPoolOfferRequest(pool_id=world.pool_id,
+                                                                          tenant_id=guest.tenant))
                 _waiting_on_locks(world, 1)  # found no grant (or waits to look), waits to delete the offer
                 granted = outcome(v.root, "grants", "Create", v.grant_request(tenant=guest.tenant))
                 blocker.rollback()
@@ -251,7 +252,8 @@ def test_an_agent_created_while_its_person_is_offboarded_is_refused_or_disabled(
         blocker.execute("INSERT INTO identities (id, kind, name) VALUES (%s, 'user', %s)", (agent, agent))
         with ThreadPoolExecutor(2) as threads:
             creating = threads.submit(outcome, world.root.admin, "CreateIdentity", apb.CreateIdentityRequest(
-                id=agent, kind="agent", tenant_ids=[world.tenant], delegation=apb.Delegation(person_identity_id=person)))
+                id=agent, kind="agent", tenant_ids=[world.tenant],
+                delegation=apb.Delegation(person_identity_id=person)))
             _waiting_on_locks(world, 1)  # it read the person, and waits to write the agent
             offboarding = threads.submit(outcome, offboard, world.root, person, heir)
             deadline = time.monotonic() + 10
@@ -272,6 +274,29 @@ def test_an_agent_created_while_its_person_is_offboarded_is_refused_or_disabled(
 
 
 LIVE = ("pending", "queued", "placed", "binding", "active")
+
+
+def _operator_step(w: World, guest: World, rnd: random.Random) -> None:
+    """One of the operator's changes, at random, on a random node of the world's pool."""
+    node, admin, step = rnd.choice(w.nodes), w.root.admin, rnd.randrange(7)
+    if step == 0:
+        admin("SetNodeState", apb.SetNodeStateRequest(node_id=node.id, state=rnd.choice(["ready", "cordoned"])))
+    elif step == 1:
+        gpu = f"GPU-{node.name}-{rnd.randrange(8)}"
+        admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=gpu,
+                                                      health=rnd.choice(["healthy", "unhealthy"])))
+    elif step == 2:
+        admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(
+            node_id=node.id, connectivity=rnd.choice(["connected", "unreachable"])))
+    elif step == 3:
+        admin("WithdrawPoolOffer", apb.WithdrawPoolOfferRequest(pool_id=w.pool_id, tenant_id=guest.tenant))
+    elif step == 4:
+        admin("OfferPool", apb.OfferPoolRequest(pool_id=w.pool_id, tenant_id=guest.tenant))
+    elif step == 5:
+        admin("SetQuota", apb.SetQuotaRequest(tenant_id=rnd.choice([w.tenant, guest.tenant]), resource="gpu",
+                                              limit=rnd.choice([2, 16, 64])))
+    else:
+        admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=rnd.choice([60_000, 600_000])))
 
 
 def test_operator_changes_under_live_load_keep_bookings_quota_and_owners_whole(clock_world: World) -> None:
@@ -313,17 +338,7 @@ def test_operator_changes_under_live_load_keep_bookings_quota_and_owners_whole(c
     rnd, admin = random.Random(7), w.root.admin
     try:
         for step in range(40):
-            node = rnd.choice(w.nodes)
-            [lambda: admin("SetNodeState", apb.SetNodeStateRequest(node_id=node.id, state=rnd.choice(["ready", "cordoned"]))),
-             lambda: admin("SetGpuHealth", apb.SetGpuHealthRequest(node_id=node.id, device_uuid=f"GPU-{node.name}-{rnd.randrange(8)}",
-                                                                    health=rnd.choice(["healthy", "unhealthy"]))),
-             lambda: admin("SetNodeConnectivity", apb.SetNodeConnectivityRequest(
-                 node_id=node.id, connectivity=rnd.choice(["connected", "unreachable"]))),
-             lambda: admin("WithdrawPoolOffer", apb.WithdrawPoolOfferRequest(pool_id=w.pool_id, tenant_id=guest.tenant)),
-             lambda: admin("OfferPool", apb.OfferPoolRequest(pool_id=w.pool_id, tenant_id=guest.tenant)),
-             lambda: admin("SetQuota", apb.SetQuotaRequest(tenant_id=rnd.choice([w.tenant, guest.tenant]), resource="gpu",
-                                                           limit=rnd.choice([2, 16, 64]))),
-             lambda: admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=rnd.choice([60_000, 600_000])))][rnd.randrange(7)]()
+            _operator_step(w, guest, rnd)
             if step == 15:
                 assert _remove(w, leaver, w.user_id).changed
             if step == 25:
