@@ -174,11 +174,16 @@ def test_an_agent_is_never_its_own_person(world: World) -> None:
     assert world.sql("SELECT count(*) FROM identities WHERE id = %s", (agent,)) == [(0,)]
 
 
-def _waiting_on_locks(world: World, count: int, seconds: float = 10) -> None:
-    """Until `count` backends of the world's database wait for a lock."""
+def _lock_waiters(world: World, query_like: str) -> int:
+    """Backends of the world's database waiting for a lock in a statement like `query_like`."""
+    return world.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                     " AND wait_event_type = 'Lock' AND query LIKE %s", (query_like,))[0][0]
+
+
+def _waiting_on_locks(world: World, count: int, query_like: str = "%", seconds: float = 10) -> None:
+    """Until `count` backends of the world's database wait for a lock in a statement like `query_like`."""
     deadline = time.monotonic() + seconds
-    while world.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock'")[0][0] < count:
+    while _lock_waiters(world, query_like) < count:
         assert time.monotonic() < deadline, "the calls never queued on the locks"
         time.sleep(0.02)
 
@@ -198,12 +203,12 @@ def test_a_successor_removed_from_the_tenant_meanwhile_inherits_nothing(world: W
                         (world.tenant, heir))
         with ThreadPoolExecutor(2) as threads:
             heir_leaves = threads.submit(_remove, world, heir)  # locks the heir, waits for its membership
-            _waiting_on_locks(world, 1)
+            _waiting_on_locks(world, 1, "%FROM memberships%FOR UPDATE%")
             if how == "RemoveMembership":
                 handing = threads.submit(_remove, world, leaving, heir)
             else:
                 handing = threads.submit(outcome, offboard, world.root, leaving, heir)
-            _waiting_on_locks(world, 2)  # it waits for the heir's identity row
+            _waiting_on_locks(world, 1, "%FROM identities%FOR UPDATE%")  # it waits for the heir's row
             blocker.rollback()
             assert heir_leaves.result().changed
             answer = handing.result()
@@ -227,7 +232,7 @@ def test_a_grant_and_the_withdrawal_of_its_pools_offer_never_both_commit(world: 
                 withdrawing = threads.submit(outcome, world.root.admin, "WithdrawPoolOffer",
                                              apb.WithdrawPoolOfferRequest(pool_id=world.pool_id,
                                                                           tenant_id=guest.tenant))
-                _waiting_on_locks(world, 1)  # found no grant (or waits to look), waits to delete the offer
+                _waiting_on_locks(world, 1, "%pool_offers%")  # waits to look for grants (or to delete the offer)
                 granted = outcome(v.root, "grants", "Create", v.grant_request(tenant=guest.tenant))
                 blocker.rollback()
                 withdrawn = withdrawing.result()
@@ -254,12 +259,10 @@ def test_an_agent_created_while_its_person_is_offboarded_is_refused_or_disabled(
             creating = threads.submit(outcome, world.root.admin, "CreateIdentity", apb.CreateIdentityRequest(
                 id=agent, kind="agent", tenant_ids=[world.tenant],
                 delegation=apb.Delegation(person_identity_id=person)))
-            _waiting_on_locks(world, 1)  # it read the person, and waits to write the agent
+            _waiting_on_locks(world, 1, "%INSERT INTO identities%")  # it read the person, waits to write the agent
             offboarding = threads.submit(outcome, offboard, world.root, person, heir)
             deadline = time.monotonic() + 10
-            while not offboarding.done() and world.sql(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock'")[0][0] < 2:
+            while not offboarding.done() and _lock_waiters(world, "%FROM identities%FOR UPDATE%") < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             blocker.rollback()
