@@ -44,7 +44,8 @@ fixed since; the last guards what held.
 
 Tried and held (run here; the last test keeps the live-load run): every Admin and NodeAdmin
 input field with a NUL, 100,000 characters or 100,000 entries (INVALID_INPUT naming the field, or
-request-too-large); OfferPool, SetQuota, PutPolicy, CreatePool, RegisterNode, SetNodeState,
+request-too-large), and an unknown field at the top or inside Delegation (INVALID_INPUT `#99`,
+`delegation#99`, nothing written); OfferPool, SetQuota, PutPolicy, CreatePool, RegisterNode, SetNodeState,
 SetGpuHealth, SetNodeConnectivity and RemoveMembership naming absent objects (NOT_FOUND with the
 field); AdvanceClock without clock control (INVALID_STATE, offset unchanged); a quota lowered
 below usage (running, placed, calendar and pending reservations keep their charges, a new create
