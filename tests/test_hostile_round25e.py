@@ -42,19 +42,20 @@ fixed since; the last guards what held.
   ListNodes, where SetQuota, RevokeTokens and RegisterNode answer NOT_FOUND (DESIGN.md section 6:
   NOT_FOUND "absent"). An operator's typo read as "no usage", "no tokens", "no nodes".
 
-Tried and held (run here; the last test keeps the live-load run): every Admin and NodeAdmin
-input field with a NUL, 100,000 characters or 100,000 entries (INVALID_INPUT naming the field, or
-request-too-large), and an unknown field at the top or inside Delegation (INVALID_INPUT `#99`,
-`delegation#99`, nothing written); OfferPool, SetQuota, PutPolicy, CreatePool, RegisterNode, SetNodeState,
-SetGpuHealth, SetNodeConnectivity and RemoveMembership naming absent objects (NOT_FOUND with the
-field); AdvanceClock without clock control (INVALID_STATE, offset unchanged); a quota lowered
-below usage (running, placed, calendar and pending reservations keep their charges, a new create
-is QUOTA_EXCEEDED with used/limit, an extend is not charged, a release refunds and lets the
-pending one place without a second charge); a create's draft refused QUOTA_EXCEEDED and retried
-after the offer was withdrawn, and an agent's approved create retried after it (NOT_FOUND, nothing
-placed); the live-load run below. Read in the code and covered by existing tests: a non-root
-caller, an agent, a revoked, expired or offboarded token on every root-only RPC
-(test_hostile_tenant.py); SetNodeState on a leased node (INVALID_STATE); connectivity back on a
+Tried and held (run here; the last test keeps the live-load run): Admin and NodeAdmin strings
+and lists with a NUL, 100,000 characters or 100,000 entries (tenant and identity names, a pool's
+region, confirm actions, tenant ids, capabilities, a node's GPUs, a profile's description, a
+revocation reason: INVALID_INPUT naming the field, or request-too-large), and an unknown field at
+the top or inside Delegation (INVALID_INPUT `#99`, `delegation#99`, nothing written); OfferPool,
+SetQuota, PutPolicy, CreatePool, RegisterNode, SetNodeState, SetGpuHealth, SetNodeConnectivity and
+RemoveMembership naming absent objects (NOT_FOUND with the field); AdvanceClock without clock
+control (INVALID_STATE); a quota lowered below usage (running, placed, calendar and pending
+reservations keep their charges, a new create is QUOTA_EXCEEDED with used/limit, an extend is not
+charged, a release refunds and lets the pending one place without a second charge); a create's
+draft refused QUOTA_EXCEEDED and retried after the offer was withdrawn, and an agent's approved
+create retried after it (NOT_FOUND, nothing placed); the live-load run below. Read in the code
+and covered by existing tests: a non-root caller, an agent, a revoked, expired or offboarded token
+on every root-only RPC (test_hostile_tenant.py); SetNodeState on a leased node (INVALID_STATE); connectivity back on a
 revoked node (INVALID_STATE); RegisterNode with another node's GPU uuid (CONFLICT); CreateToken
 racing OffboardIdentity (FOR KEY SHARE on the identity); a confirmation decided while its person
 is removed or offboarded (the row lock orders them); keyed CreateToken/CreatePool retries
