@@ -54,15 +54,21 @@ async def create_identity(rt: Runtime, raw: dict[str, Any]) -> dict[str, Any]:
     person = delegation.get("person_identity_id") or None
     if (kind == "agent") != (person is not None):
         raise errors.InvalidInput("delegation", "an agent, and only an agent, names the person it acts for")
+    if person == identity_id:  # it would be its own person, and approve what its delegation holds
+        raise errors.InvalidInput("delegation.personIdentityId", "names the agent itself: an agent acts for a person")
     tenant_ids = [match("tenantIds", t, TENANT_ID) for t in raw.get("tenant_ids", [])]
     name = raw.get("name") or identity_id
     confirm = list(delegation.get("confirm_actions") or [])
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
-        if person is not None:  # an agent acts for a person: never for another agent
-            named = await (await conn.execute(q.IDENTITY, {"id": person})).fetchone()
+        if person is not None:  # an agent acts for a person: never for another agent, nor for one gone
+            named = await (await conn.execute(q.PERSON, {"id": person})).fetchone()
             if named is not None and named["kind"] == "agent":
                 raise errors.InvalidInput("delegation.personIdentityId", "names an agent: an agent acts for a person")
+            if (named is not None and named["offboarded_at"] is not None
+                    and await (await conn.execute(q.IDENTITY, {"id": identity_id})).fetchone() is None):
+                raise errors.InvalidState("the person is offboarded: no new agent acts for it",
+                                          personIdentityId=person, state="offboarded")
         await conn.execute(q.INSERT_IDENTITY, {
             "id": identity_id, "kind": kind, "name": name, "delegator_id": person, "confirm_actions": confirm})
         for tenant_id in tenant_ids:
@@ -178,6 +184,9 @@ async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any
     match("tenantId", tenant_id, TENANT_ID)
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
+        pool = await (await conn.execute(q.POOL_FOR_OFFERS, {"pool_id": pool_id})).fetchone()
+        if pool is not None and pool["owner_tenant_id"] == tenant_id:  # an offer WithdrawPoolOffer refuses
+            raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool_id)
         await conn.execute(q.INSERT_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
         return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
@@ -200,6 +209,7 @@ async def withdraw_pool_offer(rt: Runtime, pool_id: str, tenant_id: str) -> dict
             raise errors.NotFound("no such tenant", tenantId=tenant_id)
         if pool["owner_tenant_id"] == tenant_id:
             raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool_id)
+        await conn.execute(q.LOCK_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
         grant = await (await conn.execute(q.LIVE_GRANT_ON_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
         if grant is not None:
             raise errors.InvalidState("the tenant holds a live reservation grant on this pool: end it first",
@@ -267,6 +277,9 @@ async def set_node_connectivity(rt: Runtime, node_id: str, connectivity: str) ->
 
 async def list_nodes(rt: Runtime, pool_id: str) -> list[dict[str, Any]]:
     match("poolId", pool_id, POOL_ID)
+    async with db.read_only(rt.pool) as conn:
+        if await (await conn.execute(q.POOL_EXISTS, {"pool_id": pool_id})).fetchone() is None:
+            raise errors.NotFound("no such pool", poolId=pool_id)
     return await node_registry.list_pool(rt.pool, pool_id)
 
 
@@ -287,6 +300,8 @@ async def set_quota(rt: Runtime, tenant_id: str, resource: str, limit: int) -> d
 async def quota_usage(rt: Runtime, tenant_id: str) -> list[dict[str, Any]]:
     match("tenantId", tenant_id, TENANT_ID)
     async with db.read_only(rt.pool) as conn:
+        if await (await conn.execute(q.TENANT_EXISTS, {"tenant_id": tenant_id})).fetchone() is None:
+            raise errors.NotFound("no such tenant", tenantId=tenant_id)
         return await quota.usage(conn, tenant_id)
 
 

@@ -9,6 +9,9 @@ INSERT INTO identities (id, kind, name, delegator_id, confirm_actions)
 VALUES (%(id)s, %(kind)s, %(name)s, %(delegator_id)s, %(confirm_actions)s)
 ON CONFLICT (id) DO NOTHING
 """
+# An agent's person, held until the agent is written: an offboarding in progress (it locks the
+# person's row) is waited for and seen, and one after it finds the new agent and disables it.
+PERSON = "SELECT kind, offboarded_at FROM identities WHERE id = %(id)s FOR KEY SHARE"
 INSERT_MEMBERSHIP = """
 INSERT INTO memberships (tenant_id, identity_id) VALUES (%(tenant_id)s, %(identity_id)s)
 ON CONFLICT DO NOTHING
@@ -36,8 +39,13 @@ INSERT_OFFER = """
 INSERT INTO pool_offers (pool_id, tenant_id) VALUES (%(pool_id)s, %(tenant_id)s) ON CONFLICT DO NOTHING
 """
 DELETE_OFFER = "DELETE FROM pool_offers WHERE pool_id = %(pool_id)s AND tenant_id = %(tenant_id)s"
+# Taken before the live grants are looked at: a grant being made on the offer (it holds the row
+# FOR KEY SHARE, controlplane.vps.grants) is waited for and then seen, and one not yet made finds
+# the offer gone.
+LOCK_OFFER = "SELECT 1 FROM pool_offers WHERE pool_id = %(pool_id)s AND tenant_id = %(tenant_id)s FOR UPDATE"
 POOL_FOR_OFFERS = "SELECT id, owner_tenant_id FROM pools WHERE id = %(pool_id)s FOR SHARE"
 TENANT_EXISTS = "SELECT 1 FROM tenants WHERE id = %(tenant_id)s"
+POOL_EXISTS = "SELECT 1 FROM pools WHERE id = %(pool_id)s"
 # A grant commits slots of the pool to its tenant for its term: the offer stays while one is live.
 LIVE_GRANT_ON_POOL = """
 SELECT id FROM reservation_grants

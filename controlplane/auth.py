@@ -25,6 +25,9 @@ class Caller:
     kind: str
     tenant_ids: frozenset[str]
     delegator_id: str | None = None
+    # The person's own kind ("user" or "service"): IAM decides the person as it is, never as
+    # another kind a policy may allow more.
+    delegator_kind: str = "user"
     confirm_actions: tuple[str, ...] = ()
     token_id: str = ""
     # When the token expires on the wall clock (its expiry on the product clock less the clock's
@@ -93,7 +96,8 @@ KNOWN = TokenIdentities()
 
 
 _CALLER_SQL = """
-SELECT i.id, i.kind, i.delegator_id, i.confirm_actions, t.id AS token_id,
+SELECT i.id, i.kind, i.delegator_id, (SELECT p.kind FROM identities p WHERE p.id = i.delegator_id) AS delegator_kind,
+       i.confirm_actions, t.id AS token_id,
        epoch_ms(t.expires_at - (compute_now() - now())) AS expires_ms, t.expires_at <= compute_now() AS expired,
        coalesce(array_agg(m.tenant_id) FILTER (WHERE m.tenant_id IS NOT NULL), '{}') AS tenant_ids
 FROM api_tokens t
@@ -158,6 +162,7 @@ def _caller_of(row: dict[str, Any] | None) -> Caller:
         kind=row["kind"],
         tenant_ids=frozenset(row["tenant_ids"]),
         delegator_id=row["delegator_id"],
+        delegator_kind=row.get("delegator_kind") or "user",
         confirm_actions=tuple(row["confirm_actions"]),
         token_id=row["token_id"],
         token_expires_ms=row["expires_ms"],

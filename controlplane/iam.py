@@ -149,13 +149,13 @@ def decide(
         # An agent acts for its person and never beyond: the person must be allowed the same call
         # on its own authority, or the agent is refused outright (no confirmation: the person could
         # only approve it into its own refusal).
-        person = _authorize(policies, caller.delegator_id or "", "user", action, resource_type, resource_id,
-                            attributes, _person_context(tenant_id))
+        person = _authorize(policies, caller.delegator_id or "", caller.delegator_kind, action, resource_type,
+                            resource_id, attributes, _person_context(tenant_id))
         if person.decision != cedarpy.Decision.Allow:
             return Decision(DENY, ("the person the agent acts for is refused this call",))
     principal_id = caller.delegator_id if (approved and caller.delegator_id) else caller.identity_id
     context = _context(caller, tenant_id, approved=approved)
-    kind = "user" if principal_id != caller.identity_id else caller.kind
+    kind = caller.delegator_kind if principal_id != caller.identity_id else caller.kind
     result = _authorize(policies, principal_id, kind, action, resource_type, resource_id, attributes, context)
     if result.decision == cedarpy.Decision.Allow:
         return Decision(ALLOW, tuple(result.diagnostics.reasons))
@@ -187,7 +187,7 @@ def allowed_each(policy: str | None, caller: Caller, action: str, resource_type:
         return [False] * len(resources)
     principals = [(caller.identity_id, caller.kind, _context(caller, tenant_id, approved=False))]
     if caller.delegated:  # the person must be allowed each one on its own authority too
-        principals.append((caller.delegator_id or "", "user", _person_context(tenant_id)))
+        principals.append((caller.delegator_id or "", caller.delegator_kind, _person_context(tenant_id)))
     entities = [_principal(p, kind) for p, kind, _ in principals]
     entities += [_resource(resource_type, rid, attributes) for rid, attributes in resources]
     requests = [_request(p, action, resource_type, rid, context) for p, _, context in principals

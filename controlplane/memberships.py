@@ -32,7 +32,7 @@ from psycopg import AsyncConnection
 from controlplane import admin_queries as q
 from controlplane import authorize, bootstrap, confirmations, db, errors
 from controlplane.common.names import IDENTITY_ID, TENANT_ID, match
-from controlplane.offboarding import LOCK_AGENTS, LOCK_IDENTITIES, OFFBOARDED, REASSIGNABLE, hand_over
+from controlplane.offboarding import LOCK_AGENTS, OFFBOARDED, REASSIGNABLE, hand_over, lock_identities
 from controlplane.reservations import queries as reservation_queries
 from controlplane.reservations import states
 from controlplane.runtime import Runtime
@@ -64,7 +64,7 @@ async def _remove(conn: AsyncConnection, identity_id: str, tenant_id: str, succe
     if await (await conn.execute(q.TENANT, {"id": tenant_id})).fetchone() is None:
         raise errors.NotFound("no such tenant", tenantId=tenant_id)
     named = [identity_id, successor_id] if successor_id else [identity_id]
-    found = {r["id"]: r for r in await (await conn.execute(LOCK_IDENTITIES, {"ids": named})).fetchall()}
+    found = await lock_identities(conn, named)
     if identity_id not in found:
         raise errors.NotFound("no such identity", identityId=identity_id)
     successor = found.get(successor_id) if successor_id else None

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 from psycopg import AsyncConnection
 
-from controlplane import confirmations, db, errors, events, tokens
+from controlplane import bootstrap, confirmations, db, errors, events, tokens
 from controlplane.reservations import queries as reservation_queries
 from controlplane.reservations import states
 from controlplane.reservations.transitions import move
@@ -37,16 +37,21 @@ DELEGATOR_OFFBOARDED = "delegator-offboarded"
 WITHDRAWN_REASON = "confirmation-withdrawn"
 REASSIGNABLE = sorted({states.PENDING, states.QUEUED} | states.BOOKED)
 
+# The identities locked first, then read in a statement of their own: under READ COMMITTED a
+# statement that waited for a row lock answers from the snapshot it began with, so memberships a
+# call holding the row removed meanwhile would still be read (and a successor no longer in the
+# tenant handed its reservations).
+_LOCK_IDENTITIES = "SELECT id FROM identities WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"
 # tenant_ids: where the identity can act. An agent acts only where its person is a member too
 # (controlplane.auth), so a successor agent's tenants are the two memberships' intersection.
-LOCK_IDENTITIES = """
+_IDENTITIES = """
 SELECT i.id, i.kind, i.delegator_id, i.successor_id, epoch_ms(i.offboarded_at) AS offboarded_ms,
        coalesce(array(SELECT m.tenant_id FROM memberships m WHERE m.identity_id = i.id
                         AND (i.delegator_id IS NULL
                              OR EXISTS (SELECT 1 FROM memberships d
                                         WHERE d.identity_id = i.delegator_id AND d.tenant_id = m.tenant_id))),
                 '{}') AS tenant_ids
-FROM identities i WHERE i.id = ANY(%(ids)s) ORDER BY i.id FOR UPDATE OF i
+FROM identities i WHERE i.id = ANY(%(ids)s) ORDER BY i.id
 """
 
 LOCK_AGENTS = """
@@ -61,11 +66,19 @@ WHERE id = ANY(%(ids)s)
 _OFFBOARDED_AT = "SELECT epoch_ms(offboarded_at) AS ms FROM identities WHERE id = %s"
 
 
+async def lock_identities(conn: AsyncConnection, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The identities of `ids` that exist, by id, locked (in id order) and read after the locks."""
+    await conn.execute(_LOCK_IDENTITIES, {"ids": list(ids)})
+    return {r["id"]: r for r in await (await conn.execute(_IDENTITIES, {"ids": list(ids)})).fetchall()}
+
+
 async def offboard(rt: Runtime, identity_id: str, successor_id: str) -> dict[str, Any]:
     match("identityId", identity_id, tokens.IDENTITY_ID)
     match("successorIdentityId", successor_id, tokens.IDENTITY_ID)
     if successor_id == identity_id:
         raise errors.InvalidInput("successorIdentityId", "must be another identity than the one offboarded")
+    if identity_id == bootstrap.ROOT_IDENTITY:  # bootstrap's break-glass token is this identity's
+        raise errors.InvalidInput("identityId", "the platform's root identity cannot be offboarded")
     result = await db.run_in_transaction(rt.pool, lambda conn: _offboard(conn, identity_id, successor_id))
     if result["changed"]:
         log.info("identity offboarded", identity_id=identity_id, successor_id=successor_id,
@@ -75,8 +88,7 @@ async def offboard(rt: Runtime, identity_id: str, successor_id: str) -> dict[str
 
 
 async def _offboard(conn: AsyncConnection, identity_id: str, successor_id: str) -> dict[str, Any]:
-    rows = await (await conn.execute(LOCK_IDENTITIES, {"ids": [identity_id, successor_id]})).fetchall()
-    found = {r["id"]: r for r in rows}
+    found = await lock_identities(conn, [identity_id, successor_id])
     leaving, successor = found.get(identity_id), found.get(successor_id)
     if leaving is None:
         raise errors.NotFound("no such identity", identityId=identity_id)

@@ -187,6 +187,8 @@ async def _again(conn: AsyncConnection, found: dict[str, Any], digest: str | Non
 async def list_(rt: Runtime, identity_id: str, include_inactive: bool) -> list[dict[str, Any]]:
     match("identityId", identity_id, IDENTITY_ID)
     async with db.read_only(rt.pool) as conn:
+        if await (await conn.execute(_IDENTITY_EXISTS, (identity_id,))).fetchone() is None:
+            raise errors.NotFound("no such identity", identityId=identity_id)
         return await (await conn.execute(_LIST, {"identity_id": identity_id, "all": include_inactive})).fetchall()
 
 

@@ -465,14 +465,23 @@ def test_b_grants_instances_and_usage_are_not_found_or_absent_for_a(pair: Pair, 
 
 
 def test_an_agent_acting_for_an_offboarded_person_is_unauthenticated(world: World) -> None:
-    """Offboarding disables the person's agents; an agent registered for the person afterwards must
-    not act for the person who is gone either."""
+    """Offboarding disables the person's agents; an agent for the person cannot be registered
+    afterwards (INVALID_STATE, tests/test_hostile_round25e.py), and one whose row exists anyway (made
+    before that check) must not act for the person who is gone either."""
     person, _ = world.identity()
     world.root.admin("OffboardIdentity", apb.OffboardIdentityRequest(identity_id=person,
                                                                      successor_identity_id=world.user_id))
-    _, agent = world.identity(kind="agent", person_identity_id=person)
-    code, reason, _, _ = failure(call, agent, "Reservations", "List", pb.ListReservationsRequest(
-        tenant_id=world.tenant))
+    assert failure(world.identity, kind="agent", person_identity_id=person)[1] == "INVALID_STATE"
+    agent_id = f"agent-late-{world.tenant}"
+    world.sql("INSERT INTO identities (id, kind, name, delegator_id) VALUES (%s, 'agent', %s, %s)",
+              (agent_id, agent_id, person))
+    world.sql("INSERT INTO memberships (tenant_id, identity_id) VALUES (%s, %s)", (world.tenant, agent_id))
+    agent = Client(world.endpoint, world.root.admin("CreateToken", apb.CreateTokenRequest(identity_id=agent_id)).secret)
+    try:
+        code, reason, _, _ = failure(call, agent, "Reservations", "List", pb.ListReservationsRequest(
+            tenant_id=world.tenant))
+    finally:
+        agent.close()
     assert (code, reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
 
 

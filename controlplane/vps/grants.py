@@ -89,6 +89,7 @@ async def create(rt: Runtime, caller: Caller, raw: dict[str, Any]) -> dict[str, 
         grantee = {"tenant_id": spec["grant_tenant_id"], "pool_id": reservation["pool_id"]}
         if await (await conn.execute(q.TENANT_EXISTS, grantee)).fetchone() is None:
             raise errors.NotFound("no such tenant", grantTenantId=spec["grant_tenant_id"])
+        await conn.execute(q.LOCK_OFFER, grantee)
         if await (await conn.execute(q.POOL_OFFERED, grantee)).fetchone() is None:
             raise errors.InvalidInput("grantTenantId", "the reservation's pool is not offered to the grantee",
                                       poolId=reservation["pool_id"], reason="pool-not-offered")

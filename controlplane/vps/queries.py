@@ -101,6 +101,12 @@ SELECT 1 FROM pools p
 WHERE p.id = %(pool_id)s AND (p.owner_tenant_id = %(tenant_id)s
       OR EXISTS (SELECT 1 FROM pool_offers o WHERE o.pool_id = p.id AND o.tenant_id = %(tenant_id)s))
 """
+# The grantee's offer row held until the grant commits, read before POOL_OFFERED: a withdrawal
+# (Admin.WithdrawPoolOffer locks the row, then looks for live grants) either went first, and the
+# offer is gone, or waits for the grant and sees it.
+LOCK_OFFER = """
+SELECT 1 FROM pool_offers WHERE pool_id = %(pool_id)s AND tenant_id = %(tenant_id)s FOR KEY SHARE
+"""
 TENANT_EXISTS = "SELECT 1 FROM tenants WHERE id = %(tenant_id)s"
 
 # The peak, over time, of the slots of the live grants that have not ended yet: the sum at the

@@ -157,7 +157,7 @@ def _key(row: dict[str, Any], version: Any) -> tuple[Any, ...]:
 def _creator(row: dict[str, Any]) -> Caller:
     """The webhook's creator as the caller its deliveries are decided for."""
     return Caller(identity_id=row["created_by"], kind=row["creator_kind"], tenant_ids=frozenset([row["tenant_id"]]),
-                  delegator_id=row["creator_delegator_id"])
+                  delegator_id=row["creator_delegator_id"], delegator_kind=row["creator_delegator_kind"] or "user")
 
 
 def about_reservation(row: dict[str, Any]) -> bool:

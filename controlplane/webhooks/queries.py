@@ -69,6 +69,7 @@ _FIRST_OF_SUBJECT = """NOT EXISTS (
 # the creator could still authenticate and act in the tenant (not offboarded, a member; an agent's
 # person too, as controlplane.auth asks), and the tenant's policy version.
 _AUTHORITY = """c.event_types, c.created_by, i.kind AS creator_kind, i.delegator_id AS creator_delegator_id,
+       (SELECT pk.kind FROM identities pk WHERE pk.id = i.delegator_id) AS creator_delegator_kind,
        p.version AS policy_version,
        coalesce(i.offboarded_at IS NULL
                 AND EXISTS (SELECT 1 FROM memberships m WHERE m.identity_id = i.id AND m.tenant_id = c.tenant_id)
