@@ -12,18 +12,27 @@
   fresh uuids again and again kept every placement of its pool waiting. Now a hello or inventory
   is also charged the time it held the pool's lock (gateway.throttle.WORK_SHARE: the node then
   waits nine times as long), so a node keeps its pool busy at most about a tenth of the time.
+- **Concurrent CreateNodeProfile calls passed the cap together** (round 25e's note): each counted
+  the profiles committed before it. Creates now take one lock before they count (root only; the
+  cap is what bounds the profiles table).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
+import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2 as npb
+from controlplane import db, errors
+from controlplane.config import Settings
+from controlplane.metal import profiles
+from controlplane.runtime import Runtime
 from gateway.config import GatewaySettings
 from gateway.throttle import WORK_SHARE, Throttle, TokenBucket
 from tests.support import Client, ServerThread, World
@@ -97,3 +106,30 @@ def test_a_nodes_next_message_waits_for_the_time_its_inventory_held_the_pool(dat
         session.close()
     finally:
         gw.stop()
+
+
+# -- the node profiles' cap under concurrent creates -----------------------------------------------
+
+
+def test_concurrent_profile_creates_never_pass_the_cap(database: str) -> None:
+    cap = 3
+
+    async def scenario() -> list[object]:
+        pool = await db.open_pool(database, size=8)
+        try:
+            rt = Runtime(pool, Settings(database_url=database, node_profiles_max=cap))
+            # Every create waits on the table at its first read, then all go on at once.
+            async with await psycopg.AsyncConnection.connect(database) as holder:
+                await holder.execute("LOCK TABLE node_profiles IN ACCESS EXCLUSIVE MODE")
+                creates = asyncio.gather(*(profiles.create(rt, f"cap-{i}", "") for i in range(8)),
+                                         return_exceptions=True)
+                await asyncio.sleep(0.5)
+            return await creates
+        finally:
+            await pool.close()
+
+    outcomes = asyncio.run(scenario())
+    made = [o for o in outcomes if isinstance(o, dict)]
+    refused = [o for o in outcomes if isinstance(o, errors.QuotaExceeded)]
+    assert len(made) == cap and len(refused) == 8 - cap, outcomes
+    assert sql(database, "SELECT count(*) AS n FROM node_profiles")[0]["n"] == cap

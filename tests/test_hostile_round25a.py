@@ -93,6 +93,7 @@ from tests.support import World, clock_now, eventually, gpus
 from tests.test_gateway import (GatewayThread, connected, cp, enrolled, gateway, hello, node_row, pool_id,  # noqa: F401
                                 eventually as eventually_true)
 from tests.test_hostile_leftovers_node import gpu_atoms, inventory as node_inventory, say
+from tests.test_hostile_round24b import live_nodes, through_the_start
 from tests.test_pki import arun
 from tests.test_shared_gpus import _mig_inventory, shared_pool
 
@@ -113,17 +114,6 @@ def says(world: World, node_id: str, devices: list[apb.Gpu], *, cluster: str = "
     arun(world.conninfo, lambda pool: inventory.apply_inventory(pool, node_id, inv))
 
 
-def live_nodes(r: pb.Reservation) -> set[str]:
-    return {a.node_id for a in r.allocations if a.state in ("placed", "binding", "bound")}
-
-
-def through_the_start(world: World, rid: str, start: int) -> pb.Reservation:
-    """The clock to 15 minutes before the start (BookingRepair's first check), then to the start;
-    the reservation once it has left `placed` (binding, or pending when nothing fits)."""
-    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=start - 15 * MIN + 1000 - clock_now(world)))
-    time.sleep(1)  # the worker's pass at start - 15 min
-    world.root.admin("AdvanceClock", apb.AdvanceClockRequest(by_ms=start + 1000 - clock_now(world)))
-    return eventually(world, rid, lambda x: x.state != "placed")
 
 
 def booked_domains(world: World, rid: str) -> list[tuple[str, str]]:

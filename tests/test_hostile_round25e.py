@@ -67,8 +67,8 @@ offer again; reproduced by holding the guest's quota row, which the charge waits
 answered `placed` with the offer gone). docs/decisions.md lets "what the tenant requested before"
 run its course, and a lock on the offer in the create's hot path (place_inline) is not taken here;
 by the code, an Instances.Create and an Extend in flight read the offer the same way.
-CreateNodeProfile checks its cap (node_profiles_max) without a lock, so concurrent creates at the
-cap go one per caller beyond it (root only).
+CreateNodeProfile checked its cap (node_profiles_max) without a lock, so concurrent creates at the
+cap went one per caller beyond it (root only): fixed since, tests/test_hostile_round25.py.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ async def create(rt: Runtime, profile_id: str, description: str) -> dict[str, An
         if existing is not None:
             return existing
         cap = rt.settings.node_profiles_max
+        await conn.execute(queries.PROFILES_LOCK)
         if (await (await conn.execute(queries.PROFILE_COUNT)).fetchone())["n"] >= cap:
             raise errors.QuotaExceeded(f"at most {cap} node profiles", reason="profile-limit", limit=cap)
         await conn.execute(queries.INSERT_PROFILE, {"id": profile_id, "description": description})

@@ -6,6 +6,8 @@
 INSERT_PROFILE = """
 INSERT INTO node_profiles (id, description) VALUES (%(id)s, %(description)s) ON CONFLICT (id) DO NOTHING
 """
+# Creates take this lock before they count, so concurrent ones never pass the cap together.
+PROFILES_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('node-profiles', 0))"
 PROFILE_COUNT = "SELECT count(*) AS n FROM node_profiles"
 LOCK_PROFILE = "SELECT id FROM node_profiles WHERE id = %(id)s FOR UPDATE"
 VERSION = "SELECT image, checksum FROM node_profile_versions WHERE profile_id = %(id)s AND version = %(version)s"
