@@ -185,8 +185,8 @@ async def offer_pool(rt: Runtime, pool_id: str, tenant_id: str) -> dict[str, Any
 
     async def work(conn: AsyncConnection) -> dict[str, Any]:
         pool = await (await conn.execute(q.POOL_FOR_OFFERS, {"pool_id": pool_id})).fetchone()
-        if pool is not None and pool["owner_tenant_id"] == tenant_id:  # an offer WithdrawPoolOffer refuses
-            raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool_id)
+        if pool is not None:  # else the insert's foreign key says NOT_FOUND
+            _not_the_owner(pool, tenant_id)  # an offer WithdrawPoolOffer would refuse
         await conn.execute(q.INSERT_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
         return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
@@ -207,8 +207,7 @@ async def withdraw_pool_offer(rt: Runtime, pool_id: str, tenant_id: str) -> dict
             raise errors.NotFound("no such pool", poolId=pool_id)
         if await (await conn.execute(q.TENANT_EXISTS, {"tenant_id": tenant_id})).fetchone() is None:
             raise errors.NotFound("no such tenant", tenantId=tenant_id)
-        if pool["owner_tenant_id"] == tenant_id:
-            raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool_id)
+        _not_the_owner(pool, tenant_id)
         await conn.execute(q.LOCK_OFFER, {"pool_id": pool_id, "tenant_id": tenant_id})
         grant = await (await conn.execute(q.LIVE_GRANT_ON_POOL, {"pool_id": pool_id, "tenant_id": tenant_id})).fetchone()
         if grant is not None:
@@ -218,6 +217,12 @@ async def withdraw_pool_offer(rt: Runtime, pool_id: str, tenant_id: str) -> dict
         return await (await conn.execute(q.POOLS, {"id": pool_id, "owner": None})).fetchone()
 
     return await db.run_in_transaction(rt.pool, work)
+
+
+def _not_the_owner(pool: dict[str, Any], tenant_id: str) -> None:
+    """An offer is to a tenant other than the pool's owner, who always sees its pool."""
+    if pool["owner_tenant_id"] == tenant_id:
+        raise errors.InvalidInput("tenantId", "owns the pool: its owner always sees it", poolId=pool["id"])
 
 
 async def list_pools(rt: Runtime, owner: str | None) -> list[dict[str, Any]]:

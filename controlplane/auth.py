@@ -162,7 +162,7 @@ def _caller_of(row: dict[str, Any] | None) -> Caller:
         kind=row["kind"],
         tenant_ids=frozenset(row["tenant_ids"]),
         delegator_id=row["delegator_id"],
-        delegator_kind=row.get("delegator_kind") or "user",
+        delegator_kind=row["delegator_kind"] or "user",
         confirm_actions=tuple(row["confirm_actions"]),
         token_id=row["token_id"],
         token_expires_ms=row["expires_ms"],

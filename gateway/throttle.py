@@ -42,9 +42,7 @@ class TokenBucket:
         longer than that takes nothing and is returned negated (refused)."""
         if self.rate <= 0:  # off
             return 0.0
-        now = self._clock()
-        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
+        self._refill()
         wait = 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
         if most is not None and wait > most:
             return -wait
@@ -56,8 +54,13 @@ class TokenBucket:
         until it is refilled past one)."""
         if self.rate <= 0:
             return
+        self._refill()
+        self.tokens -= tokens
+
+    def _refill(self) -> None:
+        """The tokens earned since the last take or charge, never past the burst."""
         now = self._clock()
-        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate) - tokens
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
 
 

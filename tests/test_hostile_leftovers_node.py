@@ -18,7 +18,7 @@ from controlplane.pki import admin
 from tests.invariants import snapshot
 from tests.nodes_support import ControlPlane
 from tests.support import rpc_error
-from tests.test_gateway import (GatewayThread, Session, connected, cp, enrolled, eventually,  # noqa: F401
+from tests.test_gateway import (GatewayThread, Node, Session, connected, cp, enrolled, eventually,  # noqa: F401
                                 gateway, hello, node_row, pool_id)
 from tests.test_pki import arun, sql
 
@@ -387,27 +387,36 @@ def test_a_machine_enrolled_while_a_tenant_leases_it_gets_the_tenant_role(gatewa
 # -- a leased machine's inventory and the pool's host share -----------------------------------------
 
 
-def test_a_leased_machines_inventory_never_shrinks_the_pools_host_share(gateway: GatewayThread,
-                                                                         cp: ControlPlane) -> None:
-    """Each reservation's host share is the smallest per-GPU share any GPU host of its pool gives.
-    A tenant with root on a leased machine says what its inventory is: 256 GPUs on 3 vCPUs and
-    1 GiB made every other tenant's share in the pool 0 (their holds limited to nothing). A leased
-    machine is left out of the share until it is the platform's again."""
-    from tests.test_hostile_metal import CAPS, get, metal_pool, node_lease
-    from tests.test_node_profiles import register
+def two_metal_machines(gateway: GatewayThread, cp: ControlPlane) -> dict[str, tuple[str, Node, Session]]:
+    """A metal pool with quota and two connected 4-GPU machines, m1 and m2 (GPUs GPU-m1-0 ... and
+    GPU-m2-0 ...): by node id, each machine's name, node and session."""
+    from tests.test_hostile_metal import CAPS, metal_pool
 
     metal_pool(cp.world)
     cp.world.quota(1000)
     machines = {}
     for name in ("m1", "m2"):
         node, session = connected(gateway, cp.world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
-        machines[node.node_id] = (node, session)
+        machines[node.node_id] = (name, node, session)
+    return machines
+
+
+def test_a_leased_machines_inventory_never_shrinks_the_pools_host_share(gateway: GatewayThread,
+                                                                         cp: ControlPlane) -> None:
+    """Each reservation's host share is the smallest per-GPU share any GPU host of its pool gives.
+    A tenant with root on a leased machine says what its inventory is: 256 GPUs on 3 vCPUs and
+    1 GiB made every other tenant's share in the pool 0 (their holds limited to nothing). A leased
+    machine is left out of the share until it is the platform's again."""
+    from tests.test_hostile_metal import get, node_lease
+    from tests.test_node_profiles import register
+
+    machines = two_metal_machines(gateway, cp)
     before = cp.create(count=1).host_share
     assert before.vcpu > 0 and before.memory_gib > 0
     r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
     cp.drain()
     assert get(cp.world, r.id).state == "binding"
-    leased, leased_session = machines[r.allocations[0].node_id]
+    _, leased, leased_session = machines[r.allocations[0].node_id]
     lying = inventory(2, *(f"GPU-fake-{i}" for i in range(256)))
     lying.vcpus, lying.memory_bytes, lying.numa_nodes[0].cpulist = 3, 1 << 30, "0-2"
     lying.numa_nodes[0].memory_bytes = 1 << 30
@@ -420,7 +429,7 @@ def test_a_leased_machines_inventory_never_shrinks_the_pools_host_share(gateway:
     assert {r["resource"]: int(r["per_gpu"]) for r in sql(
         gateway.conninfo, "SELECT * FROM pool_host_share_per_gpu(%s)", (cp.world.pool_id,))} == {
         "vcpu": before.vcpu, "memoryGiB": before.memory_gib}
-    for _, session in machines.values():
+    for _, _, session in machines.values():
         session.close()
 
 
@@ -430,20 +439,15 @@ def test_a_leased_machines_inventory_never_changes_the_pools_models(gateway: Gat
     tenant with a model quota must name one (QUOTA_EXCEEDED). A tenant with root on a leased
     machine reported a GPU of another model and made every such request of the pool's tenants
     refused. A leased machine's models are left out until it is the platform's again."""
-    from tests.test_hostile_metal import CAPS, get, metal_pool, node_lease
+    from tests.test_hostile_metal import get, node_lease
     from tests.test_node_profiles import register
 
-    metal_pool(cp.world)
-    cp.world.quota(1000)
+    machines = two_metal_machines(gateway, cp)
     cp.world.quota(1000, resource=f"gpu:{MODEL}")
-    machines = {}
-    for name in ("m1", "m2"):
-        node, session = connected(gateway, cp.world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
-        machines[node.node_id] = (node, session)
     r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
     cp.drain()
     assert get(cp.world, r.id).state == "binding"
-    leased, leased_session = machines[r.allocations[0].node_id]
+    _, leased, leased_session = machines[r.allocations[0].node_id]
     own = [f"GPU-{node_row(gateway.conninfo, leased.node_id)['name']}-{i}" for i in range(4)]
     lying = inventory(2, *own, "GPU-odd")
     lying.gpus[0].model = "B200"
@@ -459,5 +463,5 @@ def test_a_leased_machines_inventory_never_changes_the_pools_models(gateway: Gat
     assert sql(gateway.conninfo, rq.POOL_MODELS, {"pool_id": cp.world.pool_id}) == [{"model": MODEL}]
     assert sql(gateway.conninfo, rq.VISIBLE_POOL, {"pool_id": cp.world.pool_id, "tenant_id": cp.world.tenant})[0][
         "single_model"] == MODEL
-    for _, session in machines.values():
+    for _, _, session in machines.values():
         session.close()

@@ -267,21 +267,17 @@ def test_a_wiped_machines_last_inventory_never_shrinks_the_pools_host_share(
     same lying inventory: the machine is the platform's again (ready, every key revoked) and its
     tenant-written sizes count at once, so every new reservation of the pool gets a share of 0
     vCPUs until the machine is enrolled anew, which may be never."""
-    from tests.test_hostile_metal import CAPS, deployed, metal_pool, node_lease, node_state
+    from tests.test_hostile_leftovers_node import two_metal_machines
+    from tests.test_hostile_metal import CAPS, deployed, node_lease, node_state
     from tests.test_node_profiles import register
 
-    metal_pool(cp.world)
-    cp.world.quota(1000)
-    sessions = {}
-    for name in ("m1", "m2"):
-        node, session = connected(gateway, cp.world.pool_id, name, gpus=4, caps=CAPS, uuid=f"GPU-{name}")
-        sessions[node.node_id] = (name, session)
+    machines = two_metal_machines(gateway, cp)
     before = cp.create(count=1).host_share
     assert before.vcpu > 0 and before.memory_gib > 0
     r = node_lease(cp.world, register(cp.world.root, 1), duration="4h")
     cp.drain()
     (alloc,) = cp.get(r.id).allocations
-    name, session = sessions[alloc.node_id]
+    name, _, session = machines[alloc.node_id]
     deployed(cp.world, session, gateway, alloc.node_id, alloc.id, 2)  # the tenant has root from here
     cp.drain()
     assert cp.get(r.id).state == "active"
@@ -307,7 +303,7 @@ def test_a_wiped_machines_last_inventory_never_shrinks_the_pools_host_share(
     assert dict(cp.world.sql("SELECT resource, allocatable::int FROM host_resources WHERE node_id = %s",
                              (alloc.node_id,)))["vcpu"] == 64
     again.close()
-    for _, s in sessions.values():
+    for _, _, s in machines.values():
         s.close()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -220,30 +220,35 @@ def _revoked(node: dict[str, Any] | None) -> bool:
 
 async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> float:
     """The node's daemon version, capabilities (and their system labels) and, when the hello
-    carries one, its inventory. Returns the seconds it held the pool's lock (its work, not its
-    wait: the gateway charges the node for it, gateway.throttle)."""
+    carries one, its inventory. Returns the seconds it held the pool's lock (`_under_pool_lock`)."""
 
-    async def work(conn: AsyncConnection) -> float:
-        node = await lock_for_placement_change(conn, node_id)
-        locked = time.perf_counter()
-        if _revoked(node):
-            return 0.0
-        before = await _placement_facts(conn, node_id)
+    async def change(conn: AsyncConnection, node: dict[str, Any]) -> None:
         caps = capabilities(hello)
         if hello.HasField("inventory"):
             node["labels"] = await _apply_inventory(conn, node, hello.inventory)
         await conn.execute(queries.SET_HELLO, {
             "daemon_version": hello.daemon_version[:128], "capabilities": caps,
             "labels": Jsonb(cap_labels(node["labels"], caps)), "node_id": node_id})
-        await _wake_pool_if_changed(conn, node, before)
-        return time.perf_counter() - locked
 
-    return await db.run_in_transaction(pool, work)
+    return await _under_pool_lock(pool, node_id, change)
 
 
 async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: node_pb2.Inventory) -> float:
     """A new inventory snapshot: atoms, host resources, `fabric.domain`. Returns the seconds it
-    held the pool's lock, as apply_hello does."""
+    held the pool's lock (`_under_pool_lock`)."""
+
+    async def change(conn: AsyncConnection, node: dict[str, Any]) -> None:
+        labels = await _apply_inventory(conn, node, inventory)
+        await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
+
+    return await _under_pool_lock(pool, node_id, change)
+
+
+async def _under_pool_lock(pool: AsyncConnectionPool, node_id: str,
+                           change: Callable[[AsyncConnection, dict[str, Any]], Awaitable[None]]) -> float:
+    """`change` applied to the node's row locked under its pool's lock (nothing for a revoked
+    node), the pool woken when what placement reads of the node changed. Returns the seconds the
+    lock was held (its work, not its wait: the gateway charges the node for it, gateway.throttle)."""
 
     async def work(conn: AsyncConnection) -> float:
         node = await lock_for_placement_change(conn, node_id)
@@ -251,8 +256,7 @@ async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: no
         if _revoked(node):
             return 0.0
         before = await _placement_facts(conn, node_id)
-        labels = await _apply_inventory(conn, node, inventory)
-        await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
+        await change(conn, node)
         await _wake_pool_if_changed(conn, node, before)
         return time.perf_counter() - locked
 
