@@ -143,8 +143,8 @@ def test_a_verified_row_naming_another_identity_is_refused_and_forgotten() -> No
     auth.KNOWN.remember(digest, "i-one")
     unverified = auth.KNOWN.unverified("s")
     assert unverified is not None
-    row = {"id": "i-two", "kind": "user", "delegator_id": None, "confirm_actions": [], "token_id": "tok_x",
-           "expires_ms": 0, "expired": False, "tenant_ids": ["t"]}
+    row = {"id": "i-two", "kind": "user", "delegator_id": None, "delegator_kind": None, "confirm_actions": [],
+           "token_id": "tok_x", "expires_ms": 0, "expired": False, "tenant_ids": ["t"]}
     with pytest.raises(Exception) as exc:
         auth.verify(unverified, row)
     assert type(exc.value).__name__ == "Unauthenticated"
