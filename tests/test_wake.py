@@ -36,6 +36,18 @@ def world(stack: tuple[ServerThread, Client]) -> World:
     return make_world(server.endpoint, root, server.conninfo, nodes=0)
 
 
+@pytest.fixture
+def two_models(stack: tuple[ServerThread, Client], world: World) -> tuple[apb.Node, apb.Node]:
+    """A node of each model, the second cordoned, both in the server's capacity index before the
+    test's first create: a create that comes before the index heard of the second model is stored
+    with the pool's single model, and could then never move to the other node."""
+    server, _ = stack
+    wanted, other = add_node(world, WANTED), add_node(world, OTHER)
+    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="cordoned"))
+    server.call(server.app.runtime.capacity.barrier())
+    return wanted, other
+
+
 def add_node(world: World, model: str) -> apb.Node:
     name = f"w{uuid.uuid4().hex[:8]}"
     return world.add_node(gpus(name, model=model), name=name)
@@ -57,10 +69,10 @@ def live_nodes(r) -> list[str]:
     return [a.node_id for a in r.allocations if a.state in ("placed", "binding", "bound")]
 
 
-def test_a_booking_repair_wakes_the_pools_pending_reservations(world: World) -> None:
-    wanted = add_node(world, WANTED)
-    other = add_node(world, OTHER)  # cordoned while the two fill the first node
-    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="cordoned"))
+def test_a_booking_repair_wakes_the_pools_pending_reservations(
+    world: World, two_models: tuple[apb.Node, apb.Node]
+) -> None:
+    wanted, other = two_models  # the other cordoned while the two fill the first node
     start = now(world) + HOUR
     moved = world.create(count=4, start=start, duration="1h")
     world.create(count=4, start=start, duration="1h")  # the other half of the node, same window
@@ -80,12 +92,12 @@ def test_a_booking_repair_wakes_the_pools_pending_reservations(world: World) -> 
     assert event_types(world, waiting.id)[-2:] == ["reservation.pending", "reservation.placed"]
 
 
-def test_a_binding_failure_wakes_the_pools_pending_reservations(world: World) -> None:
-    wanted = add_node(world, WANTED)
-    other = add_node(world, OTHER)  # cordoned while the failing one is placed on the first node
-    world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="cordoned"))
+def test_a_binding_failure_wakes_the_pools_pending_reservations(
+    world: World, two_models: tuple[apb.Node, apb.Node]
+) -> None:
+    wanted, other = two_models  # the other cordoned while the failing one is placed on the first node
     failing = world.create(count=8, duration="1h")
-    assert live_nodes(failing) == [wanted.id]
+    assert live_nodes(failing) == [wanted.id] and failing.request.devices[0].model == ""
     eventually(world, failing.id, lambda r: r.state == "binding")
     world.root.admin("SetNodeState", apb.SetNodeStateRequest(node_id=other.id, state="ready"))
     waiting = world.create(count=8, model=WANTED, duration="1h")
