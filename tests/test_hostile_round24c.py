@@ -134,8 +134,11 @@ def ran(v: Vps, instance_id: str, since: int, until_ms: int = 2**62) -> int:
 
 
 def metered_through(v: Vps, at_ms: int) -> None:
-    """Move the clock well past `at_ms` and wait until the instance meter has written its hour."""
-    v.advance(3 * HOUR)
+    """Move the clock to three hours past `at_ms` and wait until the instance meter has written
+    the hour after it. An hour is metered once it ended and settled (grant_start_past_seconds,
+    5 minutes): with the clock only two hours past, `at_ms` in the first 5 minutes of its hour
+    left that hour unmeterable, and the wait failed at those times of day."""
+    v.advance(max(0, at_ms + 3 * HOUR - v.now()))
     until(lambda: progress(v, "vps.instances") > at_ms + HOUR, seconds=60)
 
 
