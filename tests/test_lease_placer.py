@@ -23,6 +23,7 @@ from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.ids import draft_id
 from controlplane import bootstrap
 from controlplane.config import Settings
+from controlplane.reservations import wait as wait_module
 from tests.conftest import clone_database, module_stack
 from tests.invariants import check_invariants
 from tests.promise_support import pool_locked
@@ -97,7 +98,11 @@ def test_a_queued_create_is_placed_by_the_lease_holder(world: World) -> None:
     check_invariants(world.conninfo, world.tenant)
 
 
-def test_wait_on_a_queued_create_returns_it_placed(world: World) -> None:
+def test_wait_on_a_queued_create_returns_it_placed(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The wait's first pause is made longer than the test, so only the batch's hand-off can end it:
+    # with the usual 50 ms a slow batch (make test under load) let the pause lapse and the wait
+    # read the reservation between the batch's commit and its hand-off (handed False; not a fault).
+    monkeypatch.setattr(wait_module, "FIRST_DELAY_S", 30.0)
     with capture_logs() as logs:
         r = world.create(count=1, start=world.later(2), wait=pb.Wait(timeout_ms=20_000))
     assert (r.state, r.operation.state) == ("placed", "succeeded")
