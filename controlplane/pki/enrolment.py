@@ -55,6 +55,11 @@ def _ms(when: dt.datetime) -> int:
 
 async def _issue(conn: AsyncConnection, ca: store.Ca, settings: PkiSettings, csr: certs.CsrBundle,
                  node_id: str, role: str) -> Issued:
+    """Certify the CSRs' keys for the node, only if no certificate ever named them: a revoked
+    key (perhaps stolen) never comes back under a new certificate, nor another node's keys (a copy
+    of its CSRs proves them too) under this one. The caller's transaction rolls back on refusal."""
+    if await store.already_certified(conn, [certs.spki(csr.signing), certs.spki(csr.tls)]):
+        raise errors.InvalidInput("csr_pem", "names a key already certified: enrolment and renewal need new keys")
     now = await store.db_now(conn)
     life = dt.timedelta(hours=settings.node_cert_hours)
     pems, not_after = [], []

@@ -117,6 +117,20 @@ async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: st
 
 # Certificates -------------------------------------------------------------------------------
 
+_KEY_LOCK = "pki:key:"
+
+
+async def already_certified(conn: AsyncConnection, keys: list[bytes]) -> bool:
+    """Whether any certificate (revoked, expired or another node's too) names one of these public
+    keys (SubjectPublicKeyInfo DER). Each key's advisory lock is held to the end of the caller's
+    transaction, so two issuances of one key run one after the other and the second sees the first."""
+    for key in sorted(keys):
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_KEY_LOCK + key.hex(),))
+    row = await (await conn.execute(
+        "SELECT 1 FROM node_certs WHERE public_key = ANY(%s) LIMIT 1", (keys,))).fetchone()
+    return row is not None
+
+
 async def record_certificate(conn: AsyncConnection, cert: x509.Certificate, node_id: str | None) -> certs.CertFacts:
     facts = certs.facts(cert)
     await conn.execute(
