@@ -10,19 +10,41 @@ Real PostgreSQL, real certificates from the control-plane CA, real Ed25519 signa
   again under the new certificate's key id. Now a key any certificate names is never certified
   again (INVALID_INPUT, the join token not spent); a lost enrolment's answer is still answered
   again, which issues nothing.
+
+What held, kept here so it stays held: what a CSR asks for (another node's CN, the OU `gateway`,
+extra subject attributes, SANs, CA:TRUE, serverAuth) is never what it gets, the node's own name and
+the role the control plane gives it; an Ed448 (or RSA, P-384: tests/test_pki.py) key is refused; a
+renewal racing a re-enrolment of the node's name ends with only the enrolment's keys live,
+whichever takes the node's row first; an expired certificate never renews, the offline grace
+notwithstanding; a node's TLS certificate cannot serve as a gateway (clientAuth only: a client
+trusting the CA refuses it), nor a gateway's server certificate open a node session or renew.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent import futures
 from typing import Any
 
+import grpc
+import psycopg
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ed448, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from bettercompute.node.v1 import node_pb2 as pb
+from bettercompute.node.v1 import node_pb2_grpc
 
 from controlplane import errors
-from controlplane.pki import admin, attest, enrolment
+from controlplane.pki import admin, attest, certs, enrolment
 from controlplane.pki.config import PkiSettings
+from tests.test_gateway import GatewayThread, Session, enrolled, gateway, pool_id  # noqa: F401 - fixtures
+from tests.test_gateway import eventually as until
 from tests.test_pki import (Enrolled, NodeKeys, _enrol_with, _identify, arun, bound_report, enrol, seed_pool,
-                            sign, sql, verify)
+                            sign, split, sql, verify)
 
 
 def _renew(conninfo: str, by: Enrolled, keys: NodeKeys) -> enrolment.Issued:
@@ -84,3 +106,142 @@ def test_a_renewal_brings_new_keys_never_its_own_nor_another_nodes(database: str
         True, "")
     assert verify(database, "alloc_1", a.node_id, body, renewed.key_id, sign(a.keys.signing, body)) == (
         False, attest.BAD_SIGNATURE)
+
+
+# What held ----------------------------------------------------------------------------------------
+
+def _csr_asking(key: Any, *, common_name: str, unit: str, sans: list[str], ca: bool) -> bytes:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit),
+                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Better Compute"),
+                         x509.NameAttribute(NameOID.EMAIL_ADDRESS, "root@example.com")])
+    builder = (x509.CertificateSigningRequestBuilder().subject_name(subject)
+               .add_extension(x509.SubjectAlternativeName([x509.DNSName(s) for s in sans]), critical=False)
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+    algorithm = None if isinstance(key, (ed25519.Ed25519PrivateKey, ed448.Ed448PrivateKey)) else hashes.SHA256()
+    return builder.sign(key, algorithm).public_bytes(serialization.Encoding.PEM)
+
+
+def test_what_a_csr_asks_for_is_never_what_it_gets(database: str) -> None:
+    """A renewal (and an enrolment) whose CSRs name another node, the role `gateway`, extra subject
+    attributes, SANs, CA:TRUE and serverAuth get the node's own name and role, and nothing else;
+    an Ed448 signing key (or an RSA, P-384 TLS key) is refused."""
+    pool_id = seed_pool(database)
+    a, b = enrol(database, pool_id, "a"), enrol(database, pool_id, "b")
+    keys = NodeKeys()
+    asking = b"".join(_csr_asking(k, common_name=b.node_id, unit="gateway", sans=["gateway.example", "localhost"],
+                                  ca=True) for k in (keys.signing, keys.tls))
+    peer = _identify(database, a.cert)
+
+    async def work(pool: Any) -> enrolment.Issued:
+        ca = await enrolment.load_ca(pool, PkiSettings())
+        return await enrolment.renew(pool, ca, PkiSettings(), peer, asking)
+
+    issued = arun(database, work)
+    assert (issued.node_id, issued.role) == (a.node_id, "node")
+    for cert in split(issued.certificate_pem):
+        assert cert.subject.rfc4514_string() == f"CN={a.node_id},OU=node,O=Better Compute"
+        assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+        with pytest.raises(x509.ExtensionNotFound):
+            cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    assert certs.usage_of(split(issued.certificate_pem)[1]) == certs.TLS  # clientAuth, never serverAuth
+    ed448_bundle = (_csr_asking(ed448.Ed448PrivateKey.generate(), common_name="n", unit="node", sans=["x"], ca=False)
+                    + _csr_asking(NodeKeys().tls, common_name="n", unit="node", sans=["x"], ca=False))
+    with pytest.raises(errors.InvalidInput, match="Ed25519"):
+        _enrol_with(database, _token(database, pool_id, "c"), ed448_bundle)
+
+
+def test_a_renewal_racing_a_re_enrolment_of_the_name_leaves_only_the_enrolments_keys(database: str) -> None:
+    """A node renewing while its name is enrolled again (the machine replaced): whichever takes the
+    node's row first, afterwards only the enrolment's certificates are live; the renewal is refused
+    or its certificates revoked with the rest."""
+    pool_id = seed_pool(database)
+    node = enrol(database, pool_id, "gpu-01")
+    token = _token(database, pool_id, "gpu-01")
+    results: dict[str, Any] = {}
+
+    def attempt(name: str, call: Any) -> None:
+        try:
+            results[name] = call()
+        except errors.DomainError as exc:
+            results[name] = exc
+
+    fresh = NodeKeys()
+    renewing = threading.Thread(target=attempt, args=("renewal", lambda: _renew(database, node, NodeKeys())))
+    enrolling = threading.Thread(target=attempt, args=("enrolment", lambda: _enrol_with(database, token, fresh.csr())))
+    waiting = "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+    with psycopg.connect(database) as holder:
+        holder.execute("SELECT 1 FROM nodes WHERE id = %s FOR UPDATE", (node.node_id,))
+        renewing.start()
+        enrolling.start()
+        until(lambda: sql(database, waiting)[0]["n"] >= 2, what="the renewal and the enrolment waiting")
+        holder.rollback()
+    renewing.join(30)
+    enrolling.join(30)
+    assert isinstance(results["enrolment"], enrolment.Issued)
+    live = {r["key_id"] for r in sql(database, "SELECT c.key_id FROM node_certs c LEFT JOIN revocations r"
+                                               " USING (serial) WHERE c.node_id = %s AND r.serial IS NULL",
+                                     (node.node_id,))}
+    assert live == {certs.key_id(c) for c in split(results["enrolment"].certificate_pem)}
+
+
+def test_an_expired_certificate_never_renews_within_the_offline_grace(database: str) -> None:
+    """The offline grace lets an expired certificate's reports count; it never lets it renew, even
+    for a peer identified while the certificate was still good."""
+    pool_id = seed_pool(database)
+    short = enrol(database, pool_id, "s", settings=PkiSettings(node_cert_hours=2 / 3600))
+    peer = _identify(database, short.cert)
+    until(lambda: sql(database, "SELECT now() > %s AS past", (peer.not_after,))[0]["past"], what="expiry")
+
+    async def work(pool: Any) -> enrolment.Issued:
+        ca = await enrolment.load_ca(pool, PkiSettings())
+        return await enrolment.renew(pool, ca, PkiSettings(), peer, NodeKeys().csr())
+
+    with pytest.raises(errors.Unauthenticated, match="expired"):
+        arun(database, work)
+
+
+def _health(endpoint: str, ca_pem: bytes, target: str, key_pem: bytes | None = None,
+            cert_pem: bytes | None = None) -> grpc.StatusCode:
+    """The code of a health check over TLS trusting only the CA (OK when the handshake passed)."""
+    credentials = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+    with grpc.secure_channel(endpoint, credentials, options=[("grpc.ssl_target_name_override", target)]) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_node_certificate_never_serves_as_a_gateway_nor_a_gateways_as_a_node(gateway: GatewayThread,
+                                                                             pool_id: str) -> None:
+    """A node that listens with its TLS certificate (CA-signed, its id as CN) to play the gateway
+    for other nodes: a client trusting the CA refuses it (clientAuth only), as it accepts a real
+    gateway certificate served the same way. A gateway's server certificate as a node's client
+    certificate opens no session and renews nothing."""
+    node = enrolled(gateway, pool_id, "n1")
+    ca = arun(gateway.conninfo, lambda pool: enrolment.load_ca(pool, PkiSettings()))
+    server_cert = arun(gateway.conninfo, lambda pool: enrolment.gateway_certificate(pool, ca, PkiSettings(),
+                                                                                      ("127.0.0.1",)))
+    for key_pem, cert_pem, target, expected in (
+            (node.key_pem(), node.cert_pem, node.node_id, grpc.StatusCode.UNAVAILABLE),
+            (server_cert.key_pem, server_cert.certificate_pem, "127.0.0.1", grpc.StatusCode.OK)):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+        server.start()
+        try:
+            assert _health(f"127.0.0.1:{port}", gateway.ca_pem, target) == expected
+        finally:
+            server.stop(None)
+
+    issued = sql(gateway.conninfo, "SELECT count(*) AS n FROM node_certs")
+    creds = grpc.ssl_channel_credentials(gateway.ca_pem, server_cert.key_pem, server_cert.certificate_pem)
+    with grpc.secure_channel(gateway.endpoint, creds) as ch:
+        with pytest.raises(grpc.RpcError) as renew:
+            node_pb2_grpc.NodeGatewayStub(ch).Renew(pb.RenewRequest(csr_pem=NodeKeys().csr()), timeout=10)
+        assert renew.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+        session = Session(ch)
+        assert session.ended(10).code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+    assert sql(gateway.conninfo, "SELECT count(*) AS n FROM node_certs") == issued
