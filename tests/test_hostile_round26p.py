@@ -8,8 +8,9 @@ Real PostgreSQL, real certificates from the control-plane CA, real Ed25519 signa
   again with the same keys gave the thief a live certificate for the stolen key, and every report
   the thief signed with it counted; and a report the node signed before its revocation counted
   again under the new certificate's key id. Now a key any certificate names is never certified
-  again (INVALID_INPUT, the join token not spent); a lost enrolment's answer is still answered
-  again, which issues nothing.
+  again (INVALID_INPUT, the join token not spent). A lost enrolment's answer is still answered
+  again, and so now is a lost renewal's (the same CSRs get the live certificates that renewal
+  issued, in the node's current role): neither issues anything.
 
 What held, kept here so it stays held: what a CSR asks for (another node's CN, the OU `gateway`,
 extra subject attributes, SANs, CA:TRUE, serverAuth) is never what it gets, the node's own name and
@@ -86,13 +87,15 @@ def test_a_stolen_key_is_never_certified_again_after_the_nodes_revocation(databa
 
 
 def test_a_renewal_brings_new_keys_never_its_own_nor_another_nodes(database: str) -> None:
-    """Attack: a renewal CSR carrying the keys of the node's current certificate, of its revoked
-    one, or another node's CSR bundle (copied on its way to the gateway)."""
+    """Attack: a renewal CSR carrying another node's keys (its CSR bundle, copied on its way to the
+    gateway), or the node's own mixed with another's. The node's own current keys get its current
+    certificates back (a lost answer's retry), nothing new."""
     pool_id = seed_pool(database)
     a, b = enrol(database, pool_id, "a"), enrol(database, pool_id, "b")
-    for keys in (a.keys, b.keys):
+    for keys in (b.keys, NodeKeys(signing=a.keys.signing, tls=b.keys.tls), NodeKeys(signing=b.keys.signing)):
         with pytest.raises(errors.InvalidInput, match="already certified"):
             _renew(database, a, keys)
+    assert _renew(database, a, a.keys).certificate_pem == a.issued.certificate_pem
     stranger = NodeKeys()  # a CSR bundle not certified yet, sent by two nodes: the first one gets it
     assert _renew(database, b, stranger).node_id == b.node_id
     with pytest.raises(errors.InvalidInput, match="already certified"):
@@ -245,3 +248,23 @@ def test_a_node_certificate_never_serves_as_a_gateway_nor_a_gateways_as_a_node(g
         session = Session(ch)
         assert session.ended(10).code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
     assert sql(gateway.conninfo, "SELECT count(*) AS n FROM node_certs") == issued
+
+
+def test_a_renewal_retried_after_its_answer_was_lost_gets_the_same_certificates(database: str) -> None:
+    """A key is certified once, so a daemon that retries a renewal with the same CSRs (its answer
+    lost on the way) gets the certificates that renewal issued, nothing new; not once they are
+    revoked, nor in a role the node no longer has."""
+    pool_id = seed_pool(database)
+    node = enrol(database, pool_id, "gpu-01")
+    keys = NodeKeys()
+    first = _renew(database, node, keys)
+    assert _renew(database, node, keys) == first
+    assert sql(database, "SELECT count(*) AS n FROM node_certs WHERE node_id = %s", (node.node_id,)) == [{"n": 4}]
+    sql(database, "UPDATE nodes SET state = 'leased' WHERE id = %s", (node.node_id,))  # a machine lease began
+    with pytest.raises(errors.InvalidInput, match="already certified"):  # node-tenant now: new keys
+        _renew(database, node, keys)
+    sql(database, "UPDATE nodes SET state = 'ready' WHERE id = %s", (node.node_id,))
+    signing = certs.serial_hex(split(first.certificate_pem)[0])
+    arun(database, lambda pool: admin.revoke_certificates(pool, "", signing, "leaked"))
+    with pytest.raises(errors.InvalidInput, match="already certified"):
+        _renew(database, node, keys)
