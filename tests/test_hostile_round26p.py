@@ -83,7 +83,39 @@ def test_a_stolen_key_is_never_certified_again_after_the_nodes_revocation(databa
     again = Enrolled(fresh, _enrol_with(database, token, fresh.csr()))  # new keys: enrolled
     assert again.node_id == node.node_id
     body = bound_report(node.node_id, "alloc_1")  # the thief, with the stolen key
-    assert verify(database, "alloc_1", node.node_id, body, again.key_id, sign(node.keys.signing, body))[0] is False
+    stolen = sign(node.keys.signing, body)
+    assert verify(database, "alloc_1", node.node_id, body, again.key_id, stolen) == (False, attest.BAD_SIGNATURE)
+    assert verify(database, "alloc_1", node.node_id, body, node.key_id, stolen) == (False, attest.REVOKED)
+    assert verify(database, "alloc_1", node.node_id, body, again.key_id, sign(fresh.signing, body)) == (True, "")
+
+
+def test_one_csr_bundle_enrolled_by_two_names_at_once_is_certified_once(database: str) -> None:
+    """Two enrolments (two tokens, two names) racing with one CSR bundle: the per-key lock makes the
+    second see the first's certificates, so exactly one is issued."""
+    pool_id = seed_pool(database)
+    keys, tokens = NodeKeys(), [_token(database, pool_id, name) for name in ("a", "b")]
+    results: list[Any] = []
+
+    def attempt(token: str) -> None:
+        try:
+            results.append(_enrol_with(database, token, keys.csr()))
+        except errors.DomainError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=attempt, args=(t,)) for t in tokens]
+    first_key = min(certs.spki(keys.signing.public_key()), certs.spki(keys.tls.public_key()))
+    waiting = ("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+               " AND wait_event = 'advisory' AND datname = current_database()")
+    with psycopg.connect(database, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", ("pki:key:" + first_key.hex(),))
+        for thread in threads:
+            thread.start()
+        until(lambda: sql(database, waiting)[0]["n"] >= 2, what="both enrolments waiting for the key")
+        holder.execute("SELECT pg_advisory_unlock_all()")
+    for thread in threads:
+        thread.join(30)
+    assert sorted(type(r).__name__ for r in results) == ["InvalidInput", "Issued"]
+    assert sql(database, "SELECT count(*) AS n FROM node_certs WHERE public_key = %s", (first_key,)) == [{"n": 1}]
 
 
 def test_a_renewal_brings_new_keys_never_its_own_nor_another_nodes(database: str) -> None:
