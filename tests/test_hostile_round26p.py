@@ -181,10 +181,16 @@ def test_what_a_csr_asks_for_is_never_what_it_gets(database: str) -> None:
         with pytest.raises(x509.ExtensionNotFound):
             cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
     assert certs.usage_of(split(issued.certificate_pem)[1]) == certs.TLS  # clientAuth, never serverAuth
+    other = NodeKeys()  # a join token for "c" with CSRs naming b, role gateway: c, as a node
+    joined = _enrol_with(database, _token(database, pool_id, "c"), b"".join(
+        _csr_asking(k, common_name=b.node_id, unit="gateway", sans=["b"], ca=True) for k in (other.signing, other.tls)))
+    assert joined.node_id != b.node_id and joined.role == "node"
+    assert sql(database, "SELECT name, pool_id FROM nodes WHERE id = %s", (joined.node_id,)) == [
+        {"name": "c", "pool_id": pool_id}]
     ed448_bundle = (_csr_asking(ed448.Ed448PrivateKey.generate(), common_name="n", unit="node", sans=["x"], ca=False)
                     + _csr_asking(NodeKeys().tls, common_name="n", unit="node", sans=["x"], ca=False))
     with pytest.raises(errors.InvalidInput, match="Ed25519"):
-        _enrol_with(database, _token(database, pool_id, "c"), ed448_bundle)
+        _enrol_with(database, _token(database, pool_id, "d"), ed448_bundle)
 
 
 def test_a_renewal_racing_a_re_enrolment_of_the_name_leaves_only_the_enrolments_keys(database: str) -> None:
