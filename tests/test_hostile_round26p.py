@@ -18,7 +18,11 @@ the role the control plane gives it; an Ed448 (or RSA, P-384: tests/test_pki.py)
 renewal racing a re-enrolment of the node's name ends with only the enrolment's keys live,
 whichever takes the node's row first; an expired certificate never renews, the offline grace
 notwithstanding; a node's TLS certificate cannot serve as a gateway (clientAuth only: a client
-trusting the CA refuses it), nor a gateway's server certificate open a node session or renew.
+trusting the CA refuses it), nor a gateway's server certificate open a node session or renew; a
+join token enrols its own name in its own pool as a node whatever its CSRs name, and takes no
+lifetime beyond 7 days (nor a negative one) nor a role but `node` or `node-tenant`; one CSR
+bundle enrolled under two names at once is certified once (the per-key lock); a stolen key's
+report counts neither under its revoked certificate nor under the node's new one.
 """
 
 from __future__ import annotations
@@ -306,3 +310,14 @@ def test_a_renewal_retried_after_its_answer_was_lost_gets_the_same_certificates(
     arun(database, lambda pool: admin.revoke_certificates(pool, "", signing, "leaked"))
     with pytest.raises(errors.InvalidInput, match="already certified"):
         _renew(database, node, keys)
+
+
+def test_join_tokens_take_no_absurd_lifetime_nor_a_role_beyond_a_nodes(database: str) -> None:
+    pool_id = seed_pool(database)
+    for ttl in (-1, -2**63, 2**63 - 1, 7 * 24 * 3600 + 1):
+        with pytest.raises(errors.InvalidInput, match="ttlSeconds"):
+            arun(database, lambda pool, t=ttl: admin.create_join_token(pool, pool_id, "n", "node", t))
+    for role in ("gateway", "NODE", "node ", "node,gateway", "admin"):
+        with pytest.raises(errors.InvalidInput, match="role"):
+            arun(database, lambda pool, r=role: admin.create_join_token(pool, pool_id, "n", r, 60))
+    assert sql(database, "SELECT count(*) AS n FROM join_tokens") == [{"n": 0}]
