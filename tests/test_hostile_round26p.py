@@ -11,6 +11,13 @@ Real PostgreSQL, real certificates from the control-plane CA, real Ed25519 signa
   again (INVALID_INPUT, the join token not spent). A lost enrolment's answer is still answered
   again, and so now is a lost renewal's (the same CSRs get the live certificates that renewal
   issued, in the node's current role): neither issues anything.
+- **A node whose signing certificate was revoked went on signing with it.** Revoking one
+  certificate by serial (its key leaked) left the node's TLS certificate, and its session, good:
+  the node signed every report with the revoked key until its next renewal, half a certificate's
+  life later, so every report was rejected (each bound re-report a BindingLost) with nothing to
+  tell the node. Now revoking a node's signing certificate sends its sessions a RenewHint; the
+  node renews with new keys and its reports count again. (Found probing revocations; a hostile
+  node gains nothing from it, an honest one lost its bindings.)
 
 What held, kept here so it stays held: what a CSR asks for (another node's CN, the OU `gateway`,
 extra subject attributes, SANs, CA:TRUE, serverAuth) is never what it gets, the node's own name and
@@ -46,7 +53,7 @@ from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import errors
 from controlplane.pki import admin, attest, certs, enrolment
 from controlplane.pki.config import PkiSettings
-from tests.test_gateway import GatewayThread, Session, enrolled, gateway, pool_id  # noqa: F401 - fixtures
+from tests.test_gateway import GatewayThread, Session, connected, enrolled, gateway, pool_id  # noqa: F401
 from tests.test_gateway import eventually as until
 from tests.test_pki import (Enrolled, NodeKeys, _enrol_with, _identify, arun, bound_report, enrol, seed_pool,
                             sign, split, sql, verify)
@@ -145,6 +152,28 @@ def test_a_renewal_brings_new_keys_never_its_own_nor_another_nodes(database: str
         True, "")
     assert verify(database, "alloc_1", a.node_id, body, renewed.key_id, sign(a.keys.signing, body)) == (
         False, attest.BAD_SIGNATURE)
+
+
+# A revoked signing certificate --------------------------------------------------------------------
+
+def test_a_node_whose_signing_certificate_is_revoked_is_told_to_renew(gateway: GatewayThread, pool_id: str) -> None:
+    """The operator revokes a node's report-signing certificate by serial (its key leaked). Its TLS
+    certificate is still good, so its session went on, and the node went on signing with the revoked
+    key until its next renewal (half a certificate's life): every report rejected, each bound
+    re-report a BindingLost. Now its sessions get a RenewHint, and with the renewed key its reports
+    count again."""
+    node, session = connected(gateway, pool_id, "n1")
+    serial = certs.serial_hex(x509.load_pem_x509_certificate(node.signing_pem))
+    arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, "", serial, "signing key leaked"))
+    assert session.recv("renew_hint", timeout=30) is not None
+    fresh = NodeKeys()
+    with node.channel() as ch:
+        renewed = node_pb2_grpc.NodeGatewayStub(ch).Renew(pb.RenewRequest(csr_pem=fresh.csr()), timeout=10)
+    node.keys = fresh
+    node.certified(renewed.certificate_pem)
+    body = bound_report(node.node_id, "alloc_1")
+    assert verify(gateway.conninfo, "alloc_1", node.node_id, body, node.key_id, sign(fresh.signing, body)) == (True, "")
+    session.close()
 
 
 # What held ----------------------------------------------------------------------------------------
