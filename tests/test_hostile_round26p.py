@@ -244,7 +244,8 @@ def test_a_renewal_racing_a_re_enrolment_of_the_name_leaves_only_the_enrolments_
     fresh = NodeKeys()
     renewing = threading.Thread(target=attempt, args=("renewal", lambda: _renew(database, node, NodeKeys())))
     enrolling = threading.Thread(target=attempt, args=("enrolment", lambda: _enrol_with(database, token, fresh.csr())))
-    waiting = "SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+    waiting = ("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+               " AND datname = current_database()")
     with psycopg.connect(database) as holder:
         holder.execute("SELECT 1 FROM nodes WHERE id = %s FOR UPDATE", (node.node_id,))
         renewing.start()

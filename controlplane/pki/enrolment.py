@@ -137,12 +137,13 @@ def _pair(rows: list[dict]) -> Issued | None:
 
 async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,
                 csr_pem: bytes) -> Issued:
-    """New certificates for the same node (the node brings new keys: a key is certified once; a retry
-    with the CSRs of a renewal whose answer was lost gets its live certificates again), in the role the control plane
-    gives it now, never one the node asks for: `node-tenant` while a tenant holds the machine (a
-    whole-machine lease, from its start until the machine was seen wiped), otherwise the role it
-    enrolled with. The certificates of the old role are revoked once the node authenticates with
-    a new one (`retire_other_roles`), so an answer lost on the way never locks the node out."""
+    """New certificates for the same node, in the role the control plane gives it now, never one
+    the node asks for: `node-tenant` while a tenant holds the machine (a whole-machine lease, from
+    its start until the machine was seen wiped), otherwise the role it enrolled with. The
+    certificates of the old role are revoked once the node authenticates with a new one
+    (`retire_other_roles`), so an answer lost on the way never locks the node out. The node brings
+    new keys (a key is certified once); a retry with the CSRs of a renewal whose answer was lost
+    gets that renewal's live certificates again."""
     csr = certs.parse_csr_bundle(csr_pem)
 
     async def work(conn: AsyncConnection) -> Issued:
