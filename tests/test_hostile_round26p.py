@@ -18,6 +18,11 @@ Real PostgreSQL, real certificates from the control-plane CA, real Ed25519 signa
   tell the node. Now revoking a node's signing certificate sends its sessions a RenewHint; the
   node renews with new keys and its reports count again. (Found probing revocations; a hostile
   node gains nothing from it, an honest one lost its bindings.)
+- **A node renewing in a loop cost a read per call.** Past its burst a renewal is refused, but
+  only after a read of the node's certificate (the throttle is per node, and the read says whose
+  it is): a node calling Renew in a loop over one connection took a read from the gateway's small
+  pool per call, unpaced. The gateway now keeps the node of each certificate that renewed through
+  it (bounded) and paces such a certificate before the read.
 
 What held, kept here so it stays held: what a CSR asks for (another node's CN, the OU `gateway`,
 extra subject attributes, SANs, CA:TRUE, serverAuth) is never what it gets, the node's own name and
@@ -34,6 +39,7 @@ report counts neither under its revoked certificate nor under the node's new one
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent import futures
 from typing import Any
@@ -53,6 +59,8 @@ from bettercompute.node.v1 import node_pb2_grpc
 from controlplane import errors
 from controlplane.pki import admin, attest, certs, enrolment
 from controlplane.pki.config import PkiSettings
+from gateway.config import GatewaySettings
+from tests.support import rpc_error
 from tests.test_gateway import GatewayThread, Session, connected, enrolled, gateway, pool_id  # noqa: F401
 from tests.test_gateway import eventually as until
 from tests.test_pki import (Enrolled, NodeKeys, _enrol_with, _identify, arun, bound_report, enrol, seed_pool,
@@ -174,6 +182,32 @@ def test_a_node_whose_signing_certificate_is_revoked_is_told_to_renew(gateway: G
     body = bound_report(node.node_id, "alloc_1")
     assert verify(gateway.conninfo, "alloc_1", node.node_id, body, node.key_id, sign(fresh.signing, body)) == (True, "")
     session.close()
+
+
+# Renewing in a loop -------------------------------------------------------------------------------
+
+def test_a_node_renewing_in_a_loop_past_its_burst_is_refused_without_a_read(database: str, pool_id: str) -> None:
+    """Past its burst a renewal is refused (QUOTA_EXCEEDED), but each call first read the node's
+    certificate to learn who it was (the throttle is per node): a node calling Renew in a loop over
+    one connection cost the gateway's small pool a read per call, unpaced. Now a certificate that
+    renewed through this gateway is paced before the read: with node_certs locked (a read would
+    wait) the refusal still comes at once."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_renewals_per_hour=1,
+                                                     node_renewals_burst=1))
+    try:
+        node = enrolled(gw, pool_id, "loops")
+        with node.channel() as channel:
+            stub = node_pb2_grpc.NodeGatewayStub(channel)
+            assert stub.Renew(pb.RenewRequest(csr_pem=NodeKeys().csr()), timeout=10).certificate_pem
+            with psycopg.connect(database) as holder:
+                holder.execute("LOCK TABLE node_certs IN ACCESS EXCLUSIVE MODE")
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Renew(pb.RenewRequest(csr_pem=NodeKeys().csr()), timeout=10)
+                holder.rollback()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        assert rpc_error(refused)[1] == "QUOTA_EXCEEDED"
+    finally:
+        gw.stop()
 
 
 # What held ----------------------------------------------------------------------------------------
