@@ -6,8 +6,8 @@ Real PostgreSQL, real certificates from the control-plane CA, real Ed25519 signa
   own (a revoked certificate's too) or another node's (its CSR bundle, copied: the CSRs prove the
   keys, not who sends them). So a node revoked because its key was stolen, readmitted and enrolled
   again with the same keys gave the thief a live certificate for the stolen key, and every report
-  the thief signed with it counted; and a report the node signed before its revocation counted
-  again under the new certificate's key id. Now a key any certificate names is never certified
+  the thief signed with it counted; and a report the node signed just before its revocation
+  (within the clock skew of the new certificate's start) counted under the new key id. Now a key any certificate names is never certified
   again (INVALID_INPUT, the join token not spent). A lost enrolment's answer is still answered
   again, and so now is a lost renewal's (the same CSRs get the live certificates that renewal
   issued, in the node's current role): neither issues anything.
