@@ -148,6 +148,8 @@ class Node:
         self.signing_pem = b""  # the report-signing certificate
 
     def enrol(self, token: str) -> pb.EnrolResponse:
+        if self.node_id:  # enrolled before: new keys, as a daemon brings (a key is certified once)
+            self.keys = NodeKeys()
         with grpc.secure_channel(self.gateway.enrol_endpoint, grpc.ssl_channel_credentials(self.gateway.ca_pem)) as ch:
             response = node_pb2_grpc.NodeGatewayStub(ch).Enrol(
                 pb.EnrolRequest(join_token=token, csr_pem=self.keys.csr()), timeout=10)
@@ -335,8 +337,10 @@ def test_the_node_is_the_one_its_certificate_names(gateway: GatewayThread, pool_
     eventually(lambda: node_row(gateway.conninfo, a.node_id)["daemon_version"] == "bcd-a", what="hello")
     assert node_row(gateway.conninfo, b.node_id)["daemon_version"] == ""
 
+    fresh = NodeKeys()  # a renewal brings new keys
     with a.channel() as ch:
-        renewed = node_pb2_grpc.NodeGatewayStub(ch).Renew(pb.RenewRequest(csr_pem=a.keys.csr()), timeout=10)
+        renewed = node_pb2_grpc.NodeGatewayStub(ch).Renew(pb.RenewRequest(csr_pem=fresh.csr()), timeout=10)
+    a.keys = fresh
     for cert in split(renewed.certificate_pem):
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == a.node_id
         assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "node"

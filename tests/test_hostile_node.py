@@ -19,7 +19,7 @@ from controlplane.pki import admin
 from tests.nodes_support import ControlPlane
 from tests.test_gateway import (GatewayThread, Node, binding, connected, cp, enrolled, eventually,  # noqa: F401
                                 gateway, hello, join_token, node_row, pool_id)
-from tests.test_pki import arun, sql
+from tests.test_pki import NodeKeys, arun, sql
 
 
 def status(exc: grpc.RpcError | None) -> tuple[grpc.StatusCode, str, dict[str, str]]:
@@ -161,12 +161,13 @@ def test_a_renewal_racing_the_nodes_revocation_never_leaves_it_a_good_certificat
     certificates that renewal issues must be revoked too (or the renewal refused)."""
     node = enrolled(gateway, pool_id, "n1")
     renewed: list[Any] = []
+    fresh = NodeKeys()  # a renewal brings new keys
 
     def renew() -> None:
         try:
             with node.channel() as ch:
                 renewed.append(node_pb2_grpc.NodeGatewayStub(ch).Renew(
-                    pb.RenewRequest(csr_pem=node.keys.csr()), timeout=30))
+                    pb.RenewRequest(csr_pem=fresh.csr()), timeout=30))
         except grpc.RpcError as exc:
             renewed.append(exc)
 
@@ -194,6 +195,7 @@ def test_a_renewal_racing_the_nodes_revocation_never_leaves_it_a_good_certificat
     revoking.join(30)
     assert len(renewed) == 1
     if isinstance(renewed[0], pb.RenewResponse):
+        node.keys = fresh
         node.certified(renewed[0].certificate_pem)
     session = node.session()  # with whatever it holds now
     assert session.recv() is None, "the node holds a good certificate after its revocation"
@@ -336,7 +338,7 @@ def test_a_node_renewing_in_a_loop_is_refused_past_its_burst(database: str, pool
 
         def renew() -> pb.RenewResponse:
             with node.channel() as channel:
-                return node_pb2_grpc.NodeGatewayStub(channel).Renew(pb.RenewRequest(csr_pem=node.keys.csr()), timeout=10)
+                return node_pb2_grpc.NodeGatewayStub(channel).Renew(pb.RenewRequest(csr_pem=NodeKeys().csr()), timeout=10)
 
         for _ in range(3):
             assert renew().certificate_pem

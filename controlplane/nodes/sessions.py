@@ -9,6 +9,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from controlplane import db
 from controlplane.nodes import queries
+from controlplane.nodes.tenancy import RENEW_CHANNEL
 
 # Sessions of a node re-check that they are still its newest, with a certificate not revoked.
 SESSION_CHANNEL = "bc_node_session"
@@ -17,6 +18,11 @@ SESSION_CHANNEL = "bc_node_session"
 async def recheck(conn: AsyncConnection, node_id: str) -> None:
     """Wake the node's sessions, wherever they are, to re-check themselves (at commit)."""
     await conn.execute(queries.NOTIFY_SESSIONS, {"channel": SESSION_CHANNEL, "node_id": node_id})
+
+
+async def hint_renewal(conn: AsyncConnection, node_id: str) -> None:
+    """Tell the node's sessions, wherever they are, to send it a RenewHint (at commit)."""
+    await conn.execute(queries.NOTIFY_SESSIONS, {"channel": RENEW_CHANNEL, "node_id": node_id})
 
 
 async def open(pool: AsyncConnectionPool, node_id: str, session_id: str, gateway_id: str) -> None:

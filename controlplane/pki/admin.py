@@ -14,8 +14,8 @@ from psycopg_pool import AsyncConnectionPool
 from controlplane import db, db_errors, errors
 from controlplane.common.names import NODE_ID, NODE_NAME, POOL_ID, match
 from controlplane.ids import token_hash
-from controlplane.nodes import registry
-from controlplane.pki import NODE, NODE_ROLES, store
+from controlplane.nodes import registry, sessions
+from controlplane.pki import NODE, NODE_ROLES, certs, store
 from controlplane.pki.config import PkiSettings
 
 DEFAULT_TTL_SECONDS = 3600
@@ -51,7 +51,8 @@ async def _require_node(conn: AsyncConnection, node_id: str) -> None:
 async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: str, reason: str) -> list[str]:
     """Revoke one certificate or all of a node's; already revoked ones are left as they are. By
     node id the node itself is revoked too: it enrols again only after `readmit_node`, with a join
-    token issued after the revocation (its name's unspent ones are void)."""
+    token issued after the revocation (its name's unspent ones are void). A node's signing
+    certificate revoked by serial makes the node's sessions hint it to renew."""
     if bool(node_id) == bool(serial):
         raise errors.InvalidInput("target", "name exactly one of nodeId or serial")
     if node_id:
@@ -62,15 +63,21 @@ async def revoke_certificates(pool: AsyncConnectionPool, node_id: str, serial: s
         raise errors.InvalidInput("reason", "at most 256 characters")
 
     async def work(conn: AsyncConnection) -> list[str]:
+        cert = None
         if node_id:
             await _require_node(conn, node_id)
             # The tokens first, as an enrolment locks them (its token, then the node's row).
             node = await registry.node(conn, node_id)
             await store.void_join_tokens(conn, node["pool_id"], node["name"])
             await registry.mark_revoked(conn, node_id, reason)
-        elif await store.certificate_by_serial(conn, serial) is None:
+        elif (cert := await store.certificate_by_serial(conn, serial)) is None:
             raise errors.NotFound("no such certificate", serial=serial)
-        return await store.revoke(conn, node_id=node_id, serial=serial, reason=reason)
+        revoked = await store.revoke(conn, node_id=node_id, serial=serial, reason=reason)
+        if revoked and cert is not None and cert["usage"] == certs.SIGNING:
+            # Its TLS certificate still serves, and the node would sign with the revoked key (every
+            # report rejected) until its next renewal: it renews now, with new keys.
+            await sessions.hint_renewal(conn, cert["node_id"])
+        return revoked
 
     return await db.run_in_transaction(pool, work)
 

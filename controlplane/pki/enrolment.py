@@ -55,6 +55,11 @@ def _ms(when: dt.datetime) -> int:
 
 async def _issue(conn: AsyncConnection, ca: store.Ca, settings: PkiSettings, csr: certs.CsrBundle,
                  node_id: str, role: str) -> Issued:
+    """Certify the CSRs' keys for the node, only if no certificate ever named them: a revoked
+    key (perhaps stolen) never comes back under a new certificate, nor another node's keys (a copy
+    of its CSRs proves them too) under this one. The caller's transaction rolls back on refusal."""
+    if await store.already_certified(conn, _keys(csr)):
+        raise errors.InvalidInput("csr_pem", "names a key already certified: enrolment and renewal need new keys")
     now = await store.db_now(conn)
     life = dt.timedelta(hours=settings.node_cert_hours)
     pems, not_after = [], []
@@ -110,7 +115,16 @@ async def _answered_again(conn: AsyncConnection, hashed: bytes, csr: certs.CsrBu
     (the CSRs prove the caller holds them), so the node gets the certificates it was issued, as
     long as the token has not expired and they are live. Nothing is issued or spent again; other
     keys with the same token stay refused."""
-    rows = await store.enrolled_with(conn, hashed, [certs.spki(csr.signing), certs.spki(csr.tls)])
+    return _pair(await store.enrolled_with(conn, hashed, _keys(csr)))
+
+
+def _keys(csr: certs.CsrBundle) -> list[bytes]:
+    return [certs.spki(csr.signing), certs.spki(csr.tls)]
+
+
+def _pair(rows: list[dict]) -> Issued | None:
+    """The newest signing and TLS certificates of `rows` (newest first per usage) as an answer;
+    None unless both keys have one."""
     newest = {}
     for row in rows:  # newest first per usage
         newest.setdefault(row["usage"], row)
@@ -123,11 +137,13 @@ async def _answered_again(conn: AsyncConnection, hashed: bytes, csr: certs.CsrBu
 
 async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, peer: Peer,
                 csr_pem: bytes) -> Issued:
-    """New certificates for the same node (the node brings new keys), in the role the control plane
-    gives it now, never one the node asks for: `node-tenant` while a tenant holds the machine (a
-    whole-machine lease, from its start until the machine was seen wiped), otherwise the role it
-    enrolled with. The certificates of the old role are revoked once the node authenticates with
-    a new one (`retire_other_roles`), so an answer lost on the way never locks the node out."""
+    """New certificates for the same node, in the role the control plane gives it now, never one
+    the node asks for: `node-tenant` while a tenant holds the machine (a whole-machine lease, from
+    its start until the machine was seen wiped), otherwise the role it enrolled with. The
+    certificates of the old role are revoked once the node authenticates with a new one
+    (`retire_other_roles`), so an answer lost on the way never locks the node out. The node brings
+    new keys (a key is certified once); a retry with the CSRs of a renewal whose answer was lost
+    gets that renewal's live certificates again."""
     csr = certs.parse_csr_bundle(csr_pem)
 
     async def work(conn: AsyncConnection) -> Issued:
@@ -141,6 +157,12 @@ async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, 
         role = await store.node_role(conn, peer.node_id) or peer.role
         if role != peer.role:
             log.info("node role changes at renewal", node_id=peer.node_id, role=role, was=peer.role)
+        # A retry of a renewal whose answer was lost: these keys' live certificates, issued to this
+        # node in this role, are answered again (nothing issued); any other certified key is refused.
+        again = _pair(await store.certified_to(conn, peer.node_id, role, _keys(csr)))
+        if again is not None:
+            log.info("renewal answered again", node_id=peer.node_id)
+            return again
         return await _issue(conn, ca, settings, csr, peer.node_id, role)
 
     return await db.run_in_transaction(pool, work)

@@ -110,12 +110,42 @@ async def enrolled_with(conn: AsyncConnection, token_hash: bytes, keys: list[byt
     return await (await conn.execute(_ANSWERED_AGAIN, {"token_hash": token_hash, "keys": keys})).fetchall()
 
 
+_CERTIFIED_TO = """
+SELECT c.node_id, c.usage, c.role, c.certificate, c.not_after
+FROM node_certs c
+WHERE c.node_id = %(node_id)s AND c.role = %(role)s AND c.public_key = ANY(%(keys)s)
+  AND c.usage IN ('signing', 'tls') AND c.not_after > now()
+  AND NOT EXISTS (SELECT 1 FROM revocations r WHERE r.serial = c.serial)
+ORDER BY c.usage, c.not_before DESC
+"""
+
+
+async def certified_to(conn: AsyncConnection, node_id: str, role: str, keys: list[bytes]) -> list[dict[str, Any]]:
+    """The node's live certificates in `role` for these public keys, newest first per usage: what
+    a node whose renewal's answer was lost gets again when it retries with the same CSRs."""
+    return await (await conn.execute(_CERTIFIED_TO, {"node_id": node_id, "role": role, "keys": keys})).fetchall()
+
+
 async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: str) -> None:
     await conn.execute("UPDATE join_tokens SET used_at = now(), node_id = %s WHERE token_hash = %s",
                        (node_id, token_hash))
 
 
 # Certificates -------------------------------------------------------------------------------
+
+_KEY_LOCK = "pki:key:"
+
+
+async def already_certified(conn: AsyncConnection, keys: list[bytes]) -> bool:
+    """Whether any certificate (revoked, expired or another node's too) names one of these public
+    keys (SubjectPublicKeyInfo DER). Each key's advisory lock is held to the end of the caller's
+    transaction, so two issuances of one key run one after the other and the second sees the first."""
+    for key in sorted(keys):
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (_KEY_LOCK + key.hex(),))
+    row = await (await conn.execute(
+        "SELECT 1 FROM node_certs WHERE public_key = ANY(%s) LIMIT 1", (keys,))).fetchone()
+    return row is not None
+
 
 async def record_certificate(conn: AsyncConnection, cert: x509.Certificate, node_id: str | None) -> certs.CertFacts:
     facts = certs.facts(cert)
