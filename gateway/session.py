@@ -273,6 +273,10 @@ class SessionRunner:
             raise _ended(errors.Unauthenticated("certificate revoked", sessionId=session.session_id))
         if cert["now"] >= cert["not_after"]:
             raise _ended(errors.Unauthenticated("certificate expired", sessionId=session.session_id))
+        # Good still by the database's clock, which judges it: the next re-check is when that clock
+        # says it runs out (a gateway whose clock runs ahead re-checked once, too early, and then
+        # never again: the session outlived its certificate).
+        session.arm(CHECK, (cert["not_after"] - cert["now"]).total_seconds() + 1)
 
     def _arm(self, session: NodeSession) -> None:
         """A renewal hint between half and 60 % of the certificate's life (spread, so a fleet

@@ -10,6 +10,10 @@ Holes found and fixed:
   certificate was revoked) the old session's heartbeats, hellos, inventories and reports were
   still applied for as long as the node kept the stream open. The re-check now has a task of its
   own; its verdict stops the reader and releases the session before the node is told.
+- **A gateway whose clock runs ahead let a session outlive its certificate.** The re-check at the
+  certificate's end is timed by the gateway's clock, judged by the database's: when it came early
+  the certificate was still good, and no re-check came after. A good re-check now arms the next
+  at the end the database's clock gives.
 
 What held (kept here so it stays held):
 
@@ -28,6 +32,7 @@ import pytest
 from bettercompute.node.v1 import node_pb2 as pb
 from bettercompute.node.v1 import node_pb2_grpc
 from controlplane.pki import admin
+from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.test_gateway import GatewayThread, Node, enrolled, eventually, heartbeat, hello, node_row, pool_id  # noqa: F401
 from tests.test_pki import arun, sql
@@ -113,3 +118,23 @@ def test_a_revoked_session_that_reads_nothing_ends_and_stores_nothing_more(
     finally:
         deaf.close()
 
+
+def test_a_session_ends_when_the_databases_clock_says_its_certificate_ran_out(database: str, pool_id: str) -> None:
+    """The gateway re-checks a session when its own clock says the certificate ran out; the
+    database's clock judges. With the gateway's clock ahead (here: the database's record of the
+    certificate moved 6 s later once the session began, which is the same to the check), the one re-check found the
+    certificate good and none came after: the session outlived its certificate for ever."""
+    gw = GatewayThread(database, GatewaySettings(pki=PkiSettings(node_cert_hours=10 / 3600)))
+    try:
+        node = enrolled(gw, pool_id, "skewed")
+        session = node.session()
+        assert session.recv() is not None  # identified: the gateway took the certificate's end
+        sql(database, "UPDATE node_certs SET not_after = not_after + interval '6 seconds' WHERE node_id = %s",
+            (node.node_id,))
+        ended = session.ended(timeout=60)
+        assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "expired" in ended.details()
+        assert sql(database, "SELECT now() >= max(not_after) AS past FROM node_certs WHERE node_id = %s",
+                   (node.node_id,))[0]["past"]
+    finally:
+        gw.stop()
