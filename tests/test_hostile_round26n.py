@@ -17,13 +17,23 @@ Holes found and fixed:
 
 What held (kept here so it stays held):
 
-- (filled in below)
+- A gateway process killed (-9) just after a node sent a bound report: the node sends it again on
+  another gateway, it is stored once (STORED or REPLAYED), judged once, and the reservation is
+  active; the node is connected on its new session, and a node of the dead gateway that never
+  comes back is marked unreachable by the living gateway's sweep.
+- A node's session moving from gateway A to B: the old session ends ABORTED; its unregister,
+  A's sweeps (which store its last heartbeat once, then forget it) and A's shutdown leave B's
+  session registered, the node connected and B's heartbeats applied.
+- Heartbeats with an absurd applied generation (int64's bounds, negative, far ahead of the
+  desired one) are stored as said and change nothing else: nothing that decides reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import queue
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -34,7 +44,9 @@ from bettercompute.node.v1 import node_pb2_grpc
 from controlplane.pki import admin
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
-from tests.test_gateway import GatewayThread, Node, enrolled, eventually, heartbeat, hello, node_row, pool_id  # noqa: F401
+from tests.nodes_support import ControlPlane
+from tests.test_gateway import (GatewayThread, Node, binding, cdi_names, enrolled, eventually, gateway_process,
+                                heartbeat, hello, join_token, node_row, pool_id)  # noqa: F401
 from tests.test_pki import arun, sql
 
 
@@ -138,3 +150,120 @@ def test_a_session_ends_when_the_databases_clock_says_its_certificate_ran_out(da
                    (node.node_id,))[0]["past"]
     finally:
         gw.stop()
+
+
+def test_a_gateway_killed_with_a_report_in_flight_loses_nothing_and_applies_nothing_twice(
+        database: str, tmp_path: pathlib.Path) -> None:
+    """A real gateway process killed (-9) just after a node sent its bound report: the node, which
+    keeps a report until its ack, reconnects to another gateway and sends it again. Stored once,
+    judged once, the reservation active; the node connected on its new session; another node of
+    the dead gateway that never comes back is marked unreachable by the living one."""
+    cp = ControlPlane(database)
+    proc, remote = gateway_process(database, tmp_path)
+    other = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_grace_seconds=3, sweep_seconds=0.5))
+    try:
+        node, gone = Node(remote), Node(remote)
+        node.enrol(join_token(database, cp.pool_id, "survivor"))
+        gone.enrol(join_token(database, cp.pool_id, "gone"))
+        session, lost = node.session(), gone.session()
+        for n, s in ((node, session), (gone, lost)):
+            assert s.recv() is not None
+            s.send(hello(uuid=f"GPU-{n.node_id}"))
+            eventually(lambda n=n: node_row(database, n.node_id)["connectivity"] == "connected", what="hello")
+        rid, aid = binding(cp, count=4)
+        owner = sql(database, "SELECT node_id FROM allocations WHERE id = %s", (aid,))[0]["node_id"]
+        sender = node if owner == node.node_id else gone
+        s_from = session if sender is node else lost
+        body = pb.Report(node_id=sender.node_id, sequence=int(time.time() * 1000), time=int(time.time() * 1000),
+                         bound=pb.AllocationBound(allocation_id=aid, cdi_devices=cdi_names(database, aid)))
+        report = sender.report(body.SerializeToString())
+        s_from.send(report)
+        proc.kill()  # -9, the report in flight
+        proc.wait(timeout=30)
+        assert s_from.ended() is not None
+        sender.gateway = other
+        again = sender.session()
+        assert again.recv() is not None
+        again.send(hello(uuid=f"GPU-{sender.node_id}"))
+        again.send(report)  # never acknowledged: sent again
+        ack = again.recv("report_ack")
+        assert ack.outcome in (pb.REPORT_STORED, pb.REPORT_REPLAYED)
+        rows = sql(database, "SELECT body FROM node_reports WHERE allocation_id = %s", (aid,))
+        assert [bytes(r["body"]) for r in rows] == [report.report.body]
+        cp.drain()
+        assert cp.get(rid).state == "active"
+        row = node_row(database, sender.node_id)
+        assert (row["connectivity"], row["session_gateway"]) == ("connected", other.settings.gateway_id)
+        stranded = gone if sender is node else node
+
+        def swept() -> bool:
+            again.send(heartbeat(1))  # the survivor keeps talking
+            return node_row(database, stranded.node_id)["connectivity"] == "unreachable"
+
+        eventually(swept, timeout=30, what="the node of the dead gateway that never came back marked unreachable")
+        assert node_row(database, sender.node_id)["connectivity"] == "connected"
+        cp.check_invariants()
+        again.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        other.stop()
+        cp.stop()
+
+
+def test_a_superseded_sessions_end_and_its_gateways_sweeps_leave_the_newer_session_alone(
+        database: str, pool_id: str) -> None:
+    """The node's session moves from gateway A to B. A's old session ends; its unregister, A's
+    sweeps (which store its last heartbeat once, then forget it) and A's shutdown (which
+    unregisters every session of A) leave B's session registered and the node connected."""
+    a, b = (GatewayThread(database, dataclasses.replace(GatewaySettings(), node_grace_seconds=3, sweep_seconds=0.3))
+            for _ in range(2))
+    try:
+        node = enrolled(a, pool_id, "mover")
+        old = node.session()
+        assert old.recv() is not None
+        old.send(hello(uuid="GPU-mover"))
+        old.send(heartbeat(3))
+        eventually(lambda: node_row(database, node.node_id)["applied_generation"] == 3, what="heard on A")
+        node.gateway = b
+        new = node.session()
+        assert new.recv() is not None
+        ended = old.ended()
+        assert ended is not None and ended.code() == grpc.StatusCode.ABORTED
+        registered = node_row(database, node.node_id)["session_id"]
+
+        def forgotten_by_a() -> bool:
+            new.send(heartbeat(4))  # the node goes on talking, to B
+            return a.gateway.runner.liveness.heard_at(node.node_id) is None
+
+        eventually(forgotten_by_a, what="A's sweep storing the old session's last heartbeat and forgetting it")
+        a.stop()  # unregisters A's sessions: none of this node's
+        row = node_row(database, node.node_id)
+        assert (row["session_id"], row["session_gateway"]) == (registered, b.settings.gateway_id)
+        assert row["connectivity"] == "connected" and row["applied_generation"] == 4
+        sql(database, "SELECT bump_desired(%s)", (node.node_id,))
+        assert new.recv().generation == 1  # still served
+        new.close()
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.parametrize("generation", [2**63 - 1, -(2**63), -1, 10**12])
+def test_a_heartbeat_with_an_absurd_applied_generation_is_stored_and_changes_nothing_else(
+        quiet_gateway: GatewayThread, pool_id: str, generation: int) -> None:
+    """The applied generation is the node's word about itself, read by nothing that decides:
+    far ahead of the desired one, negative or int64's bounds, it is stored as said; the session
+    goes on and the desired state it is pushed keeps its own generation."""
+    gw = quiet_gateway
+    node = enrolled(gw, pool_id, f"absurd-{abs(generation) % 997}")
+    session = node.session()
+    assert session.recv().generation == 0
+    session.send(hello(uuid=f"GPU-absurd-{abs(generation) % 997}"))
+    session.send(heartbeat(generation))
+    eventually(lambda: node_row(gw.conninfo, node.node_id)["applied_generation"] == generation, what="stored")
+    assert node_row(gw.conninfo, node.node_id)["desired_generation"] == 0
+    sql(gw.conninfo, "SELECT bump_desired(%s)", (node.node_id,))
+    assert session.recv().generation == 1
+    session.close()
