@@ -3,6 +3,7 @@ node is who its client certificate says, never what a message says)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,19 @@ from gateway.throttle import Throttle
 log = structlog.get_logger("gateway.session")
 
 Ctx = grpc.aio.ServicerContext
+OPEN_WAIT_SECONDS = 10.0  # a session open that would wait longer for the node's turn is refused
+
+
+def _paced(throttle: Throttle, node_id: str | None, most: float, refusal: str) -> float:
+    """The wait before the named node's next call (its bucket's turn); QUOTA_EXCEEDED
+    (`rate-limited`, `retryAfterSeconds`) when that is longer than `most`. A certificate without
+    a name is paced by identify's refusal, not here."""
+    if node_id is None:
+        return 0.0
+    wait = throttle.wait(node_id, most=most)
+    if wait < 0:
+        raise errors.QuotaExceeded(refusal, reason="rate-limited", retryAfterSeconds=max(1, math.ceil(-wait)))
+    return wait
 
 
 class NodeGatewayServicer(rpc.NodeGatewayServicer):
@@ -39,6 +53,9 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         cert_pem = tls.peer_certificate(context)
         if (refused := self.refusals.refused(cert_pem)) is not None:
             raise refused
+        return await self._identify(cert_pem)
+
+    async def _identify(self, cert_pem: bytes | None) -> enrolment.Peer:
         try:
             peer = await enrolment.identify(self.pool, cert_pem)
         except errors.Unauthenticated as exc:
@@ -54,11 +71,13 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
                                 ca_certificate_pem=self.ca.pem, not_after=issued.not_after_ms)
 
     async def Renew(self, request: pb.RenewRequest, context: Ctx) -> pb.RenewResponse:
-        peer = await self._peer(context)
-        wait = self.renewals.wait(peer.node_id, most=0.0)
-        if wait < 0:  # a node renewing in a loop: refused, not queued (gateway.throttle)
-            raise errors.QuotaExceeded("this node renews too often", reason="rate-limited",
-                                       retryAfterSeconds=max(1, math.ceil(-wait)))
+        cert_pem = tls.peer_certificate(context)
+        if (refused := self.refusals.refused(cert_pem)) is not None:
+            raise refused
+        # The node's turn before anything is read about it: a node renewing in a loop is refused,
+        # not queued (gateway.throttle), and its refused calls cost no database read.
+        _paced(self.renewals, tls.peer_name(context), 0.0, "this node renews too often")
+        peer = await self._identify(cert_pem)
         issued = await enrolment.renew(self.pool, self.ca, self.settings, peer, request.csr_pem)
         return pb.RenewResponse(certificate_pem=issued.certificate_pem, not_after=issued.not_after_ms)
 
@@ -68,6 +87,19 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
             log.info("session refused", code=refused.code, reason=refused.message, remembered=True)
             await context.abort_with_status(to_status(refused.code, refused.message, refused.details))
             return
+        # Opening costs transactions like a hello (the certificate read, registered, other roles
+        # retired, the desired state read, unregistered at the end): the node's turn first, before
+        # any of them, so opening streams by the hundred costs nothing; one that would wait longer
+        # than OPEN_WAIT_SECONDS is refused rather than held in a task (gateway.throttle).
+        try:
+            wait = _paced(self.sessions.throttle, tls.peer_name(context), OPEN_WAIT_SECONDS,
+                          "this node opens sessions too often")
+        except errors.QuotaExceeded as exc:
+            log.info("session refused", code=exc.code, reason=exc.message)
+            await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+            return
+        if wait > 0:
+            await asyncio.sleep(wait)
         arrival = self.sessions.liveness.arriving()  # the sweeper holds until its hello is in
         try:
             try:

@@ -30,7 +30,8 @@ from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
 
-# A transaction each: throttled per node (and each open; and a heartbeat that writes, see _handle)
+# A transaction each: throttled per node (and each open, paced by the servicer before the certificate is
+# read; and a heartbeat that writes, see _handle)
 COSTLY = frozenset({"hello", "inventory", "report"})
 UNSENT_ACKS = 1000  # GatewaySettings.node_unsent_acks
 TELL_SECONDS = 30.0  # how long a session's end waits for a node that reads nothing to take it
@@ -73,9 +74,7 @@ class SessionRunner:
         reader: asyncio.Task | None = None
         outcome = "node closed the stream"
         try:
-            # Opening costs transactions like a hello (registered, other roles retired, the desired
-            # state read, unregistered at the end): paced the same, so reconnecting in a loop is too.
-            await self._throttled(session)
+            # (Opening was paced by the servicer, before the certificate was read.)
             # Listen first, then register: a newer session registering after us always wakes us.
             self.hub.add(session)
             await sessions.open(self.pool, session.node_id, session.session_id, self.gateway_id)

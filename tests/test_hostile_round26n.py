@@ -14,6 +14,12 @@ Holes found and fixed:
   certificate's end is timed by the gateway's clock, judged by the database's: when it came early
   the certificate was still good, and no re-check came after. A good re-check now arms the next
   at the end the database's clock gives.
+- **A node opening session streams by the hundred cost a database read each, unpaced.** Streams
+  are cheap to open on one connection; each read the node's certificate before the node's turn
+  was looked at, and then waited its turn in a task of its own. The turn is now taken first (the
+  node named by its TLS-verified certificate), and an open that would wait more than 10 s is
+  refused (RESOURCE_EXHAUSTED, rate-limited, retryAfterSeconds); Renew is paced the same way
+  before its read.
 
 What held (kept here so it stays held):
 
@@ -267,3 +273,30 @@ def test_a_heartbeat_with_an_absurd_applied_generation_is_stored_and_changes_not
     sql(gw.conninfo, "SELECT bump_desired(%s)", (node.node_id,))
     assert session.recv().generation == 1
     session.close()
+
+
+def test_a_node_opening_sessions_by_the_hundred_is_refused_before_any_database_read(
+        database: str, pool_id: str) -> None:
+    """Session streams are cheap to open (one connection, one handshake, a few bytes each), and each
+    read the node's certificate from the database before the node's turn was looked at: a node
+    opening hundreds at once cost a read each, and each then waited its turn in a task of its own.
+    Now the turn is taken first (the node named by its certificate, which TLS verified against the
+    CA), and an open that would wait long is refused (RESOURCE_EXHAUSTED, rate-limited)."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=0.001,
+                                                     node_messages_burst=2))
+    calls: list[Deaf] = []
+    try:
+        node = enrolled(gw, pool_id, "opener")
+        before = gw.gateway.pool.get_stats()["requests_num"]
+        calls = [Deaf(node) for _ in range(60)]
+
+        def refused() -> list[Deaf]:
+            return [c for c in calls if c.call.done() and c.call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+        eventually(lambda: len(refused()) >= 58, what="the opens past the node's turn refused")
+        assert all("rate-limited" in str(c.call.trailing_metadata()) or c.call.details() for c in refused())
+        assert gw.gateway.pool.get_stats()["requests_num"] - before < 40  # not a read per refused open
+    finally:
+        for c in calls:
+            c.close()
+        gw.stop()
