@@ -30,6 +30,8 @@ What held (kept here so it stays held):
 - A node's session moving from gateway A to B: the old session ends ABORTED; its unregister,
   A's sweeps (which store its last heartbeat once, then forget it) and A's shutdown leave B's
   session registered, the node connected and B's heartbeats applied.
+- A certificate revoked by serial (not the node) while its inventory waits for the pool's lock:
+  the session ends UNAUTHENTICATED and the inventory's wait is cancelled, none of it applied.
 - Heartbeats with an absurd applied generation (int64's bounds, negative, far ahead of the
   desired one) are stored as said and change nothing else: nothing that decides reads them.
 """
@@ -43,6 +45,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import psycopg
 import pytest
 
 from bettercompute.node.v1 import node_pb2 as pb
@@ -51,8 +54,8 @@ from controlplane.pki import admin
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.nodes_support import ControlPlane
-from tests.test_gateway import (GatewayThread, Node, binding, cdi_names, enrolled, eventually, gateway_process,
-                                heartbeat, hello, join_token, node_row, pool_id)  # noqa: F401
+from tests.test_gateway import (GatewayThread, Node, binding, cdi_names, connected, enrolled, eventually,  # noqa: F401
+                                gateway, gateway_process, heartbeat, hello, join_token, node_row, pool_id)
 from tests.test_pki import arun, sql
 
 
@@ -300,3 +303,26 @@ def test_a_node_opening_sessions_by_the_hundred_is_refused_before_any_database_r
         for c in calls:
             c.close()
         gw.stop()
+
+
+def test_a_certificate_revoked_while_its_inventory_waits_for_the_pool_applies_none_of_it(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """Only the session's certificate is revoked (by serial, not the node) while its inventory waits
+    for the pool's lock: the session ends UNAUTHENTICATED and the inventory is never applied (the
+    inventory's own check reads the node's revocation only)."""
+    node, session = connected(gateway, pool_id, "leaky", uuid="GPU-LEAKY")
+    serial = sql(gateway.conninfo, "SELECT serial FROM node_certs WHERE node_id = %s AND usage = 'tls'",
+                 (node.node_id,))[0]["serial"]
+    stale = hello(uuid="GPU-AFTER").hello.inventory
+    with psycopg.connect(gateway.conninfo) as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
+        session.send(pb.NodeMessage(inventory=stale))
+        eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"),
+                   what="the inventory waiting for the pool lock")
+        arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, "", serial, "key leaked"))
+        ended = session.ended()
+        assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED
+        eventually(lambda: not sql(gateway.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+                                                     " AND NOT granted"), what="the inventory's wait cancelled")
+    stored = node_row(gateway.conninfo, node.node_id)["inventory"]
+    assert sorted(g["uuid"] for g in stored["gpus"]) == [f"GPU-LEAKY-{i}" for i in range(4)]
