@@ -32,6 +32,8 @@ What held (kept here so it stays held):
   session registered, the node connected and B's heartbeats applied.
 - A certificate revoked by serial (not the node) while its inventory waits for the pool's lock:
   the session ends UNAUTHENTICATED and the inventory's wait is cancelled, none of it applied.
+- A certificate revoked after it was read good but before its session joined the hub (its
+  notification unheard): the session's own registration wakes it to check itself, and it ends.
 - Heartbeats with an absurd applied generation (int64's bounds, negative, far ahead of the
   desired one) are stored as said and change nothing else: nothing that decides reads them.
 """
@@ -326,3 +328,22 @@ def test_a_certificate_revoked_while_its_inventory_waits_for_the_pool_applies_no
                                                      " AND NOT granted"), what="the inventory's wait cancelled")
     stored = node_row(gateway.conninfo, node.node_id)["inventory"]
     assert sorted(g["uuid"] for g in stored["gpus"]) == [f"GPU-LEAKY-{i}" for i in range(4)]
+
+
+def test_a_certificate_revoked_before_its_session_registered_ends_the_session(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """The certificate was read good, then revoked before the session joined the gateway's hub: the
+    revocation's notification came when no session of the node was there to hear it (written here
+    without its notification, which stands for that). Held: the session's own registration wakes
+    the node's sessions, itself included, so it checks itself once registered and ends."""
+    node = enrolled(gateway, pool_id, "early")
+    serial = sql(gateway.conninfo, "SELECT serial FROM node_certs WHERE node_id = %s AND usage = 'tls'",
+                 (node.node_id,))[0]["serial"]
+    with psycopg.connect(gateway.conninfo) as conn, conn.transaction():
+        conn.execute("SELECT 1 FROM nodes WHERE id = %s FOR UPDATE", (node.node_id,))  # the registering waits
+        session = node.session()
+        eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                                                 " AND query LIKE '%%SET session_id%%'"), what="the session registering")
+        sql(gateway.conninfo, "INSERT INTO revocations (serial, reason) VALUES (%s, 'stolen')", (serial,))
+    ended = session.ended()
+    assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in ended.details()
