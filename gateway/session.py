@@ -199,7 +199,7 @@ class SessionRunner:
         if kind in COSTLY:
             await self._throttled(session)
         if kind == "hello":
-            took = await inventory.apply_hello(self.pool, node_id, message.hello)
+            took = await inventory.apply_hello(self.pool, node_id, message.hello, session.session_id)
             self.throttle.charge(node_id, took)
             await self.liveness.hello(node_id)
             self.liveness.arrived(session.arrival)
@@ -212,7 +212,7 @@ class SessionRunner:
                 await self._throttled(session)
             await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
-            took = await inventory.apply_inventory(self.pool, node_id, message.inventory)
+            took = await inventory.apply_inventory(self.pool, node_id, message.inventory, session.session_id)
             self.throttle.charge(node_id, took)  # the time it held the pool's lock (gateway.throttle)
             await self.liveness.hello(node_id)
             log.info("inventory", gpus=len(message.inventory.gpus), took_ms=_ms(took))

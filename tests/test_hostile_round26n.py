@@ -20,6 +20,12 @@ Holes found and fixed:
   node named by its TLS-verified certificate), and an open that would wait more than 10 s is
   refused (RESOURCE_EXHAUSTED, rate-limited, retryAfterSeconds); Renew is paced the same way
   before its read.
+- **A replaced session's hello or inventory landed over the newer session's.** Between a newer
+  session registering (on any gateway) and the old one hearing of it, the old session's hello or
+  inventory was applied after the newer one had spoken: a GPU list the machine no longer has,
+  capabilities its daemon no longer advertises. They are now applied only while their session is
+  the node's newest, read under the node's row lock that registering takes too (CONFLICT: the
+  old session ends ABORTED).
 
 What held (kept here so it stays held):
 
@@ -343,7 +349,28 @@ def test_a_certificate_revoked_before_its_session_registered_ends_the_session(
         conn.execute("SELECT 1 FROM nodes WHERE id = %s FOR UPDATE", (node.node_id,))  # the registering waits
         session = node.session()
         eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                                                 " AND query LIKE '%%SET session_id%%'"), what="the session registering")
+                                                 " AND query LIKE '%%SET session_id%%'"),
+                   what="the session registering")
         sql(gateway.conninfo, "INSERT INTO revocations (serial, reason) VALUES (%s, 'stolen')", (serial,))
     ended = session.ended()
     assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in ended.details()
+
+
+def test_a_hello_or_inventory_of_a_session_a_newer_one_replaced_is_never_applied(
+        gateway: GatewayThread, pool_id: str) -> None:
+    """A newer session of the node registered (on another gateway) and its notification has not
+    reached this gateway yet: it is written here without one, which stands for that window (the
+    old session hears of it a moment later, and ends). Meanwhile what the old session sends was
+    applied over what the newer one said: an inventory the machine no longer has. Now a hello or
+    inventory is applied only while its session is the node's newest (read under the node's row
+    lock, which registering a session takes too); otherwise the session ends ABORTED."""
+    node, old = connected(gateway, pool_id, "replaced", uuid="GPU-NOW")
+    sql(gateway.conninfo, "UPDATE nodes SET session_id = 'sess_newer', session_gateway = 'elsewhere' WHERE id = %s",
+        (node.node_id,))
+    old.send(pb.NodeMessage(inventory=hello(uuid="GPU-STALE").hello.inventory))
+    old.send(hello(uuid="GPU-STALE", version="bcd stale"))
+    ended = old.ended()
+    assert ended is not None and ended.code() == grpc.StatusCode.ABORTED
+    row = node_row(gateway.conninfo, node.node_id)
+    assert sorted(g["uuid"] for g in row["inventory"]["gpus"]) == [f"GPU-NOW-{i}" for i in range(4)]
+    assert row["daemon_version"] != "bcd stale" and row["session_id"] == "sess_newer"
