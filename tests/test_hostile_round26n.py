@@ -19,7 +19,7 @@ Holes found and fixed:
   was looked at, and then waited its turn in a task of its own. The turn is now taken first (the
   node named by its TLS-verified certificate), and an open that would wait more than 10 s is
   refused (RESOURCE_EXHAUSTED, rate-limited, retryAfterSeconds); Renew is paced the same way
-  before its read.
+  before its read (a refused renewal read the certificate first).
 - **A replaced session's hello or inventory landed over the newer session's.** Between a newer
   session registering (on any gateway) and the old one hearing of it, the old session's hello or
   inventory was applied after the newer one had spoken: a GPU list the machine no longer has,
@@ -374,3 +374,23 @@ def test_a_hello_or_inventory_of_a_session_a_newer_one_replaced_is_never_applied
     row = node_row(gateway.conninfo, node.node_id)
     assert sorted(g["uuid"] for g in row["inventory"]["gpus"]) == [f"GPU-NOW-{i}" for i in range(4)]
     assert row["daemon_version"] != "bcd stale" and row["session_id"] == "sess_newer"
+
+
+def test_renewals_past_the_nodes_turn_are_refused_before_any_database_read(database: str, pool_id: str) -> None:
+    """As for session opens: a renewal past the node's turn is refused before its certificate is
+    read (it was read first, then refused)."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_renewals_per_hour=1,
+                                                     node_renewals_burst=1))
+    try:
+        node = enrolled(gw, pool_id, "renewer")
+        with node.channel() as channel:
+            stub = node_pb2_grpc.NodeGatewayStub(channel)
+            assert stub.Renew(pb.RenewRequest(csr_pem=node.keys.csr()), timeout=10).certificate_pem
+            before = gw.gateway.pool.get_stats()["requests_num"]
+            for _ in range(30):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Renew(pb.RenewRequest(csr_pem=node.keys.csr()), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert gw.gateway.pool.get_stats()["requests_num"] - before < 10  # not a read per refusal
+    finally:
+        gw.stop()
