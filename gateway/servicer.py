@@ -3,9 +3,8 @@ node is who its client certificate says, never what a message says)."""
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import math
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
@@ -26,7 +25,19 @@ from gateway.throttle import Throttle
 log = structlog.get_logger("gateway.session")
 
 Ctx = grpc.aio.ServicerContext
-RENEWERS_KEPT = 10_000
+OPEN_WAIT_SECONDS = 10.0  # a session open that would wait longer for the node's turn is refused
+
+
+def _paced(throttle: Throttle, node_id: str | None, most: float, refusal: str) -> float:
+    """The wait before the named node's next call (its bucket's turn); QUOTA_EXCEEDED
+    (`rate-limited`, `retryAfterSeconds`) when that is longer than `most`. A certificate without
+    a name is paced by identify's refusal, not here."""
+    if node_id is None:
+        return 0.0
+    wait = throttle.wait(node_id, most=most)
+    if wait < 0:
+        raise errors.QuotaExceeded(refusal, reason="rate-limited", retryAfterSeconds=max(1, math.ceil(-wait)))
+    return wait
 
 
 class NodeGatewayServicer(rpc.NodeGatewayServicer):
@@ -35,8 +46,6 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         self.pool, self.ca, self.settings, self.sessions = pool, ca, settings, sessions
         self.renewals = renewals or Throttle(0, 1)
         self.refusals = refusals if refusals is not None else Refusals(0, 0)
-        # The node of each client certificate that called Renew here (the newest RENEWERS_KEPT).
-        self._renewers: OrderedDict[bytes, str] = OrderedDict()
 
     async def _peer(self, context: Ctx) -> enrolment.Peer:
         """The node of the client certificate; a certificate refused lately is refused again from
@@ -44,6 +53,9 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         cert_pem = tls.peer_certificate(context)
         if (refused := self.refusals.refused(cert_pem)) is not None:
             raise refused
+        return await self._identify(cert_pem)
+
+    async def _identify(self, cert_pem: bytes | None) -> enrolment.Peer:
         try:
             peer = await enrolment.identify(self.pool, cert_pem)
         except errors.Unauthenticated as exc:
@@ -62,26 +74,12 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         cert_pem = tls.peer_certificate(context)
         if (refused := self.refusals.refused(cert_pem)) is not None:
             raise refused
-        # A certificate that renewed here before is paced before the read that says whose it is: a
-        # node renewing in a loop past its burst costs no read per call.
-        key = hashlib.sha256(cert_pem).digest() if cert_pem else b""
-        known = self._renewers.get(key)
-        if known is not None:
-            self._pace_renewal(known)
-        peer = await self._peer(context)
-        if known is None:
-            self._renewers[key] = peer.node_id  # a certificate's node never changes
-            while len(self._renewers) > RENEWERS_KEPT:
-                self._renewers.popitem(last=False)
-            self._pace_renewal(peer.node_id)
+        # The node's turn before anything is read about it: a node renewing in a loop is refused,
+        # not queued (gateway.throttle), and its refused calls cost no database read.
+        _paced(self.renewals, tls.peer_name(context), 0.0, "this node renews too often")
+        peer = await self._identify(cert_pem)
         issued = await enrolment.renew(self.pool, self.ca, self.settings, peer, request.csr_pem)
         return pb.RenewResponse(certificate_pem=issued.certificate_pem, not_after=issued.not_after_ms)
-
-    def _pace_renewal(self, node_id: str) -> None:
-        wait = self.renewals.wait(node_id, most=0.0)
-        if wait < 0:  # a node renewing in a loop: refused, not queued (gateway.throttle)
-            raise errors.QuotaExceeded("this node renews too often", reason="rate-limited",
-                                       retryAfterSeconds=max(1, math.ceil(-wait)))
 
     async def Session(self, request_iterator: AsyncIterator[pb.NodeMessage], context: Ctx) -> None:
         if (refused := self.refusals.refused(tls.peer_certificate(context))) is not None:
@@ -89,6 +87,19 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
             log.info("session refused", code=refused.code, reason=refused.message, remembered=True)
             await context.abort_with_status(to_status(refused.code, refused.message, refused.details))
             return
+        # Opening costs transactions like a hello (the certificate read, registered, other roles
+        # retired, the desired state read, unregistered at the end): the node's turn first, before
+        # any of them, so opening streams by the hundred costs nothing; one that would wait longer
+        # than OPEN_WAIT_SECONDS is refused rather than held in a task (gateway.throttle).
+        try:
+            wait = _paced(self.sessions.throttle, tls.peer_name(context), OPEN_WAIT_SECONDS,
+                          "this node opens sessions too often")
+        except errors.QuotaExceeded as exc:
+            log.info("session refused", code=exc.code, reason=exc.message)
+            await context.abort_with_status(to_status(exc.code, exc.message, exc.details))
+            return
+        if wait > 0:
+            await asyncio.sleep(wait)
         arrival = self.sessions.liveness.arriving()  # the sweeper holds until its hello is in
         try:
             try:

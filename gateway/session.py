@@ -9,7 +9,8 @@ import asyncio
 import datetime as dt
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 import structlog
@@ -29,9 +30,11 @@ from gateway.throttle import Throttle
 
 log = structlog.get_logger("gateway.session")
 
-# A transaction each: throttled per node (and each open; and a heartbeat that writes, see _handle)
+# A transaction each: throttled per node (and each open, paced by the servicer before the certificate is
+# read; and a heartbeat that writes, see _handle)
 COSTLY = frozenset({"hello", "inventory", "report"})
 UNSENT_ACKS = 1000  # GatewaySettings.node_unsent_acks
+TELL_SECONDS = 30.0  # how long a session's end waits for a node that reads nothing to take it
 
 
 class SessionEnded(Exception):
@@ -68,27 +71,24 @@ class SessionRunner:
         session = NodeSession(peer, new_id("sess"), arrival=arrival)
         structlog.contextvars.bind_contextvars(node_id=peer.node_id, session_id=session.session_id)
         started = time.perf_counter()
-        timers: list[asyncio.TimerHandle] = []
         reader: asyncio.Task | None = None
         outcome = "node closed the stream"
         try:
-            # Opening costs transactions like a hello (registered, other roles retired, the desired
-            # state read, unregistered at the end): paced the same, so reconnecting in a loop is too.
-            await self._throttled(session)
+            # (Opening was paced by the servicer, before the certificate was read.)
             # Listen first, then register: a newer session registering after us always wakes us.
             self.hub.add(session)
             await sessions.open(self.pool, session.node_id, session.session_id, self.gateway_id)
             await enrolment.retire_other_roles(self.pool, peer)  # after a role change (whole-machine leases)
             log.info("session started", serial=peer.serial, role=peer.role, gateway=self.gateway_id)
-            timers = self._timers(session)
+            self._arm(session)
             reader = asyncio.create_task(self._read(session, requests), name=f"session-{session.session_id}")
-            await self._serve(session, reader, context)
+            await self._serve_and_watch(session, reader, context)
         except SessionEnded as ended:
             outcome = ended.message
-            if ended.status is not None:
-                await context.abort_with_status(ended.status)
-            else:
-                await context.abort(ended.code, ended.message)
+            # Over before the node hears it: a node that reads nothing hears it only once it reads.
+            await self._release(session, reader, outcome, started)
+            await _tell(context.abort_with_status(ended.status) if ended.status is not None
+                        else context.abort(ended.code, ended.message))
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -98,28 +98,63 @@ class SessionRunner:
             # Never grpc's default, which tells the node the exception's text (a database
             # message included): UNAVAILABLE for a database fault (the node reconnects), else INTERNAL.
             outcome = f"failed: {type(exc).__name__}"
-            await context.abort_with_status(failure_status(exc, sessionId=session.session_id))
+            await self._release(session, reader, outcome, started)
+            await _tell(context.abort_with_status(failure_status(exc, sessionId=session.session_id)))
         finally:
-            if reader is not None:
-                reader.cancel()
-            for timer in timers:
-                timer.cancel()
-            self.hub.remove(session)
-            if not self.hub.sessions(session.node_id):
-                self.liveness.ended(session.node_id)
-            # gRPC cancels this task when the node cancels its call, which may come just after
-            # the node closed its side, while the session is being unregistered: the end runs to
-            # its end on its own (a session left registered would wait for the sweeper's grace).
-            ending = asyncio.ensure_future(self._end(session, outcome, started))
-            self._ending.add(ending)
-            ending.add_done_callback(self._ending.discard)
-            await asyncio.shield(ending)
+            await self._release(session, reader, outcome, started)
+
+    async def _release(self, session: NodeSession, reader: asyncio.Task | None, outcome: str,
+                       started: float) -> None:
+        """The session's end on this side (once): its reader stops, it leaves the hub and is
+        unregistered."""
+        if session.released:
+            return
+        session.released = True
+        if reader is not None:
+            reader.cancel()
+        session.disarm()
+        self.hub.remove(session)
+        if not self.hub.sessions(session.node_id):
+            self.liveness.ended(session.node_id)
+        # gRPC cancels this task when the node cancels its call, which may come just after
+        # the node closed its side, while the session is being unregistered: the end runs to
+        # its end on its own (a session left registered would wait for the sweeper's grace).
+        ending = asyncio.ensure_future(self._end(session, outcome, started))
+        self._ending.add(ending)
+        ending.add_done_callback(self._ending.discard)
+        await asyncio.shield(ending)
 
     async def _end(self, session: NodeSession, outcome: str, started: float) -> None:
         await self._unregister(session)
         log.info("session ended", outcome=outcome, reports_ignored=session.reports_ignored,
                  reports_replayed=session.reports_replayed, throttled=session.throttled,
                  acks_waited=session.acks_waited, duration_s=round(time.perf_counter() - started, 3))
+
+    async def _serve_and_watch(self, session: NodeSession, reader: asyncio.Task,
+                               context: grpc.aio.ServicerContext) -> None:
+        """Serve the node (`_serve`) while a watcher re-checks the session on every CHECK. The
+        watcher does not wait for the writer: a node that reads nothing keeps every write waiting,
+        and its session, superseded, revoked or expired, must still end (its reader with it) rather
+        than go on applying what it sends."""
+        serving = asyncio.create_task(self._serve(session, reader, context), name=f"serve-{session.session_id}")
+        watching = asyncio.create_task(self._watch(session), name=f"watch-{session.session_id}")
+        try:
+            await asyncio.wait([serving, watching], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (serving, watching):
+                if not task.done():
+                    task.cancel()
+                    # a write cancelled while the node reads nothing: never awaited, never logged
+                    task.add_done_callback(_quietly)
+        if watching.done() and not watching.cancelled():
+            reader.cancel()  # the session ends now: nothing more the node sent is applied
+            watching.result()  # raises SessionEnded
+        await serving
+
+    async def _watch(self, session: NodeSession) -> None:
+        while True:
+            await session.next_check()
+            await self._check(session)
 
     async def _serve(self, session: NodeSession, reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
         session.signal(DESIRED)
@@ -136,8 +171,6 @@ class SessionRunner:
                 for ack in session.take_acks():  # the node half-closed: its last reports still get theirs
                     await context.write(node_pb2.GatewayMessage(report_ack=ack))
                 return
-            if CHECK in kinds:
-                await self._check(session)
             if DESIRED in kinds:
                 woke = time.perf_counter()
                 state = await desired.read(self.pool, session.node_id)
@@ -166,7 +199,7 @@ class SessionRunner:
         if kind in COSTLY:
             await self._throttled(session)
         if kind == "hello":
-            took = await inventory.apply_hello(self.pool, node_id, message.hello)
+            took = await inventory.apply_hello(self.pool, node_id, message.hello, session.session_id)
             self.throttle.charge(node_id, took)
             await self.liveness.hello(node_id)
             self.liveness.arrived(session.arrival)
@@ -179,7 +212,7 @@ class SessionRunner:
                 await self._throttled(session)
             await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
-            took = await inventory.apply_inventory(self.pool, node_id, message.inventory)
+            took = await inventory.apply_inventory(self.pool, node_id, message.inventory, session.session_id)
             self.throttle.charge(node_id, took)  # the time it held the pool's lock (gateway.throttle)
             await self.liveness.hello(node_id)
             log.info("inventory", gpus=len(message.inventory.gpus), took_ms=_ms(took))
@@ -239,16 +272,34 @@ class SessionRunner:
             raise _ended(errors.Unauthenticated("certificate revoked", sessionId=session.session_id))
         if cert["now"] >= cert["not_after"]:
             raise _ended(errors.Unauthenticated("certificate expired", sessionId=session.session_id))
+        # Good still by the database's clock, which judges it: the next re-check is when that clock
+        # says it runs out (a gateway whose clock runs ahead re-checked once, too early, and then
+        # never again: the session outlived its certificate).
+        session.arm(CHECK, (cert["not_after"] - cert["now"]).total_seconds() + 1)
 
-    def _timers(self, session: NodeSession) -> list[asyncio.TimerHandle]:
+    def _arm(self, session: NodeSession) -> None:
         """A renewal hint between half and 60 % of the certificate's life (spread, so a fleet
         enrolled together does not renew in one burst); a re-check when it runs out."""
-        loop = asyncio.get_running_loop()
         peer = session.peer
         now = dt.datetime.now(dt.UTC)
         hint_at = peer.not_before + (peer.not_after - peer.not_before) * (0.5 + random.random() * 0.1)
-        return [loop.call_later(max(0.0, (hint_at - now).total_seconds()), session.signal, RENEW),
-                loop.call_later(max(0.0, (peer.not_after - now).total_seconds()) + 1, session.signal, CHECK)]
+        session.arm(RENEW, (hint_at - now).total_seconds())
+        session.arm(CHECK, (peer.not_after - now).total_seconds() + 1)
+
+
+async def _tell(abort: Coroutine[Any, Any, None]) -> None:
+    """End the call (`abort`: grpc's abort with the status). The status goes after the messages
+    still unread on the stream: a node that reads none of them is given TELL_SECONDS, then its call
+    is dropped (gRPC resets the stream once the handler returns), so it holds no task for ever."""
+    try:
+        await asyncio.wait_for(abort, TELL_SECONDS)
+    except TimeoutError:
+        log.info("node did not read its session's end: call dropped")
+
+
+def _quietly(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _ms(seconds: float) -> float:

@@ -12,7 +12,7 @@ from bettercompute.node.v1 import node_pb2
 from controlplane.pki.enrolment import Peer
 
 DESIRED = "desired"  # push the desired state
-CHECK = "check"  # re-check: still the node's newest session, certificate still good?
+CHECK = "check"  # re-check: still the node's newest session, certificate still good? (its own watcher)
 RENEW = "renew"  # the certificate is past half its life: hint the node to renew
 CLOSED = "closed"  # the node's side of the stream ended
 ACK = "ack"  # reports were dealt with: acknowledge them
@@ -33,12 +33,20 @@ class NodeSession:
     desired_since: float = 0.0  # time.perf_counter() of the first DESIRED not served yet
     acks_waited: int = 0  # reports that waited for the node to read its acks (see room_for_acks)
     _acks_taken: asyncio.Event = field(default_factory=asyncio.Event)
+    # CHECK is not the writer's: a node that reads nothing keeps the writer waiting on the stream,
+    # and the re-check (newest session? certificate good?) must not wait behind it.
+    _checks: asyncio.Event = field(default_factory=asyncio.Event)
+    timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)  # kind -> pending timer
+    released: bool = False  # its end on the gateway's side is done (SessionRunner._release)
 
     @property
     def node_id(self) -> str:
         return self.peer.node_id
 
     def signal(self, kind: str) -> None:
+        if kind == CHECK:
+            self._checks.set()
+            return
         if kind == DESIRED and DESIRED not in self._pending:
             self.desired_since = time.perf_counter()
         self._pending.add(kind)
@@ -62,6 +70,21 @@ class NodeSession:
             self._acks_taken.clear()
             await self._acks_taken.wait()
         return waited
+
+    async def next_check(self) -> None:
+        await self._checks.wait()
+        self._checks.clear()
+
+    def arm(self, kind: str, delay: float) -> None:
+        """Signal `kind` in `delay` seconds (replacing a timer of that kind still pending)."""
+        if (timer := self.timers.pop(kind, None)) is not None:
+            timer.cancel()
+        self.timers[kind] = asyncio.get_running_loop().call_later(max(0.0, delay), self.signal, kind)
+
+    def disarm(self) -> None:
+        for timer in self.timers.values():
+            timer.cancel()
+        self.timers.clear()
 
     async def next_signals(self) -> set[str]:
         await self._event.wait()

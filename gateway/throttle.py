@@ -10,7 +10,10 @@ one whose applied generation differs from the last one written writes a row, and
 Certificate renewals (a signature and rows each) have a bucket of their own per node and do not
 queue: a renewal that would wait is refused with QUOTA_EXCEEDED, reason `rate-limited`, and
 retryAfterSeconds (a node renews a few times a day, and on a hint after a role change).
-The bucket is the node's, not the session's, so reconnecting does not refill it.
+The bucket is the node's, not the session's, so reconnecting does not refill it. Opening a
+session takes a token too, before the node's certificate is read (the node named by the
+certificate TLS verified), and an open that would wait more than gateway.servicer's
+OPEN_WAIT_SECONDS is refused like a renewal rather than queued.
 
 A hello or an inventory holds the node's pool lock while it rewrites the node's atoms (every
 placement in the pool waits), and what that costs grows with what the node claims: 16,640 MIG

@@ -69,3 +69,11 @@ def peer_certificate(context: grpc.aio.ServicerContext) -> bytes | None:
     """The PEM of the verified client certificate, if the connection has one."""
     found = (context.auth_context() or {}).get("x509_pem_cert") or []
     return found[0] if found else None
+
+
+def peer_name(context: grpc.aio.ServicerContext) -> str | None:
+    """The common name of the verified client certificate (a node certificate's: its node id), if
+    any. TLS verified the certificate against the CA, not against revocation: good for pacing the
+    node before anything is read about it, not for trusting it."""
+    found = (context.auth_context() or {}).get("x509_common_name") or []
+    return found[0].decode(errors="replace") if found else None

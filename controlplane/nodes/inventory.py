@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from bettercompute.node.v1 import node_pb2
-from controlplane import db
+from controlplane import db, errors
 from controlplane.common.names import GPU_UUID, LABEL, MODEL
 from controlplane.config import Settings
 from controlplane.ids import new_id
@@ -218,7 +218,8 @@ def _revoked(node: dict[str, Any] | None) -> bool:
     return True
 
 
-async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello) -> float:
+async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.Hello,
+                      session_id: str | None = None) -> float:
     """The node's daemon version, capabilities (and their system labels) and, when the hello
     carries one, its inventory. Returns the seconds it held the pool's lock (`_under_pool_lock`)."""
 
@@ -230,10 +231,11 @@ async def apply_hello(pool: AsyncConnectionPool, node_id: str, hello: node_pb2.H
             "daemon_version": hello.daemon_version[:128], "capabilities": caps,
             "labels": Jsonb(cap_labels(node["labels"], caps)), "node_id": node_id})
 
-    return await _under_pool_lock(pool, node_id, change)
+    return await _under_pool_lock(pool, node_id, change, session_id)
 
 
-async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: node_pb2.Inventory) -> float:
+async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: node_pb2.Inventory,
+                          session_id: str | None = None) -> float:
     """A new inventory snapshot: atoms, host resources, `fabric.domain`. Returns the seconds it
     held the pool's lock (`_under_pool_lock`)."""
 
@@ -241,20 +243,28 @@ async def apply_inventory(pool: AsyncConnectionPool, node_id: str, inventory: no
         labels = await _apply_inventory(conn, node, inventory)
         await conn.execute(queries.SET_LABELS, {"labels": Jsonb(labels), "node_id": node_id})
 
-    return await _under_pool_lock(pool, node_id, change)
+    return await _under_pool_lock(pool, node_id, change, session_id)
 
 
 async def _under_pool_lock(pool: AsyncConnectionPool, node_id: str,
-                           change: Callable[[AsyncConnection, dict[str, Any]], Awaitable[None]]) -> float:
+                           change: Callable[[AsyncConnection, dict[str, Any]], Awaitable[None]],
+                           session_id: str | None = None) -> float:
     """`change` applied to the node's row locked under its pool's lock (nothing for a revoked
     node), the pool woken when what placement reads of the node changed. Returns the seconds the
-    lock was held (its work, not its wait: the gateway charges the node for it, gateway.throttle)."""
+    lock was held (its work, not its wait: the gateway charges the node for it, gateway.throttle).
+
+    With `session_id` (the gateway's), only while that is still the node's newest session: a newer
+    one registers under the same row lock, so what a replaced session sends is never applied
+    after the newer session spoke, even before the replaced one hears it was (CONFLICT)."""
 
     async def work(conn: AsyncConnection) -> float:
         node = await lock_for_placement_change(conn, node_id)
         locked = time.perf_counter()
         if _revoked(node):
             return 0.0
+        if session_id is not None and node["session_id"] != session_id:
+            log.info("message of a replaced session ignored", node_id=node_id, session_id=session_id)
+            raise errors.Conflict("a newer session of this node took over", sessionId=session_id)
         before = await _placement_facts(conn, node_id)
         await change(conn, node)
         await _wake_pool_if_changed(conn, node, before)

@@ -11,7 +11,8 @@ ORDER BY n.name
 """
 POOL_OF = "SELECT pool_id FROM nodes WHERE id = %(node_id)s"
 EXISTS = "SELECT 1 FROM nodes WHERE id = %(node_id)s"
-LOCK = "SELECT id, pool_id, name, state, labels, revoked_at, revoked_reason FROM nodes WHERE id = %(node_id)s FOR UPDATE"
+LOCK = ("SELECT id, pool_id, name, state, labels, revoked_at, revoked_reason, session_id FROM nodes"
+        " WHERE id = %(node_id)s FOR UPDATE")
 
 REGISTER = """
 INSERT INTO nodes (id, pool_id, name, labels, capabilities, inventory)
