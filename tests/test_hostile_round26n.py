@@ -376,21 +376,3 @@ def test_a_hello_or_inventory_of_a_session_a_newer_one_replaced_is_never_applied
     assert row["daemon_version"] != "bcd stale" and row["session_id"] == "sess_newer"
 
 
-def test_renewals_past_the_nodes_turn_are_refused_before_any_database_read(database: str, pool_id: str) -> None:
-    """As for session opens: a renewal past the node's turn is refused before its certificate is
-    read (it was read first, then refused)."""
-    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_renewals_per_hour=1,
-                                                     node_renewals_burst=1))
-    try:
-        node = enrolled(gw, pool_id, "renewer")
-        with node.channel() as channel:
-            stub = node_pb2_grpc.NodeGatewayStub(channel)
-            assert stub.Renew(pb.RenewRequest(csr_pem=node.keys.csr()), timeout=10).certificate_pem
-            before = gw.gateway.pool.get_stats()["requests_num"]
-            for _ in range(30):
-                with pytest.raises(grpc.RpcError) as refused:
-                    stub.Renew(pb.RenewRequest(csr_pem=node.keys.csr()), timeout=10)
-                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert gw.gateway.pool.get_stats()["requests_num"] - before < 10  # not a read per refusal
-    finally:
-        gw.stop()

@@ -189,8 +189,8 @@ def test_a_node_whose_signing_certificate_is_revoked_is_told_to_renew(gateway: G
 def test_a_node_renewing_in_a_loop_past_its_burst_is_refused_without_a_read(database: str, pool_id: str) -> None:
     """Past its burst a renewal is refused (QUOTA_EXCEEDED), but each call first read the node's
     certificate to learn who it was (the throttle is per node): a node calling Renew in a loop over
-    one connection cost the gateway's small pool a read per call, unpaced. Now a certificate that
-    renewed through this gateway is paced before the read: with node_certs locked (a read would
+    one connection cost the gateway's small pool a read per call, unpaced. Now the node's turn is
+    taken by the TLS peer's certified name before the read: with node_certs locked (a read would
     wait) the refusal still comes at once."""
     gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_renewals_per_hour=1,
                                                      node_renewals_burst=1))
