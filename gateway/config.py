@@ -68,6 +68,12 @@ class GatewaySettings:
     node_renewals_per_hour: float = field(
         default_factory=lambda: env_float("BC_NODE_RENEWALS_PER_HOUR", 60))
     node_renewals_burst: int = field(default_factory=lambda: env_int("BC_NODE_RENEWALS_BURST", 10))
+    # Refused enrolments (a wrong, spent or expired join token; a bad CSR) per minute from one
+    # address (an IPv4 address, an IPv6 /64), and at once; past that Enrol is QUOTA_EXCEEDED before
+    # anything is parsed or read. Enrolments that succeed are not counted. 0: no limit.
+    enrol_refusals_per_minute: float = field(
+        default_factory=lambda: env_float("BC_ENROL_REFUSALS_PER_MINUTE", 60))
+    enrol_refusals_burst: int = field(default_factory=lambda: env_int("BC_ENROL_REFUSALS_BURST", 20))
     # Client certificates refused (unknown, revoked, expired) kept in memory, and for how long: one
     # presented again is refused without a database read (gateway.refusals). 0: none kept.
     refused_certificates: int = field(default_factory=lambda: env_int("BC_NODE_REFUSED_CERTS", 10000))

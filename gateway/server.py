@@ -32,6 +32,7 @@ from gateway.throttle import Throttle
 from gateway.tls import ServerTls
 
 log = structlog.get_logger("gateway")
+ENROL_PEERS_KEPT = 100_000  # addresses whose refused enrolments are remembered (gateway.throttle)
 GC_LOG = structlog.get_logger("gateway.gc")  # the pause log's name, as before it moved to controlplane.common
 
 
@@ -88,8 +89,9 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
                            settings.node_unsent_acks, settings.node_unjudged_reports)
     renewals = Throttle(settings.node_renewals_per_hour / 3600, settings.node_renewals_burst)
     refusals = Refusals(settings.refused_certificates, settings.refused_certificate_seconds)
+    enrolments = Throttle(settings.enrol_refusals_per_minute / 60, settings.enrol_refusals_burst, keep=ENROL_PEERS_KEPT)
     node_pb2_grpc.add_NodeGatewayServicer_to_server(
-        NodeGatewayServicer(pool, ca, settings.pki, runner, renewals, refusals), server)
+        NodeGatewayServicer(pool, ca, settings.pki, runner, renewals, refusals, enrolments), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_secure_port(listen or settings.listen, server_tls.credentials(require_client_auth=True))

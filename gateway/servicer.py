@@ -42,9 +42,11 @@ def _paced(throttle: Throttle, node_id: str | None, most: float, refusal: str) -
 
 class NodeGatewayServicer(rpc.NodeGatewayServicer):
     def __init__(self, pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, sessions: SessionRunner,
-                 renewals: Throttle | None = None, refusals: Refusals | None = None) -> None:
+                 renewals: Throttle | None = None, refusals: Refusals | None = None,
+                 enrolments: Throttle | None = None) -> None:
         self.pool, self.ca, self.settings, self.sessions = pool, ca, settings, sessions
         self.renewals = renewals or Throttle(0, 1)
+        self.enrolments = enrolments or Throttle(0, 1)  # refused enrolments, by peer address
         self.refusals = refusals if refusals is not None else Refusals(0, 0)
 
     async def _peer(self, context: Ctx) -> enrolment.Peer:
@@ -65,7 +67,17 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         return peer
 
     async def Enrol(self, request: pb.EnrolRequest, context: Ctx) -> pb.EnrolResponse:
-        issued = await enrolment.enrol(self.pool, self.ca, self.settings, request.join_token, request.csr_pem)
+        # A refused enrolment costs its address a token; one with none left is refused before its
+        # CSR is parsed or its token read (gateway.throttle): guessing join tokens is paced.
+        address = tls.peer_address(context)
+        if (due := self.enrolments.due(address)) > 0:
+            raise errors.QuotaExceeded("enrolments from this address were refused too often",
+                                       reason="rate-limited", retryAfterSeconds=max(1, math.ceil(due)))
+        try:
+            issued = await enrolment.enrol(self.pool, self.ca, self.settings, request.join_token, request.csr_pem)
+        except errors.DomainError:
+            self.enrolments.debit(address)
+            raise
         structlog.contextvars.bind_contextvars(node_id=issued.node_id)
         return pb.EnrolResponse(node_id=issued.node_id, certificate_pem=issued.certificate_pem,
                                 ca_certificate_pem=self.ca.pem, not_after=issued.not_after_ms)

@@ -13,7 +13,11 @@ retryAfterSeconds (a node renews a few times a day, and on a hint after a role c
 The bucket is the node's, not the session's, so reconnecting does not refill it. Opening a
 session takes a token too, before the node's certificate is read (the node named by the
 certificate TLS verified), and an open that would wait more than gateway.servicer's
-OPEN_WAIT_SECONDS is refused like a renewal rather than queued.
+OPEN_WAIT_SECONDS is refused like a renewal rather than queued. Enrolment has no certificate to
+name a node by: a refused enrolment (a wrong, spent or expired join token, a bad CSR) costs its
+peer address a token afterwards, and an address with none left is refused before its CSR is parsed
+or anything read, so guessing join tokens, or a broken daemon retrying in a loop, is paced;
+enrolments that succeed cost nothing (a fleet behind one NAT address enrols at its own pace).
 
 A hello or an inventory holds the node's pool lock while it rewrites the node's atoms (every
 placement in the pool waits), and what that costs grows with what the node claims: 16,640 MIG
@@ -52,6 +56,17 @@ class TokenBucket:
         self.tokens -= 1
         return wait
 
+    def due(self) -> float:
+        """How long until a token is there (0: one is), taking nothing."""
+        if self.rate <= 0:
+            return 0.0
+        self._refill()
+        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+
+    def full(self) -> bool:
+        self._refill()
+        return self.tokens >= self.burst
+
     def charge(self, tokens: float) -> None:
         """Take `tokens` more, whatever is left (the bucket may go below zero: the next take waits
         until it is refilled past one)."""
@@ -68,10 +83,12 @@ class TokenBucket:
 
 
 class Throttle:
-    """One bucket per node id, made on first use."""
+    """One bucket per key (a node id; for enrolments a peer address), made on first use. With
+    `keep`, at most that many buckets: past it the full ones go (a full bucket is what a new one
+    would be), then the oldest."""
 
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, burst
+    def __init__(self, rate: float, burst: int, keep: int = 0) -> None:
+        self.rate, self.burst, self.keep = rate, burst, keep
         self._buckets: dict[str, TokenBucket] = {}
 
     def wait(self, node_id: str, most: float | None = None) -> float:
@@ -86,8 +103,25 @@ class Throttle:
         if beyond > 0:
             self._bucket(node_id).charge(beyond)
 
+    def due(self, key: str) -> float:
+        """How long until the key's next token is there (0: it is), taking nothing."""
+        bucket = self._buckets.get(key)
+        return 0.0 if bucket is None else bucket.due()
+
+    def debit(self, key: str) -> None:
+        """One token taken after the fact (a refused enrolment: gateway.servicer)."""
+        self._bucket(key).charge(1)
+
     def _bucket(self, node_id: str) -> TokenBucket:
         bucket = self._buckets.get(node_id)
         if bucket is None:
+            if self.keep and len(self._buckets) >= self.keep:
+                self._prune()
             bucket = self._buckets[node_id] = TokenBucket(self.rate, self.burst)
         return bucket
+
+    def _prune(self) -> None:
+        for key in [k for k, b in self._buckets.items() if b.full()]:
+            del self._buckets[key]
+        while len(self._buckets) >= self.keep:
+            del self._buckets[next(iter(self._buckets))]

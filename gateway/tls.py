@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import ipaddress
+import urllib.parse
 
 import grpc
 import structlog
@@ -77,3 +79,20 @@ def peer_name(context: grpc.aio.ServicerContext) -> str | None:
     node before anything is read about it, not for trusting it."""
     found = (context.auth_context() or {}).get("x509_common_name") or []
     return found[0].decode(errors="replace") if found else None
+
+
+def peer_address(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, by network address, for pacing what has no certificate (Enrol): the IPv4
+    address, the IPv6 /64 (one host is given a whole /64), or gRPC's peer string as it is."""
+    peer = urllib.parse.unquote(context.peer() or "")  # gRPC may write ipv6:%5B::1%5D:port
+    kind, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return peer
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)

@@ -21,8 +21,8 @@ Real PostgreSQL, real certificates from the control-plane CA, real Ed25519 signa
 - **A node renewing in a loop cost a read per call.** Past its burst a renewal is refused, but
   only after a read of the node's certificate (the throttle is per node, and the read says whose
   it is): a node calling Renew in a loop over one connection took a read from the gateway's small
-  pool per call, unpaced. The gateway now keeps the node of each certificate that renewed through
-  it (bounded) and paces such a certificate before the read.
+  pool per call, unpaced. The gateway now paces a renewal before the read, by the name the CA
+  wrote in the TLS peer's certificate (as round 26n paces session opens).
 
 What held, kept here so it stays held: what a CSR asks for (another node's CN, the OU `gateway`,
 extra subject attributes, SANs, CA:TRUE, serverAuth) is never what it gets, the node's own name and
