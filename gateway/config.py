@@ -57,6 +57,12 @@ class GatewaySettings:
     node_messages_per_second: float = field(
         default_factory=lambda: env_float("BC_NODE_MESSAGES_PER_SECOND", 50))
     node_messages_burst: int = field(default_factory=lambda: env_int("BC_NODE_MESSAGES_BURST", 500))
+    # A node's messages that cost no transaction (heartbeats that change nothing, messages of no
+    # known kind) taken in per second, and at once; past that its session's reader waits. A
+    # daemon beats every few seconds: this only stops a node flooding the event loop. 0: no limit.
+    node_free_messages_per_second: float = field(
+        default_factory=lambda: env_float("BC_NODE_FREE_MESSAGES_PER_SECOND", 5))
+    node_free_messages_burst: int = field(default_factory=lambda: env_int("BC_NODE_FREE_MESSAGES_BURST", 50))
     # Report acks a session holds not yet written (the node reads none: its stream's window is
     # full) before its reader waits for them to go; 0: no bound.
     node_unsent_acks: int = field(default_factory=lambda: env_int("BC_NODE_MAX_UNSENT_ACKS", 1000))

@@ -86,7 +86,8 @@ async def start_gateway(settings: GatewaySettings, conninfo: str, *, listen: str
     liveness = connectivity.Liveness(pool, settings.node_grace_seconds, settings.node_seen_write_fraction)
     runner = SessionRunner(pool, hub, settings.gateway_id, liveness,
                            Throttle(settings.node_messages_per_second, settings.node_messages_burst),
-                           settings.node_unsent_acks, settings.node_unjudged_reports)
+                           settings.node_unsent_acks, settings.node_unjudged_reports,
+                           Throttle(settings.node_free_messages_per_second, settings.node_free_messages_burst))
     renewals = Throttle(settings.node_renewals_per_hour / 3600, settings.node_renewals_burst)
     refusals = Refusals(settings.refused_certificates, settings.refused_certificate_seconds)
     enrolments = Throttle(settings.enrol_refusals_per_minute / 60, settings.enrol_refusals_burst, keep=ENROL_PEERS_KEPT)

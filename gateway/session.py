@@ -31,7 +31,7 @@ from gateway.throttle import Throttle
 log = structlog.get_logger("gateway.session")
 
 # A transaction each: throttled per node (and each open, paced by the servicer before the certificate is
-# read; and a heartbeat that writes, see _handle)
+# read; and a heartbeat that writes, see _handle); the rest by the chatter bucket
 COSTLY = frozenset({"hello", "inventory", "report"})
 UNSENT_ACKS = 1000  # GatewaySettings.node_unsent_acks
 TELL_SECONDS = 30.0  # how long a session's end waits for a node that reads nothing to take it
@@ -58,9 +58,10 @@ def failure_status(exc: Exception, **ids: str) -> grpc.Status:
 class SessionRunner:
     def __init__(self, pool: AsyncConnectionPool, hub: Hub, gateway_id: str, liveness: connectivity.Liveness,
                  throttle: Throttle | None = None, unsent_acks: int = UNSENT_ACKS,
-                 unjudged_reports: int = reports.MAX_UNJUDGED) -> None:
+                 unjudged_reports: int = reports.MAX_UNJUDGED, chatter: Throttle | None = None) -> None:
         self.pool, self.hub, self.gateway_id, self.liveness = pool, hub, gateway_id, liveness
         self.throttle = throttle or Throttle(0, 1)
+        self.chatter = chatter or Throttle(0, 1)  # the messages that cost no transaction
         self.unsent_acks = unsent_acks  # a session's acks not written yet before its reader waits
         self.unjudged_reports = unjudged_reports  # an allocation's unjudged reports before more are dropped
         self.closing = False  # the gateway is shutting down: release_all unregisters every session at once
@@ -196,8 +197,15 @@ class SessionRunner:
     async def _handle(self, session: NodeSession, message: node_pb2.NodeMessage) -> None:
         kind = message.WhichOneof("msg")
         node_id = session.node_id
-        if kind in COSTLY:
-            await self._throttled(session)
+        # A heartbeat is free while its applied generation stays; one that changes it writes a row,
+        # so a node flipping the generation in every heartbeat is paced like any message that costs
+        # one. What costs no transaction (a heartbeat that stays, a message of no known kind) still
+        # costs the event loop a parse: paced by a bucket of its own, far above a daemon's beat.
+        if kind in COSTLY or (kind == "heartbeat"
+                              and self.liveness.writes(node_id, message.heartbeat.applied_generation)):
+            await self._throttled(session, self.throttle)
+        else:
+            await self._throttled(session, self.chatter)
         if kind == "hello":
             took = await inventory.apply_hello(self.pool, node_id, message.hello, session.session_id)
             self.throttle.charge(node_id, took)
@@ -206,10 +214,6 @@ class SessionRunner:
             log.info("hello", daemon_version=message.hello.daemon_version, took_ms=_ms(took),
                      capabilities=list(message.hello.capabilities), gpus=len(message.hello.inventory.gpus))
         elif kind == "heartbeat":
-            # Free while its applied generation stays; one that changes it writes a row, so a node
-            # flipping the generation in every heartbeat is paced like any message that costs one.
-            if self.liveness.writes(node_id, message.heartbeat.applied_generation):
-                await self._throttled(session)
             await self.liveness.heartbeat(node_id, message.heartbeat.applied_generation)
         elif kind == "inventory":
             took = await inventory.apply_inventory(self.pool, node_id, message.inventory, session.session_id)
@@ -233,13 +237,14 @@ class SessionRunner:
             log.info("report " + node_pb2.ReportOutcome.Name(ack.outcome).removeprefix("REPORT_").lower(),
                      key_id=ack.key_id, sequence=ack.sequence, intake_ms=_ms(time.perf_counter() - started))
 
-    async def _throttled(self, session: NodeSession) -> None:
+    async def _throttled(self, session: NodeSession, throttle: Throttle) -> None:
         """Wait for the node's turn (gateway.throttle); the first wait of a session is logged."""
-        delay = self.throttle.wait(session.node_id)
+        delay = throttle.wait(session.node_id)
         if delay <= 0:
             return
         if not session.throttled:
-            log.warning("node throttled", wait_ms=_ms(delay), per_second=self.throttle.rate, burst=self.throttle.burst)
+            log.warning("node throttled", wait_ms=_ms(delay), per_second=throttle.rate, burst=throttle.burst,
+                        free=throttle is self.chatter)
         session.throttled += 1
         await asyncio.sleep(delay)
 

@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from bettercompute.node.v1 import node_pb2 as pb
 from bettercompute.node.v1 import node_pb2_grpc
@@ -25,7 +26,8 @@ from gateway.config import GatewaySettings
 from gateway.tls import peer_address
 from gateway.throttle import Throttle
 from tests.support import rpc_error
-from tests.test_gateway import GatewayThread, Node, join_token, pool_id  # noqa: F401
+from tests.test_gateway import GatewayThread, Node, connected, heartbeat, join_token, node_row, pool_id  # noqa: F401
+from tests.test_gateway import eventually as until
 from tests.test_pki import NodeKeys
 
 BURST = 3
@@ -119,3 +121,34 @@ class _Peer:
 ])
 def test_an_enrolment_is_paced_by_its_address(peer: str, address: str) -> None:
     assert peer_address(_Peer(peer)) == address  # type: ignore[arg-type]
+
+
+# Free messages ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flood", [heartbeat, lambda generation: pb.NodeMessage()], ids=["same-generation", "empty"])
+def test_a_node_flooding_messages_that_cost_no_transaction_is_paced(
+        database: str, pool_id: str, flood: Callable[[int], pb.NodeMessage]) -> None:
+    """A heartbeat that changes nothing, or a message of no known kind, cost no transaction and so
+    took no token: a node could send them as fast as its link allowed and keep the gateway's event
+    loop (every node's sessions) parsing them. Now they have a bucket of their own per node; past
+    it the session's reader waits, and what the node sent after them waits behind them."""
+    gw = GatewayThread(database, dataclasses.replace(GatewaySettings(), node_messages_per_second=0,
+                                                     node_free_messages_per_second=1 / 3600,
+                                                     node_free_messages_burst=10))
+    try:
+        with capture_logs() as logs:
+            node, session = connected(gw, pool_id, "chatty")
+            session.send(heartbeat(7))  # writes (a new generation): not a free one
+            until(lambda: node_row(database, node.node_id)["applied_generation"] == 7, what="generation 7")
+            for _ in range(10):
+                session.send(flood(7))  # the burst: taken in at once
+            session.send(heartbeat(8))  # costs a transaction: not paced by the free bucket
+            until(lambda: node_row(database, node.node_id)["applied_generation"] == 8, what="generation 8")
+            assert not [e for e in logs if e["event"] == "node throttled"]
+            session.send(flood(8))  # past the burst: the reader waits an hour
+            session.send(heartbeat(9))
+            until(lambda: [e for e in list(logs) if e["event"] == "node throttled" and e["free"]], what="the wait")
+        assert node_row(database, node.node_id)["applied_generation"] == 8
+        session.close()
+    finally:
+        gw.stop()
