@@ -28,6 +28,7 @@ from gateway.throttle import Throttle
 from tests.support import rpc_error
 from tests.test_gateway import GatewayThread, Node, connected, heartbeat, join_token, node_row, pool_id  # noqa: F401
 from tests.test_gateway import eventually as until
+from controlplane.pki.config import PkiSettings
 from tests.test_pki import NodeKeys
 
 BURST = 3
@@ -152,3 +153,38 @@ def test_a_node_flooding_messages_that_cost_no_transaction_is_paced(
         session.close()
     finally:
         gw.stop()
+
+
+# Renewals across gateways --------------------------------------------------------------------------
+
+def test_renewals_are_bounded_across_gateways(database: str, pool_id: str) -> None:
+    """Each gateway paces a node's renewals in its own memory, so a node renewing through every
+    gateway in turn was issued certificates that many times as often. The issuance is now bounded
+    per node in the database as well (BC_NODE_CERTS_PER_HOUR, the enrolment's pair counted): here
+    two pairs an hour, with both gateways' own pacing off."""
+    pki = dataclasses.replace(PkiSettings(), node_renewals_per_hour=2)
+    settings = dataclasses.replace(GatewaySettings(), node_renewals_per_hour=0, pki=pki)
+    one, two = GatewayThread(database, settings), GatewayThread(database, settings)
+    try:
+        node = Node(one)
+        node.enrol(join_token(database, pool_id, "roamer"))  # the first pair of the hour
+        keys = NodeKeys()
+        with node.channel() as channel:
+            renewed = node_pb2_grpc.NodeGatewayStub(channel).Renew(pb.RenewRequest(csr_pem=keys.csr()), timeout=10)
+        node.keys = keys
+        node.certified(renewed.certificate_pem)
+        node.gateway = two
+        with node.channel() as channel, pytest.raises(grpc.RpcError) as refused:
+            node_pb2_grpc.NodeGatewayStub(channel).Renew(pb.RenewRequest(csr_pem=NodeKeys().csr()), timeout=10)
+        code, reason, details = rpc_error(refused)
+        assert (code, reason, details["reason"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED", "rate-limited")
+        assert 3000 <= int(details["retryAfterSeconds"]) <= 3600
+        with node.channel() as channel:  # a lost answer asked again issues nothing: still answered
+            again = node_pb2_grpc.NodeGatewayStub(channel).Renew(pb.RenewRequest(csr_pem=keys.csr()), timeout=10)
+        assert again.certificate_pem == renewed.certificate_pem
+        with psycopg.connect(database) as conn:
+            assert conn.execute("SELECT count(*) FROM node_certs WHERE node_id = %s",
+                                (node.node_id,)).fetchone()[0] == 4
+    finally:
+        one.stop()
+        two.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from controlplane.config import env_float
+from controlplane.config import env_float, env_int
 from datetime import timedelta
 
 from controlplane.pki import NODE_ROLES
@@ -27,6 +27,9 @@ class PkiSettings:
         default_factory=lambda: env_float("BC_GATEWAY_CERT_HOURS", 24)
     )
     ca_years: int = 10
+    # Certificate pairs one node may be issued by renewal in an hour, across every gateway (each
+    # gateway paces renewals in memory too, per process); past it Renew is QUOTA_EXCEEDED. 0: none.
+    node_renewals_per_hour: int = field(default_factory=lambda: env_int("BC_NODE_CERTS_PER_HOUR", 60))
     # A report signed by a certificate that expired at most this long ago still counts (a node
     # that was offline sends what it signed before its certificate ran out).
     offline_grace_seconds: float = field(

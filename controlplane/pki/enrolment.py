@@ -4,6 +4,7 @@ TLS peer is. Each entry point runs one transaction."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass
 
 import structlog
@@ -163,6 +164,12 @@ async def renew(pool: AsyncConnectionPool, ca: store.Ca, settings: PkiSettings, 
         if again is not None:
             log.info("renewal answered again", node_id=peer.node_id)
             return again
+        # Each gateway paces renewals in memory; this bounds them across all of them (under the
+        # node's row lock, so concurrent renewals count each other).
+        issued, frees_in = await store.issued_lately(conn, peer.node_id)
+        if settings.node_renewals_per_hour and issued >= settings.node_renewals_per_hour:
+            raise errors.QuotaExceeded("this node renews too often", reason="rate-limited",
+                                       retryAfterSeconds=max(1, math.ceil(frees_in)))
         return await _issue(conn, ca, settings, csr, peer.node_id, role)
 
     return await db.run_in_transaction(pool, work)

@@ -126,6 +126,16 @@ async def certified_to(conn: AsyncConnection, node_id: str, role: str, keys: lis
     return await (await conn.execute(_CERTIFIED_TO, {"node_id": node_id, "role": role, "keys": keys})).fetchall()
 
 
+async def issued_lately(conn: AsyncConnection, node_id: str) -> tuple[int, float]:
+    """Certificate pairs issued to the node in the last hour (one TLS certificate each), and the
+    seconds until the oldest of them is an hour old."""
+    row = await (await conn.execute(
+        "SELECT count(*) AS issued, extract(epoch FROM min(created_at) + interval '1 hour' - now()) AS frees_in"
+        " FROM node_certs WHERE node_id = %s AND usage = 'tls' AND created_at > now() - interval '1 hour'",
+        (node_id,))).fetchone()
+    return row["issued"], float(row["frees_in"] or 0)
+
+
 async def spend_join_token(conn: AsyncConnection, token_hash: bytes, node_id: str) -> None:
     await conn.execute("UPDATE join_tokens SET used_at = now(), node_id = %s WHERE token_hash = %s",
                        (node_id, token_hash))
