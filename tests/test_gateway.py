@@ -5,6 +5,7 @@ the unreachable sweeper, and `python -m gateway` as a real process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -274,6 +275,18 @@ def enrolled(gateway: GatewayThread, pool_id: str, name: str, role: str = "node"
     node = Node(gateway)
     node.enrol(join_token(gateway.conninfo, pool_id, name, role))
     return node
+
+
+@contextlib.contextmanager
+def inventory_waiting(gateway: GatewayThread, pool_id: str, session: Session, inventory: pb.Inventory) -> Iterator[None]:
+    """The test holds the pool's lock; `session` sends `inventory`, and the block runs once that
+    waits for the lock (released when the block ends)."""
+    with psycopg.connect(gateway.conninfo) as conn, conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
+        session.send(pb.NodeMessage(inventory=inventory))
+        eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"),
+                   what="the inventory waiting for the pool lock")
+        yield
 
 
 def connected(gateway: GatewayThread, pool_id: str, name: str, **hello_kw: Any) -> tuple[Node, Session]:

@@ -23,7 +23,6 @@ import time
 from typing import Any
 
 import grpc
-import psycopg
 from cryptography.hazmat.primitives import serialization
 from structlog.testing import capture_logs
 
@@ -33,11 +32,11 @@ from controlplane.pki import attest, enrolment
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.support import World, eventually, get
-from tests.test_gateway import (GatewayThread, connected, enrolled, gateway, heartbeat, hello,  # noqa: F401
+from tests.test_gateway import (GatewayThread, connected, enrolled, gateway, heartbeat, hello, inventory_waiting,  # noqa: F401
                                 node_row, pool_id)
 from tests.test_gateway import eventually as until
 from tests.test_hostile_queue import release
-from tests.test_pki import Enrolled, NodeKeys, arun, sign, sql
+from tests.test_pki import Enrolled, NodeKeys, arun, sign
 from tests.test_reports import cdi_names, eventually_rows, node, world  # noqa: F401 (fixtures)
 
 _SEQUENCE = itertools.count(1_000_000)  # above test_reports' own counter: newer, one after the other
@@ -244,11 +243,7 @@ def test_a_superseded_sessions_inventory_in_flight_is_never_applied(gateway: Gat
     registers: the old session ends, and what it sent is never applied after the newer one spoke."""
     node, old = connected(gateway, pool_id, "flapper", uuid="GPU-OLD")
     stale = hello(uuid="GPU-STALE").hello.inventory
-    with psycopg.connect(gateway.conninfo) as conn, conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
-        old.send(pb.NodeMessage(inventory=stale))
-        until(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"),
-              what="the old session's inventory waiting for the pool lock")
+    with inventory_waiting(gateway, pool_id, old, stale):
         new = node.session()
         assert new.recv() is not None
         ended = old.ended()

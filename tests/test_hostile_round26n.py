@@ -62,7 +62,7 @@ from controlplane.pki import admin
 from controlplane.pki.config import PkiSettings
 from gateway.config import GatewaySettings
 from tests.nodes_support import ControlPlane
-from tests.test_gateway import (GatewayThread, Node, binding, cdi_names, connected, enrolled, eventually,  # noqa: F401
+from tests.test_gateway import (GatewayThread, Node, binding, cdi_names, connected, enrolled, eventually, inventory_waiting,  # noqa: F401
                                 gateway, gateway_process, heartbeat, hello, join_token, node_row, pool_id)
 from tests.test_pki import arun, sql
 
@@ -322,11 +322,7 @@ def test_a_certificate_revoked_while_its_inventory_waits_for_the_pool_applies_no
     serial = sql(gateway.conninfo, "SELECT serial FROM node_certs WHERE node_id = %s AND usage = 'tls'",
                  (node.node_id,))[0]["serial"]
     stale = hello(uuid="GPU-AFTER").hello.inventory
-    with psycopg.connect(gateway.conninfo) as conn, conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("pool:" + pool_id,))
-        session.send(pb.NodeMessage(inventory=stale))
-        eventually(lambda: sql(gateway.conninfo, "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"),
-                   what="the inventory waiting for the pool lock")
+    with inventory_waiting(gateway, pool_id, session, stale):
         arun(gateway.conninfo, lambda pool: admin.revoke_certificates(pool, "", serial, "key leaked"))
         ended = session.ended()
         assert ended is not None and ended.code() == grpc.StatusCode.UNAUTHENTICATED
