@@ -9,8 +9,8 @@ import pytest
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.placement import earliest as earliest_search
 from controlplane.placement import gang as gang_placement
-from controlplane.placement.index import PoolIndex
-from tests.support import ServerThread, World, outcome
+from controlplane.placement.index import Atom, Node, PoolIndex, Window
+from tests.support import ServerThread, World, clock_now, outcome
 from tests.test_capacity_preview import preview
 
 HOUR = 3_600_000
@@ -46,3 +46,42 @@ def test_previews_naming_models_nobody_has_leave_no_memory_behind(server: Server
             out = preview(world, count=1, model=model, **kw)
             assert not out.fits
     assert remembered(live_pool(server, world)) == before
+
+
+
+def mig_pool() -> PoolIndex:
+    """Two nodes of one GPU in MIG mode, each with two 3g.40gb instances, one of them booked."""
+    pool = PoolIndex("p")
+    nodes = []
+    for i in range(2):
+        node = Node(f"n{i}", "p", f"n{i}", {}, frozenset(), "ready", "connected")
+        for k in range(2):
+            node.atoms[f"m{i}-{k}"] = Atom(f"m{i}-{k}", node.id, "gpu.mig", f"GPU-{i}:{k}", "H100", 0, f"d{i}", True,
+                                           True, [(0, 10)] if k == 0 else [], profile="3g.40gb")
+        nodes.append(node)
+    pool.load(nodes)
+    return pool
+
+
+def test_plans_naming_mig_profiles_nobody_has_leave_no_memory_behind() -> None:
+    """The same on the index itself for MIG profiles (a pool of MIG instances): placement, a gang
+    and the earliest-fit search with made-up profiles keep nothing, and still find the real one."""
+    import random
+
+    pool = mig_pool()
+
+    def window(profile: str) -> Window:
+        return Window(1, "any", "", {}, 0, 5, device_class="gpu.mig", profile=profile)
+
+    def ask_everything(profile: str) -> tuple[bool, bool, int | None]:
+        w = window(profile)
+        planned = bool(pool.candidates(w, enough=1, rng=random.Random(1)))
+        ganged = gang_placement.plan_in(pool, w, gang_placement.Gang(2, ""), top_n=1, rng=random.Random(1)).plan
+        return planned, ganged is not None, earliest_search.search(pool, w, now=0, until=100)
+
+    assert ask_everything("3g.40gb") == (True, True, 0)
+    before = remembered(pool)
+    for _ in range(50):
+        assert ask_everything(f"{uuid.uuid4().hex[:8]}.x") == (False, False, None)
+    assert remembered(pool) == before
+    assert ask_everything("3g.40gb") == (True, True, 0)

@@ -40,8 +40,6 @@ from controlplane.placement import planner
 GPU = "gpu"
 LEASED = "leased"  # a node a tenant holds (controlplane.nodes.tenancy): its inventory is the tenant's word
 LONG_MS = 24 * 3600 * 1000  # bookings longer than this are kept in the pool's short list of long ones
-# PoolIndex.room's answers by shape, at most this many (a shape names the caller's model and profile).
-_ROOM_MAX = 4096
 # Above this many bookings starting around a window, `candidates` does not visit every node with
 # one (in a well-booked pool that is nearly every node) but BUSY_SAMPLE of them, then checks the
 # other nodes one by one until enough fit: the cost of a plan stays bounded as bookings grow.
@@ -111,13 +109,15 @@ class Node:
     host_booked: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)  # sorted per resource
     ticket: int = 0  # the refresh that wrote this node (a later read never loses to an earlier one)
     # usable() by (model, kind, profile), sorted by id, each atom with its planner view. A node's atoms
-    # are fixed once built (a change replaces the node), so this is filled once per shape asked that
-    # the node has atoms of (never for a model or profile it lacks: those are any caller's words).
+    # are fixed once built (a change replaces the node), so this is filled once per shape asked
+    # whose model and profile the node has (a request names any it likes: those are not kept).
     _sorted: dict[tuple[str, str, str], tuple[tuple[Atom, planner.FreeAtom], ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
     _room: dict[tuple[str, str, str, str], int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _whole: dict[tuple[str, str, str], planner.Candidate] = field(
         default_factory=dict, init=False, repr=False, compare=False)
+    _names: tuple[frozenset[str], frozenset[str]] | None = field(  # its atoms' models and profiles
+        default=None, init=False, repr=False, compare=False)
 
     @property
     def schedulable(self) -> bool:
@@ -139,15 +139,24 @@ class Node:
     def usable(self, model: str, kind: str = GPU, profile: str = "") -> list[Atom]:
         return [a for a in self.atoms.values() if a.usable(model, kind, profile)]
 
+    def lacks(self, model: str, profile: str) -> bool:
+        """No atom of the node has this model or this MIG profile (either named; '' is any)."""
+        if self._names is None:
+            self._names = (frozenset(a.model for a in self.atoms.values()),
+                           frozenset(a.profile for a in self.atoms.values()))
+        models, profiles = self._names
+        return bool(model and model not in models) or bool(profile and profile not in profiles)
+
     def usable_sorted(self, model: str, kind: str, profile: str) -> tuple[tuple[Atom, planner.FreeAtom], ...]:
         """usable(), sorted by id, each atom with its planner view (kept: see `_sorted`)."""
         key = (model, kind, profile)
         found = self._sorted.get(key)
         if found is None:
-            found = tuple((a, planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain))
-                          for a in sorted(self.usable(model, kind, profile), key=lambda a: a.id))
-            if found:  # only shapes the node has atoms of: a model or profile made up leaves nothing
-                self._sorted[key] = found
+            if self.lacks(model, profile):  # not kept: a model or profile made up would fill the cache
+                return ()
+            found = self._sorted[key] = tuple(
+                (a, planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain))
+                for a in sorted(self.usable(model, kind, profile), key=lambda a: a.id))
         return found
 
     def all_free(self, window: Window) -> planner.Candidate:
@@ -155,9 +164,10 @@ class Node:
         key = (window.model, window.device_class, window.profile)
         found = self._whole.get(key)
         if found is None:
-            found = planner.Candidate(self.id, self.name, tuple(view for _, view in self.usable_sorted(*key)))
-            if found.free:  # as usable_sorted: kept only for shapes the node has atoms of
-                self._whole[key] = found
+            if self.lacks(window.model, window.profile):  # not kept, as usable_sorted
+                return planner.Candidate(self.id, self.name, ())
+            found = self._whole[key] = planner.Candidate(
+                self.id, self.name, tuple(view for _, view in self.usable_sorted(*key)))
         return found
 
     def room(self, window: Window) -> int:
@@ -167,10 +177,10 @@ class Node:
         key = window.shape
         found = self._room.get(key)
         if found is None:
+            if self.lacks(window.model, window.profile):  # not kept, as usable_sorted
+                return 0
             views = [view for _, view in self.usable_sorted(window.model, window.device_class, window.profile)]
-            found = planner.largest_group(views, window.topology)
-            if views:  # as usable_sorted: kept only for shapes the node has atoms of
-                self._room[key] = found
+            found = self._room[key] = planner.largest_group(views, window.topology)
         return found
 
     def bookable_count(self) -> int:
@@ -356,14 +366,12 @@ class PoolIndex:
     def room(self, window: Window) -> int:
         """The most atoms any node of the pool has room for in one plan of the window's shape, with
         nothing booked (see Node.room); kept until a node changes."""
-        if window.model and window.model not in self._models:  # no node has it (children take their GPU's)
-            return 0
         key = window.shape
         found = self._room.get(key)
         if found is None:
-            if len(self._room) >= _ROOM_MAX:  # shapes are the callers' words (a model, a profile): bounded
-                self._room.clear()
-            found = self._room[key] = max((node.room(window) for node in self.nodes.values()), default=0)
+            found = max((node.room(window) for node in self.nodes.values()), default=0)
+            if found:  # kept only for a shape some node has (a request names any model or profile)
+                self._room[key] = found
         return found
 
     def touched(self, start: int, end: int) -> set[str]:
