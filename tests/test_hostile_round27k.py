@@ -85,3 +85,32 @@ def test_plans_naming_mig_profiles_nobody_has_leave_no_memory_behind() -> None:
         assert ask_everything(f"{uuid.uuid4().hex[:8]}.x") == (False, False, None)
     assert remembered(pool) == before
     assert ask_everything("3g.40gb") == (True, True, 0)
+
+
+# -- what held -----------------------------------------------------------------------------------
+
+
+def test_a_replayed_key_cannot_switch_the_binding_or_widen_the_request(world: World) -> None:
+    """The same idempotency key with another binding, more host resources, an earliest start or a
+    gang is CONFLICT naming the stored reservation, which stays as it was."""
+    r = world.create(key="kept", count=1)
+    assert r.state == "placed"
+    for kw in ({"binding": "kubernetes"}, {"resources": pb.HostResources(vcpu=64)}, {"start_earliest": True},
+               {"gang": pb.Gang(size=2)}, {"count": 8}, {"spot": True}):
+        code, reason, details = outcome(world.create, key="kept", **{"count": 1, **kw})
+        assert (code, reason) == (grpc.StatusCode.ABORTED, "CONFLICT") and details["reservationId"] == r.id, kw
+    again = world.create(key="kept", count=1)
+    assert (again.id, again.request.binding or "hold", len(again.allocations)) == (r.id, "hold", 1)
+    assert again.request.resources.vcpu == 0 and world.sql(
+        "SELECT count(*) FROM reservations WHERE tenant_id = %s AND state <> 'draft'", (world.tenant,)) == [(1,)]
+
+
+def test_an_earliest_gang_start_is_what_a_create_at_that_start_gets(world: World) -> None:
+    """A gang's earliest start, asked for explicitly, places at exactly that window."""
+    first = world.create(count=8, duration="1h")
+    second = world.create(count=4, duration="3h")
+    assert {first.state, second.state} == {"placed"}
+    out = preview(world, count=6, duration="2h", gang=pb.Gang(size=2), start_earliest=True)
+    assert out.fits and out.start > clock_now(world) and len(out.members) == 2
+    r = world.create(count=6, duration="2h", gang=pb.Gang(size=2), start=out.start)
+    assert r.state == "placed" and (r.during.start, r.during.end) == (out.start, out.end)
