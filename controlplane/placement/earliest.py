@@ -49,10 +49,11 @@ def could_fit(node: Node, window: Window) -> bool:
     cached = _IDLE_FITS.get(key)
     if cached is not None and cached[0] is node:
         return cached[1]
-    usable = node.usable(window.model, window.device_class, window.profile)
-    free = tuple(planner.FreeAtom(a.id, a.numa_node, a.nvlink_domain) for a in sorted(usable, key=lambda a: a.id))
-    fits = len(usable) >= window.count and planner.plan_node(
-        planner.Candidate(node.id, node.name, free), window.count, window.topology) is not None
+    usable = node.usable_sorted(window.model, window.device_class, window.profile)
+    if len(usable) < window.count:  # not remembered: a model or profile made up would fill the cache
+        return False
+    free = tuple(view for _, view in usable)
+    fits = planner.plan_node(planner.Candidate(node.id, node.name, free), window.count, window.topology) is not None
     if len(_IDLE_FITS) >= _IDLE_FITS_MAX:
         _IDLE_FITS.clear()
     _IDLE_FITS[key] = (node, fits)

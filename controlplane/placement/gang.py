@@ -146,6 +146,8 @@ def _idle_plan(pool: PoolIndex, node: Node, window: Window) -> planner.Plan | No
     cached = _IDLE_PLANS.get(key)
     if cached is not None and cached[0] is node:
         return cached[1]
+    if len(node.usable_sorted(window.model, window.device_class, window.profile)) < window.count:
+        return None  # not remembered: a model or profile made up would fill the cache
     chosen = planner.plan_node(pool.candidate(node, window), window.count, window.topology)
     if len(_IDLE_PLANS) >= _IDLE_PLANS_MAX:
         _IDLE_PLANS.clear()
