@@ -134,8 +134,9 @@ class Settings:
     # How far ahead an earliest-fit start is searched: the default horizon and the most one may ask.
     earliest_horizon_days: int = field(default_factory=lambda: env_int("BC_EARLIEST_HORIZON_DAYS", 14))
     max_earliest_horizon_days: int = field(default_factory=lambda: env_int("BC_MAX_EARLIEST_HORIZON_DAYS", 60))
-    # Node checks one earliest-fit search makes at most (a node planned at a start); past it the
-    # search answers no start, so no request keeps the event loop busy for long.
+    # Node checks one request's earliest-fit search makes at most (a node planned at a start; the
+    # index, the rows and the pool without spot work share them); past it the search answers no
+    # start, so no request keeps the event loop busy for long.
     earliest_max_checks: int = field(default_factory=lambda: env_int("BC_EARLIEST_MAX_CHECKS", 20000))
     # How long a preview (or a create with start "earliest") waits for the capacity index to hold
     # every change committed before it; past that it plans on the index as it is.

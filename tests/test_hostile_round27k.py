@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Iterator
 
 import grpc
+import pytest
 
 from bettercompute.v1 import reservations_pb2 as pb
 from controlplane.placement import earliest as earliest_search
 from controlplane.placement import gang as gang_placement
 from controlplane.placement.index import Atom, Node, PoolIndex, Window
-from tests.support import ServerThread, World, clock_now, outcome
+from tests.conftest import module_stack
+from tests.support import ServerThread, World, clock_now, make_world, outcome
 from tests.test_capacity_preview import preview
 
 HOUR = 3_600_000
@@ -100,6 +103,52 @@ def test_plans_naming_mig_profiles_nobody_has_leave_no_memory_behind() -> None:
         assert ask_everything(f"{uuid.uuid4().hex[:8]}.x") == (False, False, None)
     assert remembered(pool) == before
     assert ask_everything("3g.40gb") == (True, True, 0)
+
+
+CHECKS = 12  # the earliest-fit budget of the control plane below
+
+
+@pytest.fixture
+def budgeted(pg_uri: str) -> Iterator[tuple[ServerThread, World]]:
+    stack = module_stack(pg_uri, earliest_max_checks=CHECKS)
+    server, root = next(stack)
+    w = make_world(server.endpoint, root, server.conninfo, nodes=0)
+    yield server, w
+    w.close()
+    next(stack, None)
+
+
+def test_one_request_spends_one_budget_of_checks_across_its_searches(
+    budgeted: tuple[ServerThread, World], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preview (or a create) with start "earliest" searched the index, then the pool read from
+    rows, then (for a regular request) the pool without spot work, each with a budget of
+    `earliest_max_checks` of its own: one request made up to three budgets of node checks, where the
+    setting promises "no request keeps the event loop busy for long". Two nodes whose 1-GPU bookings
+    keep one of them busy at any time: a gang of both fits only after the last, past the horizon,
+    and each search spends fewer checks than the budget without finding it."""
+    server, world = budgeted
+    names = []
+    for _ in range(2):
+        names.append(world.add_node(labels={"host": f"h{uuid.uuid4().hex[:6]}"}).labels["host"])
+    t0 = world.later(0.5)
+    for k in range(2):
+        for i, host in enumerate(names):
+            r = world.create(count=1, node_selector={"host": host}, start=t0 + (k * 2 + i) * HOUR, duration="1h")
+            assert r.state == "placed", r
+    server.call(server.app.runtime.capacity.barrier())
+    checks: list[int] = []
+    real = earliest_search.fits_on
+
+    def counted(*args, **kw):  # a check refused for want of budget (BudgetSpent) is not counted
+        fits = real(*args, **kw)
+        checks.append(1)
+        return fits
+
+    monkeypatch.setattr(earliest_search, "fits_on", counted)
+    out = preview(world, count=8, gang=pb.Gang(size=2), start_earliest=True, horizon_ms=3 * HOUR)
+    assert not out.fits and "nothing fits within the horizon" in out.reason, out
+    assert 0 < len(checks) <= CHECKS, len(checks)
 
 
 # -- what held -----------------------------------------------------------------------------------

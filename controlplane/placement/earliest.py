@@ -88,7 +88,9 @@ class BudgetSpent(Exception):
     """The search made as many node checks as it may (Settings.earliest_max_checks)."""
 
 
-class _Budget:
+class Budget:
+    """Node checks left (None: no cap); one request's searches may share one."""
+
     def __init__(self, checks: int | None) -> None:
         self.left = checks
 
@@ -99,7 +101,7 @@ class _Budget:
             self.left -= 1
 
 
-def fits_on(pool: PoolIndex, node: Node, window: Window, budget: _Budget | None = None) -> bool:
+def fits_on(pool: PoolIndex, node: Node, window: Window, budget: Budget | None = None) -> bool:
     """The request fits on the node for exactly this window."""
     if budget is not None:
         budget.spend()
@@ -128,11 +130,12 @@ def _ends(node: Node, window: Window, after: int, until: int) -> Iterator[int]:
 
 def search(
     pool: PoolIndex, window: Window, *, now: int, until: int, gang: Gang | None = None,
-    exclude: frozenset[str] = frozenset(), max_checks: int | None = None,
+    exclude: frozenset[str] = frozenset(), max_checks: int | None = None, budget: Budget | None = None,
 ) -> int | None:
     """The earliest start in [now, until] at which the request fits for the window's length, or
-    None when none does. Past `max_checks` node checks (None: no cap) it gives up: BudgetSpent."""
-    budget = _Budget(max_checks)
+    None when none does. Past `max_checks` node checks (None: no cap), or past what `budget` has
+    left, it gives up: BudgetSpent."""
+    budget = budget if budget is not None else Budget(max_checks)
     eligible = [n for n in pool.nodes.values() if n.id not in exclude and could_fit(n, window)]
     if gang is not None:
         return _search_gang(pool, window, eligible, now, until, gang, budget)
@@ -177,7 +180,7 @@ def _next_start(node: Node, window: Window, failed: int, until: int) -> int | No
 
 
 def _search_gang(
-    pool: PoolIndex, window: Window, eligible: list[Node], now: int, until: int, gang: Gang, budget: _Budget
+    pool: PoolIndex, window: Window, eligible: list[Node], now: int, until: int, gang: Gang, budget: Budget
 ) -> int | None:
     """The earliest start at which `size` nodes of one group fit together. The gang's earliest start
     is a start at which one member begins to fit, so each node walks its own starts worth trying

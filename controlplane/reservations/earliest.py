@@ -36,32 +36,33 @@ async def caught_up(rt: Runtime) -> None:
 
 async def find(conn: AsyncConnection, rt: Runtime, pool_id: str, request: dict[str, Any], now_ms: int) -> int | None:
     """The earliest start of the request (its `horizonMs` from now), or None when none fits, or
-    when the search spent its budget of node checks (Settings.earliest_max_checks). A regular
-    request may take spot bookings from the end of the pool's notice, as its create would
-    (`past_spot`)."""
+    when its searches (the index, the rows, the pool without spot work) spent their one budget of
+    node checks (Settings.earliest_max_checks). A regular request may take spot bookings from the
+    end of the pool's notice, as its create would (`past_spot`)."""
     window = placing.ask_for({"pool_id": pool_id, "request": {**request, "start": None}}, now_ms).window()
     members = gang.Gang.of(request)
     until = now_ms + request["horizonMs"]
-    cap = rt.settings.earliest_max_checks
+    budget = search_on.Budget(rt.settings.earliest_max_checks)
     try:
         pool = rt.capacity.pool(pool_id) if rt.capacity is not None else None
         found = None
         if pool is not None:
-            found = search_on.search(pool, window, now=now_ms, until=until, gang=members, max_checks=cap)
+            found = search_on.search(pool, window, now=now_ms, until=until, gang=members, budget=budget)
         if found is None:
             pool = await read_pool(conn, pool_id)
-            found = search_on.search(pool, window, now=now_ms, until=until, gang=members, max_checks=cap)
+            found = search_on.search(pool, window, now=now_ms, until=until, gang=members, budget=budget)
         if preemption.is_spot(request) or (found is not None and found <= now_ms):
             return found
-        return await past_spot(conn, rt, pool, window, members, now_ms, min(found or until, until), found)
+        return await past_spot(conn, pool, window, members, now_ms, min(found or until, until), found, budget)
     except search_on.BudgetSpent:
-        log.warning("earliest-fit search stopped at its budget of node checks", pool_id=pool_id, checks=cap)
+        log.warning("earliest-fit search stopped at its budget of node checks", pool_id=pool_id,
+                    checks=rt.settings.earliest_max_checks)
         return None
 
 
 async def past_spot(
-    conn: AsyncConnection, rt: Runtime, pool: PoolIndex, window: Window, members: gang.Gang | None, now_ms: int,
-    until: int, found: int | None,
+    conn: AsyncConnection, pool: PoolIndex, window: Window, members: gang.Gang | None, now_ms: int,
+    until: int, found: int | None, budget: search_on.Budget,
 ) -> int | None:
     """A regular request that fits only at `found` (or nowhere) may start earlier by taking spot
     bookings: never before the end of the pool's notice (the cut: a create that preempts is placed
@@ -76,7 +77,7 @@ async def past_spot(
         return found
     try:
         earlier = search_on.search(preempt.without_spot(pool, held), window, now=cut, until=until, gang=members,
-                                   max_checks=rt.settings.earliest_max_checks)
+                                   budget=budget)
     except search_on.BudgetSpent:
         return found
     return earlier if earlier is not None else found
