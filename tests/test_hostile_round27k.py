@@ -13,6 +13,8 @@ PostgreSQL; the last test works on a capacity index built in memory).
   memory without bound. Now a node answers "nothing" for a model or profile none of its atoms has
   and keeps nothing for it (`Node.lacks`), the pool keeps room only for a shape some node has, and
   the earliest-fit and gang "idle" caches keep nothing for a node with too few atoms of the shape.
+- **One request made up to three budgets of earliest-fit checks** (the index, the pool's rows, the
+  pool without spot work, each with `earliest_max_checks`); they now share one.
 
 What held is kept by the last tests of the file (see docs/decisions.md, review 27k).
 """
