@@ -32,23 +32,26 @@ def node_of(world: World, rid: str) -> str:
     return world.sql("SELECT node_id FROM allocations WHERE reservation_id = %s", (rid,))[0][0]
 
 
-def full_and_free(world: World, server: ServerThread) -> tuple[str, str]:
-    """Fill one of the world's two nodes for the next hours: (the full node, the free one), once
-    the capacity index has heard of it. The index learns of a placement by its notification: a
-    create planned before that could pick the full node, and wait for the node's lock the test
-    holds for as long as the test waits for its answer."""
-    full = node_of(world, world.create(count=8, duration="4h").id)
+def full_and_free(world: World, server: ServerThread) -> tuple[str, str, int]:
+    """Fill one of the world's two nodes for four hours from tomorrow: (the full node, the free
+    one, the start), once the capacity index has heard of it. The index learns of a placement by
+    its notification: a create planned before that could pick the full node, and wait for the
+    node's lock the test holds for as long as the test waits for its answer. Tomorrow, not now: a
+    reservation starting now is bound by the worker at once, which takes the pool's lock
+    exclusively, and a shared request queues behind that waiter (make test failed on it)."""
+    start = world.later()
+    full = node_of(world, world.create(count=8, duration="4h", start=start).id)
     free = next(n.id for n in world.nodes if n.id != full)
     server.call(server.app.runtime.capacity.barrier())
-    return full, free
+    return full, free, start
 
 
 def test_a_placement_on_another_node_does_not_wait_for_one_in_flight(world: World, server: ServerThread) -> None:
     """With a placement in flight on the full node, a create (which can only go to the free node)
     is placed while it still holds its locks: it took the pool lock shared, not exclusively."""
-    full, free = full_and_free(world, server)
+    full, free, start = full_and_free(world, server)
     with ThreadPoolExecutor(1) as pool, placing_on(world, full):
-        answer = pool.submit(world.create, count=2)
+        answer = pool.submit(world.create, count=2, start=start)
         placed = answer.result(timeout=30)  # before the block ends: nothing waited for it
     assert placed.state == "placed"
     assert node_of(world, placed.id) == free
@@ -58,10 +61,10 @@ def test_a_placement_on_the_same_node_waits_for_the_one_in_flight(world: World, 
     """A create whose only fit is the node another placement holds waits for that one's commit,
     then is placed there: two placements on one node never decide beside each other (its host
     bookings' sum is checked against what is committed)."""
-    full, free = full_and_free(world, server)
+    full, free, start = full_and_free(world, server)
     with ThreadPoolExecutor(1) as pool:
         with placing_on(world, free):
-            answer = pool.submit(world.create, count=2)
+            answer = pool.submit(world.create, count=2, start=start)
             lock_waited(world, "advisory")
             assert not answer.done()
         placed = answer.result(timeout=30)
