@@ -108,9 +108,14 @@ def test_wait_on_a_queued_create_returns_it_placed(world: World, monkeypatch: py
     assert (r.state, r.operation.state) == ("placed", "succeeded")
     assert events_of(world, r.id) == ["reservation.queued", "reservation.placed"]
     [line] = [e for e in logs if e["event"] == "operation wait" and e["reservation_id"] == r.id]
-    assert line["handed"], "this process's batch handed the wait its reservation"
-    # No read before the first pause (it was just queued), none after the hand-off that ended the last.
-    assert line["reads"] == len(line["pauses_ms"]) - 1
+    # Handed by this process's batch, with no read before the first pause (it was just queued) and
+    # none after the hand-off that ended the last; or, when the batch committed before the wait
+    # began watching (make test under load: the queueing commit comes first), woken by the batch's
+    # notification (or, had that come first too, at the lengthened pause's end) and read once.
+    if line["handed"]:
+        assert line["reads"] == len(line["pauses_ms"]) - 1
+    else:
+        assert line["reads"] == 1, line
 
 
 def test_wait_returns_it_placed_once_a_holder_takes_the_lapsed_lease(world: World) -> None:
