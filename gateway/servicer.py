@@ -36,8 +36,13 @@ def _paced(throttle: Throttle, node_id: str | None, most: float, refusal: str) -
         return 0.0
     wait = throttle.wait(node_id, most=most)
     if wait < 0:
-        raise errors.QuotaExceeded(refusal, reason="rate-limited", retryAfterSeconds=max(1, math.ceil(-wait)))
+        raise _rate_limited(refusal, -wait)
     return wait
+
+
+def _rate_limited(refusal: str, seconds: float) -> errors.QuotaExceeded:
+    """QUOTA_EXCEEDED, reason `rate-limited`, retryAfterSeconds: the caller's turn is `seconds` away."""
+    return errors.QuotaExceeded(refusal, reason="rate-limited", retryAfterSeconds=max(1, math.ceil(seconds)))
 
 
 class NodeGatewayServicer(rpc.NodeGatewayServicer):
@@ -71,8 +76,7 @@ class NodeGatewayServicer(rpc.NodeGatewayServicer):
         # CSR is parsed or its token read (gateway.throttle): guessing join tokens is paced.
         address = tls.peer_address(context)
         if (due := self.enrolments.due(address)) > 0:
-            raise errors.QuotaExceeded("enrolments from this address were refused too often",
-                                       reason="rate-limited", retryAfterSeconds=max(1, math.ceil(due)))
+            raise _rate_limited("enrolments from this address were refused too often", due)
         try:
             issued = await enrolment.enrol(self.pool, self.ca, self.settings, request.join_token, request.csr_pem)
         except errors.DomainError:

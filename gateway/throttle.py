@@ -49,8 +49,7 @@ class TokenBucket:
         longer than that takes nothing and is returned negated (refused)."""
         if self.rate <= 0:  # off
             return 0.0
-        self._refill()
-        wait = 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+        wait = self.due()
         if most is not None and wait > most:
             return -wait
         self.tokens -= 1

@@ -49,11 +49,9 @@ def could_fit(node: Node, window: Window) -> bool:
     cached = _IDLE_FITS.get(key)
     if cached is not None and cached[0] is node:
         return cached[1]
-    usable = node.usable_sorted(window.model, window.device_class, window.profile)
-    if len(usable) < window.count:  # not remembered: a model or profile made up would fill the cache
-        return False
-    free = tuple(view for _, view in usable)
-    fits = planner.plan_node(planner.Candidate(node.id, node.name, free), window.count, window.topology) is not None
+    if len(node.usable_sorted(window.model, window.device_class, window.profile)) < window.count:
+        return False  # not remembered: a model or profile made up would fill the cache
+    fits = planner.plan_node(node.all_free(window), window.count, window.topology) is not None
     if len(_IDLE_FITS) >= _IDLE_FITS_MAX:
         _IDLE_FITS.clear()
     _IDLE_FITS[key] = (node, fits)
@@ -130,12 +128,12 @@ def _ends(node: Node, window: Window, after: int, until: int) -> Iterator[int]:
 
 def search(
     pool: PoolIndex, window: Window, *, now: int, until: int, gang: Gang | None = None,
-    exclude: frozenset[str] = frozenset(), max_checks: int | None = None, budget: Budget | None = None,
+    exclude: frozenset[str] = frozenset(), budget: Budget | None = None,
 ) -> int | None:
     """The earliest start in [now, until] at which the request fits for the window's length, or
-    None when none does. Past `max_checks` node checks (None: no cap), or past what `budget` has
-    left, it gives up: BudgetSpent."""
-    budget = budget if budget is not None else Budget(max_checks)
+    None when none does. Past what `budget` has left (None: no cap; one request's searches share
+    one) it gives up: BudgetSpent."""
+    budget = budget if budget is not None else Budget(None)
     eligible = [n for n in pool.nodes.values() if n.id not in exclude and could_fit(n, window)]
     if gang is not None:
         return _search_gang(pool, window, eligible, now, until, gang, budget)
